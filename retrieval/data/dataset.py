@@ -1,0 +1,138 @@
+"""Load the configured data source and split it: the input of every later stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import pandas as pd
+
+from retrieval.config import DataConfig, SplitConfig, TableConfig
+from retrieval.data.loaders import apply_duplicates, read_clicks, read_feature_table
+from retrieval.data.movielens import load_movielens_100k, locate_movielens_100k
+from retrieval.data.schema import ITEM, USER, DataError
+from retrieval.data.splits import split_clicks
+from retrieval.data.synthetic import generate_clicks
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A split click log and its catalogues.
+
+    Attributes:
+        train: Canonical training clicks.
+        test: Canonical test clicks.
+        items: The catalogue, one row per item: ``item_id`` then feature
+            columns. It holds every item of the item feature table and of the
+            log (train and test), so items without training clicks are there
+            too; features are NaN where unknown.
+        users: One row per user, ``user_id`` then feature columns, likewise
+            the union of the user feature table and the log. ``load_dataset``
+            always fills it (with ``user_id`` alone when there are no user
+            features).
+        source: Where the data came from, for logs and reports.
+    """
+
+    train: pd.DataFrame
+    test: pd.DataFrame
+    items: pd.DataFrame
+    users: Optional[pd.DataFrame]
+    source: str
+
+    def summary(self) -> dict[str, Any]:
+        """Counts for logs and run reports (plain ints and strings)."""
+        train_users, test_users = set(self.train[USER]), set(self.test[USER])
+        train_items, test_items = set(self.train[ITEM]), set(self.test[ITEM])
+        return {
+            "source": self.source,
+            "train_clicks": len(self.train),
+            "test_clicks": len(self.test),
+            "train_users": len(train_users),
+            "train_items": len(train_items),
+            "test_users": len(test_users),
+            "test_items": len(test_items),
+            "test_users_unseen_in_train": len(test_users - train_users),
+            "test_items_unseen_in_train": len(test_items - train_items),
+            "test_clicks_on_unseen_items": int((~self.test[ITEM].isin(train_items)).sum()),
+            "catalogue_items": len(self.items),
+            "catalogue_items_without_train_clicks": int((~self.items[ITEM].isin(train_items)).sum()),
+            "catalogue_users": None if self.users is None else len(self.users),
+        }
+
+
+def load_dataset(data: DataConfig, split: SplitConfig) -> Dataset:
+    """Read ``data.source``, apply ``data.duplicates`` and split.
+
+    - ``synthetic``: ``generate_clicks(data.synthetic)`` with its item and user
+      features; file settings are ignored.
+    - ``movielens-100k``: the folder from ``locate_movielens_100k(data.movielens_dir)``.
+    - ``files``: ``data.clicks`` read with ``data.columns``, plus the optional
+      ``data.test_clicks`` (for ``split.kind: none``), ``data.item_features``
+      and ``data.user_features`` keyed by ``data.item_id_column`` and
+      ``data.user_id_column``.
+
+    The duplicates policy applies to each log before splitting, so a re-click
+    in the test period of an item clicked in training is kept.
+
+    Args:
+        data: The data section of the config.
+        split: The split section of the config.
+
+    Returns:
+        The split dataset with full item and user catalogues.
+
+    Raises:
+        DataError: Unreadable or inconsistent input (see ``read_clicks`` and
+            ``split_clicks``).
+        FileNotFoundError: MovieLens 100K was asked for but not found.
+    """
+    test_log = item_features = user_features = None
+    if data.source == "synthetic":
+        clicks, item_features, user_features = generate_clicks(data.synthetic)
+        source = f"synthetic(seed={data.synthetic.seed})"
+    elif data.source == "movielens-100k":
+        folder = locate_movielens_100k(data.movielens_dir)
+        clicks, item_features, user_features = load_movielens_100k(folder)
+        source = f"movielens-100k:{folder}"
+    elif data.source == "files":
+        clicks = read_clicks(data.clicks, data.columns)
+        if data.test_clicks is not None:
+            test_log = apply_duplicates(read_clicks(data.test_clicks, data.columns), data.duplicates)
+        if data.item_features is not None:
+            item_features = _features(data.item_features, data.item_id_column, ITEM)
+        if data.user_features is not None:
+            user_features = _features(data.user_features, data.user_id_column, USER)
+        source = f"files:{data.clicks.path}"
+    else:
+        raise ValueError(f"unknown data.source {data.source!r}; valid: synthetic, movielens-100k, files")
+    clicks = apply_duplicates(clicks, data.duplicates)
+    train, test = split_clicks(clicks, split, test_log)
+    return Dataset(
+        train=train,
+        test=test,
+        items=_catalogue(ITEM, item_features, train, test),
+        users=_catalogue(USER, user_features, train, test),
+        source=source,
+    )
+
+
+def _features(table: TableConfig, id_column: str, key: str) -> pd.DataFrame:
+    """Read a feature table and rename its id column to the canonical ``key``."""
+    features = read_feature_table(table, id_column)
+    if id_column != key and key in features.columns:
+        raise DataError(
+            f"the id column is {id_column!r} but the table also has a column {key!r}, the "
+            "canonical id name; rename one of them",
+            file=table.path,
+        )
+    return features.rename(columns={id_column: key})
+
+
+def _catalogue(key: str, features: Optional[pd.DataFrame], *logs: pd.DataFrame) -> pd.DataFrame:
+    """Feature rows in table order, then ids only seen in the logs, first seen first."""
+    known = pd.Series([], dtype="str") if features is None else features[key]
+    ids = pd.concat([known, *(log[key] for log in logs)], ignore_index=True).drop_duplicates()
+    catalogue = pd.DataFrame({key: ids.to_numpy()})
+    if features is None:
+        return catalogue
+    return catalogue.merge(features, on=key, how="left", validate="one_to_one")

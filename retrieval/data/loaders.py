@@ -1,0 +1,403 @@
+"""Read click logs and feature tables into canonical frames.
+
+Text files (CSV, TSV, MovieLens) are decoded by us and parsed by pandas with
+every cell as a string (``dtype=str, keep_default_na=False,
+skip_blank_lines=False``): nothing is guessed, and data row ``i`` stays on line
+``i + 1`` (``i + 2`` with a header), so every error can name its line. Lines
+that are entirely blank are skipped. A quoted field that spans several lines
+shifts the line numbers after it; click logs do not have such fields.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import pandas as pd
+
+from retrieval.config import ColumnsConfig, TableConfig
+from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
+
+Duplicates = Literal["keep", "first"]
+
+_FORMAT_BY_EXTENSION = {
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".txt": "tsv",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".dat": "movielens-1m",
+    ".data": "movielens-100k",
+}
+_DEFAULT_SEPARATOR = {"csv": ",", "tsv": "\t", "movielens-100k": "\t", "movielens-1m": "::"}
+_MOVIELENS_FIELDS = ["user_id", "item_id", "rating", "timestamp"]
+# MovieLens files name their own columns; the rating is the click weight.
+_MOVIELENS_COLUMNS = ColumnsConfig(
+    user="user_id", item="item_id", timestamp="timestamp", weight="rating"
+)
+_EPOCH = pd.Timestamp(0, tz="UTC")
+_DECIMAL = r"[+-]?\d+(?:\.\d*)?"
+_NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
+
+
+def read_clicks(
+    table: TableConfig, columns: ColumnsConfig, *, duplicates: Duplicates = "keep"
+) -> pd.DataFrame:
+    """Read a click log into the canonical frame.
+
+    Args:
+        table: The file and how to parse it. ``format="auto"`` picks the format
+            from the extension: ``.csv``; ``.tsv``/``.txt`` (tab); ``.parquet``;
+            ``.dat`` (MovieLens 1M ``user::item::rating::timestamp``); ``.data``
+            (MovieLens 100K ``u.data``). MovieLens formats have no header and
+            name their own columns, so ``columns`` is ignored for them and the
+            rating becomes the weight. Without a header, columns are named by
+            position: ``"0"``, ``"1"``, ...
+        columns: Names of the user, item, timestamp and weight columns in the file.
+        duplicates: Repeated (user, item) clicks. ``"keep"`` keeps every click
+            (each is a training example, so re-consumed items weigh more);
+            ``"first"`` keeps only the earliest click of each pair (by
+            timestamp, ties and logs without time broken by file order).
+
+    Returns:
+        Columns ``user_id`` (str), ``item_id`` (str), ``timestamp`` (int64
+        seconds since the epoch, UTC; only when ``columns.timestamp`` is set)
+        and ``weight`` (float32; 1.0 without a weight column), in file order
+        with a fresh index. Ids are stripped of surrounding spaces.
+        Timestamps may be integer (or decimal, floored) seconds since the
+        epoch or ISO-8601 strings; ISO times without an offset are UTC.
+
+    Raises:
+        DataError: The file is missing, undecodable, empty, lacks a column or
+            holds a bad value; the message names file, line (or parquet row)
+            and column.
+    """
+    fmt = resolve_format(table)
+    raw = _read_raw(table, fmt)
+    if fmt.startswith("movielens"):
+        columns = _MOVIELENS_COLUMNS
+    wanted = [c for c in (columns.user, columns.item, columns.timestamp, columns.weight) if c]
+    _require_columns(raw, wanted, header=table.header and not fmt.startswith("movielens"))
+    clicks = pd.DataFrame({USER: _ids(raw, columns.user, "user"), ITEM: _ids(raw, columns.item, "item")})
+    if columns.timestamp is not None:
+        clicks[TIME] = _timestamps(raw, columns.timestamp)
+    if columns.weight is not None:
+        clicks[WEIGHT] = _weights(raw, columns.weight)
+    else:
+        clicks[WEIGHT] = np.ones(len(clicks), dtype=np.float32)
+    return apply_duplicates(clicks, duplicates)
+
+
+def read_feature_table(table: TableConfig, id_column: str) -> pd.DataFrame:
+    """Read an item or user feature table: one row per id.
+
+    Text columns are typed after reading: a column whose non-empty cells are
+    all numbers becomes int64 (no empty cells, integers only) or float64
+    (empty cells become NaN); other columns stay strings with empty cells as
+    NaN. Number-like codes with a leading zero (zip codes such as ``"01002"``)
+    keep the column a string so the zero is not lost. Parquet columns keep
+    their stored types.
+
+    Args:
+        table: The file and how to parse it (csv, tsv or parquet).
+        id_column: Name of the id column in the file.
+
+    Returns:
+        The table with ``id_column`` first, as stripped strings, then the other
+        columns in file order.
+
+    Raises:
+        DataError: As ``read_clicks``, and for an empty or repeated id.
+    """
+    fmt = resolve_format(table)
+    if fmt.startswith("movielens"):
+        raise DataError(
+            f"format {fmt!r} is a click-log format; feature tables are csv, tsv or parquet",
+            file=table.path,
+        )
+    raw = _read_raw(table, fmt)
+    _require_columns(raw, [id_column], header=table.header)
+    ids = _ids(raw, id_column, "id")
+    repeated = ids.duplicated(keep="first").to_numpy()
+    if repeated.any():
+        position = int(np.argmax(repeated))
+        first = int(np.argmax((ids == ids.iloc[position]).to_numpy()))
+        where = "line" if raw.is_text else "row"
+        raise raw.error(
+            f"repeated id {ids.iloc[position]!r} (first on {where} {raw.numbers[first]}); "
+            "a feature table needs one row per id",
+            position,
+            id_column,
+        )
+    rest = raw.frame.drop(columns=[id_column])
+    if raw.is_text:
+        rest = rest.apply(_infer_type)
+    return pd.concat([ids.rename(id_column), rest], axis=1)
+
+
+def apply_duplicates(clicks: pd.DataFrame, policy: Duplicates) -> pd.DataFrame:
+    """Apply a duplicates policy to a canonical click frame.
+
+    Args:
+        clicks: Canonical clicks.
+        policy: ``"keep"`` returns ``clicks`` unchanged; ``"first"`` keeps the
+            earliest click of each (user, item) pair, by timestamp when there is
+            one, ties broken by row order. Kept rows stay in their original order.
+
+    Returns:
+        The clicks, index reset.
+    """
+    if policy == "keep":
+        return clicks.reset_index(drop=True)
+    if policy != "first":
+        raise ValueError(f"duplicates must be 'keep' or 'first', got {policy!r}")
+    order = np.arange(len(clicks))
+    if TIME in clicks:
+        # lexsort's last key is the primary one; row order breaks ties.
+        order = np.lexsort((order, clicks[TIME].to_numpy()))
+    first = ~clicks.iloc[order].duplicated([USER, ITEM], keep="first").to_numpy()
+    return clicks.iloc[np.sort(order[first])].reset_index(drop=True)
+
+
+def resolve_format(table: TableConfig) -> str:
+    """The table's format, from its extension when ``format`` is ``"auto"``."""
+    if table.format != "auto":
+        return table.format
+    suffix = Path(table.path).suffix.lower()
+    if suffix not in _FORMAT_BY_EXTENSION:
+        raise DataError(
+            f"cannot tell the format from the extension {suffix!r}; set format to one of "
+            "csv, tsv, parquet, movielens-100k, movielens-1m",
+            file=table.path,
+        )
+    return _FORMAT_BY_EXTENSION[suffix]
+
+
+@dataclass(frozen=True)
+class _Raw:
+    """A table as read, before any column is interpreted."""
+
+    frame: pd.DataFrame  # the file's columns; text files: unstripped strings
+    file: str
+    numbers: np.ndarray  # per frame row: its 1-based line (text) or row (parquet)
+    is_text: bool
+
+    def error(self, message: str, position: Optional[int] = None, column: Optional[str] = None) -> DataError:
+        number = None if position is None else int(self.numbers[position])
+        return DataError(
+            message,
+            file=self.file,
+            line=number if self.is_text else None,
+            row=None if self.is_text else number,
+            column=column,
+        )
+
+
+def _read_raw(table: TableConfig, fmt: str) -> _Raw:
+    path = Path(table.path)
+    if not path.is_file():
+        where = "is a directory, not a file" if path.is_dir() else "file not found"
+        raise DataError(f"{where} (resolved to {path.resolve()})", file=table.path)
+    if fmt == "parquet":
+        return _read_parquet(table.path)
+    text = _decode(path.read_bytes(), table.encoding, table.path)
+    movielens = fmt.startswith("movielens")
+    header = table.header and not movielens
+    separator = table.separator or _DEFAULT_SEPARATOR[fmt]
+    options = {"engine": "c"}
+    if len(separator) > 1:
+        # pandas reads a multi-character separator as a regex; we mean it literally.
+        options = {"engine": "python", "sep": re.escape(separator)}
+    else:
+        options["sep"] = separator
+    # pandas takes the column count from the first line it reads, so leading
+    # blank lines are skipped (and counted into the line numbers).
+    skipped = re.match(r"(?:[ \t]*\r?\n)*", text).group().count("\n")
+    try:
+        frame = pd.read_csv(
+            io.StringIO(text),
+            header=0 if header else None,
+            skiprows=skipped,
+            dtype=str,
+            keep_default_na=False,
+            skip_blank_lines=False,
+            # Without this, rows with one field more than the header (a trailing
+            # separator) silently turn the first column into the index.
+            index_col=False,
+            **options,
+        )
+    except pd.errors.EmptyDataError:
+        raise DataError("the file is empty: no data rows", file=table.path) from None
+    except pd.errors.ParserError as error:
+        # pandas counts physical lines as we do; lift the number into the location.
+        found = re.search(r"Expected (\d+) fields in line (\d+), saw (\d+)", str(error))
+        if found is None:
+            raise DataError(f"cannot parse with separator {separator!r}: {error}", file=table.path) from None
+        expected, line, saw = map(int, found.groups())
+        raise DataError(
+            f"expected {expected} fields separated by {separator!r}, found {saw}", file=table.path, line=line
+        ) from None
+    frame.columns = [str(c) for c in frame.columns]
+    frame = frame.fillna("")  # the python engine gives NaN for fields missing at line end
+    numbers = np.arange(len(frame)) + (2 if header else 1) + skipped
+    blank = frame.apply(lambda column: column.str.strip() == "").all(axis=1).to_numpy()
+    frame, numbers = frame[~blank].reset_index(drop=True), numbers[~blank]
+    if frame.empty:
+        raise DataError("no data rows", file=table.path)
+    if movielens:
+        if frame.shape[1] != len(_MOVIELENS_FIELDS):
+            raise DataError(
+                f"format {fmt!r} expects 4 fields per line (user, item, rating, timestamp "
+                f"separated by {separator!r}), found {frame.shape[1]}; check format and separator",
+                file=table.path,
+            )
+        frame.columns = _MOVIELENS_FIELDS
+    return _Raw(frame, table.path, numbers, is_text=True)
+
+
+def _decode(data: bytes, encoding: str, file: str) -> str:
+    try:
+        text = data.decode(encoding)
+    except LookupError:
+        message = f"unknown encoding {encoding!r}; set encoding to e.g. utf-8 or latin-1"
+        raise DataError(message, file=file) from None
+    except UnicodeDecodeError as error:
+        bad = data[error.start : error.start + 1]
+        raise DataError(
+            f"byte 0x{bad.hex()} is not valid {encoding}; the file uses another encoding: "
+            "set the table's encoding key (e.g. encoding: latin-1)",
+            file=file,
+            line=data.count(b"\n", 0, error.start) + 1,
+        ) from None
+    # A UTF-8 byte-order mark would otherwise become part of the first column's name.
+    return text.removeprefix("\ufeff")
+
+
+def _read_parquet(file: str) -> _Raw:
+    try:
+        frame = pd.read_parquet(file)
+    except Exception as error:  # pyarrow raises several unrelated types for bad files
+        raise DataError(f"not a readable parquet file: {error}", file=file) from None
+    if frame.empty:
+        raise DataError("no data rows", file=file)
+    frame = frame.reset_index(drop=True)
+    frame.columns = [str(c) for c in frame.columns]
+    return _Raw(frame, file, np.arange(1, len(frame) + 1), is_text=False)
+
+
+def _require_columns(raw: _Raw, wanted: list[str], header: bool) -> None:
+    found = list(raw.frame.columns)
+    missing = [c for c in wanted if c not in found]
+    if not missing:
+        return
+    hint = ""
+    if raw.is_text and not header:
+        hint = " (the file is read without a header, so columns are named by position: '0', '1', ...)"
+    plural = "s" if len(missing) > 1 else ""
+    raise DataError(
+        f"missing column{plural} {', '.join(map(repr, missing))}; columns found: {found}{hint}",
+        file=raw.file,
+    )
+
+
+def _first_bad(raw: _Raw, bad: np.ndarray, column: str, message: str, values: pd.Series) -> DataError:
+    position = int(np.argmax(bad))
+    count = int(bad.sum())
+    more = f" ({count} bad rows in all)" if count > 1 else ""
+    value = values.iloc[position]
+    if isinstance(value, np.generic):
+        value = value.item()  # show 'nan', not 'np.float64(nan)'
+    return raw.error(message.format(value=value) + more, position, column)
+
+
+def _text(values: pd.Series) -> pd.Series:
+    """Stripped strings, "" where missing (``astype(str)`` alone writes "nan" in pandas 2)."""
+    return values.astype(str).where(values.notna(), "").str.strip()
+
+
+def _ids(raw: _Raw, column: str, what: str) -> pd.Series:
+    values = raw.frame[column]
+    if pd.api.types.is_float_dtype(values):
+        # A parquet integer id column with nulls is stored as float: 7.0 must read "7".
+        present = values.dropna()
+        if (present == np.floor(present)).all():
+            values = values.astype("Int64")
+    ids = _text(values)
+    empty = (ids == "").to_numpy()
+    if empty.any():
+        raise _first_bad(raw, empty, column, f"empty {what} id", ids)
+    return ids
+
+
+def _timestamps(raw: _Raw, column: str) -> np.ndarray:
+    values = raw.frame[column]
+    if pd.api.types.is_datetime64_any_dtype(values):
+        if values.dt.tz is None:
+            values = values.dt.tz_localize("UTC")
+        seconds = ((values - _EPOCH) // pd.Timedelta(seconds=1)).to_numpy(dtype=np.float64, na_value=np.nan)
+    elif pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values):
+        seconds = np.floor(values.to_numpy(dtype=np.float64, na_value=np.nan))
+    else:
+        values = _text(values)
+        seconds = _parse_times(values)
+    bad = ~np.isfinite(seconds)
+    if bad.any():
+        raise _first_bad(
+            raw,
+            bad,
+            column,
+            "cannot read timestamp {value!r}: expected integer seconds since the epoch or an "
+            "ISO-8601 time such as 2026-01-31T12:00:00Z",
+            values,
+        )
+    return seconds.astype(np.int64)
+
+
+def _parse_times(text: pd.Series) -> np.ndarray:
+    """Seconds since the epoch (float, NaN where unreadable) for strings."""
+    seconds = np.full(len(text), np.nan)
+    # Digits are always epoch seconds, so "20260101" is not read as a date.
+    number = text.str.fullmatch(_DECIMAL).to_numpy()
+    seconds[number] = np.floor(pd.to_numeric(text[number]).to_numpy(dtype=np.float64))
+    other = ~number & (text != "").to_numpy()
+    if other.any():
+        parsed = pd.to_datetime(text[other], format="ISO8601", utc=True, errors="coerce")
+        seconds[other] = ((parsed - _EPOCH) // pd.Timedelta(seconds=1)).to_numpy(
+            dtype=np.float64, na_value=np.nan
+        )
+    return seconds
+
+
+def _weights(raw: _Raw, column: str) -> np.ndarray:
+    values = raw.frame[column]
+    if pd.api.types.is_numeric_dtype(values):
+        numbers = values.to_numpy(dtype=np.float64, na_value=np.nan)
+    else:
+        values = _text(values)
+        numbers = pd.to_numeric(values, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+    bad = ~np.isfinite(numbers)
+    if bad.any():
+        raise _first_bad(raw, bad, column, "weight {value!r} is not a finite number", values)
+    negative = numbers < 0
+    if negative.any():
+        raise _first_bad(raw, negative, column, "negative weight {value!r}; weights must be >= 0", values)
+    return numbers.astype(np.float32)
+
+
+def _infer_type(column: pd.Series) -> pd.Series:
+    text = column.str.strip()
+    present = (text != "").to_numpy()
+    if not present.any():
+        return pd.Series(np.nan, index=column.index, dtype=np.float64)
+    shown = text[present]
+    numeric = shown.str.fullmatch(_NUMBER).all() and not shown.str.match(r"[+-]?0\d").any()
+    if not numeric:
+        return text.where(present)
+    numbers = pd.to_numeric(text.where(present))
+    if present.all() and shown.str.fullmatch(r"[+-]?\d+").all():
+        return numbers.astype(np.int64)
+    return numbers.astype(np.float64)

@@ -1,0 +1,128 @@
+"""Split a canonical click log into training and test parts.
+
+Both parts keep the log's row order and get a fresh index. Which split fits
+which question:
+
+- ``temporal``: one global cut in time, as in production (train on the past,
+  serve the future); test users without earlier clicks are cold users.
+- ``leave_last_k``: each user's last ``k`` clicks; every test user has history.
+- ``random``: a seeded random share of clicks; leaks the future into training,
+  use it only for logs without time.
+- ``none``: the test log is given separately.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+from retrieval.config import SplitConfig
+from retrieval.data.schema import TIME, USER, DataError
+
+
+def split_clicks(
+    clicks: pd.DataFrame, cfg: SplitConfig, test_clicks: Optional[pd.DataFrame] = None
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Split ``clicks`` as ``cfg.kind`` says.
+
+    Args:
+        clicks: Canonical clicks.
+        cfg: The split: ``temporal`` puts clicks after the timestamp at
+            quantile ``1 - test_fraction`` in test (ties at the cut go to
+            train); ``leave_last_k`` puts each user's last ``k`` clicks by
+            timestamp in test (ties broken by row order), users with ``k`` or
+            fewer clicks staying entirely in train; ``random`` puts
+            ``round(test_fraction * len(clicks))`` rows drawn with ``seed``
+            in test; ``none`` returns ``clicks`` and ``test_clicks`` as they are.
+        test_clicks: The separately given test log; only with ``kind: none``.
+
+    Returns:
+        ``(train, test)``, neither empty.
+
+    Raises:
+        DataError: A needed timestamp or test log is missing, a test log is
+            given to another kind of split, or a part would be empty.
+    """
+    if cfg.kind == "none":
+        if test_clicks is None:
+            raise DataError("split.kind 'none' needs a separate test log: set data.test_clicks")
+        train, test = clicks.reset_index(drop=True), test_clicks.reset_index(drop=True)
+    elif test_clicks is not None:
+        raise DataError(
+            f"a separate test log was given but split.kind is {cfg.kind!r}: set split.kind: none "
+            "to use it, or remove data.test_clicks"
+        )
+    elif cfg.kind == "temporal":
+        _need_time(clicks, cfg.kind)
+        cut = temporal_cut(clicks, cfg.test_fraction)
+        train, test = _parts(clicks, clicks[TIME].to_numpy() > cut)
+        if test.empty:
+            raise DataError(
+                f"temporal split left the test part empty: no click is later than the cut at "
+                f"{cut} (quantile {1 - cfg.test_fraction:g} of {len(clicks)} clicks); the last "
+                "clicks share one timestamp or split.test_fraction is too small"
+            )
+    elif cfg.kind == "leave_last_k":
+        _need_time(clicks, cfg.kind)
+        train, test = _parts(clicks, _last_k(clicks, cfg.k))
+        if test.empty:
+            raise DataError(
+                f"leave_last_k split left the test part empty: no user has more than "
+                f"split.k={cfg.k} clicks; lower split.k"
+            )
+    elif cfg.kind == "random":
+        n_test = int(round(cfg.test_fraction * len(clicks)))
+        if not 0 < n_test < len(clicks):
+            raise DataError(
+                f"random split of {len(clicks)} clicks with split.test_fraction="
+                f"{cfg.test_fraction:g} leaves {n_test} test clicks; a part would be empty"
+            )
+        chosen = np.random.default_rng(cfg.seed).choice(len(clicks), n_test, replace=False)
+        is_test = np.zeros(len(clicks), dtype=bool)
+        is_test[chosen] = True
+        train, test = _parts(clicks, is_test)
+    else:
+        raise ValueError(f"unknown split.kind {cfg.kind!r}; valid: temporal, leave_last_k, random, none")
+    for name, part in (("train", train), ("test", test)):
+        if part.empty:
+            raise DataError(f"the {name} part of the {cfg.kind!r} split is empty")
+    return train, test
+
+
+def temporal_cut(clicks: pd.DataFrame, test_fraction: float) -> int:
+    """The timestamp at quantile ``1 - test_fraction``: clicks after it are test.
+
+    The cut is an actual timestamp of the log (numpy's ``"lower"`` quantile),
+    so at least one click is always in train.
+    """
+    _need_time(clicks, "temporal")
+    return int(np.quantile(clicks[TIME].to_numpy(), 1 - test_fraction, method="lower"))
+
+
+def _need_time(clicks: pd.DataFrame, kind: str) -> None:
+    if TIME not in clicks:
+        raise DataError(
+            f"split.kind {kind!r} needs timestamps but the log has none: set "
+            "data.columns.timestamp to the log's time column, or use split.kind: random"
+        )
+
+
+def _parts(clicks: pd.DataFrame, is_test: np.ndarray) -> tuple[pd.DataFrame, pd.DataFrame]:
+    return clicks[~is_test].reset_index(drop=True), clicks[is_test].reset_index(drop=True)
+
+
+def _last_k(clicks: pd.DataFrame, k: int) -> np.ndarray:
+    """Mask of each user's last ``k`` clicks, for users with more than ``k``."""
+    users = pd.factorize(clicks[USER])[0]
+    rows = np.arange(len(clicks))
+    order = np.lexsort((rows, clicks[TIME].to_numpy(), users))  # by user, time, then row
+    sorted_users = users[order]
+    counts = np.bincount(users)
+    # Position from the end inside the user's run of sorted rows.
+    run_end = np.cumsum(counts)[sorted_users]
+    from_end = run_end - 1 - np.arange(len(order))
+    is_test = np.zeros(len(clicks), dtype=bool)
+    is_test[order] = (from_end < k) & (counts[sorted_users] > k)
+    return is_test

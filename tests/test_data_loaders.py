@@ -1,0 +1,355 @@
+"""Click-log and feature-table readers, and load_dataset for the files source."""
+
+import pickle
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from retrieval.config import ColumnsConfig, DataConfig, SplitConfig, TableConfig
+from retrieval.data import (
+    ITEM,
+    TIME,
+    USER,
+    WEIGHT,
+    DataError,
+    apply_duplicates,
+    load_dataset,
+    read_clicks,
+    read_feature_table,
+)
+
+JAN_1 = 1767225600  # 2026-01-01T00:00:00Z
+COLUMNS = ColumnsConfig()  # user_id, item_id, timestamp, no weight
+WEIGHTED = ColumnsConfig(weight="weight")
+
+
+def write(tmp_path, name, content):
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+    return str(path)
+
+
+def table(path, **options):
+    return TableConfig(path=path, **options)
+
+
+# --- canonical frame ------------------------------------------------------------------
+
+
+def test_csv_gives_the_canonical_frame_in_file_order(tmp_path):
+    content = "user_id,item_id,timestamp,weight\n196,242,30,2.5\n 7 , x ,10,1\n196,9,20,0\n"
+    path = write(tmp_path, "c.csv", content)
+    clicks = read_clicks(table(path), WEIGHTED)
+    assert list(clicks.columns) == [USER, ITEM, TIME, WEIGHT]
+    assert clicks[USER].tolist() == ["196", "7", "196"]  # strings, stripped
+    assert clicks[ITEM].tolist() == ["242", "x", "9"]
+    assert clicks[TIME].tolist() == [30, 10, 20]
+    assert clicks[WEIGHT].tolist() == [2.5, 1.0, 0.0]
+    assert clicks[TIME].dtype == np.int64 and clicks[WEIGHT].dtype == np.float32
+    assert pd.api.types.is_string_dtype(clicks[USER]) and pd.api.types.is_string_dtype(clicks[ITEM])
+    assert clicks.index.tolist() == [0, 1, 2]
+
+
+def test_without_weight_or_time_columns(tmp_path):
+    path = write(tmp_path, "c.csv", "u,i\n1,a\n2,b\n")
+    clicks = read_clicks(table(path), ColumnsConfig(user="u", item="i", timestamp=None))
+    assert list(clicks.columns) == [USER, ITEM, WEIGHT]
+    assert clicks[WEIGHT].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("name,separator", [("c.csv", ","), ("c.tsv", "\t"), ("c.txt", "\t")])
+def test_auto_format_from_extension(tmp_path, name, separator):
+    lines = [["user_id", "item_id", "timestamp"], ["1", "a", "5"]]
+    path = write(tmp_path, name, "".join(separator.join(line) + "\n" for line in lines))
+    clicks = read_clicks(table(path), COLUMNS)
+    assert clicks[[USER, ITEM, TIME]].values.tolist() == [["1", "a", 5]]
+
+
+def test_separator_override_and_positional_columns_without_header(tmp_path):
+    path = write(tmp_path, "c.csv", "1;a;5;4\n2;b;6;3\n")
+    columns = ColumnsConfig(user="0", item="1", timestamp="2", weight="3")
+    clicks = read_clicks(table(path, separator=";", header=False), columns)
+    assert clicks.values.tolist() == [["1", "a", 5, 4.0], ["2", "b", 6, 3.0]]
+
+
+def test_parquet_with_typed_columns(tmp_path):
+    path = str(tmp_path / "c.parquet")
+    pd.DataFrame(
+        {
+            "user_id": [196, 7],
+            "item_id": [1.0, 2.0],  # an int id column stored as float reads "1", not "1.0"
+            "timestamp": pd.to_datetime(["2026-01-01T00:00:00", "2026-01-01T00:00:09"]),
+            "weight": [1, 3],
+        }
+    ).to_parquet(path)
+    clicks = read_clicks(table(path), WEIGHTED)
+    assert clicks.values.tolist() == [["196", "1", JAN_1, 1.0], ["7", "2", JAN_1 + 9, 3.0]]
+    assert clicks[TIME].dtype == np.int64 and clicks[WEIGHT].dtype == np.float32
+
+
+def test_movielens_100k_format_names_its_own_columns(tmp_path):
+    path = write(tmp_path, "u.data", "196\t242\t3\t881250949\n186\t302\t5\t891717742\n")
+    # ColumnsConfig is ignored: the format fixes the columns and the rating is the weight.
+    clicks = read_clicks(table(path, format="movielens-100k"), ColumnsConfig(user="nope", weight=None))
+    assert clicks.values.tolist() == [["196", "242", 881250949, 3.0], ["186", "302", 891717742, 5.0]]
+
+
+def test_movielens_1m_dat_is_recognised_by_extension(tmp_path):
+    path = write(tmp_path, "ratings.dat", "1::1193::5::978300760\n1::661::3::978302109\n")
+    clicks = read_clicks(table(path), COLUMNS)
+    assert clicks.values.tolist() == [["1", "1193", 978300760, 5.0], ["1", "661", 978302109, 3.0]]
+
+
+def test_movielens_with_wrong_field_count(tmp_path):
+    path = write(tmp_path, "ratings.dat", "1\t1193\t5\t978300760\n")  # a u.data file named .dat
+    with pytest.raises(DataError, match=r"ratings\.dat: format 'movielens-1m' expects 4 fields.*found 1"):
+        read_clicks(table(path), COLUMNS)
+
+
+# --- timestamps -----------------------------------------------------------------------
+
+
+def test_iso_and_integer_timestamps_become_utc_seconds(tmp_path):
+    values = [
+        "1767225600",
+        "2026-01-01T00:00:00Z",
+        "2026-01-01T02:00:00+02:00",
+        "2026-01-01 00:00:07",  # no offset: UTC
+        "2026-01-02",
+        "1767225600.9",  # decimal seconds are floored
+    ]
+    path = write(tmp_path, "c.csv", "user_id,item_id,timestamp\n" + "".join(f"u,i,{v}\n" for v in values))
+    clicks = read_clicks(table(path), COLUMNS)
+    assert clicks[TIME].tolist() == [JAN_1, JAN_1, JAN_1, JAN_1 + 7, JAN_1 + 86400, JAN_1]
+
+
+# --- errors ---------------------------------------------------------------------------
+
+
+def test_missing_file_names_the_path(tmp_path):
+    path = str(tmp_path / "nowhere.csv")
+    with pytest.raises(DataError, match=re.escape(path) + ".*file not found"):
+        read_clicks(table(path), COLUMNS)
+
+
+def test_unknown_extension(tmp_path):
+    path = write(tmp_path, "c.json", "{}")
+    with pytest.raises(DataError, match=r"c\.json: cannot tell the format from the extension '\.json'"):
+        read_clicks(table(path), COLUMNS)
+
+
+def test_missing_column_names_file_column_and_columns_found(tmp_path):
+    path = write(tmp_path, "c.csv", "user,item_id,timestamp\n1,a,5\n")
+    with pytest.raises(
+        DataError,
+        match=r"c\.csv: missing column 'user_id'; columns found: \['user', 'item_id', 'timestamp'\]",
+    ):
+        read_clicks(table(path), COLUMNS)
+
+
+def test_missing_column_without_header_explains_positional_names(tmp_path):
+    path = write(tmp_path, "c.csv", "1,a,5\n")
+    with pytest.raises(DataError, match=r"columns found: \['0', '1', '2'\].*named by position"):
+        read_clicks(table(path, header=False), COLUMNS)
+
+
+@pytest.mark.parametrize("content", ["", "user_id,item_id,timestamp\n", "user_id,item_id,timestamp\n\n\n"])
+def test_empty_log(tmp_path, content):
+    path = write(tmp_path, "c.csv", content)
+    with pytest.raises(DataError, match=r"c\.csv: .*no data rows"):
+        read_clicks(table(path), COLUMNS)
+
+
+def test_blank_id_names_file_line_and_column(tmp_path):
+    # Line 1 header, 2 data, 3 blank (skipped but counted), 4 data, 5 the blank item id.
+    path = write(tmp_path, "c.csv", "user_id,item_id,timestamp\n1,a,5\n\n2,b,6\n3,  ,7\n")
+    with pytest.raises(DataError, match=r"c\.csv, line 5, column 'item_id': empty item id$"):
+        read_clicks(table(path), COLUMNS)
+
+
+def test_line_numbers_count_leading_blank_lines_and_missing_header(tmp_path):
+    path = write(tmp_path, "c.tsv", "\n\n1\ta\t5\n\tb\t6\n")
+    with pytest.raises(DataError, match=r"c\.tsv, line 4, column '0': empty user id"):
+        read_clicks(table(path, header=False), ColumnsConfig(user="0", item="1", timestamp="2"))
+
+
+def test_bad_value_is_reported_on_its_line_among_many_rows(tmp_path):
+    rows = [f"u{i},i{i},{JAN_1 + i}" for i in range(500)]
+    rows[341] = "u341,i341,yesterday"  # data row 341 (0-based) is line 343 with the header
+    path = write(tmp_path, "c.csv", "user_id,item_id,timestamp\n" + "\n".join(rows) + "\n")
+    message = r"c\.csv, line 343, column 'timestamp': cannot read timestamp 'yesterday'"
+    with pytest.raises(DataError, match=message):
+        read_clicks(table(path), COLUMNS)
+
+
+def test_unparsable_timestamp_counts_all_bad_rows(tmp_path):
+    path = write(tmp_path, "c.csv", "user_id,item_id,when\n1,a,2026-13-45\n2,b,\n3,c,5\n")
+    with pytest.raises(
+        DataError,
+        match=r"line 2, column 'when': cannot read timestamp '2026-13-45'.*ISO-8601.* \(2 bad rows in all\)",
+    ):
+        read_clicks(table(path), ColumnsConfig(timestamp="when"))
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("abc", "weight 'abc' is not a finite number"),
+        ("nan", "weight 'nan' is not a finite number"),
+        ("", "weight '' is not a finite number"),
+        ("inf", "weight 'inf' is not a finite number"),
+        ("-1", r"negative weight '-1'; weights must be >= 0"),
+    ],
+)
+def test_bad_weight(tmp_path, value, message):
+    path = write(tmp_path, "c.csv", f"user_id,item_id,timestamp,weight\n1,a,5,1\n2,b,6,{value}\n")
+    with pytest.raises(DataError, match=rf"c\.csv, line 3, column 'weight': {message}"):
+        read_clicks(table(path), WEIGHTED)
+
+
+def test_wrong_encoding_names_line_byte_and_the_encoding_key(tmp_path):
+    path = write(tmp_path, "c.csv", "user_id,item_id,timestamp\n1,a,5\n2,Caf\xe9,6\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"c\.csv, line 3: byte 0xe9 is not valid utf-8.*encoding: latin-1"):
+        read_clicks(table(path), COLUMNS)
+    clicks = read_clicks(table(path, encoding="latin-1"), COLUMNS)
+    assert clicks[ITEM].tolist() == ["a", "Café"]
+
+
+def test_utf8_byte_order_mark_is_not_part_of_the_first_column(tmp_path):
+    path = write(tmp_path, "c.csv", "\ufeffuser_id,item_id,timestamp\n1,a,5\n".encode("utf-8"))
+    assert read_clicks(table(path), COLUMNS)[USER].tolist() == ["1"]
+
+
+def test_parquet_errors_name_the_row(tmp_path):
+    path = str(tmp_path / "c.parquet")
+    log = pd.DataFrame({"user_id": ["1", "2", "3"], "item_id": ["a", "b", "c"], "weight": [1.0, np.nan, 2.0]})
+    log.to_parquet(path)
+    columns = ColumnsConfig(timestamp=None, weight="weight")
+    message = r"c\.parquet, row 2, column 'weight': weight nan is not a finite number"
+    with pytest.raises(DataError, match=message):
+        read_clicks(table(path), columns)
+    missing = r"c\.parquet: missing column 'timestamp'; columns found: \['user_id', 'item_id', 'weight'\]"
+    with pytest.raises(DataError, match=missing):
+        read_clicks(table(path), ColumnsConfig(weight="weight"))
+    pd.DataFrame({"user_id": ["1", None], "item_id": ["a", "b"]}).to_parquet(path)
+    with pytest.raises(DataError, match=r"c\.parquet, row 2, column 'user_id': empty user id"):
+        read_clicks(table(path), ColumnsConfig(timestamp=None))
+
+
+def test_data_error_survives_pickling():
+    error = DataError("bad", file="f.csv", line=3, column="c")
+    assert str(pickle.loads(pickle.dumps(error))) == "f.csv, line 3, column 'c': bad"
+
+
+# --- duplicates -----------------------------------------------------------------------
+
+LOG_WITH_REPEATS = "user_id,item_id,timestamp\n1,a,50\n1,b,20\n1,a,10\n2,a,30\n1,a,10\n"
+
+
+def test_duplicates_keep_keeps_every_click(tmp_path):
+    path = write(tmp_path, "c.csv", LOG_WITH_REPEATS)
+    assert len(read_clicks(table(path), COLUMNS, duplicates="keep")) == 5
+
+
+def test_duplicates_first_keeps_the_earliest_click_in_file_order(tmp_path):
+    path = write(tmp_path, "c.csv", LOG_WITH_REPEATS)
+    clicks = read_clicks(table(path), COLUMNS, duplicates="first")
+    # (1, a) is earliest on line 4 (t=10); line 6 ties with it but comes later in the file.
+    assert clicks[[USER, ITEM, TIME]].values.tolist() == [["1", "b", 20], ["1", "a", 10], ["2", "a", 30]]
+
+
+def test_duplicates_first_without_time_uses_file_order():
+    clicks = pd.DataFrame(
+        {USER: ["1", "1", "2", "1"], ITEM: ["b", "a", "a", "b"], WEIGHT: [1.0, 2.0, 3.0, 4.0]}
+    )
+    assert apply_duplicates(clicks, "first")[WEIGHT].tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="duplicates must be 'keep' or 'first', got 'last'"):
+        apply_duplicates(clicks, "last")
+
+
+# --- feature tables -------------------------------------------------------------------
+
+
+def test_feature_table_types_columns(tmp_path):
+    content = "sku,price,stock,colour,zip,empty\nA1,9.5,3,red,01002,\nB2,,4,,94043,\n"
+    path = write(tmp_path, "items.csv", content)
+    items = read_feature_table(table(path), "sku")
+    assert items.columns.tolist() == ["sku", "price", "stock", "colour", "zip", "empty"]
+    assert items["sku"].tolist() == ["A1", "B2"]
+    assert items["price"].dtype == np.float64 and np.isnan(items["price"][1]) and items["price"][0] == 9.5
+    assert items["stock"].dtype == np.int64 and items["stock"].tolist() == [3, 4]
+    assert items["colour"][0] == "red" and pd.isna(items["colour"][1])
+    assert items["zip"].tolist() == ["01002", "94043"]  # the leading zero survives
+    assert items["empty"].isna().all()
+
+
+def test_feature_table_repeated_id(tmp_path):
+    path = write(tmp_path, "items.csv", "item_id,price\na,1\nb,2\na,3\n")
+    message = r"items\.csv, line 4, column 'item_id': repeated id 'a' \(first on line 2\)"
+    with pytest.raises(DataError, match=message):
+        read_feature_table(table(path), "item_id")
+
+
+def test_feature_table_missing_id_column(tmp_path):
+    path = write(tmp_path, "items.csv", "sku,price\na,1\n")
+    message = r"items\.csv: missing column 'item_id'; columns found: \['sku', 'price'\]"
+    with pytest.raises(DataError, match=message):
+        read_feature_table(table(path), "item_id")
+
+
+# --- load_dataset, files source -------------------------------------------------------
+
+
+def test_load_dataset_from_files_builds_full_catalogues(tmp_path):
+    clicks = write(tmp_path, "c.csv", "user_id,item_id,timestamp\n1,a,1\n1,a,2\n2,b,3\n1,c,4\n3,d,5\n")
+    test = write(tmp_path, "t.csv", "user_id,item_id,timestamp\n1,e,9\n4,a,9\n")
+    items = write(tmp_path, "items.csv", "sku,price\nz,5\nb,2\na,1\n")
+    users = write(tmp_path, "users.csv", "user_id,age\n2,30\n")
+    data = DataConfig(
+        source="files",
+        clicks=table(clicks),
+        test_clicks=table(test),
+        item_features=table(items),
+        item_id_column="sku",
+        user_features=table(users),
+        duplicates="first",
+    )
+    dataset = load_dataset(data, SplitConfig(kind="none"))
+    assert dataset.train[ITEM].tolist() == ["a", "b", "c", "d"]  # the repeated (1, a) dropped
+    assert dataset.test[ITEM].tolist() == ["e", "a"]
+    # Feature rows first (z has no clicks at all), then log-only items, first seen first.
+    assert dataset.items[ITEM].tolist() == ["z", "b", "a", "c", "d", "e"]
+    assert dataset.items["price"].tolist()[:3] == [5.0, 2.0, 1.0] and dataset.items["price"][3:].isna().all()
+    assert dataset.users[USER].tolist() == ["2", "1", "3", "4"]
+    assert dataset.users["age"][0] == 30 and dataset.users["age"][1:].isna().all()
+    summary = dataset.summary()
+    assert summary["train_clicks"] == 4 and summary["test_clicks"] == 2
+    assert summary["test_users_unseen_in_train"] == 1  # user 4
+    assert summary["test_items_unseen_in_train"] == 1  # item e
+    assert summary["catalogue_items"] == 6 and summary["catalogue_items_without_train_clicks"] == 2
+    assert dataset.source == f"files:{clicks}"
+
+
+def test_load_dataset_rejects_a_test_log_with_another_split(tmp_path):
+    clicks = write(tmp_path, "c.csv", "user_id,item_id,timestamp\n1,a,1\n2,b,3\n")
+    data = DataConfig(source="files", clicks=table(clicks), test_clicks=table(clicks))
+    with pytest.raises(DataError, match="split.kind is 'temporal': set split.kind: none"):
+        load_dataset(data, SplitConfig(kind="temporal"))
+
+
+def test_trailing_separator_does_not_shift_columns(tmp_path):
+    path = write(tmp_path, "c.csv", "user_id,item_id,timestamp\n1,a,5,\n2,b,6,\n")
+    with pytest.warns(pd.errors.ParserWarning):
+        clicks = read_clicks(table(path), COLUMNS)
+    assert clicks[[USER, ITEM, TIME]].values.tolist() == [["1", "a", 5], ["2", "b", 6]]
+
+
+def test_malformed_row_names_file_and_line(tmp_path):
+    path = write(tmp_path, "c.csv", "\r\nuser_id,item_id,timestamp\r\n1,a,5\r\n\r\n2,b,6,7,8\r\n")
+    with pytest.raises(DataError, match=r"c\.csv, line 5: expected 3 fields separated by ',', found 5$"):
+        read_clicks(table(path), COLUMNS)
