@@ -122,9 +122,16 @@ class ModelConfig(_Section):
 
     embedding_dim: int = Field(64, gt=0)
     normalize: bool = Field(True, description="L2-normalise tower outputs (cosine similarity).")
-    temperature: float = Field(0.05, gt=0, description="Logits are divided by this.")
+    temperature: float = Field(0.2, gt=0, description="Logits are divided by this.")
     log_q_correction: bool = Field(
         True, description="Subtract log Q(item) (training popularity) from in-batch logits."
+    )
+    log_q_strength: float = Field(
+        1.0,
+        ge=0,
+        le=2,
+        description="Subtract strength * log Q: 1 is the unbiased correction, 0 none, above 1 "
+        "over-corrects (ranks popular items higher than the unbiased model would).",
     )
     remove_accidental_hits: bool = Field(
         True, description="Mask in-batch negatives that are the row's own positive item."
@@ -135,7 +142,7 @@ class ModelConfig(_Section):
 class TrainConfig(_Section):
     """Optimisation."""
 
-    epochs: int = Field(10, gt=0)
+    epochs: int = Field(5, gt=0)
     batch_size: int = Field(1024, gt=1)
     optimizer: Literal["adam", "adagrad", "sgd"] = "adam"
     learning_rate: float = Field(0.01, gt=0)

@@ -1,0 +1,1 @@
+"""Command-line entry points: parse arguments, load the config, call the library."""

@@ -1,0 +1,54 @@
+"""Small numpy helpers shared by several stages (no stage imports needed)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def row_membership(rows: np.ndarray, members: Sequence[np.ndarray]) -> np.ndarray:
+    """For each cell of ``rows``, whether it is in that row's member set.
+
+    Args:
+      rows: [n, width] non-negative ints; negative cells (padding) are never members.
+      members: n arrays of ints, one set per row.
+
+    Returns:
+      [n, width] bool.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.ndim != 2:
+        raise ValueError(f"rows must be 2-D, got shape {rows.shape}")
+    if len(members) != rows.shape[0]:
+        raise ValueError(f"{len(members)} member sets for {rows.shape[0]} rows")
+    owner = np.repeat(np.arange(len(members)), [len(m) for m in members])
+    values = (
+        np.concatenate([np.asarray(m, dtype=np.int64) for m in members]) if len(owner) else np.zeros(0, np.int64)
+    )
+    # One int64 code per (row, value) pair makes the whole test a single np.isin.
+    span = max(int(rows.max(initial=0)), int(values.max(initial=0))) + 2
+    codes = np.arange(len(rows))[:, None] * span + (rows + 1)
+    return np.isin(codes, owner * span + (values + 1)) & (rows >= 0)
+
+
+def drop_members(rows: np.ndarray, scores: np.ndarray, members: Sequence[np.ndarray]):
+    """Remove each row's members (and padding) from ranked lists, keeping order.
+
+    Removed cells move to the end of their row as rows -1 / scores -inf, so the
+    first k columns are the best k survivors.
+
+    Args:
+      rows: [n, width] ranked ints, best first; -1 = padding.
+      scores: [n, width] floats aligned with ``rows``.
+      members: n arrays of ints to remove, one per row.
+
+    Returns:
+      (rows, scores), both [n, width].
+    """
+    removed = row_membership(rows, members) | (np.asarray(rows) < 0)
+    order = np.argsort(removed, axis=1, kind="stable")
+    rows = np.take_along_axis(np.asarray(rows), order, axis=1)
+    scores = np.take_along_axis(np.asarray(scores), order, axis=1)
+    removed = np.take_along_axis(removed, order, axis=1)
+    return np.where(removed, -1, rows), np.where(removed, -np.inf, scores)

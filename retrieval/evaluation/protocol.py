@@ -1,0 +1,169 @@
+"""The offline protocol: who is evaluated, on what, against which ranking.
+
+Plain numpy/pandas plus the FAISS index; no TensorFlow. Query embeddings come
+in as arrays, so the same code evaluates an in-memory model and an exported
+bundle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from retrieval.arrays import drop_members
+from retrieval.config import EvaluationConfig
+from retrieval.data import ITEM, USER
+from retrieval.evaluation.metrics import ranking_metrics
+from retrieval.index import ItemIndex
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """Test users with their relevant and masked catalogue rows.
+
+    Attributes:
+      user_ids: [num_users] evaluated users (string ids).
+      relevant: per user, catalogue rows of their (unique) test items.
+      exclude: per user, catalogue rows never to rank (their training items);
+        empty arrays when masking is off.
+      counts: what was dropped and why (reported beside the metrics).
+    """
+
+    user_ids: np.ndarray
+    relevant: list[np.ndarray]
+    exclude: list[np.ndarray]
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def build_eval_set(
+    train: pd.DataFrame, test: pd.DataFrame, catalogue_ids: Sequence[str], config: EvaluationConfig
+) -> EvalSet:
+    """Group test clicks by user, map items to catalogue rows, apply the masking policy."""
+    row_of = pd.Series(np.arange(len(catalogue_ids)), index=pd.Index(catalogue_ids, dtype=object))
+    train_users = set(train[USER])
+    train_items = set(train[ITEM])
+    test = test[[USER, ITEM]].drop_duplicates()
+    counts = {"test_clicks": int(len(test))}
+
+    unseen_user = ~test[USER].isin(train_users)
+    counts["test_users_unseen_in_training"] = int(test.loc[unseen_user, USER].nunique())
+    if config.unseen_users == "drop":
+        test = test[~unseen_user]
+    unseen_item = ~test[ITEM].isin(train_items)
+    counts["test_clicks_on_items_unseen_in_training"] = int(unseen_item.sum())
+    if config.unseen_items == "drop":
+        test = test[~unseen_item]
+    missing = ~test[ITEM].isin(row_of.index)
+    if missing.any():
+        raise ValueError(
+            f"{int(missing.sum())} test clicks name items missing from the catalogue "
+            f"(e.g. {test.loc[missing, ITEM].iloc[0]!r}); the catalogue must contain every logged item"
+        )
+    if config.exclude_train_items:
+        # A test click on an item the user also clicked in training is a re-click:
+        # with masking on it can never be retrieved, so it is not counted as relevant.
+        seen = test.merge(train[[USER, ITEM]].drop_duplicates(), on=[USER, ITEM], how="left", indicator=True)
+        repeat = (seen["_merge"] == "both").to_numpy()
+        counts["test_clicks_repeating_a_training_click"] = int(repeat.sum())
+        test = test[~repeat]
+
+    relevant_groups = test.assign(row=row_of.loc[test[ITEM]].to_numpy()).groupby(USER, sort=True)["row"]
+    user_ids = np.asarray(list(relevant_groups.groups.keys()), dtype=object)
+    relevant = [group.to_numpy(np.int64) for _, group in relevant_groups]
+    if config.exclude_train_items:
+        train_rows = (
+            train[[USER, ITEM]]
+            .drop_duplicates()
+            .loc[lambda frame: frame[USER].isin(set(user_ids))]
+            .assign(row=lambda frame: row_of.loc[frame[ITEM]].to_numpy())
+            .groupby(USER)["row"]
+            .apply(lambda rows: rows.to_numpy(np.int64))
+        )
+        exclude = [train_rows.get(user, np.zeros(0, np.int64)) for user in user_ids]
+    else:
+        exclude = [np.zeros(0, np.int64) for _ in user_ids]
+    counts["evaluated_users"] = int(len(user_ids))
+    counts["relevant_pairs"] = int(sum(len(r) for r in relevant))
+    return EvalSet(user_ids, relevant, exclude, counts)
+
+
+def index_ranking(
+    index: ItemIndex, query_embeddings: np.ndarray, eval_set: EvalSet, depth: int, batch_size: int = 4096
+) -> np.ndarray:
+    """Top-``depth`` catalogue rows per evaluated user from the FAISS index.
+
+    Args:
+      index: the catalogue index.
+      query_embeddings: [num_users, dim], aligned with ``eval_set.user_ids``.
+      depth: ranked list length.
+
+    Returns:
+      [num_users, depth] int64 rows (-1 where the catalogue ran out).
+    """
+    if len(query_embeddings) != len(eval_set.user_ids):
+        raise ValueError(f"{len(query_embeddings)} query embeddings for {len(eval_set.user_ids)} users")
+    # Users with similar numbers of masked items share a batch, so no batch
+    # over-fetches for one heavy user.
+    order = np.argsort([len(e) for e in eval_set.exclude], kind="stable")
+    ranked = np.empty((len(order), depth), dtype=np.int64)
+    for start in range(0, len(order), batch_size):
+        batch = order[start : start + batch_size]
+        top = index.search(query_embeddings[batch], depth, exclude=[eval_set.exclude[i] for i in batch])
+        ranked[batch] = top.rows
+    return ranked
+
+
+def popularity_ranking(
+    train: pd.DataFrame, catalogue_ids: Sequence[str], eval_set: EvalSet, depth: int
+) -> np.ndarray:
+    """The most-clicked training items each user has not clicked. [num_users, depth]."""
+    counts = train[ITEM].value_counts().reindex(pd.Index(catalogue_ids, dtype=object), fill_value=0).to_numpy()
+    global_order = np.lexsort((np.arange(len(counts)), -counts))
+    extra = max((len(e) for e in eval_set.exclude), default=0)
+    head = global_order[: depth + extra]
+    rows = np.broadcast_to(head, (len(eval_set.user_ids), len(head)))
+    rows, _ = drop_members(rows, np.zeros(rows.shape, np.float32), eval_set.exclude)
+    return _pad_columns(rows[:, :depth], depth)
+
+
+def _pad_columns(rows: np.ndarray, depth: int) -> np.ndarray:
+    if rows.shape[1] >= depth:
+        return rows
+    return np.pad(rows, ((0, 0), (0, depth - rows.shape[1])), constant_values=-1)
+
+
+def evaluate_against_baselines(
+    index: ItemIndex,
+    query_embeddings: np.ndarray,
+    eval_set: EvalSet,
+    train: pd.DataFrame,
+    ks: Sequence[int],
+    batch_size: int = 4096,
+) -> dict[str, dict]:
+    """Model metrics beside the popularity baseline, on the same users and masks.
+
+    Returns:
+      ``{"model": {...}, "popularity": {...}, "counts": {...}}``.
+    """
+    depth = max(ks)
+    model_ranked = index_ranking(index, query_embeddings, eval_set, depth, batch_size)
+    popular_ranked = popularity_ranking(train, index.item_ids, eval_set, depth)
+    return {
+        "model": ranking_metrics(model_ranked, eval_set.relevant, ks),
+        "popularity": ranking_metrics(popular_ranked, eval_set.relevant, ks),
+        "counts": dict(eval_set.counts),
+    }
+
+
+def format_table(results: dict[str, dict], metrics: Sequence[str] = ("recall", "ndcg", "hit_rate", "mrr")) -> str:
+    """A Markdown table: one row per metric@k, one column per ranker."""
+    rankers = [name for name, value in results.items() if isinstance(value, dict) and "users" in value]
+    keys = [key for key in results[rankers[0]] if key.split("@")[0] in metrics]
+    keys.sort(key=lambda key: (metrics.index(key.split("@")[0]), int(key.split("@")[1])))
+    lines = ["| metric | " + " | ".join(rankers) + " |", "|---" * (len(rankers) + 1) + "|"]
+    for key in keys:
+        lines.append(f"| {key} | " + " | ".join(f"{results[name][key]:.4f}" for name in rankers) + " |")
+    return "\n".join(lines)

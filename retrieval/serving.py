@@ -1,0 +1,130 @@
+"""Serve top-k for raw queries from an exported bundle.
+
+Loads the query SavedModel with plain ``tf.saved_model.load`` (no project
+code needed to run it), the FAISS index and the row -> item-id map::
+
+    bundle = Bundle.load("artifacts/my-run")
+    bundle.recommend({"user_id": "196"}, k=10, exclude_item_ids=["242"])
+
+or from a shell::
+
+    python -m retrieval.serving --bundle artifacts/my-run --user-id 196 -k 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from retrieval.export import read_manifest
+from retrieval.index import ItemIndex
+
+
+@dataclass(frozen=True)
+class Recommendations:
+    """Top-k for one query, best first.
+
+    ``fallback`` says how the list was made when the model could not place the
+    query: ``"popular"`` for a query the towers know nothing about (e.g. a user
+    id never seen in training), else None.
+    """
+
+    item_ids: list[str]
+    scores: list[float | None]
+    fallback: str | None = None
+
+
+class Bundle:
+    """A loaded bundle: query model + index + item ids + manifest."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.manifest = read_manifest(self.directory)
+        self.query_features: list[str] = list(self.manifest["query_features"])
+        self._query_model = tf.saved_model.load(str(self.directory / self.manifest["files"]["query_model"]))
+        self._embed = self._query_model.signatures["serving_default"]
+        self.index = ItemIndex.load(self.directory)
+        self._row_of = {item: row for row, item in enumerate(self.index.item_ids)}
+        self._popular_rows = np.array(
+            [self._row_of[item] for item in self.manifest.get("popular_item_ids", []) if item in self._row_of],
+            dtype=np.int64,
+        )
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "Bundle":
+        return cls(directory)
+
+    def embed(self, queries: Sequence[Mapping[str, Any]]) -> np.ndarray:
+        """Raw query features -> [num_queries, dim] float32 embeddings."""
+        inputs = {}
+        for feature in self.query_features:
+            try:
+                inputs[feature] = tf.constant([str(query[feature]) for query in queries], dtype=tf.string)
+            except KeyError:
+                raise ValueError(f"every query needs the feature {feature!r}; got {list(queries[0])}") from None
+        return self._embed(**inputs)["embedding"].numpy()
+
+    def recommend(
+        self, query: Mapping[str, Any], k: int = 10, exclude_item_ids: Sequence[str] = ()
+    ) -> Recommendations:
+        """Top-k item ids for one raw query, never returning ``exclude_item_ids``."""
+        return self.recommend_batch([query], k, [exclude_item_ids])[0]
+
+    def recommend_batch(
+        self,
+        queries: Sequence[Mapping[str, Any]],
+        k: int = 10,
+        exclude_item_ids: Sequence[Sequence[str]] | None = None,
+    ) -> list[Recommendations]:
+        """Top-k for a batch of raw queries (one FAISS search for all)."""
+        if not queries:
+            return []
+        if k <= 0:
+            raise ValueError(f"k must be positive, got {k}")
+        if exclude_item_ids is not None and len(exclude_item_ids) != len(queries):
+            raise ValueError(f"exclude_item_ids has {len(exclude_item_ids)} lists for {len(queries)} queries")
+        exclude = [
+            np.array([self._row_of[i] for i in items if i in self._row_of], dtype=np.int64)
+            for items in (exclude_item_ids or [()] * len(queries))
+        ]
+        embeddings = self.embed(queries)
+        top = self.index.search(embeddings, k, exclude=exclude)
+        # An all-zero embedding is the towers' out-of-vocabulary row: the model
+        # knows nothing about this query, so popularity is the honest answer.
+        unknown = ~np.any(embeddings != 0, axis=1)
+        results = []
+        for i in range(len(queries)):
+            if unknown[i]:
+                rows = [r for r in self._popular_rows if r not in set(exclude[i].tolist())][:k]
+                results.append(Recommendations(self._ids(rows), [None] * len(rows), "popular"))
+            else:
+                rows = top.rows[i][top.rows[i] >= 0]
+                results.append(Recommendations(self._ids(rows), top.scores[i][: len(rows)].tolist()))
+        return results
+
+    def _ids(self, rows) -> list[str]:
+        return [str(self.index.item_ids[r]) for r in rows]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Top-k item ids for a raw query from a bundle.")
+    parser.add_argument("--bundle", required=True, help="bundle directory, e.g. artifacts/<run>")
+    parser.add_argument("--user-id", required=True, action="append", help="query user id (repeatable)")
+    parser.add_argument("-k", type=int, default=10)
+    parser.add_argument("--exclude", nargs="*", default=[], help="item ids never to return")
+    args = parser.parse_args(argv)
+    bundle = Bundle.load(args.bundle)
+    queries = [{"user_id": user} for user in args.user_id]
+    results = bundle.recommend_batch(queries, args.k, [args.exclude] * len(queries))
+    for query, result in zip(queries, results):
+        print(json.dumps({"query": query, **asdict(result)}))
+
+
+if __name__ == "__main__":
+    main()

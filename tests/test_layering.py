@@ -1,0 +1,67 @@
+"""Data flows one way: a module imports only from stages before it."""
+
+import ast
+from pathlib import Path
+
+# Stage order (config and arrays are shared foundations).
+STAGES = [
+    "config",
+    "arrays",
+    "data",
+    "features",
+    "towers",
+    "samplers",
+    "losses",
+    "model",
+    "training",
+    "index",
+    "evaluation",
+    "export",
+    "serving",
+    "jobs",
+]
+PACKAGE = Path(__file__).resolve().parents[1] / "retrieval"
+
+
+def _stage_of(module: str) -> str:
+    return module.split(".")[1] if module.count(".") >= 1 else module
+
+
+def _imports(path: Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("retrieval."):
+            yield node.module
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("retrieval."):
+                    yield alias.name
+
+
+def test_every_module_has_a_stage():
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(PACKAGE)
+        if relative.name == "__init__.py" and len(relative.parts) == 1:
+            continue
+        stage = relative.parts[0].removesuffix(".py")
+        assert stage in STAGES, f"{relative} is in no stage; add it to STAGES in order"
+
+
+def test_imports_flow_forward_only():
+    problems = []
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(PACKAGE)
+        if relative.name == "__init__.py" and len(relative.parts) == 1:
+            continue
+        own = STAGES.index(relative.parts[0].removesuffix(".py"))
+        for module in _imports(path):
+            other = _stage_of(module)
+            if other in STAGES and STAGES.index(other) > own:
+                problems.append(f"{relative} imports {module} (a later stage)")
+    assert not problems, "\n".join(problems)
+
+
+def test_evaluation_does_not_import_tensorflow():
+    for path in (PACKAGE / "evaluation").rglob("*.py"):
+        source = path.read_text()
+        assert "import tensorflow" not in source, f"{path.name} imports TensorFlow"
