@@ -16,9 +16,11 @@ from retrieval.towers import id_tower
 class TwoTowerModel(tfrs.Model):
     """Query tower + doc tower joined by a dot product, trained in-batch.
 
-    Each training batch is ``{"user_id": [B] string, "item_id": [B] string}``
-    (plus ``"weight": [B] float32`` when click weights are used). Row i's item
-    is the positive for row i's query and a negative for every other row.
+    Each training batch is a dict of [B] tensors holding at least every input
+    of both towers (e.g. ``"user_id"``, ``"item_id"``: string), ``"item_id"``
+    (log-Q and accidental hits key on it) and ``"weight"`` (float32) when
+    click weights are used. Row i's item is the positive for row i's query and
+    a negative for every other row.
     """
 
     def __init__(
@@ -50,8 +52,8 @@ class TwoTowerModel(tfrs.Model):
         )
 
     def compute_loss(self, features, training: bool = False) -> tf.Tensor:
-        query_embeddings = self.query_tower({USER: features[USER]}, training=training)
-        doc_embeddings = self.doc_tower({ITEM: features[ITEM]}, training=training)
+        query_embeddings = self.query_tower(tower_inputs(self.query_tower, features), training=training)
+        doc_embeddings = self.doc_tower(tower_inputs(self.doc_tower, features), training=training)
         item_index = self._item_index(features[ITEM])
         sampling_probability = (
             None if self._item_probability is None else tf.gather(self._item_probability, item_index)
@@ -65,6 +67,11 @@ class TwoTowerModel(tfrs.Model):
             compute_metrics=False,
             compute_batch_metrics=False,
         )
+
+
+def tower_inputs(tower: tf.keras.Model, features: dict) -> dict:
+    """The subset of a batch's features that ``tower`` reads."""
+    return {name: features[name] for name in tower.input_names}
 
 
 def build_model(config: ModelConfig, stats: FeatureStatistics, *, use_weights: bool = False) -> TwoTowerModel:
