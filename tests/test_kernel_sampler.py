@@ -1,0 +1,91 @@
+"""Quadratic-kernel tree sampler (Blanc & Rendle) against brute force."""
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from retrieval.samplers.kernel import QuadraticKernelTree
+
+
+def _brute_probabilities(queries, items, alpha):
+    kernel = alpha * (queries @ items.T) ** 2 + 1.0
+    return kernel / kernel.sum(axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("num_items,leaf_size", [(37, 4), (64, 8), (5, 32), (1, 1)])
+def test_tree_sums_equal_brute_force(num_items, leaf_size):
+    rng = np.random.default_rng(num_items)
+    items = rng.normal(size=(num_items, 6))
+    tree = QuadraticKernelTree(items, alpha=3.0, leaf_size=leaf_size)
+    np.testing.assert_allclose(tree.sums[0], items.T @ items, rtol=1e-10, atol=1e-10)
+    assert tree.counts[0] == num_items
+    # Every internal node is the sum of its children; every leaf of its bucket.
+    internal = np.arange(tree.num_leaves - 1)
+    np.testing.assert_allclose(tree.sums[internal], tree.sums[2 * internal + 1] + tree.sums[2 * internal + 2])
+    for leaf in range(tree.num_leaves):
+        members = items[leaf * leaf_size : (leaf + 1) * leaf_size]
+        np.testing.assert_allclose(tree.sums[tree.num_leaves - 1 + leaf], members.T @ members, atol=1e-10)
+
+
+def test_incremental_update_equals_refresh():
+    rng = np.random.default_rng(0)
+    items = rng.normal(size=(50, 5))
+    tree = QuadraticKernelTree(items, leaf_size=4)
+    rows = np.array([0, 7, 49, 23])
+    new = rng.normal(size=(4, 5))
+    tree.update(rows, new)
+    items[rows] = new
+    fresh = QuadraticKernelTree(items, leaf_size=4)
+    np.testing.assert_allclose(tree.sums, fresh.sums, atol=1e-10)
+    queries = rng.normal(size=(3, 5))
+    np.testing.assert_allclose(tree.partition(queries), fresh.partition(queries))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_log_prob_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    items, queries = rng.normal(size=(40, 8)), rng.normal(size=(5, 8))
+    tree = QuadraticKernelTree(items, alpha=10.0, leaf_size=4)
+    ids = rng.integers(0, 40, size=(5, 7))
+    expected = np.log(np.take_along_axis(_brute_probabilities(queries, items, 10.0), ids, axis=1))
+    np.testing.assert_allclose(tree.log_prob(queries, ids), expected, rtol=1e-10)
+    np.testing.assert_allclose(tree.partition(queries), (10.0 * (queries @ items.T) ** 2 + 1).sum(axis=1))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_draw_frequencies_match_the_kernel_distribution(seed):
+    rng = np.random.default_rng(seed)
+    num_items = 30
+    items = rng.normal(size=(num_items, 4)) / 2
+    queries = rng.normal(size=(2, 4))
+    tree = QuadraticKernelTree(items, alpha=5.0, leaf_size=4, max_chunk=1000)
+    draws = tree.sample(queries, 20_000, np.random.default_rng(seed + 100))
+    expected = _brute_probabilities(queries, items, 5.0)
+    for q in range(2):
+        observed = np.bincount(draws.ids[q], minlength=num_items)
+        _, p_value = stats.chisquare(observed, expected[q] * observed.sum())
+        assert p_value > 1e-3, p_value
+    np.testing.assert_allclose(
+        draws.log_prob, np.log(np.take_along_axis(expected, draws.ids, axis=1)), rtol=1e-10
+    )
+
+
+def test_a_sampler_that_ignored_the_query_would_fail_the_frequency_check():
+    # Guard that the chi-square test above can fail: uniform draws against a skewed kernel.
+    rng = np.random.default_rng(3)
+    items, query = rng.normal(size=(30, 4)), rng.normal(size=(1, 4)) * 3
+    expected = _brute_probabilities(query, items, 5.0)[0]
+    observed = np.bincount(rng.integers(0, 30, 20_000), minlength=30)
+    assert stats.chisquare(observed, expected * observed.sum())[1] < 1e-6
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="alpha"):
+        QuadraticKernelTree(np.ones((3, 2)), alpha=0)
+    with pytest.raises(ValueError, match="NaN"):
+        QuadraticKernelTree(np.array([[np.nan, 1.0]]))
+    tree = QuadraticKernelTree(np.ones((3, 2)))
+    with pytest.raises(ValueError, match="queries must be"):
+        tree.sample(np.ones((1, 3)), 2, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="rows must be unique"):
+        tree.update(np.array([0, 0]), np.ones((2, 2)))
