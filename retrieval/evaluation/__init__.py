@@ -1,21 +1,49 @@
-"""Offline evaluation over the full corpus (numpy + FAISS, no TensorFlow)."""
+"""Offline evaluation over the full corpus (numpy + FAISS, no TensorFlow).
 
-from retrieval.evaluation.metrics import ranking_metrics
-from retrieval.evaluation.protocol import (
-    EvalSet,
-    build_eval_set,
-    evaluate_against_baselines,
-    format_table,
-    index_ranking,
-    popularity_ranking,
+- ``protocol``: who is evaluated on what (``build_eval_set``), the model's FAISS ranking;
+- ``metrics``: metric functions and their formulas;
+- ``baselines``: popularity and implicit ALS rankers under the same protocol;
+- ``compare``: every ranker and metric on one ``EvalSet``;
+- ``report``: Markdown tables, ``report.md`` and PNG plots.
+"""
+
+from retrieval.evaluation.baselines import BASELINES, als_ranking, baseline_ranking, fit_als, popularity_ranking
+from retrieval.evaluation.compare import evaluate_against_baselines, score_ranking
+from retrieval.evaluation.metrics import (
+    activity_segments,
+    coverage_at_k,
+    mean_log_popularity,
+    metrics_by_segment,
+    popularity_bias,
+    ranking_metrics,
+    tail_items,
+    tail_recall,
 )
+from retrieval.evaluation.protocol import EvalSet, build_eval_set, index_ranking, item_click_counts
+from retrieval.evaluation.report import format_table, ranker_names, summary_table, write_report
 
 __all__ = [
+    "BASELINES",
     "EvalSet",
+    "activity_segments",
+    "als_ranking",
+    "baseline_ranking",
     "build_eval_set",
+    "coverage_at_k",
     "evaluate_against_baselines",
+    "fit_als",
     "format_table",
     "index_ranking",
+    "item_click_counts",
+    "mean_log_popularity",
+    "metrics_by_segment",
+    "popularity_bias",
     "popularity_ranking",
+    "ranker_names",
     "ranking_metrics",
+    "score_ranking",
+    "summary_table",
+    "tail_items",
+    "tail_recall",
+    "write_report",
 ]

@@ -13,10 +13,8 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from retrieval.arrays import drop_members
 from retrieval.config import EvaluationConfig
 from retrieval.data import ITEM, USER
-from retrieval.evaluation.metrics import ranking_metrics
 from retrieval.index import ItemIndex
 
 
@@ -116,54 +114,25 @@ def index_ranking(
     return ranked
 
 
-def popularity_ranking(
-    train: pd.DataFrame, catalogue_ids: Sequence[str], eval_set: EvalSet, depth: int
-) -> np.ndarray:
-    """The most-clicked training items each user has not clicked. [num_users, depth]."""
-    counts = train[ITEM].value_counts().reindex(pd.Index(catalogue_ids, dtype=object), fill_value=0).to_numpy()
-    global_order = np.lexsort((np.arange(len(counts)), -counts))
-    extra = max((len(e) for e in eval_set.exclude), default=0)
-    head = global_order[: depth + extra]
-    rows = np.broadcast_to(head, (len(eval_set.user_ids), len(head)))
-    rows, _ = drop_members(rows, np.zeros(rows.shape, np.float32), eval_set.exclude)
-    return _pad_columns(rows[:, :depth], depth)
+def item_click_counts(train: pd.DataFrame, catalogue_ids: Sequence[str]) -> np.ndarray:
+    """Training clicks (repeats included) per catalogue row. [num_items] int64.
+
+    Raises:
+      ValueError: a training click names an item missing from the catalogue.
+    """
+    catalogue = pd.Index(catalogue_ids, dtype=object)
+    counts = train[ITEM].value_counts()
+    missing = ~counts.index.isin(catalogue)
+    if missing.any():
+        raise ValueError(
+            f"{int(missing.sum())} training items are missing from the catalogue "
+            f"(e.g. {counts.index[missing][0]!r}); the catalogue must contain every logged item"
+        )
+    return counts.reindex(catalogue, fill_value=0).to_numpy(np.int64)
 
 
-def _pad_columns(rows: np.ndarray, depth: int) -> np.ndarray:
+def pad_columns(rows: np.ndarray, depth: int) -> np.ndarray:
+    """Right-pad [n, width] rows with -1 to [n, depth] (no-op when already that wide)."""
     if rows.shape[1] >= depth:
         return rows
     return np.pad(rows, ((0, 0), (0, depth - rows.shape[1])), constant_values=-1)
-
-
-def evaluate_against_baselines(
-    index: ItemIndex,
-    query_embeddings: np.ndarray,
-    eval_set: EvalSet,
-    train: pd.DataFrame,
-    ks: Sequence[int],
-    batch_size: int = 4096,
-) -> dict[str, dict]:
-    """Model metrics beside the popularity baseline, on the same users and masks.
-
-    Returns:
-      ``{"model": {...}, "popularity": {...}, "counts": {...}}``.
-    """
-    depth = max(ks)
-    model_ranked = index_ranking(index, query_embeddings, eval_set, depth, batch_size)
-    popular_ranked = popularity_ranking(train, index.item_ids, eval_set, depth)
-    return {
-        "model": ranking_metrics(model_ranked, eval_set.relevant, ks),
-        "popularity": ranking_metrics(popular_ranked, eval_set.relevant, ks),
-        "counts": dict(eval_set.counts),
-    }
-
-
-def format_table(results: dict[str, dict], metrics: Sequence[str] = ("recall", "ndcg", "hit_rate", "mrr")) -> str:
-    """A Markdown table: one row per metric@k, one column per ranker."""
-    rankers = [name for name, value in results.items() if isinstance(value, dict) and "users" in value]
-    keys = [key for key in results[rankers[0]] if key.split("@")[0] in metrics]
-    keys.sort(key=lambda key: (metrics.index(key.split("@")[0]), int(key.split("@")[1])))
-    lines = ["| metric | " + " | ".join(rankers) + " |", "|---" * (len(rankers) + 1) + "|"]
-    for key in keys:
-        lines.append(f"| {key} | " + " | ".join(f"{results[name][key]:.4f}" for name in rankers) + " |")
-    return "\n".join(lines)

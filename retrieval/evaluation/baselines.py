@@ -1,0 +1,157 @@
+"""Baseline rankers, scored on the same users, masks and catalogue as the model.
+
+Each baseline is ``rank(train, catalogue_ids, eval_set, depth, config) -> ranked``,
+``ranked`` being [num_users, depth] catalogue rows aligned with
+``eval_set.user_ids``, best first, -1 where the catalogue ran out. Every one
+ranks the FULL catalogue (items without training clicks included) and drops
+``eval_set.exclude`` exactly as the model's ranking does, so the columns of a
+results table differ only in the scorer.
+
+- ``popularity``: the most clicked training items the user has not clicked.
+- ``als``: implicit-feedback matrix factorisation, "Collaborative Filtering for
+  Implicit Feedback Datasets" (Hu, Koren & Volinsky, ICDM 2008), fitted with
+  the conjugate-gradient solver of Takács et al. (RecSys 2011) as implemented by
+  ``implicit.cpu.als.AlternatingLeastSquares``. The user-item matrix holds each
+  pair's number of training clicks, times ``alpha``, as its confidence. Items
+  without training clicks get a zero factor (as the two-tower model's
+  out-of-vocabulary row), and so do test users without training clicks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import pandas as pd
+
+from retrieval.arrays import drop_members
+from retrieval.config import ALSConfig, BaselinesConfig
+from retrieval.data import ITEM, USER
+from retrieval.evaluation.protocol import EvalSet, index_ranking, item_click_counts, pad_columns
+from retrieval.index import ItemIndex
+
+
+def popularity_ranking(
+    train: pd.DataFrame,
+    catalogue_ids: Sequence[str],
+    eval_set: EvalSet,
+    depth: int,
+    config: BaselinesConfig | None = None,
+) -> np.ndarray:
+    """The most-clicked training items each user has not clicked (ties: catalogue order).
+
+    Returns:
+      [num_users, depth] catalogue rows. ``config`` is unused (uniform signature).
+    """
+    counts = item_click_counts(train, catalogue_ids)
+    global_order = np.lexsort((np.arange(len(counts)), -counts))
+    extra = max((len(e) for e in eval_set.exclude), default=0)
+    head = global_order[: depth + extra]
+    rows = np.broadcast_to(head, (len(eval_set.user_ids), len(head)))
+    rows, _ = drop_members(rows, np.zeros(rows.shape, np.float32), eval_set.exclude)
+    return pad_columns(rows[:, :depth], depth)
+
+
+@dataclass(frozen=True)
+class ALSFactors:
+    """A fitted ALS model.
+
+    Attributes:
+      user_ids: [num_train_users] ids, row order of ``user_factors``.
+      user_factors: [num_train_users, factors] float32.
+      item_factors: [num_items, factors] float32, catalogue row order; zero for
+        items without training clicks.
+    """
+
+    user_ids: pd.Index
+    user_factors: np.ndarray
+    item_factors: np.ndarray
+
+    def users(self, user_ids: Sequence[str]) -> np.ndarray:
+        """Factors of ``user_ids`` [len(user_ids), factors]; zero rows for unknown users."""
+        rows = self.user_ids.get_indexer(pd.Index(user_ids, dtype=object))
+        factors = np.zeros((len(rows), self.user_factors.shape[1]), dtype=np.float32)
+        known = rows >= 0
+        factors[known] = self.user_factors[rows[known]]
+        return factors
+
+
+def fit_als(train: pd.DataFrame, catalogue_ids: Sequence[str], config: ALSConfig) -> ALSFactors:
+    """Fit implicit ALS on the training clicks over the whole catalogue.
+
+    Args:
+      train: canonical training clicks (weights are not used: confidence counts clicks).
+      catalogue_ids: [num_items] item ids; matrix columns follow this order.
+      config: factors, regularisation, alpha, iterations, seed, threads.
+    """
+    # Imported here: implicit (and its BLAS probing) is only needed when ALS is asked for.
+    from implicit.cpu.als import AlternatingLeastSquares
+    from scipy.sparse import csr_matrix
+    from threadpoolctl import threadpool_limits
+
+    item_rows = pd.Index(catalogue_ids, dtype=object).get_indexer(train[ITEM])
+    if (item_rows < 0).any():
+        missing = train[ITEM].to_numpy()[item_rows < 0][0]
+        raise ValueError(f"training item {missing!r} is missing from the catalogue")
+    user_codes, user_ids = pd.factorize(train[USER], sort=True)
+    clicks = csr_matrix(
+        (np.ones(len(train), np.float32), (user_codes, item_rows)), shape=(len(user_ids), len(catalogue_ids))
+    )
+    clicks.sum_duplicates()  # a pair clicked n times has confidence alpha * n
+    # implicit parallelises over users/items itself; a multi-threaded BLAS underneath
+    # oversubscribes the cores (implicit warns and can run ~10x slower), so BLAS gets one.
+    with threadpool_limits(limits=1, user_api="blas"):
+        model = AlternatingLeastSquares(
+            factors=config.factors,
+            regularization=config.regularization,
+            alpha=config.alpha,
+            iterations=config.iterations,
+            random_state=config.seed,
+            num_threads=config.num_threads,
+        )
+        model.fit(clicks, show_progress=False)
+    item_factors = np.array(model.item_factors, dtype=np.float32)
+    item_factors[np.asarray(clicks.sum(axis=0)).ravel() == 0] = 0.0
+    return ALSFactors(pd.Index(user_ids, dtype=object), np.array(model.user_factors, dtype=np.float32), item_factors)
+
+
+def als_ranking(
+    train: pd.DataFrame,
+    catalogue_ids: Sequence[str],
+    eval_set: EvalSet,
+    depth: int,
+    config: BaselinesConfig | None = None,
+    batch_size: int = 4096,
+) -> np.ndarray:
+    """Top-``depth`` rows by ALS score (dot product of factors), masked like the model.
+
+    The item factors go into an exact FAISS inner-product index and are ranked by
+    ``index_ranking``, the function that ranks the model.
+    """
+    config = config or BaselinesConfig()
+    factors = fit_als(train, catalogue_ids, config.als)
+    index = ItemIndex.build(list(catalogue_ids), factors.item_factors, "Flat")
+    return index_ranking(index, factors.users(eval_set.user_ids), eval_set, depth, batch_size)
+
+
+Baseline = Callable[[pd.DataFrame, Sequence[str], EvalSet, int, BaselinesConfig], np.ndarray]
+
+BASELINES: dict[str, Baseline] = {
+    "popularity": popularity_ranking,
+    "als": als_ranking,
+}
+
+
+def baseline_ranking(
+    name: str,
+    train: pd.DataFrame,
+    catalogue_ids: Sequence[str],
+    eval_set: EvalSet,
+    depth: int,
+    config: BaselinesConfig,
+) -> np.ndarray:
+    """Rank with the baseline called ``name`` (a key of ``BASELINES``). [num_users, depth]."""
+    if name not in BASELINES:
+        raise ValueError(f"unknown baseline {name!r}; valid: {', '.join(BASELINES)}")
+    return BASELINES[name](train, catalogue_ids, eval_set, depth, config)

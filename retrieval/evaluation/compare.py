@@ -1,0 +1,121 @@
+"""The model beside the baselines: every metric, overall and per activity segment.
+
+All rankers see the same ``EvalSet`` (users, relevant rows, masks) and the same
+catalogue, so the table's columns differ only in the scorer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from retrieval.config import EvaluationConfig
+from retrieval.data import USER
+from retrieval.evaluation.baselines import baseline_ranking
+from retrieval.evaluation.metrics import (
+    activity_segments,
+    coverage_at_k,
+    mean_log_popularity,
+    metrics_by_segment,
+    popularity_bias,
+    ranking_metrics,
+    segment_labels,
+    tail_items,
+    tail_recall,
+)
+from retrieval.evaluation.protocol import EvalSet, index_ranking, item_click_counts
+from retrieval.index import ItemIndex
+
+MODEL = "model"
+
+
+def score_ranking(
+    ranked: np.ndarray,
+    relevant: Sequence[np.ndarray],
+    ks: Sequence[int],
+    item_counts: np.ndarray,
+    is_tail: np.ndarray,
+) -> dict[str, float]:
+    """Accuracy and beyond-accuracy metrics of one ranking (definitions: ``metrics``).
+
+    Args:
+      ranked: [num_users, depth] catalogue rows, depth >= max(ks).
+      relevant: num_users arrays of relevant rows.
+      ks: cut-offs.
+      item_counts: [num_items] training clicks per catalogue row.
+      is_tail: [num_items] bool, from ``tail_items``.
+
+    Returns:
+      ``ranking_metrics`` plus ``coverage@k``, ``popularity_bias@k``, ``tail_recall@k``
+      and ``tail_users`` (the users tail recall averages over).
+    """
+    results = ranking_metrics(ranked, relevant, ks)
+    tail_users = 0
+    for k in sorted(set(ks)):
+        results[f"coverage@{k}"] = coverage_at_k(ranked, len(item_counts), k)
+        results[f"popularity_bias@{k}"] = popularity_bias(ranked, item_counts, k)
+        results[f"tail_recall@{k}"], tail_users = tail_recall(ranked, relevant, is_tail, k)
+    results["tail_users"] = tail_users
+    return results
+
+
+def evaluate_against_baselines(
+    index: ItemIndex,
+    query_embeddings: np.ndarray,
+    eval_set: EvalSet,
+    train: pd.DataFrame,
+    config: EvaluationConfig,
+) -> dict[str, dict]:
+    """Score the model's FAISS ranking and each configured baseline on ``eval_set``.
+
+    Args:
+      index: the catalogue index (its ``item_ids`` are the catalogue).
+      query_embeddings: [num_users, dim], aligned with ``eval_set.user_ids``.
+      eval_set: users, relevant rows and masks from ``build_eval_set``.
+      train: the training clicks (popularity, ALS, tail and activity come from them).
+      config: ks, baselines, head fraction, activity edges, query batch size.
+
+    Returns:
+      ``{"model": {...}, <baseline>: {...}, "segments": {ranker: {label: {...}}},
+      "reference": {...}, "seconds": {ranker: s}, "counts": {...}}``; the per-ranker
+      dicts are flat ``"metric@k" -> value`` maps (see ``score_ranking``).
+    """
+    ks = sorted(set(config.ks))
+    depth = ks[-1]
+    catalogue_ids = list(index.item_ids)
+    item_counts = item_click_counts(train, catalogue_ids)
+    is_tail = tail_items(item_counts, config.head_fraction)
+    activity = train[USER].value_counts().reindex(pd.Index(eval_set.user_ids, dtype=object), fill_value=0)
+    segments = activity_segments(activity.to_numpy(), config.activity_edges)
+
+    rankers = {MODEL: lambda: index_ranking(index, query_embeddings, eval_set, depth, config.query_batch_size)}
+    for name in config.baselines.rankers:
+        rankers[name] = lambda name=name: baseline_ranking(
+            name, train, catalogue_ids, eval_set, depth, config.baselines
+        )
+    results: dict[str, dict] = {}
+    by_segment, seconds = {}, {}
+    for name, rank in rankers.items():
+        started = time.perf_counter()
+        ranked = rank()
+        seconds[name] = round(time.perf_counter() - started, 3)
+        results[name] = score_ranking(ranked, eval_set.relevant, ks, item_counts, is_tail)
+        by_segment[name] = metrics_by_segment(
+            ranked, eval_set.relevant, segments, ks, order=segment_labels(config.activity_edges)
+        )
+    relevant_rows = np.concatenate(eval_set.relevant) if eval_set.relevant else np.zeros(0, np.int64)
+    results["segments"] = by_segment
+    results["reference"] = {
+        "test_items_log_popularity": mean_log_popularity(eval_set.relevant, item_counts),
+        "catalogue_items": int(len(item_counts)),
+        "head_fraction": config.head_fraction,
+        "tail_items": int(is_tail.sum()),
+        "relevant_pairs_on_tail_items": int(is_tail[relevant_rows].sum()),
+        "segment_users": {label: int(np.sum(segments == label)) for label in segment_labels(config.activity_edges)},
+    }
+    results["seconds"] = seconds
+    results["counts"] = dict(eval_set.counts)
+    return results

@@ -1,0 +1,75 @@
+"""The job's evaluation outputs: report, plots, TensorBoard logs, and re-evaluating the bundle."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import retrieval  # noqa: F401
+import tensorflow as tf
+
+from pipelines import evaluate as evaluate_cli
+from retrieval.config import load_config
+from retrieval.evaluation.report import PLOT_FILES
+from retrieval.jobs import train_evaluate_export
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "data.synthetic.n_users=300",
+    "data.synthetic.n_items=200",
+    "data.synthetic.mean_clicks_per_user=20",
+    "train.epochs=2",
+    "train.batch_size=512",
+    "train.verbose=0",
+    "evaluation.ks=[10, 20]",
+    "evaluation.baselines.als.iterations=5",
+    "run.name=eval-job",
+]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("artifacts")
+    return train_evaluate_export(load_config(ROOT / "configs/default.yaml", TINY + [f"run.output_dir={out}"]))
+
+
+def _scalars(directory: Path) -> dict[str, float]:
+    values = {}
+    for path in directory.glob("events.out.tfevents.*"):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                values[value.tag] = float(tf.make_ndarray(value.tensor))
+    return values
+
+
+def test_run_directory_has_report_plots_and_all_rankers(run):
+    names = {p.name for p in run.directory.iterdir()}
+    assert {"metrics.json", "report.md", *PLOT_FILES.values(), "tensorboard"} <= names
+    metrics = json.loads((run.directory / "metrics.json").read_text())
+    assert [name for name in metrics if isinstance(metrics[name], dict) and "users" in metrics[name]] == [
+        "model", "popularity", "als"
+    ]
+    assert set(metrics["segments"]) == {"model", "popularity", "als"}
+    manifest = json.loads((run.directory / "manifest.json").read_text())
+    assert set(manifest["metrics"]) == {"model", "popularity", "als", "counts"}
+    assert "| als |" in (run.directory / "report.md").read_text()
+
+
+def test_tensorboard_has_training_loss_and_final_metrics(run):
+    train = _scalars(run.directory / "tensorboard" / "train")
+    assert "epoch_loss" in train
+    final = _scalars(run.directory / "tensorboard" / "evaluation")
+    assert final["model/recall@20"] == pytest.approx(run.metrics["model"]["recall@20"])
+    assert final["als/ndcg@10"] == pytest.approx(run.metrics["als"]["ndcg@10"])
+
+
+def test_pipelines_evaluate_writes_a_separate_report(run, capsys):
+    assert evaluate_cli.main(["--run", str(run.directory), "--set", "evaluation.baselines.rankers=[popularity]"]) == 0
+    out = run.directory / "reevaluated"
+    again = json.loads((out / "metrics.json").read_text())
+    assert again["model"]["recall@20"] == pytest.approx(run.metrics["model"]["recall@20"], abs=1e-9)
+    assert "als" not in again
+    assert (out / "report.md").exists() and (out / PLOT_FILES["recall"]).exists()
+    assert "| recall@20 |" in capsys.readouterr().out
