@@ -9,12 +9,15 @@ code needed to run it), the FAISS index and the row -> item-id map::
 or from a shell::
 
     python -m retrieval.serving --bundle artifacts/my-run --user-id 196 -k 10
+
+Over HTTP, ``retrieval serve --bundle artifacts/my-run`` (``retrieval/service.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -32,7 +35,8 @@ class Recommendations:
 
     ``fallback`` says how the list was made when the model could not place the
     query: ``"popular"`` for a query the towers know nothing about (e.g. a user
-    id never seen in training), else None.
+    id never seen in training), else None. (Towers with non-id features will
+    add ``"features"``: an unknown id embedded from its other features.)
     """
 
     item_ids: list[str]
@@ -45,10 +49,13 @@ class Bundle:
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
+        self.loaded_at = time.time()
         self.manifest = read_manifest(self.directory)
         self.query_features: list[str] = list(self.manifest["query_features"])
         self._query_model = tf.saved_model.load(str(self.directory / self.manifest["files"]["query_model"]))
         self._embed = self._query_model.signatures["serving_default"]
+        # name -> TensorSpec: string [batch], float32/float64 [batch] or string [batch, width].
+        self._input_specs: dict[str, tf.TensorSpec] = dict(self._embed.structured_input_signature[1])
         self.index = ItemIndex.load(self.directory)
         self._row_of = {item: row for row, item in enumerate(self.index.item_ids)}
         self._popular_rows = np.array(
@@ -60,14 +67,71 @@ class Bundle:
     def load(cls, directory: str | Path) -> "Bundle":
         return cls(directory)
 
+    @property
+    def version(self) -> str:
+        """The run name the bundle was exported under (else its directory name)."""
+        return str(self.manifest.get("run") or self.directory.name)
+
+    def metadata(self) -> dict[str, Any]:
+        """What a client may want to know: version, features, index, recall, versions (no config dump)."""
+        index = self.index.info()
+        return {
+            "bundle": self.version,
+            "directory": str(self.directory),
+            "created_at": self.manifest.get("created_at"),
+            "loaded_at": self.loaded_at,
+            "format_version": self.manifest.get("format_version"),
+            "query_features": self.query_features,
+            "embedding_dim": self.index.dim,
+            "num_items": len(self.index),
+            "metric": index["metric"],
+            "normalized": index["normalized"],
+            "index": index,
+            "fallbacks": ["popular"],
+            "num_popular_items": int(len(self._popular_rows)),
+            "versions": self.manifest.get("versions", {}),
+        }
+
+    def check_query(self, query: Any, position: int = 0) -> None:
+        """Raise ValueError naming the problem unless ``query`` has every query feature in its type.
+
+        String inputs take a string or int (None: missing, sent as ""); number
+        inputs an int, a float or None (missing, NaN); list inputs (e.g. a click
+        history) a list of strings or ints, truncated or padded to the signature's width.
+        """
+        if not isinstance(query, Mapping):
+            raise ValueError(f"query {position} must be an object of features, got {type(query).__name__}")
+        for feature in self.query_features:
+            if feature not in query:
+                raise ValueError(
+                    f"query {position} lacks the feature {feature!r} (this bundle reads {self.query_features})"
+                )
+            value, spec = query[feature], self._input_specs[feature]
+            if spec.dtype != tf.string:
+                if isinstance(value, bool) or not (value is None or isinstance(value, (int, float))):
+                    raise ValueError(f"query {position} feature {feature!r} must be a number or null, got {value!r}")
+            elif spec.shape.rank == 2:
+                if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or any(
+                    isinstance(v, bool) or not isinstance(v, (str, int)) for v in value
+                ):
+                    raise ValueError(
+                        f"query {position} feature {feature!r} must be a list of strings or integers, got {value!r}"
+                    )
+            elif value is None and len(self.query_features) > 1:
+                continue  # a missing feature of a feature tower; an ID tower's only id must be given
+            elif isinstance(value, bool) or not isinstance(value, (str, int)):
+                raise ValueError(
+                    f"query {position} feature {feature!r} must be a string or integer, got {value!r}"
+                )
+
     def embed(self, queries: Sequence[Mapping[str, Any]]) -> np.ndarray:
         """Raw query features -> [num_queries, dim] float32 embeddings."""
-        inputs = {}
-        for feature in self.query_features:
-            try:
-                inputs[feature] = tf.constant([str(query[feature]) for query in queries], dtype=tf.string)
-            except KeyError:
-                raise ValueError(f"every query needs the feature {feature!r}; got {list(queries[0])}") from None
+        for position, query in enumerate(queries):
+            self.check_query(query, position)
+        inputs = {
+            feature: _input_tensor([query[feature] for query in queries], self._input_specs[feature])
+            for feature in self.query_features
+        }
         return self._embed(**inputs)["embedding"].numpy()
 
     def recommend(
@@ -101,7 +165,8 @@ class Bundle:
         results = []
         for i in range(len(queries)):
             if unknown[i]:
-                rows = [r for r in self._popular_rows if r not in set(exclude[i].tolist())][:k]
+                excluded = set(exclude[i].tolist())
+                rows = [r for r in self._popular_rows if r not in excluded][:k]
                 results.append(Recommendations(self._ids(rows), [None] * len(rows), "popular"))
             else:
                 rows = top.rows[i][top.rows[i] >= 0]
@@ -110,6 +175,17 @@ class Bundle:
 
     def _ids(self, rows) -> list[str]:
         return [str(self.index.item_ids[r]) for r in rows]
+
+
+def _input_tensor(values: Sequence[Any], spec: tf.TensorSpec) -> tf.Tensor:
+    """Checked raw values of one input (``Bundle.check_query``) -> a tensor matching ``spec``."""
+    if spec.dtype != tf.string:
+        return tf.constant([np.nan if v is None else float(v) for v in values], dtype=spec.dtype)
+    if spec.shape.rank == 2:
+        width = spec.shape[1]
+        rows = [[str(v) for v in value][:width] for value in values]
+        return tf.constant([row + [""] * (width - len(row)) for row in rows], dtype=tf.string, shape=[len(rows), width])
+    return tf.constant(["" if v is None else str(v) for v in values], dtype=tf.string)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,0 +1,84 @@
+"""The ``retrieval`` command (``[project.scripts]`` in pyproject.toml).
+
+    retrieval serve --bundle artifacts/<run> [--host 127.0.0.1] [--port 8000]
+    retrieval reload --bundle artifacts/<new run> [--url http://127.0.0.1:8000]
+
+``serve`` runs the HTTP service of ``retrieval/service.py`` under uvicorn;
+``reload`` asks a running service to swap to another bundle without
+dropping requests (``POST /admin/reload``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import urllib.error
+import urllib.request
+from typing import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="retrieval", description="Serve top-k retrieval from a bundle.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="HTTP JSON service over a bundle (uvicorn)")
+    serve.add_argument("--bundle", required=True, help="bundle directory, e.g. artifacts/<run>")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s, loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--no-admin", action="store_true", help="disable POST /admin/reload")
+    serve.add_argument(
+        "--search-threads", type=int, default=1, help="FAISS threads per request; 0 = every core (default: %(default)s)"
+    )
+    serve.add_argument("--access-log", action="store_true", help="log every request (costs latency)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    reload = commands.add_parser("reload", help="make a running service serve another bundle")
+    reload.add_argument("--bundle", required=True, help="new bundle directory, as the server sees it")
+    reload.add_argument("--url", default="http://127.0.0.1:8000", help="service base URL (default: %(default)s)")
+    reload.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the load")
+
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    return _reload(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow loads)
+    from retrieval.service import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    try:
+        app = create_app(args.bundle, admin=not args.no_admin, search_threads=args.search_threads or None)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=args.host, port=args.port, access_log=args.access_log, log_level=args.log_level)
+    return 0
+
+
+def _reload(args: argparse.Namespace) -> int:
+    request = urllib.request.Request(
+        args.url.rstrip("/") + "/admin/reload",
+        data=json.dumps({"bundle": args.bundle}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as response:
+            print(response.read().decode())
+    except urllib.error.HTTPError as error:
+        print(f"error: {error.code} {error.read().decode()}", file=sys.stderr)
+        return 1
+    except urllib.error.URLError as error:
+        print(f"error: cannot reach {args.url}: {error.reason}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
