@@ -1,0 +1,62 @@
+"""Features: statistics and raw tower inputs, computed from the *training* part of the log only.
+
+- ``statistics``: id vocabularies and item popularity (log-Q) from training clicks;
+- ``tables``: raw tower inputs per training example, catalogue item and query
+  (user/item features joined on, click histories without leakage);
+- ``preprocessing``: per-feature vocabularies and normalisation statistics the
+  feature towers bake in.
+
+Plain numpy/pandas; importing it does not import TensorFlow.
+"""
+
+from retrieval.features.preprocessing import (
+    NumericStatistics,
+    TimestampStatistics,
+    TowerStatistics,
+    age_days,
+    category_values,
+    fit_statistic,
+    numeric_values,
+)
+from retrieval.features.statistics import FeatureStatistics, ItemPopularity, Vocabulary
+from retrieval.features.tables import (
+    PAD,
+    InputSpec,
+    TowerTables,
+    catalogue_inputs,
+    feature_arrays,
+    feature_input,
+    history_before,
+    latest_history,
+    query_inputs,
+    reference_time,
+    tower_frame,
+    tower_inputs,
+    training_examples,
+)
+
+__all__ = [
+    "PAD",
+    "FeatureStatistics",
+    "InputSpec",
+    "ItemPopularity",
+    "NumericStatistics",
+    "TimestampStatistics",
+    "TowerStatistics",
+    "TowerTables",
+    "Vocabulary",
+    "age_days",
+    "catalogue_inputs",
+    "category_values",
+    "feature_arrays",
+    "feature_input",
+    "fit_statistic",
+    "history_before",
+    "latest_history",
+    "numeric_values",
+    "query_inputs",
+    "reference_time",
+    "tower_frame",
+    "tower_inputs",
+    "training_examples",
+]

@@ -1,0 +1,42 @@
+"""Towers: Keras models from a dict of raw features to an embedding.
+
+A tower owns all of its preprocessing (lookups, hashing, normalisation), so an
+exported tower takes raw values exactly as the log has them.
+
+- ``id_tower``: the ID-only tower (the default two-tower model);
+- ``feature_tower`` / ``build_towers``: DSSM / YouTube-DNN style feature towers
+  from ``Config.towers``;
+- ``layers``: the preprocessing and pooling layers they are made of.
+"""
+
+from retrieval.towers.feature import build_towers, feature_tower
+from retrieval.towers.id import IdEmbedding, id_tower
+from retrieval.towers.layers import (
+    AttentionPooling,
+    HashedText,
+    IdDropout,
+    MaskedMean,
+    NormalizedNumber,
+    NotPadding,
+    Prefix,
+    SplitPad,
+    TimestampAge,
+    text_tokens,
+)
+
+__all__ = [
+    "AttentionPooling",
+    "HashedText",
+    "IdDropout",
+    "IdEmbedding",
+    "MaskedMean",
+    "NormalizedNumber",
+    "NotPadding",
+    "Prefix",
+    "SplitPad",
+    "TimestampAge",
+    "build_towers",
+    "feature_tower",
+    "id_tower",
+    "text_tokens",
+]

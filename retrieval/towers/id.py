@@ -1,0 +1,104 @@
+"""The ID-only tower: one string id -> its embedding.
+
+A tower owns all of its preprocessing (string lookup included), so the exported
+query tower takes raw ids exactly as the click log has them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from retrieval.features import Vocabulary
+
+
+class _ZeroOutOfVocabulary(tf.keras.initializers.Initializer):
+    """Random-uniform rows, except row 0 (the OOV bucket) which starts at zero.
+
+    Ids never seen in training all share row 0. An ID model has learnt nothing
+    about them, and in-batch softmax never updates that row, so a zero vector
+    (score exactly 0 against every query) is the honest "don't know" instead of
+    a random direction that could put every unknown item at the top.
+    """
+
+    def __init__(self, scale: float = 0.05):
+        self.scale = scale
+
+    def __call__(self, shape, dtype=None, **kwargs):
+        values = tf.random.uniform(shape, -self.scale, self.scale, dtype=dtype or tf.float32)
+        return tf.concat([tf.zeros_like(values[:1]), values[1:]], axis=0)
+
+    def get_config(self):
+        return {"scale": self.scale}
+
+
+@dataclass(frozen=True)
+class IdEmbedding:
+    """A string lookup and its embedding table, callable on ids of any shape; shareable between towers.
+
+    Index 0 is the single out-of-vocabulary row, zero-initialised (see ``_ZeroOutOfVocabulary``).
+    """
+
+    lookup: tf.keras.layers.StringLookup
+    embedding: tf.keras.layers.Embedding
+
+    @classmethod
+    def build(cls, name: str, vocabulary: Vocabulary, dim: int, l2_regularization: float = 0.0) -> "IdEmbedding":
+        """Layers ``{name}_lookup`` and ``{name}_embedding``: one row per vocabulary id after the OOV row."""
+        if vocabulary is None or len(vocabulary) == 0:
+            raise ValueError(f"feature {name!r} has no training values to build a vocabulary from")
+        if dim <= 0:
+            raise ValueError(f"embedding_dim must be positive, got {dim}")
+        return cls(
+            tf.keras.layers.StringLookup(
+                vocabulary=list(vocabulary.ids), mask_token=None, num_oov_indices=1, name=f"{name}_lookup"
+            ),
+            tf.keras.layers.Embedding(
+                len(vocabulary) + 1,
+                dim,
+                embeddings_initializer=_ZeroOutOfVocabulary(),
+                embeddings_regularizer=tf.keras.regularizers.l2(l2_regularization) if l2_regularization else None,
+                name=f"{name}_embedding",
+            ),
+        )
+
+    @property
+    def dim(self) -> int:
+        return self.embedding.output_dim
+
+    def __call__(self, ids):
+        """Ids of any shape -> embeddings ``[*ids.shape, dim]``."""
+        return self.embedding(self.lookup(ids))
+
+
+def id_tower(
+    feature: str,
+    vocabulary: Vocabulary,
+    embedding_dim: int,
+    *,
+    normalize: bool = True,
+    l2_regularization: float = 0.0,
+    name: str | None = None,
+) -> tf.keras.Model:
+    """An ID-embedding tower.
+
+    Args:
+      feature: name of the string feature it reads, e.g. ``"user_id"``.
+      vocabulary: training ids; anything else maps to the OOV row.
+      embedding_dim: output size D.
+      normalize: L2-normalise the output (dot product becomes cosine).
+      l2_regularization: L2 penalty on the embedding table.
+      name: Keras model name.
+
+    Returns:
+      A model taking ``{feature: tf.string [batch]}`` and returning
+      ``[batch, embedding_dim]`` float32.
+    """
+    if embedding_dim <= 0:
+        raise ValueError(f"embedding_dim must be positive, got {embedding_dim}")
+    inputs = {feature: tf.keras.Input(shape=(), dtype=tf.string, name=feature)}
+    outputs = IdEmbedding.build(feature, vocabulary, embedding_dim, l2_regularization)(inputs[feature])
+    if normalize:
+        outputs = tf.keras.layers.UnitNormalization(axis=-1, name="l2_normalize")(outputs)
+    return tf.keras.Model(inputs, outputs, name=name or f"{feature}_tower")

@@ -1,0 +1,234 @@
+"""Preprocessing and pooling layers of the feature towers.
+
+Each layer is plain TensorFlow ops on raw values, so it traces into the
+exported SavedModel and serving needs no project code. Statistics (means,
+variances, reference times) are baked in as constants from
+``retrieval.features.TowerStatistics``; the numpy functions of
+``retrieval.features.preprocessing`` are the reference they are tested against.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from retrieval.features.preprocessing import DAYS_PER_YEAR, SECONDS_PER_DAY, UNIT_SECONDS
+
+
+def text_tokens(texts: tf.Tensor, *, trigrams: bool = True, words: bool = True) -> tf.RaggedTensor:
+    """Tokens of each text: DSSM letter trigrams and/or whole words.
+
+    Text is lower-cased (UTF-8) and split on every run of characters that are
+    neither letters nor digits; each word becomes ``#word#`` (the boundary
+    marks of DSSM word hashing, Huang et al., CIKM 2013). Trigrams are the
+    letter trigrams of ``#word#`` (``#ca``, ``cat``, ``at#``), then come the
+    words themselves.
+
+    Args:
+      texts: [batch] tf.string.
+
+    Returns:
+      [batch, None] ragged tf.string: all trigrams of a text (word by word), then its words.
+    """
+    if not (trigrams or words):
+        raise ValueError("text_tokens needs trigrams or words")
+    cleaned = tf.strings.regex_replace(tf.strings.lower(texts, encoding="utf-8"), r"[^\p{L}\p{N}]+", " ")
+    marked = tf.ragged.map_flat_values(lambda w: tf.strings.join(["#", w, "#"]), tf.strings.split(cleaned))
+    parts = []
+    if trigrams:
+        letters = tf.strings.unicode_split(marked, "UTF-8")  # [batch, words, letters]
+        parts.append(tf.strings.ngrams(letters, 3, separator="").merge_dims(1, 2))
+    if words:
+        parts.append(marked)
+    return parts[0] if len(parts) == 1 else tf.concat(parts, axis=1)
+
+
+class HashedText(tf.keras.layers.Layer):
+    """Mean embedding of a text's hashed tokens (``text_tokens``); 0 for a text without tokens.
+
+    Equivalent to DSSM's linear layer on the (count-normalised) bag of hashed
+    trigrams, with the hash keeping the vocabulary bounded and open.
+
+    Input [batch] tf.string; output [batch, dim] float32.
+    """
+
+    def __init__(self, buckets: int, dim: int, *, trigrams: bool, words: bool, regularizer=None, **kwargs):
+        super().__init__(**kwargs)
+        if buckets <= 0 or dim <= 0:
+            raise ValueError(f"buckets and dim must be positive, got {buckets} and {dim}")
+        self.buckets, self.dim, self.trigrams, self.words = buckets, dim, trigrams, words
+        self.regularizer = regularizer
+
+    def build(self, input_shape):
+        self.embeddings = self.add_weight(
+            name="embeddings",
+            shape=(self.buckets, self.dim),
+            initializer=tf.keras.initializers.RandomUniform(-0.05, 0.05),
+            regularizer=self.regularizer,
+        )
+        super().build(input_shape)
+
+    def call(self, texts):
+        tokens = text_tokens(texts, trigrams=self.trigrams, words=self.words)
+        ids = tf.strings.to_hash_bucket_fast(tokens.flat_values, self.buckets)
+        vectors = tf.gather(self.embeddings, ids)
+        return tf.math.unsorted_segment_mean(vectors, tokens.value_rowids(), num_segments=tf.shape(texts)[0])
+
+    def get_config(self):
+        return super().get_config() | {
+            "buckets": self.buckets, "dim": self.dim, "trigrams": self.trigrams, "words": self.words
+        }
+
+
+class Prefix(tf.keras.layers.Layer):
+    """The first ``length`` characters (UTF-8) of each string: zip code -> region."""
+
+    def __init__(self, length: int, **kwargs):
+        super().__init__(**kwargs)
+        self.length = length
+
+    def call(self, values):
+        return tf.strings.substr(values, 0, self.length, unit="UTF8_CHAR")
+
+    def get_config(self):
+        return super().get_config() | {"length": self.length}
+
+
+class SplitPad(tf.keras.layers.Layer):
+    """Split each string on ``separator`` into exactly ``width`` values: first ones kept, "" padded.
+
+    Input [batch] tf.string; output [batch, width] tf.string.
+    """
+
+    def __init__(self, separator: str, width: int, **kwargs):
+        super().__init__(**kwargs)
+        self.separator, self.width = separator, width
+
+    def call(self, values):
+        return tf.strings.split(values, self.separator).to_tensor(default_value="", shape=[None, self.width])
+
+    def get_config(self):
+        return super().get_config() | {"separator": self.separator, "width": self.width}
+
+
+class MaskedMean(tf.keras.layers.Layer):
+    """Mean over the unmasked positions; 0 where none is.
+
+    Inputs: values [batch, width, dim] and mask [batch, width] bool. Output [batch, dim].
+    """
+
+    def call(self, values, mask):
+        weights = tf.cast(mask, values.dtype)[..., None]
+        return tf.reduce_sum(values * weights, axis=1) / tf.maximum(tf.reduce_sum(weights, axis=1), 1.0)
+
+
+class AttentionPooling(tf.keras.layers.Layer):
+    """Softmax-weighted sum over the unmasked positions, with learned scores.
+
+    ``score_i = <v_i, w> / sqrt(dim) + b_position(i)``: a learned direction
+    and a learned bias per position (recency), both zero-initialised so
+    training starts from the mean. 0 where nothing is unmasked.
+
+    Inputs: values [batch, width, dim] and mask [batch, width] bool. Output [batch, dim].
+    """
+
+    def build(self, input_shape):
+        width, dim = int(input_shape[-2]), int(input_shape[-1])
+        self.direction = self.add_weight(name="direction", shape=(dim,), initializer="zeros")
+        self.position_bias = self.add_weight(name="position_bias", shape=(width,), initializer="zeros")
+        self.scale = 1.0 / float(dim) ** 0.5
+        super().build(input_shape)
+
+    def call(self, values, mask):
+        scores = tf.einsum("bwd,d->bw", values, self.direction) * self.scale + self.position_bias
+        scores = tf.where(mask, scores, tf.fill(tf.shape(scores), tf.constant(-1e9, scores.dtype)))
+        weights = tf.nn.softmax(scores, axis=-1) * tf.cast(mask, values.dtype)
+        return tf.reduce_sum(values * weights[..., None], axis=1)
+
+
+class NormalizedNumber(tf.keras.layers.Layer):
+    """``[(v - mean) / std, is_missing]`` with v = x or log1p(max(x, 0)); missing (NaN) -> ``[0, 1]``.
+
+    Input [batch] float32; output [batch, 2] float32.
+    """
+
+    def __init__(self, mean: float, std: float, log: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.mean, self.std, self.log = float(mean), float(std), bool(log)
+
+    def call(self, values):
+        values = tf.cast(values, tf.float32)
+        missing = tf.math.is_nan(values)
+        if self.log:
+            values = tf.math.log1p(tf.maximum(values, 0.0))
+        normalized = tf.where(missing, 0.0, (values - self.mean) / self.std)
+        return tf.stack([normalized, tf.cast(missing, tf.float32)], axis=-1)
+
+    def get_config(self):
+        return super().get_config() | {"mean": self.mean, "std": self.std, "log": self.log}
+
+
+class TimestampAge(tf.keras.layers.Layer):
+    """A time as its age in days at the end of training: ``[z(age), z(log1p(max(age, 0))), is_missing]``.
+
+    Input [batch] float64 (seconds or days since the epoch, or a calendar
+    year, as ``unit`` says); output [batch, 3] float32. The age is computed
+    in float64, so epoch seconds keep their precision.
+    """
+
+    def __init__(self, unit: str, reference: float, age: tuple[float, float], log_age: tuple[float, float], **kwargs):
+        super().__init__(**kwargs)
+        if unit not in ("seconds", "days", "years"):
+            raise ValueError(f"unit must be seconds, days or years, got {unit!r}")
+        self.unit, self.reference = unit, float(reference)
+        self.age, self.log_age = tuple(map(float, age)), tuple(map(float, log_age))
+
+    def call(self, values):
+        values = tf.cast(values, tf.float64)
+        missing = tf.math.is_nan(values)
+        if self.unit == "years":
+            seconds = (values - 1970.0) * (DAYS_PER_YEAR * SECONDS_PER_DAY)
+        else:
+            seconds = values * UNIT_SECONDS[self.unit]
+        age = (self.reference - seconds) / SECONDS_PER_DAY
+        log_age = tf.math.log1p(tf.maximum(age, 0.0))
+        z_age = tf.cast((age - self.age[0]) / self.age[1], tf.float32)
+        z_log = tf.cast((log_age - self.log_age[0]) / self.log_age[1], tf.float32)
+        return tf.stack(
+            [tf.where(missing, 0.0, z_age), tf.where(missing, 0.0, z_log), tf.cast(missing, tf.float32)], axis=-1
+        )
+
+    def get_config(self):
+        return super().get_config() | {
+            "unit": self.unit, "reference": self.reference, "age": self.age, "log_age": self.log_age
+        }
+
+
+class NotPadding(tf.keras.layers.Layer):
+    """``values != ""``: the mask of padded string inputs (lists, histories). Same shape, bool."""
+
+    def call(self, values):
+        return tf.not_equal(values, "")
+
+
+class IdDropout(tf.keras.layers.Layer):
+    """Training only: each id index becomes 0 (the OOV row) with probability ``rate``.
+
+    The tower then also learns to place an id it does not know from its other
+    features, which is what it must do for cold users and items at serving
+    time (DropoutNet, Volkovs et al., NeurIPS 2017). Inference leaves ids unchanged.
+    """
+
+    def __init__(self, rate: float, **kwargs):
+        super().__init__(**kwargs)
+        if not 0 <= rate < 1:
+            raise ValueError(f"rate must be in [0, 1), got {rate}")
+        self.rate = float(rate)
+
+    def call(self, ids, training=None):
+        if not training or not self.rate:
+            return ids
+        keep = tf.random.uniform(tf.shape(ids)) >= self.rate
+        return tf.where(keep, ids, tf.zeros_like(ids))
+
+    def get_config(self):
+        return super().get_config() | {"rate": self.rate}

@@ -1,0 +1,68 @@
+"""A small click log with user and item features of every kind, shared by the tests/test_feature_* files."""
+
+import numpy as np
+import pandas as pd
+
+from retrieval.config import TowersConfig
+
+# Every feature kind, with missing values, an OOV-able prefix, hashing, both list formats and a history.
+ALL_KINDS = TowersConfig.model_validate(
+    {
+        "query": {
+            "features": [
+                {"name": "user_id", "kind": "id", "embedding_dim": 6, "dropout": 0.2},
+                {"name": "age", "kind": "numeric"},
+                {"name": "zip", "kind": "categorical", "prefix": 3, "embedding_dim": 3},
+                {"name": "country", "kind": "categorical", "hash_buckets": 7, "embedding_dim": 3},
+                {"name": "signup", "kind": "timestamp", "unit": "seconds"},
+            ],
+            "history": {"length": 3, "pooling": "attention", "share_item_embedding": True},
+            "mlp": {"widths": [16], "dropout": 0.1},
+        },
+        "doc": {
+            "features": [
+                {"name": "item_id", "kind": "id", "embedding_dim": 5},
+                {"name": "genres", "kind": "multi_categorical", "max_values": 2, "embedding_dim": 4},
+                {"name": "tags", "kind": "multi_categorical", "separator": "|", "max_values": 3, "hash_buckets": 11},
+                {"name": "price", "kind": "numeric", "log": True},
+                {"name": "released", "kind": "timestamp", "unit": "years"},
+                {"name": "title", "kind": "text", "embedding_dim": 4, "text": {"buckets": 64}},
+            ]
+        },
+    }
+)
+
+
+def small_tables(seed: int = 0, n_clicks: int = 60):
+    """(clicks, users, items): 6 users, 8 items (i7 never clicked), timestamps with ties."""
+    rng = np.random.default_rng(seed)
+    users = pd.DataFrame(
+        {
+            "user_id": [f"u{i}" for i in range(6)],
+            "age": [23.0, np.nan, 41.0, 35.0, 19.0, 62.0],
+            "zip": ["10001", "10013", "94110", "94105", "60601", None],
+            "country": ["US", "US", "DE", "FR", None, "US"],
+            "signup": [1.70e9, 1.71e9, np.nan, 1.69e9, 1.72e9, 1.705e9],
+        }
+    )
+    items = pd.DataFrame(
+        {
+            "item_id": [f"i{i}" for i in range(8)],
+            "genres": [["Drama"], ["Comedy", "Drama"], ["Action", "Comedy", "War"], [], ["Drama"], ["Comedy"],
+                       ["Action"], ["Horror", "Drama"]],
+            "tags": ["a|b", "b", "", "c|a|b|d", "a", None, "b|c", "zz"],
+            "price": [9.99, np.nan, 20.0, 3.5, 0.0, 120.0, 15.0, 7.0],
+            "released": [1995.0, 1997.0, np.nan, 1980.0, 1999.0, 2001.0, 1994.0, 2002.0],
+            "title": ["Toy Story (1995)", "GoldenEye", "Café au lait", "", "Twelve Monkeys: 12", "l'amour",
+                      "Heat", "Brand New Thing"],
+        }
+    )
+    clicks = pd.DataFrame(
+        {
+            "user_id": rng.choice(users["user_id"].to_numpy(), n_clicks),
+            "item_id": rng.choice(items["item_id"].to_numpy()[:7], n_clicks),
+            "timestamp": 1_700_000_000 + rng.integers(0, 12, n_clicks) * 3600,  # few distinct times: many ties
+            "weight": np.ones(n_clicks, np.float32),
+        }
+    )
+    return clicks, users, items

@@ -1,0 +1,114 @@
+"""Exported feature towers: the SavedModels take raw values and give the in-training embeddings."""
+
+import json
+
+import numpy as np
+import pytest
+from feature_fixtures import ALL_KINDS, small_tables
+
+import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
+import tensorflow as tf
+
+from retrieval.config import ModelConfig
+from retrieval.export import write_bundle
+from retrieval.features import TowerStatistics, TowerTables, feature_arrays
+from retrieval.index import ItemIndex
+from retrieval.serving import Bundle
+from retrieval.towers import build_towers
+from retrieval.training import embed_frame
+
+# Known users, a user with missing features, and one never seen anywhere.
+USERS = ["u0", "u1", "u5", "stranger"]
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    clicks, users, items = small_tables(0)
+    tables = TowerTables(ALL_KINDS, clicks, users, items)
+    stats = TowerStatistics.fit(ALL_KINDS, tables.examples(), tables.reference_time)
+    tf.keras.utils.set_random_seed(1)
+    query, doc = build_towers(ALL_KINDS, ModelConfig(embedding_dim=8), stats)
+    catalogue = tables.catalogue()
+    item_embeddings = embed_frame(doc, catalogue)
+    directory = tmp_path_factory.mktemp("bundle")
+    index = ItemIndex.build(catalogue["item_id"].tolist(), item_embeddings)
+    write_bundle(directory, query_tower=query, doc_tower=doc, index=index,
+                 manifest={"popular_item_ids": ["i0", "i1"]}, item_embeddings=item_embeddings, topk_k=3)
+    return directory, tables, query, doc, catalogue, item_embeddings
+
+
+def _signature(path):
+    return tf.saved_model.load(str(path)).signatures["serving_default"]
+
+
+def test_signatures_take_exactly_the_declared_raw_inputs(bundle):
+    directory, _, query, doc, _, _ = bundle
+    manifest = json.loads((directory / "manifest.json").read_text())
+    for name, tower in (("query", query), ("doc", doc)):
+        specs = _signature(directory / f"{name}_model").structured_input_signature[1]
+        assert sorted(specs) == sorted(tower.input_names) == sorted(manifest[f"{name}_features"])
+        described = {n: {"dtype": s.dtype.name, "shape": s.shape.as_list()} for n, s in specs.items()}
+        assert described == manifest[f"{name}_inputs"]
+    assert manifest["query_inputs"]["history"] == {"dtype": "string", "shape": [None, 3]}
+    assert manifest["doc_inputs"]["tags"] == {"dtype": "string", "shape": [None]}  # split inside the model
+    assert manifest["doc_inputs"]["released"] == {"dtype": "float64", "shape": [None]}
+
+
+def test_saved_models_give_the_in_training_embeddings(bundle):
+    directory, tables, query, doc, catalogue, item_embeddings = bundle
+    serve_doc = _signature(directory / "doc_model")
+    raw = {name: tf.constant(values) for name, values in feature_arrays(catalogue, doc.input_names).items()}
+    np.testing.assert_allclose(serve_doc(**raw)["embedding"].numpy(), item_embeddings, rtol=1e-5, atol=1e-6)
+
+    queries = tables.queries(USERS)
+    expected = embed_frame(query, queries)
+    serve_query = _signature(directory / "query_model")
+    raw = {name: tf.constant(values) for name, values in feature_arrays(queries, query.input_names).items()}
+    np.testing.assert_allclose(serve_query(**raw)["embedding"].numpy(), expected, rtol=1e-5, atol=1e-6)
+    # The same through the serving API, from plain Python values as a client sends them.
+    served = Bundle.load(directory).embed(queries.to_dict("records"))
+    np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_unseen_items_and_users_get_real_embeddings(bundle):
+    directory, tables, query, _, catalogue, item_embeddings = bundle
+    never_clicked = ~catalogue["item_id"].isin(set(tables.train["item_id"]))
+    assert never_clicked.sum() == 1  # i7: features only
+    cold = item_embeddings[never_clicked.to_numpy()]
+    assert np.all(np.isfinite(cold)) and np.linalg.norm(cold, axis=1).min() > 0.5  # unit norm, not the zero OOV row
+
+    stranger = Bundle.load(directory).recommend(
+        {"user_id": "new", "age": 30, "zip": "99999", "country": "BR", "signup": None, "history": ["i7", "i2"]}, k=3
+    )
+    assert stranger.fallback is None and len(stranger.item_ids) == 3 and all(s is not None for s in stranger.scores)
+    no_history = embed_frame(query, tables.queries(["stranger"]))
+    assert np.linalg.norm(no_history) > 0.5
+
+
+def test_topk_model_serves_feature_queries(bundle):
+    directory, tables, query, _, catalogue, item_embeddings = bundle
+    queries = tables.queries(USERS)
+    raw = {name: tf.constant(values) for name, values in feature_arrays(queries, query.input_names).items()}
+    out = _signature(directory / "topk_model")(**raw)
+    scores = embed_frame(query, queries) @ item_embeddings.T
+    expected = catalogue["item_id"].to_numpy()[np.argsort(-scores, axis=1, kind="stable")[:, :3]]
+    assert [[v.decode() for v in row] for row in out["item_ids"].numpy()] == expected.tolist()
+
+
+def test_bad_query_values_are_named(bundle):
+    directory, *_ = bundle
+    served = Bundle.load(directory)
+    good = {"user_id": "u0", "age": 20, "zip": "1", "country": "US", "signup": 1.7e9, "history": []}
+    with pytest.raises(ValueError, match="'age' must be a number"):
+        served.embed([{**good, "age": "old"}])
+    with pytest.raises(ValueError, match="'history' must be a list"):
+        served.embed([{**good, "history": "i1"}])
+
+
+def test_missing_values_may_be_null(bundle):
+    directory, tables, query, *_ = bundle
+    expected = embed_frame(query, tables.queries(["stranger"]))  # no features: "" and NaN
+    served = Bundle.load(directory).embed(
+        [{"user_id": "stranger", "age": None, "zip": None, "country": None, "signup": None, "history": []}]
+    )
+    np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
