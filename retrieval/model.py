@@ -1,71 +1,209 @@
-"""The two-tower model: wires towers, log-Q and the loss, and nothing else."""
+"""The two-tower model: wires towers, sampler and loss, and nothing else.
+
+``build_model`` maps the config's names to classes through the explicit dicts
+below; each raises ``ValueError`` naming an unknown key and the valid ones.
+"""
 
 from __future__ import annotations
 
+from typing import Optional
+from collections.abc import Callable, Mapping
+
 import numpy as np
+import pandas as pd
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
-from retrieval.config import ModelConfig
+from retrieval.config import LossConfig, ModelConfig
 from retrieval.data import ITEM, USER, WEIGHT
-from retrieval.features import FeatureStatistics
-from retrieval.losses import in_batch_softmax_task, relative_sampling_probability
+from retrieval.features import FeatureStatistics, feature_arrays
+from retrieval.losses import (
+    HierarchicalSoftmax,
+    HuffmanTree,
+    LossInputs,
+    NegativeSampling,
+    RetrievalLoss,
+    SampledSoftmax,
+)
+from retrieval.samplers import (
+    AllItems,
+    CorpusSampler,
+    FaissHardNegativeMiner,
+    InBatchSampler,
+    MixedSampler,
+    Sampler,
+    StaticFrequency,
+    StreamingFrequency,
+    UserHistory,
+    log_uniform_sampler,
+    uniform_sampler,
+    unigram_sampler,
+)
 from retrieval.towers import id_tower
+
+# Placeholder id of catalogue row 0 (the OOV row): blank ids never reach a vocabulary.
+_OOV_ITEM = ""
 
 
 class TwoTowerModel(tfrs.Model):
-    """Query tower + doc tower joined by a dot product, trained in-batch.
+    """Query tower + doc tower joined by a dot product, trained with any sampler and loss.
 
     Each training batch is a dict of [B] tensors holding at least every input
     of both towers (e.g. ``"user_id"``, ``"item_id"``: string), ``"item_id"``
-    (log-Q and accidental hits key on it) and ``"weight"`` (float32) when
-    click weights are used. Row i's item is the positive for row i's query and
-    a negative for every other row.
+    (log Q and accidental hits key on it) and ``"weight"`` (float32) when
+    click weights are used. Row i's item is row i's positive.
+
+    Sampled items are tower indices; the model embeds them by gathering their
+    rows of ``catalogue_features`` (the doc tower's raw inputs for every tower
+    index) and running the doc tower, so any doc tower works, not only ID ones.
+
+    Args:
+      query_tower, doc_tower: Keras models from a feature dict to ``[batch, dim]``.
+      objective: the loss (``retrieval.losses``).
+      sampler: the candidate sampler (``retrieval.samplers``).
+      item_ids: the item vocabulary; tower index ``i + 1`` is ``item_ids[i]``.
+      catalogue_features: the doc tower's inputs, each ``[len(item_ids) + 1, ...]``
+        in tower-index order (row 0 = OOV); None = ``{"item_id": ["", *item_ids]}``.
+      miner: optional hard-negative miner (needs ``user_ids``).
+      user_ids: the user vocabulary, rows of the miner's ``UserHistory``.
+      use_weights: weight each example's loss by the batch's ``"weight"``.
     """
 
     def __init__(
         self,
         query_tower: tf.keras.Model,
         doc_tower: tf.keras.Model,
-        task: tfrs.tasks.Retrieval,
+        objective: RetrievalLoss,
+        sampler: Sampler,
         *,
         item_ids: tuple[str, ...],
-        item_probability: np.ndarray | None,
-        log_q_strength: float = 1.0,
+        catalogue_features: Mapping[str, np.ndarray] | None = None,
+        miner: FaissHardNegativeMiner | None = None,
+        user_ids: tuple[str, ...] | None = None,
         use_weights: bool = False,
     ):
         super().__init__()
         self.query_tower = query_tower
         self.doc_tower = doc_tower
-        self.task = task
+        self.objective = objective
+        self.sampler = sampler
+        self.miner = miner
         self.use_weights = use_weights
-        # A separate lookup (same vocabulary as the doc tower) gives the integer
-        # item ids the loss needs for log-Q and for accidental-hit removal.
+        self.num_items = len(item_ids)
+        # A separate lookup (same vocabulary as the doc tower) gives the tower
+        # indices the sampler and the loss key on.
         self._item_index = tf.keras.layers.StringLookup(
             vocabulary=list(item_ids), mask_token=None, num_oov_indices=1
         )
-        self._item_probability = (
-            None
-            if item_probability is None
-            # Q ** s gives logit - s * log Q after TFRS takes the log.
-            else tf.constant(relative_sampling_probability(item_probability) ** log_q_strength, name="item_q")
-        )
+        self._item_ids = tuple(item_ids)
+        if catalogue_features is None:
+            catalogue_features = {ITEM: np.asarray([_OOV_ITEM, *item_ids], dtype=object)}
+        self._catalogue = {}
+        self.set_catalogue_features(catalogue_features)
+        self._user_index = None
+        if miner is not None:
+            if user_ids is None:
+                raise ValueError("a hard-negative miner needs user_ids (the rows of its UserHistory)")
+            self._user_index = tf.keras.layers.StringLookup(
+                vocabulary=list(user_ids), mask_token=None, num_oov_indices=1
+            )
+
+    def set_catalogue_features(self, features) -> None:
+        """Set the doc tower's raw inputs for every tower index (after replacing the doc tower).
+
+        Args:
+          features: a mapping of arrays ``[num_items + 1, ...]`` in tower-index
+            order (row 0 = OOV), or a frame with an ``item_id`` column and the doc
+            tower's inputs, one row per catalogue item in any order (rows of items
+            outside the vocabulary are ignored; the OOV row copies tower index 1's).
+        """
+        if isinstance(features, pd.DataFrame):
+            if ITEM not in features:
+                raise ValueError(
+                    f"the catalogue frame needs an {ITEM!r} column, got {list(features.columns)}"
+                )
+            position = pd.Index(features[ITEM].astype(str)).get_indexer(
+                pd.Index(self._item_ids, dtype=object)
+            )
+            if np.any(position < 0):
+                missing = self._item_ids[int(np.flatnonzero(position < 0)[0])]
+                raise ValueError(f"the catalogue frame lacks vocabulary item {missing!r}")
+            rows = features.iloc[np.r_[position[:1], position]]
+            features = feature_arrays(rows)
+            if ITEM in features:
+                features[ITEM] = features[ITEM].copy()
+                features[ITEM][0] = _OOV_ITEM
+        missing = [name for name in self.doc_tower.input_names if name not in features]
+        if missing:
+            raise ValueError(f"catalogue features lack doc-tower inputs {missing}")
+        features = {name: features[name] for name in self.doc_tower.input_names}
+        catalogue = {}
+        for name in features:
+            values = np.asarray(features[name])
+            if len(values) != self.num_items + 1:
+                raise ValueError(
+                    f"catalogue feature {name!r} has {len(values)} rows; expected {self.num_items + 1} "
+                    "(one per tower index, row 0 = OOV)"
+                )
+            catalogue[name] = tf.constant(values)
+        self._catalogue = catalogue
+
+    @property
+    def servable_by_dot_product(self) -> bool:
+        """Whether the FAISS inner-product index of doc embeddings ranks as the model does."""
+        return not isinstance(self.objective, HierarchicalSoftmax)
+
+    def item_index(self, item_ids) -> tf.Tensor:
+        """Tower indices of string item ids (0 = not in the vocabulary), same shape."""
+        return self._item_index(item_ids)
+
+    def embed_items(self, ids: tf.Tensor, training: bool = False) -> tf.Tensor:
+        """Doc embeddings of tower indices of any shape: ``[*ids.shape, dim]``."""
+        dim = self.doc_tower.output_shape[-1]
+        if ids.shape.num_elements() == 0:
+            return tf.zeros(ids.shape.as_list() + [dim])
+        flat = tf.reshape(ids, [-1])
+        inputs = {name: tf.gather(values, flat) for name, values in self._doc_catalogue().items()}
+        embeddings = self.doc_tower(inputs, training=training)
+        return tf.reshape(embeddings, tf.concat([tf.shape(ids), [dim]], axis=0))
+
+    def embed_catalogue(self) -> tf.Tensor:
+        """Doc embeddings of every tower index, ``[num_items + 1, dim]`` (row 0 = OOV)."""
+        return self.doc_tower(self._doc_catalogue(), training=False)
+
+    def _doc_catalogue(self) -> dict:
+        missing = [name for name in self.doc_tower.input_names if name not in self._catalogue]
+        if missing:
+            raise ValueError(
+                f"the doc tower reads {missing}, which the catalogue features lack: call "
+                "set_catalogue_features() after replacing the doc tower"
+            )
+        return {name: self._catalogue[name] for name in self.doc_tower.input_names}
+
+    def item_scores(self, query_embeddings: tf.Tensor) -> tf.Tensor:
+        """The model's ranking scores of every tower index, ``[num_queries, num_items + 1]``."""
+        return self.objective.item_scores(query_embeddings, self.embed_catalogue())
 
     def compute_loss(self, features, training: bool = False) -> tf.Tensor:
-        query_embeddings = self.query_tower(tower_inputs(self.query_tower, features), training=training)
-        doc_embeddings = self.doc_tower(tower_inputs(self.doc_tower, features), training=training)
-        item_index = self._item_index(features[ITEM])
-        sampling_probability = (
-            None if self._item_probability is None else tf.gather(self._item_probability, item_index)
-        )
-        return self.task(
-            query_embeddings,
-            doc_embeddings,
-            sample_weight=features[WEIGHT] if self.use_weights else None,
-            candidate_sampling_probability=sampling_probability,
-            candidate_ids=item_index,
-            compute_metrics=False,
-            compute_batch_metrics=False,
+        queries = self.query_tower(tower_inputs(self.query_tower, features), training=training)
+        positives = self.doc_tower(tower_inputs(self.doc_tower, features), training=training)
+        positive_ids = self._item_index(features[ITEM])
+        if training:
+            self.sampler.observe(positive_ids)
+        negatives = [self.sampler.sample(positive_ids)]
+        if self.miner is not None and training:
+            user_rows = self._user_index(features[USER]) - 1  # -1 = unknown user
+            negatives.append(self.miner.sample(positive_ids, queries, user_rows, self.embed_catalogue))
+        return self.objective.compute(
+            LossInputs(
+                queries=queries,
+                positives=positives,
+                positive_ids=positive_ids,
+                negatives=tuple(negatives),
+                negative_embeddings=tuple(self.embed_items(n.ids, training) for n in negatives),
+                includes_batch_positives=self.sampler.includes_batch_positives,
+                sample_weight=features[WEIGHT] if self.use_weights else None,
+            )
         )
 
 
@@ -74,33 +212,160 @@ def tower_inputs(tower: tf.keras.Model, features: dict) -> dict:
     return {name: features[name] for name in tower.input_names}
 
 
-def build_model(config: ModelConfig, stats: FeatureStatistics, *, use_weights: bool = False) -> TwoTowerModel:
-    """Build towers and loss from the config and the training statistics."""
-    query_tower = id_tower(
-        USER,
-        stats.users,
-        config.embedding_dim,
-        normalize=config.normalize,
-        l2_regularization=config.l2_regularization,
-        name="query_tower",
+# -- config names -> classes ------------------------------------------------------------
+
+
+def _choose(table: Mapping[str, Callable], key: str, what: str) -> Callable:
+    if key not in table:
+        raise ValueError(f"unknown {what} {key!r}; valid: {', '.join(table)}")
+    return table[key]
+
+
+CORPUS_SAMPLERS: dict[str, Callable[[np.ndarray, LossConfig], CorpusSampler]] = {
+    "uniform": lambda counts, loss: uniform_sampler(
+        len(counts) - 1, loss.num_negatives, unique=loss.unique, seed=loss.seed
+    ),
+    "unigram": lambda counts, loss: unigram_sampler(
+        counts, loss.num_negatives, alpha=loss.unigram_alpha, unique=loss.unique, seed=loss.seed
+    ),
+    "log_uniform": lambda counts, loss: log_uniform_sampler(
+        counts, loss.num_negatives, unique=loss.unique, seed=loss.seed
+    ),
+}
+
+LOG_Q_SOURCES: dict[str, Callable[[np.ndarray, LossConfig], tf.Module]] = {
+    "static": lambda counts, loss: StaticFrequency(counts),
+    "streaming": lambda counts, loss: StreamingFrequency(
+        num_buckets=loss.streaming.num_buckets,
+        num_hashes=loss.streaming.num_hashes,
+        learning_rate=loss.streaming.learning_rate,
+    ),
+}
+
+NEGATIVE_SAMPLERS: dict[str, Callable[[np.ndarray, LossConfig], Sampler]] = {
+    "in_batch": lambda counts, loss: InBatchSampler(
+        _choose(LOG_Q_SOURCES, loss.log_q_source, "log_q_source")(counts, loss)
+    ),
+    "uniform": CORPUS_SAMPLERS["uniform"],
+    "unigram": CORPUS_SAMPLERS["unigram"],
+    "log_uniform": CORPUS_SAMPLERS["log_uniform"],
+    "mixed": lambda counts, loss: MixedSampler(
+        _choose(LOG_Q_SOURCES, loss.log_q_source, "log_q_source")(counts, loss),
+        _choose(CORPUS_SAMPLERS, loss.mixed_corpus, "mixed_corpus")(counts, loss),
+    ),
+}
+
+LOSSES: dict[str, type[RetrievalLoss]] = {
+    "softmax": SampledSoftmax,
+    "full_softmax": SampledSoftmax,
+    "sgns": NegativeSampling,
+    "hierarchical_softmax": HierarchicalSoftmax,
+}
+
+HARD_NEGATIVES = ("none", "in_batch_top_k", "mined")
+
+
+def build_sampler(loss: LossConfig, counts: np.ndarray) -> Sampler:
+    """The candidate sampler of ``loss`` over tower indices, given training ``counts`` ``[V + 1]``."""
+    if loss.kind == "full_softmax":
+        return AllItems(len(counts) - 1)
+    if loss.kind == "hierarchical_softmax":
+        # Its loss uses no candidates; in-batch costs nothing and keeps one code path.
+        return InBatchSampler(StaticFrequency(counts))
+    return _choose(NEGATIVE_SAMPLERS, loss.negatives, "model.loss.negatives")(counts, loss)
+
+
+def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int) -> RetrievalLoss:
+    """The loss of ``config.loss.kind`` with the model's temperature and log-Q settings."""
+    loss = config.loss
+    cls = _choose(LOSSES, loss.kind, "model.loss.kind")
+    if loss.hard_negatives not in HARD_NEGATIVES:
+        raise ValueError(
+            f"unknown model.loss.hard_negatives {loss.hard_negatives!r}; valid: {', '.join(HARD_NEGATIVES)}"
+        )
+    if cls is HierarchicalSoftmax:
+        return HierarchicalSoftmax(
+            HuffmanTree.from_counts(counts), embedding_dim, temperature=config.temperature
+        )
+    exact = loss.kind == "full_softmax"
+    return cls(
+        temperature=config.temperature,
+        # Full softmax has no sampling to correct for (every Q is 1).
+        log_q_weight=config.log_q_strength if config.log_q_correction and not exact else 0.0,
+        # Over all items the positive is also a column of its own: it must be removed there.
+        remove_accidental_hits=config.remove_accidental_hits or exact,
+        num_hard_negatives=loss.num_hard_negatives if loss.hard_negatives == "in_batch_top_k" else None,
+        name=loss.kind,
     )
-    doc_tower = id_tower(
-        ITEM,
-        stats.items,
-        config.embedding_dim,
-        normalize=config.normalize,
-        l2_regularization=config.l2_regularization,
-        name="doc_tower",
+
+
+def build_miner(
+    loss: LossConfig, stats: FeatureStatistics, train_clicks: pd.DataFrame | None
+) -> FaissHardNegativeMiner | None:
+    """The FAISS hard-negative miner when ``loss.hard_negatives == "mined"``, else None."""
+    if loss.hard_negatives != "mined":
+        return None
+    if train_clicks is None:
+        raise ValueError(
+            "model.loss.hard_negatives='mined' excludes each user's training clicks from their "
+            "negatives: pass train_clicks to build_model"
+        )
+    history = UserHistory(
+        stats.users.lookup(train_clicks[USER]) - 1, stats.items.lookup(train_clicks[ITEM]), len(stats.users)
     )
-    task = in_batch_softmax_task(
-        temperature=config.temperature, remove_accidental_hits=config.remove_accidental_hits
-    )
+    return FaissHardNegativeMiner(loss.num_hard_negatives, loss.mining_refresh_steps, history)
+
+
+def build_model(
+    config: ModelConfig,
+    stats: FeatureStatistics,
+    *,
+    use_weights: bool = False,
+    train_clicks: pd.DataFrame | None = None,
+    towers: tuple[tf.keras.Model, tf.keras.Model] | None = None,
+    catalogue_features: Mapping[str, np.ndarray] | None = None,
+) -> TwoTowerModel:
+    """Build towers, sampler and loss from the config and the training statistics.
+
+    Args:
+      config: the model section.
+      stats: vocabularies and popularity from the training clicks.
+      use_weights: weight examples by the click weight.
+      train_clicks: the training clicks; needed by mined hard negatives (to
+        exclude each user's clicks).
+      towers: ``(query_tower, doc_tower)``; None = ID towers.
+      catalogue_features: the doc tower's inputs per tower index (see
+        ``TwoTowerModel``); None = item ids.
+    """
+    if towers is None:
+        towers = (
+            id_tower(
+                USER,
+                stats.users,
+                config.embedding_dim,
+                normalize=config.normalize,
+                l2_regularization=config.l2_regularization,
+                name="query_tower",
+            ),
+            id_tower(
+                ITEM,
+                stats.items,
+                config.embedding_dim,
+                normalize=config.normalize,
+                l2_regularization=config.l2_regularization,
+                name="doc_tower",
+            ),
+        )
+    counts = stats.item_popularity.counts
+    query_tower, doc_tower = towers
     return TwoTowerModel(
         query_tower,
         doc_tower,
-        task,
+        build_objective(config, counts, query_tower.output_shape[-1]),
+        build_sampler(config.loss, counts),
         item_ids=stats.items.ids,
-        item_probability=stats.item_popularity.probability if config.log_q_correction else None,
-        log_q_strength=config.log_q_strength,
+        catalogue_features=catalogue_features,
+        miner=build_miner(config.loss, stats, train_clicks),
+        user_ids=stats.users.ids,
         use_weights=use_weights,
     )

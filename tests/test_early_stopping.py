@@ -1,0 +1,98 @@
+"""Early stopping: the validation part is carved like the test split, its recall is computed
+exactly, and fit stops, picks the best epoch and refits."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import retrieval  # noqa: F401
+import tensorflow as tf
+
+from retrieval.config import ModelConfig, SplitConfig, TrainConfig
+from retrieval.features import FeatureStatistics
+from retrieval.model import build_model
+from retrieval.training import ValidationRecall, fit, seed_everything, validation_split
+
+
+def _clicks(seed=0, users=60, items=40, clicks=2400):
+    rng = np.random.default_rng(seed)
+    user = rng.integers(0, users, clicks)
+    # Users of one taste group click items of that group: learnable in a few epochs.
+    item = (user % 4) * (items // 4) + np.minimum(rng.zipf(1.5, clicks), items // 4) - 1
+    return pd.DataFrame(
+        {
+            "user_id": [f"u{u}" for u in user],
+            "item_id": [f"i{i}" for i in item],
+            "timestamp": np.arange(clicks) * 10,
+            "weight": np.ones(clicks, np.float32),
+        }
+    )
+
+
+def test_validation_part_is_the_latest_clicks_on_a_temporal_split():
+    train = _clicks()
+    fit_part, validation = validation_split(train, 0.1, SplitConfig(kind="temporal"))
+    assert len(validation) == pytest.approx(0.1 * len(train), abs=2)
+    assert fit_part["timestamp"].max() < validation["timestamp"].min()
+    random_fit, random_validation = validation_split(train.drop(columns="timestamp"), 0.1, None)
+    assert len(random_validation) == round(0.1 * len(train))
+    assert len(random_fit) + len(random_validation) == len(train)
+
+
+def test_validation_recall_equals_brute_force():
+    train = _clicks(1)
+    fit_part, validation = validation_split(train, 0.2, None)
+    stats = FeatureStatistics.from_training_clicks(train)
+    seed_everything(1)
+    model = build_model(ModelConfig(embedding_dim=8), stats)
+    watch = ValidationRecall(validation, fit_part, k=5, patience=1)
+    recall = watch.recall(model, batch_size=37)  # several batches
+    # Brute force: score every vocabulary item, mask the user's fit-part clicks.
+    items = list(stats.items.ids)
+    item_vectors = model.doc_tower({"item_id": tf.constant(items)}).numpy()
+    seen = fit_part.groupby("user_id")["item_id"].agg(set)
+    hits = []
+    for user, item in zip(validation["user_id"], validation["item_id"]):
+        if item in seen.get(user, set()):
+            continue  # a repeat of a fit-part click is not a validation target
+        scores = model.query_tower({"user_id": tf.constant([user])}).numpy()[0] @ item_vectors.T
+        scores[[items.index(i) for i in seen.get(user, set())]] = -np.inf
+        hits.append(np.sum(scores > scores[items.index(item)]) < 5)
+    assert recall == pytest.approx(np.mean(hits))
+    assert len(watch.validation) == len(hits)
+
+
+def test_fit_stops_early_and_refits_for_the_best_number_of_epochs():
+    train = _clicks(2)
+    stats = FeatureStatistics.from_training_clicks(train)
+    config = TrainConfig(
+        epochs=25,
+        batch_size=256,
+        learning_rate=0.05,
+        validation_fraction=0.2,
+        early_stopping_patience=1,
+        verbose=0,
+    )
+    seed_everything(0)
+    model = build_model(ModelConfig(embedding_dim=8), stats)
+    history = fit(model, train, config)
+    recalls, best = history["val_recall@20"], int(history["best_epoch"][0])
+    assert len(recalls) < 25  # it stopped
+    assert recalls[best - 1] == max(recalls)
+    assert len(recalls) == best + 1  # patience 1: one epoch without improvement
+    assert len(history["loss"]) == best  # the refit on all training clicks
+    assert len(history["selection_loss"]) == len(recalls)
+
+
+def test_without_refit_the_best_weights_are_kept():
+    train = _clicks(3)
+    stats = FeatureStatistics.from_training_clicks(train)
+    config = TrainConfig(
+        epochs=6, batch_size=256, learning_rate=0.05, validation_fraction=0.2, refit=False, verbose=0
+    )
+    seed_everything(0)
+    model = build_model(ModelConfig(embedding_dim=8), stats)
+    history = fit(model, train, config)
+    fit_part, validation = validation_split(train, 0.2, None)
+    again = ValidationRecall(validation, fit_part, k=20, patience=1).recall(model)
+    assert again == pytest.approx(max(history["val_recall@20"]))
