@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 SET    ?=
 
-.PHONY: install test train evaluate lint clean
+.PHONY: install test train evaluate lint clean bench bench-eval bench-features bench-serving bench-losses
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -22,6 +22,25 @@ test:
 # make train [CONFIG=configs/x.yaml] [SET="train.epochs=3 run.name=demo"]
 train:
 	$(BIN)/python -m pipelines.train --config $(CONFIG) $(foreach kv,$(SET),--set $(kv))
+
+# Benchmarks write JSON + Markdown to benchmarks/results/ (a few minutes on 2 cores).
+bench: bench-eval
+
+bench-eval:
+	$(BIN)/python benchmarks/bench_eval.py
+
+# ID-only vs feature towers vs + history on MovieLens 100K, with cold-start users and items (~40 min on 2 cores).
+bench-features:
+	$(BIN)/python benchmarks/bench_features.py
+
+# Flat vs IVF vs HNSW on 1M clustered synthetic items x 64 dims, HTTP end to end, FAISS vs TFRS BruteForce.
+bench-serving:
+	nice -n 10 $(BIN)/python benchmarks/bench_serving.py
+
+# Step time of each loss at 10k/100k/1M items, and recall/NDCG/tail recall of every loss vs ALS,
+# popularity and the TFRS tutorial recipe on ML-100K and the synthetic default (long: ~1-2 h on 2 cores).
+bench-losses:
+	nice -n 10 $(BIN)/python benchmarks/bench_losses.py
 
 clean:
 	rm -rf artifacts .pytest_cache

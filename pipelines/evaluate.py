@@ -2,8 +2,9 @@
 
 Uses the bundle's SavedModel and FAISS index (what would be served) on the
 data and split its saved config names; ``--set`` overrides any config key,
-e.g. ``--set evaluation.ks=[5,10]``. Metrics are printed and written to
-``<run>/metrics.reevaluated.json``.
+e.g. ``--set evaluation.ks=[5,10]``. Metrics are printed; ``metrics.json``,
+``report.md`` and the plots are written to ``--out`` (default
+``<run>/reevaluated``), so the run's own report is never overwritten.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, help="bundle directory, e.g. artifacts/<run>")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", help="where to write metrics.json, report.md and plots (default: <run>/reevaluated)")
     args = parser.parse_args(argv)
     setup_logging()
 
@@ -28,12 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     from retrieval.evaluation import format_table
     from retrieval.jobs import evaluate_bundle
 
+    out = Path(args.out) if args.out else Path(args.run) / "reevaluated"
     try:
-        metrics = evaluate_bundle(args.run, args.overrides)
+        metrics = evaluate_bundle(args.run, args.overrides, out=out)
     except (ConfigError, DataError, FileNotFoundError) as error:
         sys.exit(f"error: {error}")
-    (Path(args.run) / "metrics.reevaluated.json").write_text(json.dumps(metrics, indent=2))
     print(format_table(metrics))
+    print(f"written to {out}")
     print(json.dumps({"counts": metrics["counts"]}))
     return 0
 

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         manifest = read_manifest(args.run)
         config = Config.from_dict(apply_overrides(manifest["config"], args.overrides), source="--set")
-        out = reindex_bundle(args.run, args.out, config.index.factory, overwrite=config.run.overwrite)
+        out = reindex_bundle(args.run, args.out, config.index, overwrite=config.run.overwrite)
     except (ConfigError, RunExistsError, FileNotFoundError, ValueError) as error:
         sys.exit(f"error: {error}")
     print(f"bundle with index {config.index.factory!r}: {out}")

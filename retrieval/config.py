@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -34,6 +34,7 @@ TableFormat = Literal[
     "parquet",
     "movielens-100k",  # u.data: user<TAB>item<TAB>rating<TAB>timestamp, no header
     "movielens-1m",  # ratings.dat: user::item::rating::timestamp, no header
+    "user-items",  # "uid iid iid ...", one user a line, whitespace-separated, no header (LightGCN train.txt)
 ]
 
 
@@ -115,6 +116,75 @@ class SplitConfig(_Section):
     test_fraction: float = Field(0.2, gt=0, lt=1)
     k: int = Field(1, gt=0)
     seed: int = 0
+    hold_out_items: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Cold-start evaluation: a random share (seeded by split.seed) of the logged items "
+        "loses every training click; their test clicks stay.",
+    )
+
+
+class StreamingFrequencyConfig(_Section):
+    """Streaming log-Q estimation for in-batch negatives (Yi et al., RecSys 2019): per hashed item,
+    the last step it was seen and an exponential moving average of the steps between sightings."""
+
+    num_buckets: int = Field(1 << 18, gt=0, description="Size of each hash array (>= live items keeps collisions rare).")
+    num_hashes: int = Field(2, ge=1, le=4, description="Hash functions; the estimate takes the largest gap over them.")
+    learning_rate: float = Field(
+        0.05, gt=0, le=1, description="EMA rate of the gap estimate: larger tracks drift faster, smaller is less noisy."
+    )
+
+
+class LossConfig(_Section):
+    """The training objective and its candidates (retrieval/losses.py, retrieval/samplers/).
+
+    ``kind: softmax`` with ``negatives: in_batch`` is in-batch softmax; with a
+    corpus sampler it is sampled softmax; ``mixed`` is in-batch plus corpus draws
+    (Yang et al. 2020). Every sampled loss subtracts ``model.log_q_strength * log Q``
+    when ``model.log_q_correction`` is on, Q being each candidate's expected count.
+    """
+
+    kind: Literal["softmax", "full_softmax", "sgns", "hierarchical_softmax"] = Field(
+        "softmax",
+        description="softmax: sampled softmax over `negatives`; full_softmax: exact, over every item "
+        "(negatives ignored); sgns: word2vec binary logistic over `negatives` (NCE with log-Q "
+        "correction); hierarchical_softmax: Huffman tree over items by training frequency (a "
+        "comparison loss: not servable from an inner-product index).",
+    )
+    negatives: Literal["in_batch", "uniform", "unigram", "log_uniform", "mixed"] = Field(
+        "in_batch",
+        description="Candidates of softmax/sgns: the batch's positives, corpus draws (uniform, "
+        "count^unigram_alpha, log-uniform over frequency ranks), or mixed = in-batch + mixed_corpus draws.",
+    )
+    num_negatives: int = Field(1024, gt=0, description="Corpus draws per batch (shared by its queries).")
+    mixed_corpus: Literal["uniform", "unigram", "log_uniform"] = Field(
+        "uniform", description="The corpus part of negatives: mixed (uniform in Yang et al. 2020)."
+    )
+    unigram_alpha: float = Field(0.75, ge=0, description="Exponent of the unigram sampler (1 popularity, 0.75 word2vec).")
+    unique: bool = Field(False, description="Draw corpus negatives without replacement (TensorFlow's expected counts).")
+    hard_negatives: Literal["none", "in_batch_top_k", "mined"] = Field(
+        "none",
+        description="in_batch_top_k: keep each row's num_hard_negatives highest corrected logits (TFRS "
+        "num_hard_negatives); mined: add num_hard_negatives per query from a FAISS index over the "
+        "current doc embeddings, excluding the positive and the user's training clicks.",
+    )
+    num_hard_negatives: int = Field(10, gt=0, description="k of hard_negatives.")
+    mining_refresh_steps: int = Field(100, gt=0, description="Rebuild the mining index every this many steps.")
+    log_q_source: Literal["static", "streaming"] = Field(
+        "static",
+        description="Q of in-batch negatives: training click counts, or streaming estimation (`streaming`).",
+    )
+    streaming: StreamingFrequencyConfig = StreamingFrequencyConfig()
+    seed: int = Field(0, description="Seed of the corpus samplers' random generator.")
+
+    @model_validator(mode="after")
+    def _hierarchical_has_no_negatives(self) -> "LossConfig":
+        if self.kind == "hierarchical_softmax" and self.hard_negatives != "none":
+            raise ValueError(
+                f"model.loss.hard_negatives={self.hard_negatives!r} needs candidates; hierarchical_softmax has none"
+            )
+        return self
 
 
 class ModelConfig(_Section):
@@ -137,6 +207,193 @@ class ModelConfig(_Section):
         True, description="Mask in-batch negatives that are the row's own positive item."
     )
     l2_regularization: float = Field(0.0, ge=0, description="L2 penalty on embedding tables.")
+    loss: LossConfig = Field(LossConfig(), description="Objective, negatives and log-Q source.")
+
+
+# --- Towers: which raw features each tower reads and how it encodes them. ---
+# Every feature is preprocessed *inside* its tower (lookup, hashing,
+# normalisation), so the exported SavedModels take raw values as logged.
+
+_FEATURE_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"  # becomes a SavedModel signature argument
+
+
+class _Feature(_Section):
+    name: str = Field(pattern=_FEATURE_NAME, description="Tower input name (and serving argument).")
+    source: Optional[str] = Field(
+        None,
+        description="Column it is read from: the user (query) or item (doc) feature table, or the click "
+        "log (user_id, item_id, timestamp). None = the name.",
+    )
+
+    @property
+    def column(self) -> str:
+        return self.source or self.name
+
+
+class _EmbeddedFeature(_Feature):
+    embedding_dim: Optional[int] = Field(None, gt=0, description="None = model.embedding_dim.")
+
+
+class _VocabularyFeature(_EmbeddedFeature):
+    hash_buckets: Optional[int] = Field(
+        None, gt=0, description="Hash values into this many rows; None = vocabulary of training values."
+    )
+    oov_buckets: int = Field(1, gt=0, description="Rows shared by values outside the vocabulary.")
+    min_count: int = Field(1, gt=0, description="Training examples a value needs to enter the vocabulary.")
+
+
+class IdFeature(_EmbeddedFeature):
+    """An id (user_id, item_id): training vocabulary, one zero-initialised OOV row."""
+
+    kind: Literal["id"]
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Training only: replace the id by the OOV row with this probability, so the tower "
+        "learns to embed unseen ids from its other features (DropoutNet, Volkovs et al., NeurIPS 2017).",
+    )
+
+
+class CategoricalFeature(_VocabularyFeature):
+    """One string value per row (gender, occupation, zip prefix)."""
+
+    kind: Literal["categorical"]
+    prefix: Optional[int] = Field(None, gt=0, description="Keep only the first n characters (zip -> region).")
+
+
+class MultiCategoricalFeature(_VocabularyFeature):
+    """Several string values per row (genres), mean-pooled; served as [batch, max_values] padded with ''."""
+
+    kind: Literal["multi_categorical"]
+    max_values: int = Field(8, gt=0, description="Values kept per row (serving shape [batch, max_values]).")
+    separator: Optional[str] = Field(
+        None, min_length=1, description="Split string cells on this; None = cells are lists."
+    )
+
+
+class NumericFeature(_Feature):
+    """A number, z-normalised with training mean/variance; NaN -> 0 plus an is-missing indicator."""
+
+    kind: Literal["numeric"]
+    log: bool = Field(False, description="Normalise log1p(max(x, 0)) instead of x (prices, counts).")
+
+
+class TimestampFeature(_Feature):
+    """A point in time, encoded as its age at the end of training (days and log-days, normalised)."""
+
+    kind: Literal["timestamp"]
+    unit: Literal["seconds", "days", "years"] = Field(
+        "seconds", description="Raw value: seconds or days since the epoch, or a calendar year (1995)."
+    )
+
+
+class TextConfig(_Section):
+    """Hashed bag of tokens; letter trigrams are DSSM word hashing (Huang et al., CIKM 2013)."""
+
+    trigrams: bool = Field(True, description="Letter trigrams of each '#word#'.")
+    words: bool = Field(True, description="Each whole word, as the token '#word#'.")
+    buckets: int = Field(50_000, gt=0, description="Hash buckets (embedding rows) shared by all tokens.")
+
+    @model_validator(mode="after")
+    def _some_tokens(self) -> "TextConfig":
+        if not (self.trigrams or self.words):
+            raise ValueError("text needs trigrams or words (or both)")
+        return self
+
+
+class TextFeature(_EmbeddedFeature):
+    """Free text (titles, queries): lower-cased, split on non-alphanumerics, hashed, mean-pooled."""
+
+    kind: Literal["text"]
+    text: TextConfig = TextConfig()
+
+
+FeatureConfig = Annotated[
+    Union[IdFeature, CategoricalFeature, MultiCategoricalFeature, NumericFeature, TimestampFeature, TextFeature],
+    Field(discriminator="kind"),
+]
+
+
+class HistoryConfig(_Section):
+    """The user's last clicked items, strictly before each example (YouTube DNN, Covington et al. 2016)."""
+
+    name: str = Field("history", pattern=_FEATURE_NAME, description="Input name; served as [batch, length].")
+    length: int = Field(20, gt=0, description="Most recent clicks kept (most recent first, '' padded).")
+    pooling: Literal["mean", "attention"] = Field(
+        "mean", description="mean, or attention: learned scores plus a learned bias per position."
+    )
+    share_item_embedding: bool = Field(
+        True, description="Use the doc tower's item-id embedding (needs an id feature on item_id there)."
+    )
+    embedding_dim: Optional[int] = Field(None, gt=0, description="Own table only; None = model.embedding_dim.")
+
+
+class MLPConfig(_Section):
+    """Layers from the concatenated feature encodings to the output (always a final linear projection)."""
+
+    widths: tuple[int, ...] = Field((), description="Hidden widths; () = projection only.")
+    activation: Literal["relu", "gelu", "tanh", "swish"] = "relu"
+    dropout: float = Field(0.0, ge=0, lt=1, description="After each hidden layer, training only.")
+
+    @model_validator(mode="after")
+    def _positive_widths(self) -> "MLPConfig":
+        if any(width <= 0 for width in self.widths):
+            raise ValueError(f"mlp.widths must be positive, got {list(self.widths)}")
+        return self
+
+
+class TowerConfig(_Section):
+    """One tower: its features, optional click history (query only) and MLP."""
+
+    features: tuple[FeatureConfig, ...] = ()
+    history: Optional[HistoryConfig] = None
+    mlp: MLPConfig = MLPConfig()
+
+    @model_validator(mode="after")
+    def _has_inputs(self) -> "TowerConfig":
+        if not self.features and self.history is None:
+            raise ValueError("a tower needs at least one feature or a history")
+        return self
+
+    @property
+    def input_names(self) -> list[str]:
+        return [f.name for f in self.features] + ([self.history.name] if self.history else [])
+
+
+class TowersConfig(_Section):
+    """Both towers. The default is ID-only (user_id | item_id), the original two-tower model."""
+
+    query: TowerConfig = TowerConfig(features=(IdFeature(name="user_id", kind="id"),))
+    doc: TowerConfig = TowerConfig(features=(IdFeature(name="item_id", kind="id"),))
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TowersConfig":
+        if self.doc.history is not None:
+            raise ValueError("towers.doc.history: click history is a query-tower feature")
+        names = self.query.input_names + self.doc.input_names
+        if "weight" in names or "item_id" in self.query.input_names:
+            raise ValueError("towers: 'weight' (and 'item_id' in the query tower) are reserved batch keys")
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"towers: input names must be unique across both towers, repeated: {repeated}")
+        history = self.query.history
+        if history is not None and history.share_item_embedding and self.item_id_feature is None:
+            raise ValueError(
+                "towers.query.history.share_item_embedding needs an id feature with source item_id in "
+                "towers.doc.features (or set share_item_embedding: false)"
+            )
+        return self
+
+    @property
+    def item_id_feature(self) -> Optional[IdFeature]:
+        """The doc tower's item-id feature, if it has one."""
+        return next((f for f in self.doc.features if f.kind == "id" and f.column == "item_id"), None)
+
+    @property
+    def is_id_only(self) -> bool:
+        """True for the default towers (built by ``retrieval.towers.id_tower``)."""
+        return self == TowersConfig()
 
 
 class TrainConfig(_Section):
@@ -153,16 +410,87 @@ class TrainConfig(_Section):
     verbose: Literal["auto", 0, 1, 2] = Field(
         "auto", description="Keras progress: bar on a terminal, a line per epoch otherwise."
     )
+    validation_fraction: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Early stopping: hold out this share of the training part, carved like split.kind "
+        "(temporal: the latest clicks), and stop when its recall@validation_k has not improved for "
+        "early_stopping_patience epochs; `epochs` is then the maximum. 0 = train `epochs` epochs.",
+    )
+    early_stopping_patience: int = Field(2, gt=0, description="Epochs without a better validation recall.")
+    validation_k: int = Field(20, gt=0, description="k of the validation recall early stopping watches.")
+    refit: bool = Field(
+        True,
+        description="After early stopping, retrain from the initial weights on the whole training part "
+        "for the best number of epochs (the held-out latest clicks matter on a temporal split); false "
+        "keeps the best weights of the run on the reduced part.",
+    )
 
 
 class IndexConfig(_Section):
-    """The FAISS index over every catalogue item."""
+    """The FAISS index over every catalogue item (inner product; cosine when towers normalise).
 
-    factory: str = Field("Flat", description="FAISS index factory string.")
+    Approximate indexes are tuned after building: the fastest nprobe / efSearch
+    / ... setting whose recall@``tune_k`` against exact search reaches
+    ``target_recall`` on held-out queries is kept with the index.
+    """
+
+    factory: str = Field(
+        "Flat", description='FAISS index factory string: "Flat", "IVF1024,Flat", "HNSW32", "OPQ16,IVF1024,PQ16", ...'
+    )
+    train_sample_size: int = Field(
+        200_000, gt=0, description="Indexes that need training (IVF, PQ, OPQ) train on at most this many items."
+    )
+    target_recall: float = Field(
+        0.95, gt=0, le=1, description="Recall@tune_k vs exact search the tuned search parameters must reach."
+    )
+    tune_k: int = Field(100, gt=0, description="The k of the recall that tuning measures.")
+    tune_queries: int = Field(
+        1000, ge=2, description="Queries sampled for tuning: half choose the setting, half measure its recall."
+    )
+    search_params: Optional[str] = Field(
+        None, description='Fixed FAISS search parameters, e.g. "nprobe=32" (recall is still measured); None = tune.'
+    )
+    seed: int = Field(0, description="Seed of the training and tuning samples.")
+
+
+class ALSConfig(_Section):
+    """The ALS baseline: implicit-feedback matrix factorisation (Hu, Koren & Volinsky, ICDM 2008)
+    fitted by ``implicit.cpu.als.AlternatingLeastSquares`` on the training clicks.
+
+    Defaults: the best recall@20/NDCG@20 of a small grid (factors 32/64/128, regularization
+    0.01/0.1/1, alpha 1/5/10/40) on a temporal validation cut of the *training* part of ML-100K
+    and of the synthetic log; the test part was not used to choose them."""
+
+    factors: int = Field(32, gt=0, description="Latent dimension.")
+    regularization: float = Field(1.0, ge=0, description="L2 penalty on user and item factors.")
+    alpha: float = Field(
+        5.0, gt=0, description="Confidence of a clicked pair: alpha * (its number of training clicks)."
+    )
+    iterations: int = Field(15, gt=0, description="Alternating least-squares sweeps.")
+    seed: int = 0
+    num_threads: int = Field(0, ge=0, description="Threads for the fit; 0 = every core.")
+
+
+class BaselinesConfig(_Section):
+    """Rankers scored beside the model on the same users, masks and catalogue."""
+
+    rankers: tuple[Literal["popularity", "als"], ...] = Field(
+        ("popularity", "als"),
+        description="popularity: most clicked training items; als: implicit ALS. [] = the model alone.",
+    )
+    als: ALSConfig = ALSConfig()
+
+    @model_validator(mode="after")
+    def _no_repeats(self) -> "BaselinesConfig":
+        if len(set(self.rankers)) != len(self.rankers):
+            raise ValueError(f"evaluation.baselines.rankers names a ranker twice: {list(self.rankers)}")
+        return self
 
 
 class EvaluationConfig(_Section):
-    """Offline evaluation over the full corpus."""
+    """Offline evaluation over the full corpus (metric formulas: retrieval/evaluation/metrics.py)."""
 
     ks: tuple[int, ...] = (10, 20, 50, 100)
     exclude_train_items: bool = Field(True, description="Never count a user's training items.")
@@ -177,12 +505,40 @@ class EvaluationConfig(_Section):
         "are in the index; an ID model will rarely find them).",
     )
     query_batch_size: int = Field(4096, gt=0)
+    baselines: BaselinesConfig = BaselinesConfig()
+    head_fraction: float = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        description="The most clicked share of the catalogue (by training clicks) that is 'head'; "
+        "tail recall counts only relevant items outside it.",
+    )
+    activity_edges: tuple[int, ...] = Field(
+        (10, 30, 100, 300),
+        description="Per-segment metrics group users by training clicks: [0, e1), [e1, e2), ..., [eN, inf).",
+    )
+    plots: bool = Field(True, description="Write PNG plots beside report.md.")
 
     @model_validator(mode="after")
     def _ks_positive(self) -> "EvaluationConfig":
         if not self.ks or any(k <= 0 for k in self.ks):
             raise ValueError(f"evaluation.ks must be positive integers, got {list(self.ks)}")
+        edges = list(self.activity_edges)
+        if any(e <= 0 for e in edges) or edges != sorted(set(edges)):
+            raise ValueError(f"evaluation.activity_edges must be increasing positive integers, got {edges}")
         return self
+
+
+class ExportConfig(_Section):
+    """What the bundle holds besides the query/doc SavedModels and the FAISS index."""
+
+    topk_model: bool = Field(
+        True,
+        description="Also write topk_model/: a SavedModel holding the query tower and every item "
+        "embedding that returns top-k ids itself (brute force; num_items x dim floats, so large "
+        "catalogues may want it off).",
+    )
+    topk_k: int = Field(100, gt=0, description="How many ids topk_model/ returns per query.")
 
 
 class RunConfig(_Section):
@@ -204,10 +560,12 @@ class Config(_Section):
 
     data: DataConfig = DataConfig()
     split: SplitConfig = SplitConfig()
+    towers: TowersConfig = TowersConfig()
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     index: IndexConfig = IndexConfig()
     evaluation: EvaluationConfig = EvaluationConfig()
+    export: ExportConfig = ExportConfig()
     run: RunConfig = RunConfig()
 
     @model_validator(mode="after")

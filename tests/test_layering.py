@@ -18,7 +18,9 @@ STAGES = [
     "evaluation",
     "export",
     "serving",
+    "service",
     "jobs",
+    "cli",
 ]
 PACKAGE = Path(__file__).resolve().parents[1] / "retrieval"
 

@@ -25,8 +25,10 @@ def metrics(tmp_path_factory):
     from retrieval.jobs import train_evaluate_export
 
     out = tmp_path_factory.mktemp("artifacts")
+    # A short run: five epochs, no early-stopping validation pass.
+    short = ["train.epochs=5", "train.validation_fraction=0"]
     config = load_config(
-        ROOT / "configs/ml100k.yaml", ["train.verbose=0", "run.name=ml100k", f"run.output_dir={out}"]
+        ROOT / "configs/ml100k.yaml", short + ["train.verbose=0", "run.name=ml100k", f"run.output_dir={out}"]
     )
     return train_evaluate_export(config).metrics
 

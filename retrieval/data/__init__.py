@@ -7,7 +7,7 @@ from retrieval.data.dataset import Dataset, load_dataset
 from retrieval.data.loaders import apply_duplicates, read_clicks, read_feature_table, resolve_format
 from retrieval.data.movielens import load_movielens_100k, locate_movielens_100k
 from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
-from retrieval.data.splits import split_clicks, temporal_cut
+from retrieval.data.splits import hold_out_items, split_clicks, temporal_cut
 from retrieval.data.synthetic import SyntheticTruth, generate_clicks, synthetic_truth
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "SyntheticTruth",
     "apply_duplicates",
     "generate_clicks",
+    "hold_out_items",
     "load_dataset",
     "load_movielens_100k",
     "locate_movielens_100k",

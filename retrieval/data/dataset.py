@@ -11,7 +11,7 @@ from retrieval.config import DataConfig, SplitConfig, TableConfig
 from retrieval.data.loaders import apply_duplicates, read_clicks, read_feature_table
 from retrieval.data.movielens import load_movielens_100k, locate_movielens_100k
 from retrieval.data.schema import ITEM, USER, DataError
-from retrieval.data.splits import split_clicks
+from retrieval.data.splits import hold_out_items, split_clicks
 from retrieval.data.synthetic import generate_clicks
 
 
@@ -31,6 +31,8 @@ class Dataset:
             always fills it (with ``user_id`` alone when there are no user
             features).
         source: Where the data came from, for logs and reports.
+        held_out_items: Items whose training clicks ``split.hold_out_items``
+            removed (cold-start evaluation), sorted; empty by default.
     """
 
     train: pd.DataFrame
@@ -38,6 +40,7 @@ class Dataset:
     items: pd.DataFrame
     users: Optional[pd.DataFrame]
     source: str
+    held_out_items: tuple[str, ...] = ()
 
     def summary(self) -> dict[str, Any]:
         """Counts for logs and run reports (plain ints and strings)."""
@@ -57,6 +60,7 @@ class Dataset:
             "catalogue_items": len(self.items),
             "catalogue_items_without_train_clicks": int((~self.items[ITEM].isin(train_items)).sum()),
             "catalogue_users": None if self.users is None else len(self.users),
+            "held_out_items": len(self.held_out_items),
         }
 
 
@@ -107,12 +111,16 @@ def load_dataset(data: DataConfig, split: SplitConfig) -> Dataset:
         raise ValueError(f"unknown data.source {data.source!r}; valid: synthetic, movielens-100k, files")
     clicks = apply_duplicates(clicks, data.duplicates)
     train, test = split_clicks(clicks, split, test_log)
+    held_out: tuple[str, ...] = ()
+    if split.hold_out_items > 0:
+        train, held_out = hold_out_items(train, test, split.hold_out_items, split.seed)
     return Dataset(
         train=train,
         test=test,
         items=_catalogue(ITEM, item_features, train, test),
         users=_catalogue(USER, user_features, train, test),
         source=source,
+        held_out_items=held_out,
     )
 
 

@@ -56,7 +56,11 @@ def read_clicks(
             (MovieLens 100K ``u.data``). MovieLens formats have no header and
             name their own columns, so ``columns`` is ignored for them and the
             rating becomes the weight. Without a header, columns are named by
-            position: ``"0"``, ``"1"``, ...
+            position: ``"0"``, ``"1"``, ... ``format="user-items"`` (never
+            chosen by ``auto``) reads the benchmark format of LightGCN/NGCF's
+            ``train.txt``/``test.txt``: ``uid iid iid ...``, one user a line,
+            split on any whitespace (or on ``separator`` when set), no header;
+            ``columns`` and ``header`` are ignored and there is no timestamp.
         columns: Names of the user, item, timestamp and weight columns in the file.
         duplicates: Repeated (user, item) clicks. ``"keep"`` keeps every click
             (each is a training example, so re-consumed items weigh more);
@@ -77,6 +81,8 @@ def read_clicks(
             and column.
     """
     fmt = resolve_format(table)
+    if fmt == "user-items":
+        return apply_duplicates(_read_user_items(table), duplicates)
     raw = _read_raw(table, fmt)
     if fmt.startswith("movielens"):
         columns = _MOVIELENS_COLUMNS
@@ -114,7 +120,7 @@ def read_feature_table(table: TableConfig, id_column: str) -> pd.DataFrame:
         DataError: As ``read_clicks``, and for an empty or repeated id.
     """
     fmt = resolve_format(table)
-    if fmt.startswith("movielens"):
+    if fmt.startswith("movielens") or fmt == "user-items":
         raise DataError(
             f"format {fmt!r} is a click-log format; feature tables are csv, tsv or parquet",
             file=table.path,
@@ -171,7 +177,7 @@ def resolve_format(table: TableConfig) -> str:
     if suffix not in _FORMAT_BY_EXTENSION:
         raise DataError(
             f"cannot tell the format from the extension {suffix!r}; set format to one of "
-            "csv, tsv, parquet, movielens-100k, movielens-1m",
+            "csv, tsv, parquet, movielens-100k, movielens-1m, user-items",
             file=table.path,
         )
     return _FORMAT_BY_EXTENSION[suffix]
@@ -197,11 +203,70 @@ class _Raw:
         )
 
 
-def _read_raw(table: TableConfig, fmt: str) -> _Raw:
+def _check_file(table: TableConfig) -> Path:
     path = Path(table.path)
     if not path.is_file():
         where = "is a directory, not a file" if path.is_dir() else "file not found"
         raise DataError(f"{where} (resolved to {path.resolve()})", file=table.path)
+    return path
+
+
+def _read_user_items(table: TableConfig) -> pd.DataFrame:
+    """Canonical clicks (no timestamp) from ``uid iid iid ...`` lines.
+
+    A line holding a user id alone is a user without clicks (it adds none);
+    blank lines are skipped. Items keep their order on the line.
+    """
+    path = _check_file(table)
+    text = _decode(path.read_bytes(), table.encoding, table.path)
+    users: list[str] = []
+    items: list[str] = []
+    first_line: dict[str, int] = {}
+    for number, line in enumerate(text.split("\n"), start=1):
+        if table.separator is None:
+            fields = line.split()
+        else:
+            fields = [field.strip() for field in line.rstrip("\r").split(table.separator)]
+            if fields == [""]:
+                fields = []
+        if not fields:
+            continue
+        if "" in fields:
+            position = fields.index("") + 1
+            raise DataError(
+                f"field {position} is empty (separator {table.separator!r}); the user-items format is "
+                "'uid iid iid ...'",
+                file=table.path,
+                line=number,
+            )
+        if table.separator is None and "," in line:
+            raise DataError(
+                f"found ',' in {line.strip()[:40]!r}: user-items ids are separated by whitespace; for a "
+                "comma-separated log set format: csv (or separator: ',')",
+                file=table.path,
+                line=number,
+            )
+        user = fields[0]
+        if user in first_line:
+            raise DataError(
+                f"user {user!r} already has a line (line {first_line[user]}); the user-items format has "
+                "one line per user",
+                file=table.path,
+                line=number,
+            )
+        first_line[user] = number
+        users.extend([user] * (len(fields) - 1))
+        items.extend(fields[1:])
+    if not items:
+        what = "no lines" if not first_line else "user ids but no item ids"
+        raise DataError(f"no clicks: the file holds {what} ('uid iid iid ...' expected)", file=table.path)
+    clicks = pd.DataFrame({USER: users, ITEM: items}).astype(str)  # the same string dtype as the other readers
+    clicks[WEIGHT] = np.ones(len(clicks), dtype=np.float32)
+    return clicks
+
+
+def _read_raw(table: TableConfig, fmt: str) -> _Raw:
+    path = _check_file(table)
     if fmt == "parquet":
         return _read_parquet(table.path)
     text = _decode(path.read_bytes(), table.encoding, table.path)

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from retrieval.config import SplitConfig
-from retrieval.data.schema import TIME, USER, DataError
+from retrieval.data.schema import ITEM, TIME, USER, DataError
 
 
 def split_clicks(
@@ -89,6 +89,37 @@ def split_clicks(
         if part.empty:
             raise DataError(f"the {name} part of the {cfg.kind!r} split is empty")
     return train, test
+
+
+def hold_out_items(
+    train: pd.DataFrame, test: pd.DataFrame, fraction: float, seed: int
+) -> tuple[pd.DataFrame, tuple[str, ...]]:
+    """Make a random share of the logged items cold: drop all their training clicks.
+
+    Cold-start evaluation: the held-out items keep their test clicks, so a model
+    can only retrieve them from their features (they stay in the catalogue).
+
+    Args:
+        train: Canonical training clicks.
+        test: Canonical test clicks.
+        fraction: Share of the items logged in ``train`` or ``test`` to hold out, in [0, 1).
+        seed: Seed of the draw.
+
+    Returns:
+        ``(train without the held-out items, held-out item ids sorted)``.
+
+    Raises:
+        DataError: Holding out would leave no training click.
+    """
+    if not 0 <= fraction < 1:
+        raise ValueError(f"fraction must be in [0, 1), got {fraction}")
+    items = np.sort(pd.unique(pd.concat([train[ITEM], test[ITEM]]).astype(str)))
+    count = int(round(fraction * len(items)))
+    held = np.sort(np.random.default_rng(seed).choice(items, count, replace=False)) if count else items[:0]
+    kept = train[~train[ITEM].astype(str).isin(held)].reset_index(drop=True)
+    if kept.empty:
+        raise DataError(f"split.hold_out_items={fraction} holds out every item with training clicks")
+    return kept, tuple(str(item) for item in held)
 
 
 def temporal_cut(clicks: pd.DataFrame, test_fraction: float) -> int:
