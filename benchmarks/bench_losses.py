@@ -337,7 +337,8 @@ def markdown(report: dict) -> str:
     for name, part in report.get("quality", {}).items():
         lines += [
             f"## {name}: {part['evaluated_users']} evaluated users ({part['config']}; mean ± std over seeds)\n",
-            f"`{part['command']}`\n",
+            *(f"`{command}`" for command in part.get("commands", [part.get("command", "")])),
+            "",
             f"| ranker | recall@{K} | NDCG@{K} | tail recall@{K} | epochs | seconds |",
             "|---|---|---|---|---|---|",
         ]
@@ -375,7 +376,12 @@ def plot(part: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["all", "steptime", "quality"], default="all")
+    parser.add_argument(
+        "--part",
+        choices=["all", "steptime", "quality", "report"],
+        default="all",
+        help="report: rewrite md/png",
+    )
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--step-batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=8, help="timed steps + 1 warm-up")
@@ -395,7 +401,6 @@ def main(argv: list[str] | None = None) -> int:
     new: dict = {}
     if args.part in ("all", "steptime"):
         new["steptime"] = {"command": command, **steptime(args.sizes, args.step_batch, args.steps, log)}
-        plot(new["steptime"], args.out / "bench_losses.png")
     if args.part in ("all", "quality"):
         seeds = {"ml100k": args.seeds, "synthetic": args.synthetic_seeds}
         new["quality"] = {
@@ -406,19 +411,28 @@ def main(argv: list[str] | None = None) -> int:
     # dataset can go side by side); each part and dataset keeps the command that made it.
     path = args.out / "bench_losses.json"
     report = json.loads(path.read_text()) if path.exists() else {}
-    if "command" in report:  # an earlier layout: one command for the whole file
-        earlier = report.pop("command")
-        if "steptime" in report:
-            report["steptime"].setdefault("command", earlier)
+    if "results" in report.get("steptime", {}):  # an earlier layout: results nested
+        report["steptime"] = {"command": report["steptime"]["command"], **report["steptime"]["results"]}
     if "steptime" in new:
         report["steptime"] = new["steptime"]
-    report.setdefault("quality", {}).update(new.get("quality", {}))
+    for name, part in new.get("quality", {}).items():
+        # A run of some variants replaces those rows only and adds its command to the list.
+        earlier = report.setdefault("quality", {}).get(name)
+        if earlier is not None:
+            commands = earlier.get("commands", [earlier["command"]] if "command" in earlier else [])
+            part["rankers"] = {**earlier["rankers"], **part["rankers"]}
+            part["commands"] = [*commands, part.pop("command")]
+        else:
+            part["commands"] = [part.pop("command")]
+        report["quality"][name] = part
     report["machine"] = {
         "platform": platform.platform(),
         "processor": platform.processor(),
         "tf": tf.__version__,
     }
     path.write_text(json.dumps(report, indent=2))
+    if "steptime" in report:
+        plot(report["steptime"], args.out / "bench_losses.png")
     (args.out / "bench_losses.md").write_text(markdown(report))
     print(markdown(report))
     return 0
