@@ -6,7 +6,6 @@ below; each raises ``ValueError`` naming an unknown key and the valid ones.
 
 from __future__ import annotations
 
-from typing import Optional
 from collections.abc import Callable, Mapping
 
 import numpy as np
