@@ -337,23 +337,10 @@ def build_model(
         ``TwoTowerModel``); None = item ids.
     """
     if towers is None:
+        common = dict(normalize=config.normalize, l2_regularization=config.l2_regularization)
         towers = (
-            id_tower(
-                USER,
-                stats.users,
-                config.embedding_dim,
-                normalize=config.normalize,
-                l2_regularization=config.l2_regularization,
-                name="query_tower",
-            ),
-            id_tower(
-                ITEM,
-                stats.items,
-                config.embedding_dim,
-                normalize=config.normalize,
-                l2_regularization=config.l2_regularization,
-                name="doc_tower",
-            ),
+            id_tower(USER, stats.users, config.embedding_dim, name="query_tower", **common),
+            id_tower(ITEM, stats.items, config.embedding_dim, name="doc_tower", **common),
         )
     counts = stats.item_popularity.counts
     query_tower, doc_tower = towers
