@@ -32,6 +32,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--search-threads", type=int, default=1, help="FAISS threads per request; 0 = every core (default: %(default)s)"
     )
     serve.add_argument("--access-log", action="store_true", help="log every request (costs latency)")
+    serve.add_argument(
+        "--http", default="auto", choices=["auto", "httptools", "h11"],
+        help="HTTP parser; auto = httptools when installed (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--loop", default="auto", choices=["auto", "uvloop", "asyncio"],
+        help="event loop; auto = uvloop when installed (default: %(default)s)",
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     reload = commands.add_parser("reload", help="make a running service serve another bundle")
@@ -57,7 +65,15 @@ def _serve(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=args.host, port=args.port, access_log=args.access_log, log_level=args.log_level)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        access_log=args.access_log,
+        log_level=args.log_level,
+        http=args.http,
+        loop=args.loop,
+    )
     return 0
 
 

@@ -38,6 +38,7 @@ import tensorflow_recommenders as tfrs
 
 import retrieval
 from retrieval.index import ItemIndex
+from retrieval.towers import id_lookups
 
 MANIFEST_FILE = "manifest.json"
 QUERY_MODEL_DIR = "query_model"
@@ -109,13 +110,21 @@ def save_tower(tower: tf.keras.Model, directory: str | Path) -> None:
     The signature takes the tower's raw inputs by name (``serving_signature``:
     e.g. ``user_id``: tf.string [batch], raw ids as logged) and returns
     ``{"embedding": float32 [batch, dim]}``; load it with plain ``tf.saved_model.load``.
+    A tower that reads id features (``retrieval.towers.id_lookups``) also returns
+    ``"known_ids"``: bool [batch], True where every such id was in the training
+    vocabulary (serving reports the others as embedded from their features alone).
     """
     module = tf.Module()
     module.tower = tower
+    lookups = id_lookups(tower)
 
     @tf.function(input_signature=[serving_signature(tower)])
     def serve(features):
-        return {"embedding": tower(features, training=False)}
+        outputs = {"embedding": tower(features, training=False)}
+        if lookups:
+            known = [lookup(features[name]) > 0 for name, lookup in lookups.items()]
+            outputs["known_ids"] = tf.reduce_all(tf.stack(known, axis=1), axis=1)
+        return outputs
 
     module.serve = serve
     tf.saved_model.save(module, str(directory), signatures={"serving_default": serve})

@@ -17,7 +17,9 @@ Endpoints (request and response bodies are JSON):
 
     A query carries the bundle's ``query_features`` (``GET /metadata``).
     ``fallback`` is ``"popular"`` when the towers know nothing about the
-    query (e.g. an unseen user id): the most popular items, scores null.
+    query (an ID-only tower and an unseen user id): the most popular items,
+    scores null; ``"features"`` when a feature tower embedded an unseen user id
+    from the query's other features; null otherwise.
     Excluded ids the catalogue does not hold are ignored.
 ``GET /healthz``
     ``{"status": "ok", "bundle": "<run>", "num_items": n}``.

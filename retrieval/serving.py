@@ -33,10 +33,11 @@ from retrieval.index import ItemIndex
 class Recommendations:
     """Top-k for one query, best first.
 
-    ``fallback`` says how the list was made when the model could not place the
-    query: ``"popular"`` for a query the towers know nothing about (e.g. a user
-    id never seen in training), else None. (Towers with non-id features will
-    add ``"features"``: an unknown id embedded from its other features.)
+    ``fallback`` says how the list was made when the model did not know the
+    query's id: ``"popular"`` for a query the towers know nothing about (an
+    ID-only tower and a user id never seen in training: popularity order, no
+    scores); ``"features"`` for an unknown id that a feature tower embedded from
+    its other features (scores as usual); else None.
     """
 
     item_ids: list[str]
@@ -54,6 +55,8 @@ class Bundle:
         self.query_features: list[str] = list(self.manifest["query_features"])
         self._query_model = tf.saved_model.load(str(self.directory / self.manifest["files"]["query_model"]))
         self._embed = self._query_model.signatures["serving_default"]
+        # Bundles whose query tower reads id features say which ids it knew (export.save_tower).
+        self._reports_known_ids = "known_ids" in self._embed.structured_outputs
         # name -> TensorSpec: string [batch], float32/float64 [batch] or string [batch, width].
         self._input_specs: dict[str, tf.TensorSpec] = dict(self._embed.structured_input_signature[1])
         self.index = ItemIndex.load(self.directory)
@@ -87,7 +90,7 @@ class Bundle:
             "metric": index["metric"],
             "normalized": index["normalized"],
             "index": index,
-            "fallbacks": ["popular"],
+            "fallbacks": ["popular", "features"] if len(self.query_features) > 1 else ["popular"],
             "num_popular_items": int(len(self._popular_rows)),
             "versions": self.manifest.get("versions", {}),
         }
@@ -126,13 +129,19 @@ class Bundle:
 
     def embed(self, queries: Sequence[Mapping[str, Any]]) -> np.ndarray:
         """Raw query features -> [num_queries, dim] float32 embeddings."""
+        return self._embed_checked(queries)[0]
+
+    def _embed_checked(self, queries: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+        """(embeddings [n, dim], known_ids bool [n]: every id feature in the training vocabulary)."""
         for position, query in enumerate(queries):
             self.check_query(query, position)
         inputs = {
             feature: _input_tensor([query[feature] for query in queries], self._input_specs[feature])
             for feature in self.query_features
         }
-        return self._embed(**inputs)["embedding"].numpy()
+        outputs = self._embed(**inputs)
+        known = outputs["known_ids"].numpy() if self._reports_known_ids else np.ones(len(queries), dtype=bool)
+        return outputs["embedding"].numpy(), known
 
     def recommend(
         self, query: Mapping[str, Any], k: int = 10, exclude_item_ids: Sequence[str] = ()
@@ -157,7 +166,7 @@ class Bundle:
             np.array([self._row_of[i] for i in items if i in self._row_of], dtype=np.int64)
             for items in (exclude_item_ids or [()] * len(queries))
         ]
-        embeddings = self.embed(queries)
+        embeddings, known_ids = self._embed_checked(queries)
         top = self.index.search(embeddings, k, exclude=exclude)
         # An all-zero embedding is the towers' out-of-vocabulary row: the model
         # knows nothing about this query, so popularity is the honest answer.
@@ -170,7 +179,8 @@ class Bundle:
                 results.append(Recommendations(self._ids(rows), [None] * len(rows), "popular"))
             else:
                 rows = top.rows[i][top.rows[i] >= 0]
-                results.append(Recommendations(self._ids(rows), top.scores[i][: len(rows)].tolist()))
+                fallback = None if known_ids[i] else "features"
+                results.append(Recommendations(self._ids(rows), top.scores[i][: len(rows)].tolist(), fallback))
         return results
 
     def _ids(self, rows) -> list[str]:

@@ -80,7 +80,12 @@ def test_unseen_items_and_users_get_real_embeddings(bundle):
     stranger = Bundle.load(directory).recommend(
         {"user_id": "new", "age": 30, "zip": "99999", "country": "BR", "signup": None, "history": ["i7", "i2"]}, k=3
     )
-    assert stranger.fallback is None and len(stranger.item_ids) == 3 and all(s is not None for s in stranger.scores)
+    # An unseen id embedded from its features says so, and keeps its scores.
+    assert stranger.fallback == "features" and len(stranger.item_ids) == 3
+    assert all(s is not None for s in stranger.scores)
+    known = Bundle.load(directory).recommend(tables.queries(["u0"]).to_dict("records")[0], k=3)
+    assert known.fallback is None
+    assert "features" in Bundle.load(directory).metadata()["fallbacks"]
     no_history = embed_frame(query, tables.queries(["stranger"]))
     assert np.linalg.norm(no_history) > 0.5
 

@@ -10,7 +10,7 @@ exported tower takes raw values exactly as the log has them.
 """
 
 from retrieval.towers.feature import build_towers, feature_tower
-from retrieval.towers.id import IdEmbedding, id_tower
+from retrieval.towers.id import IdEmbedding, IdLookup, id_lookups, id_tower
 from retrieval.towers.layers import (
     AttentionPooling,
     HashedText,
@@ -28,6 +28,7 @@ __all__ = [
     "AttentionPooling",
     "HashedText",
     "IdDropout",
+    "IdLookup",
     "IdEmbedding",
     "MaskedMean",
     "NormalizedNumber",
@@ -37,6 +38,7 @@ __all__ = [
     "TimestampAge",
     "build_towers",
     "feature_tower",
+    "id_lookups",
     "id_tower",
     "text_tokens",
 ]

@@ -33,6 +33,24 @@ class _ZeroOutOfVocabulary(tf.keras.initializers.Initializer):
         return {"scale": self.scale}
 
 
+class IdLookup(tf.keras.layers.StringLookup):
+    """The string lookup of an id feature (a ``StringLookup`` with one OOV index, 0).
+
+    Its own class so the exported query model can tell a known id from an
+    unknown one (``id_lookups``) without any other record of the tower's config.
+    """
+
+
+def id_lookups(tower: tf.keras.Model) -> dict[str, IdLookup]:
+    """Input name -> the lookup of each id feature the tower reads directly (e.g. ``user_id``).
+
+    A click-history input looks items up too, but it is not the query's own id,
+    so only lookups named ``<input>_lookup`` count.
+    """
+    by_name = {layer.name: layer for layer in tower.layers if isinstance(layer, IdLookup)}
+    return {name: by_name[f"{name}_lookup"] for name in tower.input_names if f"{name}_lookup" in by_name}
+
+
 @dataclass(frozen=True)
 class IdEmbedding:
     """A string lookup and its embedding table, callable on ids of any shape; shareable between towers.
@@ -51,7 +69,7 @@ class IdEmbedding:
         if dim <= 0:
             raise ValueError(f"embedding_dim must be positive, got {dim}")
         return cls(
-            tf.keras.layers.StringLookup(
+            IdLookup(
                 vocabulary=list(vocabulary.ids), mask_token=None, num_oov_indices=1, name=f"{name}_lookup"
             ),
             tf.keras.layers.Embedding(
