@@ -42,17 +42,17 @@ class TableConfig(_Section):
     """Where a table lives and how to parse it."""
 
     path: str = Field(description="File path; relative paths resolve against the working directory.")
-    format: TableFormat = "auto"
+    format: TableFormat = Field("auto", description="File format; auto = from the extension (.csv, .tsv, .parquet).")
     separator: Optional[str] = Field(None, description="Field separator; None = from the format.")
     header: bool = Field(True, description="Whether the first line names the columns (CSV/TSV).")
-    encoding: str = "utf-8"
+    encoding: str = Field("utf-8", description="Text encoding of CSV/TSV files (MovieLens: latin-1).")
 
 
 class ColumnsConfig(_Section):
     """Names of the click-log columns in the input files."""
 
-    user: str = "user_id"
-    item: str = "item_id"
+    user: str = Field("user_id", description="Column holding the user id.")
+    item: str = Field("item_id", description="Column holding the item id.")
     timestamp: Optional[str] = Field("timestamp", description="None if the log has no time column.")
     weight: Optional[str] = Field(None, description="Optional per-click weight (e.g. rating, dwell).")
 
@@ -60,30 +60,57 @@ class ColumnsConfig(_Section):
 class SyntheticConfig(_Section):
     """The embedded click-log generator used when ``data.source: synthetic``."""
 
-    n_users: int = Field(2000, gt=0)
-    n_items: int = Field(1000, gt=0)
+    n_users: int = Field(2000, gt=0, description="Users in the generated log.")
+    n_items: int = Field(1000, gt=0, description="Items in the generated catalogue.")
     n_clusters: int = Field(20, gt=0, description="Latent taste clusters shared by users and items.")
-    mean_clicks_per_user: float = Field(40.0, gt=0)
+    mean_clicks_per_user: float = Field(40.0, gt=0, description="Mean of the per-user click counts.")
     popularity_exponent: float = Field(1.0, ge=0, description="Zipf exponent of item popularity.")
     taste_strength: float = Field(
         0.8, ge=0, le=1, description="Share of a user's clicks drawn from their own taste clusters."
     )
     days: int = Field(90, gt=0, description="Time span of the generated log.")
-    seed: int = 0
+    seed: int = Field(0, description="Seed of the generator.")
+
+
+class StreamConfig(_Section):
+    """Out-of-core reading of the click log (``data.out_of_core: true``; retrieval/data/streaming.py)."""
+
+    read_batch_size: int = Field(65_536, gt=0, description="Rows per record batch read from a shard.")
+    shuffle_buffer: int = Field(
+        1_000_000,
+        gt=0,
+        description="Training rows held and permuted at a time (bounded-memory shuffle; shard order is "
+        "reshuffled every epoch too).",
+    )
+    max_test_users: Optional[int] = Field(
+        10_000,
+        gt=0,
+        description="Evaluate at most this many test users, drawn with `seed`; their test clicks (and "
+        "training clicks, for masking) are the only clicks held in memory. None = every test user.",
+    )
+    seed: int = Field(0, description="Seed of the shuffle and of the test-user sample.")
+    max_train_batches: Optional[int] = Field(
+        None,
+        gt=0,
+        description="End each epoch after this many batches (smoke runs and benchmarks on a busy "
+        "machine); None = every training click.",
+    )
 
 
 class DataConfig(_Section):
     """Input data: the click log and optional feature tables."""
 
-    source: Literal["synthetic", "movielens-100k", "files"] = "synthetic"
+    source: Literal["synthetic", "movielens-100k", "files"] = Field(
+        "synthetic", description="Where clicks come from: the embedded generator, MovieLens 100K, or your files."
+    )
     clicks: Optional[TableConfig] = Field(None, description="Click log (source: files).")
     test_clicks: Optional[TableConfig] = Field(
         None, description="Separately given test log; required by split.kind: none."
     )
     columns: ColumnsConfig = ColumnsConfig()
-    item_features: Optional[TableConfig] = None
+    item_features: Optional[TableConfig] = Field(None, description="Item feature table (one row per item id).")
     item_id_column: str = Field("item_id", description="Id column of the item feature table.")
-    user_features: Optional[TableConfig] = None
+    user_features: Optional[TableConfig] = Field(None, description="User feature table (one row per user id).")
     user_id_column: str = Field("user_id", description="Id column of the user feature table.")
     movielens_dir: Optional[str] = Field(
         None,
@@ -95,11 +122,30 @@ class DataConfig(_Section):
         "only the first.",
     )
     synthetic: SyntheticConfig = SyntheticConfig()
+    out_of_core: bool = Field(
+        False,
+        description="Stream data.clicks (a Parquet or CSV file, a directory of them or a glob such as "
+        "'logs/*.parquet') through tf.data instead of loading it: vocabularies and counts come from "
+        "streaming passes, and only the sampled test users' clicks are held in memory. ID towers only.",
+    )
+    stream: StreamConfig = Field(StreamConfig(), description="Out-of-core reading (data.out_of_core).")
 
     @model_validator(mode="after")
     def _files_need_a_path(self) -> "DataConfig":
         if self.source == "files" and self.clicks is None:
             raise ValueError("data.clicks is required when data.source is 'files'")
+        if self.out_of_core:
+            if self.source != "files":
+                raise ValueError(f"data.out_of_core needs data.source: files (click shards), got {self.source!r}")
+            unsupported = {
+                "data.test_clicks": self.test_clicks is not None,
+                "data.item_features": self.item_features is not None,
+                "data.user_features": self.user_features is not None,
+                "data.duplicates: first (needs per-pair state)": self.duplicates != "keep",
+            }
+            named = [key for key, used in unsupported.items() if used]
+            if named:
+                raise ValueError(f"not yet supported with data.out_of_core: {', '.join(named)}")
         return self
 
 
@@ -112,10 +158,12 @@ class SplitConfig(_Section):
     ``data.test_clicks`` as the test set.
     """
 
-    kind: Literal["temporal", "leave_last_k", "random", "none"] = "temporal"
-    test_fraction: float = Field(0.2, gt=0, lt=1)
-    k: int = Field(1, gt=0)
-    seed: int = 0
+    kind: Literal["temporal", "leave_last_k", "random", "none"] = Field(
+        "temporal", description="How the test part is held out; none = data.test_clicks is the test part."
+    )
+    test_fraction: float = Field(0.2, gt=0, lt=1, description="Share of clicks in the test part (temporal, random).")
+    k: int = Field(1, gt=0, description="Clicks held out per user (leave_last_k).")
+    seed: int = Field(0, description="Seed of the random split.")
     hold_out_items: float = Field(
         0.0,
         ge=0,
@@ -136,6 +184,26 @@ class StreamingFrequencyConfig(_Section):
     )
 
 
+class KernelSamplerConfig(_Section):
+    """Kernel-based sampled softmax (Blanc & Rendle, ICML 2018): per-query negatives drawn exactly,
+    with replacement, from K(q, d) = alpha * (q . d)^2 + 1 over the current doc embeddings, through a
+    tree of sum(d d^T) over the items (retrieval/samplers/kernel.py)."""
+
+    alpha: float = Field(
+        100.0,
+        gt=0,
+        description="Kernel scale on the raw tower dot product q . d: larger follows the model's "
+        "scores (logit = q . d / temperature) more sharply; the +1 keeps every item drawable.",
+    )
+    leaf_size: int = Field(32, gt=0, description="Items per leaf bucket of the kernel tree.")
+    refresh_steps: int = Field(
+        100,
+        gt=0,
+        description="Rebuild the tree from the doc tower's current embeddings of every item every this "
+        "many training steps (the first step always builds it); in between it is stale.",
+    )
+
+
 class LossConfig(_Section):
     """The training objective and its candidates (retrieval/losses.py, retrieval/samplers/).
 
@@ -152,12 +220,18 @@ class LossConfig(_Section):
         "correction); hierarchical_softmax: Huffman tree over items by training frequency (a "
         "comparison loss: not servable from an inner-product index).",
     )
-    negatives: Literal["in_batch", "uniform", "unigram", "log_uniform", "mixed"] = Field(
+    negatives: Literal["in_batch", "uniform", "unigram", "log_uniform", "mixed", "kernel"] = Field(
         "in_batch",
         description="Candidates of softmax/sgns: the batch's positives, corpus draws (uniform, "
-        "count^unigram_alpha, log-uniform over frequency ranks), or mixed = in-batch + mixed_corpus draws.",
+        "count^unigram_alpha, log-uniform over frequency ranks), mixed = in-batch + mixed_corpus draws, "
+        "or kernel = num_negatives draws per query from the quadratic kernel of the current model "
+        "(section `kernel`).",
     )
-    num_negatives: int = Field(1024, gt=0, description="Corpus draws per batch (shared by its queries).")
+    num_negatives: int = Field(
+        1024,
+        gt=0,
+        description="Corpus draws per batch (shared by its queries); with negatives=kernel, draws per query.",
+    )
     mixed_corpus: Literal["uniform", "unigram", "log_uniform"] = Field(
         "uniform", description="The corpus part of negatives: mixed (uniform in Yang et al. 2020)."
     )
@@ -176,6 +250,9 @@ class LossConfig(_Section):
         description="Q of in-batch negatives: training click counts, or streaming estimation (`streaming`).",
     )
     streaming: StreamingFrequencyConfig = StreamingFrequencyConfig()
+    kernel: KernelSamplerConfig = Field(
+        KernelSamplerConfig(), description="Kernel sampler settings (used when negatives=kernel)."
+    )
     seed: int = Field(0, description="Seed of the corpus samplers' random generator.")
 
     @model_validator(mode="after")
@@ -186,11 +263,19 @@ class LossConfig(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _kernel_draws_with_replacement(self) -> "LossConfig":
+        if self.negatives == "kernel" and self.unique:
+            raise ValueError(
+                "model.loss.unique=true is not supported with negatives='kernel' (it draws with replacement)"
+            )
+        return self
+
 
 class ModelConfig(_Section):
     """Towers and the training objective."""
 
-    embedding_dim: int = Field(64, gt=0)
+    embedding_dim: int = Field(64, gt=0, description="Output size of both towers (and default size of feature embeddings).")
     normalize: bool = Field(True, description="L2-normalise tower outputs (cosine similarity).")
     temperature: float = Field(0.2, gt=0, description="Logits are divided by this.")
     log_q_correction: bool = Field(
@@ -333,7 +418,7 @@ class MLPConfig(_Section):
     """Layers from the concatenated feature encodings to the output (always a final linear projection)."""
 
     widths: tuple[int, ...] = Field((), description="Hidden widths; () = projection only.")
-    activation: Literal["relu", "gelu", "tanh", "swish"] = "relu"
+    activation: Literal["relu", "gelu", "tanh", "swish"] = Field("relu", description="Activation of the hidden layers.")
     dropout: float = Field(0.0, ge=0, lt=1, description="After each hidden layer, training only.")
 
     @model_validator(mode="after")
@@ -346,8 +431,8 @@ class MLPConfig(_Section):
 class TowerConfig(_Section):
     """One tower: its features, optional click history (query only) and MLP."""
 
-    features: tuple[FeatureConfig, ...] = ()
-    history: Optional[HistoryConfig] = None
+    features: tuple[FeatureConfig, ...] = Field((), description="The tower's input features (see the feature kinds).")
+    history: Optional[HistoryConfig] = Field(None, description="Pooled click history (query tower only); None = none.")
     mlp: MLPConfig = MLPConfig()
 
     @model_validator(mode="after")
@@ -399,14 +484,19 @@ class TowersConfig(_Section):
 class TrainConfig(_Section):
     """Optimisation."""
 
-    epochs: int = Field(5, gt=0)
-    batch_size: int = Field(1024, gt=1)
-    optimizer: Literal["adam", "adagrad", "sgd"] = "adam"
-    learning_rate: float = Field(0.01, gt=0)
+    epochs: int = Field(5, gt=0, description="Training epochs; with validation_fraction > 0 the most early stopping may run.")
+    batch_size: int = Field(1024, gt=1, description="Global batch; in-batch softmax gives each query this many candidates.")
+    optimizer: Literal["adam", "adagrad", "sgd", "lazy_adam"] = Field(
+        "adam",
+        description="adam (and tf-keras sgd, whose momentum slot is always updated densely) touch every "
+        "embedding row at every step, slow for large tables; lazy_adam and adagrad update only the rows "
+        "a batch touches.",
+    )
+    learning_rate: float = Field(0.01, gt=0, description="Optimiser learning rate.")
     use_weights: bool = Field(
         False, description="Use the log's weight column as per-example loss weights."
     )
-    seed: int = 42
+    seed: int = Field(42, description="Seeds weights init, batch order and TensorFlow ops (deterministic).")
     verbose: Literal["auto", 0, 1, 2] = Field(
         "auto", description="Keras progress: bar on a terminal, a line per epoch otherwise."
     )
@@ -425,6 +515,31 @@ class TrainConfig(_Section):
         description="After early stopping, retrain from the initial weights on the whole training part "
         "for the best number of epochs (the held-out latest clicks matter on a temporal split); false "
         "keeps the best weights of the run on the reduced part.",
+    )
+    checkpoint_every_steps: Optional[int] = Field(
+        200,
+        ge=0,
+        description="Save the training state (weights, optimizer slots, sampler / log-Q estimator state and "
+        "RNG, data position, logs) every this many steps and at the end of training, so a run killed "
+        "mid-epoch resumes where it stopped when started again with the same run.name and config. "
+        "None or 0 = no checkpoints.",
+    )
+    checkpoint_dir: Optional[str] = Field(
+        None,
+        description="The checkpoints go to `<checkpoint_dir>/.<run.name>.checkpoints`; None = run.output_dir. "
+        "They outlive a killed run and are deleted once the run directory is complete.",
+    )
+    resume: bool = Field(
+        True,
+        description="Resume from the checkpoints of an unfinished run of the same run.name (the config must "
+        "be the same); false deletes them and starts over.",
+    )
+    distribute: Literal["none", "mirrored", "multi_worker"] = Field(
+        "none",
+        description="tf.distribute strategy: none (one device), mirrored (MirroredStrategy over every local "
+        "GPU, or the CPU), multi_worker (MultiWorkerMirroredStrategy; the cluster comes from the TF_CONFIG "
+        "environment variable). batch_size is the global batch, split over the replicas, and in-batch "
+        "negatives are gathered across replicas, so every query still sees batch_size candidates.",
     )
 
 
@@ -469,7 +584,7 @@ class ALSConfig(_Section):
         5.0, gt=0, description="Confidence of a clicked pair: alpha * (its number of training clicks)."
     )
     iterations: int = Field(15, gt=0, description="Alternating least-squares sweeps.")
-    seed: int = 0
+    seed: int = Field(0, description="Seed of the ALS initialisation.")
     num_threads: int = Field(0, ge=0, description="Threads for the fit; 0 = every core.")
 
 
@@ -492,7 +607,7 @@ class BaselinesConfig(_Section):
 class EvaluationConfig(_Section):
     """Offline evaluation over the full corpus (metric formulas: retrieval/evaluation/metrics.py)."""
 
-    ks: tuple[int, ...] = (10, 20, 50, 100)
+    ks: tuple[int, ...] = Field((10, 20, 50, 100), description="Cut-offs k of every @k metric.")
     exclude_train_items: bool = Field(True, description="Never count a user's training items.")
     unseen_users: Literal["drop", "keep"] = Field(
         "drop",
@@ -504,7 +619,7 @@ class EvaluationConfig(_Section):
         description="Test clicks on items with no training clicks stay relevant by default (they "
         "are in the index; an ID model will rarely find them).",
     )
-    query_batch_size: int = Field(4096, gt=0)
+    query_batch_size: int = Field(4096, gt=0, description="Queries embedded and searched per FAISS call.")
     baselines: BaselinesConfig = BaselinesConfig()
     head_fraction: float = Field(
         0.2,
@@ -545,7 +660,7 @@ class RunConfig(_Section):
     """Where results go."""
 
     name: Optional[str] = Field(None, description="Run name; None = <UTC time>-<config name>.")
-    output_dir: str = "artifacts"
+    output_dir: str = Field("artifacts", description="Directory that holds run directories.")
     overwrite: bool = Field(False, description="Replace an existing run directory of the same name.")
 
     @model_validator(mode="after")
@@ -572,6 +687,23 @@ class Config(_Section):
     def _split_none_needs_test_file(self) -> "Config":
         if self.split.kind == "none" and self.data.test_clicks is None:
             raise ValueError("split.kind 'none' needs data.test_clicks (the separately given test log)")
+        return self
+
+    @model_validator(mode="after")
+    def _out_of_core_supported(self) -> "Config":
+        if not self.data.out_of_core:
+            return self
+        unsupported = {
+            "feature towers (towers: must be the default ID towers)": not self.towers.is_id_only,
+            f"split.kind: {self.split.kind} (temporal and random are)": self.split.kind not in ("temporal", "random"),
+            "split.hold_out_items > 0": self.split.hold_out_items > 0,
+            "early stopping (train.validation_fraction > 0)": self.train.validation_fraction > 0,
+            "model.loss.hard_negatives: mined": self.model.loss.hard_negatives == "mined",
+            "the als baseline (set evaluation.baselines.rankers: [popularity])": "als" in self.evaluation.baselines.rankers,
+        }
+        named = [key for key, used in unsupported.items() if used]
+        if named:
+            raise ValueError(f"not yet supported with data.out_of_core: {'; '.join(named)}")
         return self
 
     def to_dict(self) -> dict[str, Any]:

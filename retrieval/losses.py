@@ -12,7 +12,8 @@ the samplers (``retrieval.samplers``) return it.
 Pure functions first (logits first, as ``tf.nn``):
   ``correct_log_q``, ``remove_accidental_hits``, ``mine_hard_negatives``,
   ``candidate_scores``, ``softmax_cross_entropy``, ``weighted_mean``,
-  ``HuffmanTree`` and ``hierarchical_log_probability``.
+  ``HuffmanTree`` and ``hierarchical_log_probability``; ``gather_across_replicas``
+  (in-batch negatives over every ``tf.distribute`` replica).
 Then the loss classes, one method each (``per_example``) on a base that
 validates and reduces:
   ``SampledSoftmax`` (in-batch, corpus-sampled, mixed, full: the sampler decides),
@@ -30,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
-from retrieval.samplers import Negatives
+from retrieval.samplers import Negatives, across_replicas, replica_row_offset, replicas_in_step
 
 # As TFRS: large enough to remove a column from a softmax, small enough that
 # adding a logit to it stays finite.
@@ -119,12 +120,22 @@ def softmax_cross_entropy(logits: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
     return tf.nn.softmax_cross_entropy_with_logits(labels=tf.cast(labels, logits.dtype), logits=logits)
 
 
-def weighted_mean(per_example: tf.Tensor, sample_weight: tf.Tensor | None = None) -> tf.Tensor:
+def weighted_mean(
+    per_example: tf.Tensor, sample_weight: tf.Tensor | None = None, global_batch_size=None
+) -> tf.Tensor:
     """``sum(w * loss) / batch_size`` (Keras ``SUM_OVER_BATCH_SIZE``), so the
-    learning rate does not depend on the batch size."""
+    learning rate does not depend on the batch size.
+
+    With ``global_batch_size`` (rows over every replica of a ``tf.distribute``
+    strategy) it is this replica's share of the global mean,
+    ``tf.nn.compute_average_loss``: the replicas' shares, and their gradients
+    (which tf-keras optimizers sum), add up to the single-device values.
+    """
     if sample_weight is not None:
         per_example = per_example * tf.cast(sample_weight, per_example.dtype)
-    return tf.reduce_sum(per_example) / tf.cast(tf.shape(per_example)[0], per_example.dtype)
+    if global_batch_size is None:
+        global_batch_size = tf.shape(per_example)[0]
+    return tf.reduce_sum(per_example) / tf.cast(global_batch_size, per_example.dtype)
 
 
 def relative_sampling_probability(probability: np.ndarray) -> np.ndarray:
@@ -277,6 +288,25 @@ def hierarchical_log_probability(node_scores: tf.Tensor, signs: tf.Tensor) -> tf
 # -- loss classes ----------------------------------------------------------------
 
 
+class BatchCandidates(NamedTuple):
+    """The in-batch candidate columns when they are more than this batch's positives.
+
+    Under a ``tf.distribute`` strategy with several replicas every replica's
+    positives are candidates of every query (``gather_across_replicas``).
+
+    Attributes:
+      embeddings: ``[num_candidates, dim]`` doc embeddings of the global batch's positives.
+      ids: int64 ``[num_candidates]`` their tower indices.
+      log_q: ``[num_candidates]`` their log expected counts (``Negatives.positive_log_q``).
+      row_offset: int32 scalar: row i's positive is column ``row_offset + i``.
+    """
+
+    embeddings: tf.Tensor
+    ids: tf.Tensor
+    log_q: tf.Tensor
+    row_offset: tf.Tensor
+
+
 class LossInputs(NamedTuple):
     """What the model hands a loss for one batch.
 
@@ -290,6 +320,10 @@ class LossInputs(NamedTuple):
         ``[num, dim]`` shared or ``[batch_size, num, dim]`` per query.
       includes_batch_positives: the sampler's ``includes_batch_positives``.
       sample_weight: ``[batch_size]`` or None.
+      batch_candidates: the in-batch candidates when they span several
+        replicas; None = this batch's positives (row i's label is column i).
+      global_batch_size: rows over every replica, the denominator of the mean
+        (the loss is then this replica's share); None = ``batch_size``.
     """
 
     queries: tf.Tensor
@@ -299,6 +333,40 @@ class LossInputs(NamedTuple):
     negative_embeddings: tuple[tf.Tensor, ...]
     includes_batch_positives: bool
     sample_weight: tf.Tensor | None = None
+    batch_candidates: BatchCandidates | None = None
+    global_batch_size: tf.Tensor | None = None
+
+
+def gather_across_replicas(inputs: LossInputs) -> LossInputs:
+    """Cross-replica in-batch negatives: every query scores the positives of the whole global batch.
+
+    Inside ``strategy.run`` with several replicas each replica holds
+    ``B_r`` rows of the global batch of ``B = sum B_r``. TFRS scores a query
+    against its own replica's positives only; here the positives' embeddings,
+    ids and log Q are all-gathered (replica order, so the candidate columns are
+    the global batch in order), local row i's label is column ``offset + i``,
+    and the mean is taken over ``B`` (this replica's share of the global loss).
+    ``all_gather``'s gradient sums every replica's gradient of the gathered
+    rows and hands each replica its own rows, so each doc tower learns from
+    every query. The samplers' ``positive_log_q`` must already be
+    ``log(B * p)`` with the global ``B`` (``InBatchSampler`` and
+    ``MixedSampler`` do so). Corpus negatives are not gathered: each replica
+    scores its own draws.
+
+    With one replica, or outside ``strategy.run``, ``inputs`` is returned as is.
+    """
+    if replicas_in_step() == 1:
+        return inputs
+    offset, total = replica_row_offset(tf.shape(inputs.queries)[0])
+    candidates = None
+    if inputs.includes_batch_positives:
+        candidates = BatchCandidates(
+            embeddings=across_replicas(inputs.positives),
+            ids=across_replicas(tf.cast(inputs.positive_ids, tf.int64)),
+            log_q=across_replicas(tf.stop_gradient(inputs.negatives[0].positive_log_q)),
+            row_offset=offset,
+        )
+    return inputs._replace(batch_candidates=candidates, global_batch_size=total)
 
 
 class RetrievalLoss(tf.keras.layers.Layer):
@@ -333,9 +401,13 @@ class RetrievalLoss(tf.keras.layers.Layer):
         self.num_hard_negatives = num_hard_negatives
 
     def compute(self, inputs: LossInputs) -> tf.Tensor:
-        """The batch loss, ``sum(weight * per_example) / batch_size``."""
+        """The batch loss, ``sum(weight * per_example) / batch_size``.
+
+        With ``inputs.global_batch_size`` the denominator is the global batch:
+        this replica's share of the global loss (see ``gather_across_replicas``).
+        """
         _check_inputs(inputs)
-        return weighted_mean(self.per_example(inputs), inputs.sample_weight)
+        return weighted_mean(self.per_example(inputs), inputs.sample_weight, inputs.global_batch_size)
 
     def per_example(self, inputs: LossInputs) -> tf.Tensor:
         """``[batch_size]`` losses; subclasses implement it."""
@@ -354,8 +426,10 @@ class RetrievalLoss(tf.keras.layers.Layer):
 
         Column layout: with ``includes_batch_positives`` the first ``batch_size``
         columns are the batch's positives (labels on the diagonal, as TFRS
-        ``Retrieval``); otherwise column 0 is the row's own positive (as
-        ``tf.nn.sampled_softmax_loss``). Then each negatives block in order.
+        ``Retrieval``), or the global batch's (``inputs.batch_candidates``, row
+        i's label at column ``row_offset + i``); otherwise column 0 is the row's
+        own positive (as ``tf.nn.sampled_softmax_loss``). Then each negatives
+        block in order.
 
         Returns:
           ``(logits, labels)``, ``[batch_size, num_columns]`` each.
@@ -364,7 +438,16 @@ class RetrievalLoss(tf.keras.layers.Layer):
         weight = self.log_q_weight
         positive_log_q = inputs.negatives[0].positive_log_q
         batch_size = tf.shape(q)[0]
-        if inputs.includes_batch_positives:
+        if inputs.includes_batch_positives and inputs.batch_candidates is not None:
+            batch = inputs.batch_candidates
+            head = candidate_scores(q, batch.embeddings) / self.temperature
+            head = correct_log_q(head, weight * batch.log_q[tf.newaxis, :])
+            head_labels = tf.one_hot(
+                batch.row_offset + tf.range(batch_size), tf.shape(batch.ids)[0], dtype=head.dtype
+            )
+            if self.remove_hits:
+                head = remove_accidental_hits(head, head_labels, batch.ids, positive_ids)
+        elif inputs.includes_batch_positives:
             head = candidate_scores(q, inputs.positives) / self.temperature
             head = correct_log_q(head, weight * positive_log_q[tf.newaxis, :])
             head_labels = tf.eye(batch_size, dtype=head.dtype)

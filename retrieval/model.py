@@ -23,18 +23,22 @@ from retrieval.losses import (
     NegativeSampling,
     RetrievalLoss,
     SampledSoftmax,
+    gather_across_replicas,
 )
 from retrieval.samplers import (
     AllItems,
     CorpusSampler,
     FaissHardNegativeMiner,
     InBatchSampler,
+    KernelSampler,
     MixedSampler,
     Sampler,
     StaticFrequency,
     StreamingFrequency,
     UserHistory,
+    across_replicas,
     log_uniform_sampler,
+    replicas_in_step,
     uniform_sampler,
     unigram_sampler,
 )
@@ -188,21 +192,68 @@ class TwoTowerModel(tfrs.Model):
         positives = self.doc_tower(tower_inputs(self.doc_tower, features), training=training)
         positive_ids = self._item_index(features[ITEM])
         if training:
-            self.sampler.observe(positive_ids)
-        negatives = [self.sampler.sample(positive_ids)]
+            # Under tf.distribute every replica observes the global batch (once per step, as on one device).
+            self.sampler.observe(across_replicas(positive_ids))
+        negatives = [self.sampler.sample(positive_ids, queries=queries, embed_catalogue=self.embed_catalogue)]
         if self.miner is not None and training:
             user_rows = self._user_index(features[USER]) - 1  # -1 = unknown user
             negatives.append(self.miner.sample(positive_ids, queries, user_rows, self.embed_catalogue))
-        return self.objective.compute(
-            LossInputs(
-                queries=queries,
-                positives=positives,
-                positive_ids=positive_ids,
-                negatives=tuple(negatives),
-                negative_embeddings=tuple(self.embed_items(n.ids, training) for n in negatives),
-                includes_batch_positives=self.sampler.includes_batch_positives,
-                sample_weight=features[WEIGHT] if self.use_weights else None,
-            )
+        inputs = LossInputs(
+            queries=queries,
+            positives=positives,
+            positive_ids=positive_ids,
+            negatives=tuple(negatives),
+            negative_embeddings=tuple(self.embed_items(n.ids, training) for n in negatives),
+            includes_batch_positives=self.sampler.includes_batch_positives,
+            sample_weight=features[WEIGHT] if self.use_weights else None,
+        )
+        # Under tf.distribute: in-batch candidates from every replica; this replica's share of the loss.
+        return self.objective.compute(gather_across_replicas(inputs))
+
+    def train_step(self, inputs):
+        """``tfrs.Model.train_step``, exact under a ``tf.distribute`` strategy.
+
+        tf-keras sums the replicas' gradients (optimizer) and logged values
+        (``distribute_reduction_method="auto"`` is "sum" off TPU), so each
+        replica contributes its share: ``compute_loss`` returns its share of the
+        global mean and the regularization is divided by the number of replicas
+        (``tf.nn.scale_regularization_loss``). On one device it is tfrs's step.
+        """
+        self._check_distributable()
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(inputs, training=True)
+            regularization_loss = self._regularization_share()
+            total_loss = loss + regularization_loss
+        gradients = tape.gradient(total_loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        return self._step_logs(loss, regularization_loss, total_loss)
+
+    def test_step(self, inputs):
+        """``tfrs.Model.test_step`` with the replica shares of ``train_step``."""
+        loss = self.compute_loss(inputs, training=False)
+        regularization_loss = self._regularization_share()
+        return self._step_logs(loss, regularization_loss, loss + regularization_loss)
+
+    def _regularization_share(self) -> tf.Tensor:
+        return tf.nn.scale_regularization_loss(tf.reduce_sum([tf.reduce_sum(loss) for loss in self.losses]))
+
+    def _step_logs(self, loss, regularization_loss, total_loss) -> dict:
+        logs = {metric.name: metric.result() for metric in self.metrics}
+        return {**logs, "loss": loss, "regularization_loss": regularization_loss, "total_loss": total_loss}
+
+    def _check_distributable(self) -> None:
+        # Both keep numpy state (a FAISS index, a kernel tree) that replicas would share.
+        if replicas_in_step() == 1:
+            return
+        if self.miner is not None:
+            unsupported = "model.loss.hard_negatives='mined'"
+        elif isinstance(self.sampler, KernelSampler):
+            unsupported = "model.loss.negatives='kernel'"
+        else:
+            return
+        raise ValueError(
+            f"{unsupported} is not yet supported with several tf.distribute replicas "
+            "(train.distribute); train on one device"
         )
 
 
@@ -251,6 +302,14 @@ NEGATIVE_SAMPLERS: dict[str, Callable[[np.ndarray, LossConfig], Sampler]] = {
     "mixed": lambda counts, loss: MixedSampler(
         _choose(LOG_Q_SOURCES, loss.log_q_source, "log_q_source")(counts, loss),
         _choose(CORPUS_SAMPLERS, loss.mixed_corpus, "mixed_corpus")(counts, loss),
+    ),
+    "kernel": lambda counts, loss: KernelSampler(
+        len(counts) - 1,
+        loss.num_negatives,
+        alpha=loss.kernel.alpha,
+        leaf_size=loss.kernel.leaf_size,
+        refresh_steps=loss.kernel.refresh_steps,
+        seed=loss.seed,
     ),
 }
 

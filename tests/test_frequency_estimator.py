@@ -148,3 +148,30 @@ def test_bad_arguments():
         StreamingFrequency(learning_rate=0.0)
     with pytest.raises(ValueError, match="num_hashes"):
         StreamingFrequency(num_hashes=9)
+
+
+def test_keras_fit_advances_the_estimator_once_per_batch():
+    """Inside Keras's train function the step must not count the call that finds the end of the data."""
+    import pandas as pd
+
+    from retrieval.config import LossConfig, ModelConfig
+    from retrieval.features import FeatureStatistics
+    from retrieval.model import build_model
+    from retrieval.training import click_dataset
+
+    rng = np.random.default_rng(0)
+    clicks = pd.DataFrame({
+        "user_id": [f"u{i}" for i in rng.integers(0, 50, 300)],
+        "item_id": [f"i{i}" for i in rng.integers(0, 40, 300)],
+    })
+    model = build_model(
+        ModelConfig(embedding_dim=8, loss=LossConfig(log_q_source="streaming")),
+        FeatureStatistics.from_training_clicks(clicks),
+    )
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.1))
+    dataset = click_dataset(clicks, 160, seed=0)  # 2 batches
+    estimator = model.sampler.frequency
+    model.fit(dataset, epochs=2, verbose=0)
+    assert int(estimator.step.numpy()) == 4
+    model.fit(dataset.take(1), epochs=1, verbose=0)
+    assert int(estimator.step.numpy()) == 5

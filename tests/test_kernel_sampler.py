@@ -89,3 +89,16 @@ def test_bad_inputs():
         tree.sample(np.ones((1, 3)), 2, np.random.default_rng(0))
     with pytest.raises(ValueError, match="rows must be unique"):
         tree.update(np.array([0, 0]), np.ones((2, 2)))
+
+
+def test_padding_leaves_are_never_reached():
+    # 53 buckets of 32 pad the tree to 64 leaves: the last 11 hold no item and must get no draw.
+    rng = np.random.default_rng(5)
+    items = rng.normal(size=(1682, 16))
+    items /= np.linalg.norm(items, axis=1, keepdims=True)
+    tree = QuadraticKernelTree(items, alpha=100.0, leaf_size=32)
+    queries = rng.normal(size=(64, 16))
+    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    draws = tree.sample(queries, 256, np.random.default_rng(0))
+    assert draws.ids.min() >= 0 and draws.ids.max() < 1682
+    assert np.all(np.isfinite(draws.log_prob))

@@ -8,10 +8,20 @@ logits the same way: ``logit - log_q``.
 - ``corpus``: uniform, unigram^alpha, log-uniform (Zipfian) and all-items samplers;
 - ``in_batch``: in-batch and mixed (in-batch + corpus) negatives;
 - ``frequency``: log-Q sources for in-batch negatives, static and streaming;
-- ``hard``: hard negatives mined from a FAISS index of the current doc embeddings.
+- ``hard``: hard negatives mined from a FAISS index of the current doc embeddings;
+- ``kernel``: per-query draws from a quadratic kernel of the current model (Blanc & Rendle 2018).
 """
 
-from retrieval.samplers.base import MASKED_LOG_Q, Negatives, Sampler, log_expected_count
+from retrieval.samplers.base import (
+    MASKED_LOG_Q,
+    Negatives,
+    Sampler,
+    across_replicas,
+    global_batch_size,
+    log_expected_count,
+    replica_row_offset,
+    replicas_in_step,
+)
 from retrieval.samplers.corpus import (
     AllItems,
     CorpusSampler,
@@ -24,6 +34,7 @@ from retrieval.samplers.corpus import (
 from retrieval.samplers.frequency import StaticFrequency, StreamingFrequency
 from retrieval.samplers.hard import FaissHardNegativeMiner, UserHistory
 from retrieval.samplers.in_batch import InBatchSampler, MixedSampler
+from retrieval.samplers.kernel import KernelSampler, QuadraticKernelTree
 
 __all__ = [
     "MASKED_LOG_Q",
@@ -31,16 +42,22 @@ __all__ = [
     "CorpusSampler",
     "FaissHardNegativeMiner",
     "InBatchSampler",
+    "KernelSampler",
     "MixedSampler",
     "Negatives",
+    "QuadraticKernelTree",
     "Sampler",
     "StaticFrequency",
     "StreamingFrequency",
     "UserHistory",
+    "across_replicas",
     "frequency_ranks",
+    "global_batch_size",
     "log_expected_count",
     "log_uniform_probability",
     "log_uniform_sampler",
+    "replica_row_offset",
+    "replicas_in_step",
     "uniform_sampler",
     "unigram_sampler",
 ]

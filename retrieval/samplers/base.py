@@ -24,6 +24,7 @@ Ids are tower indices: 0 is the out-of-vocabulary row, ``i + 1`` is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -72,11 +73,22 @@ class Sampler(tf.Module):
 
     includes_batch_positives: bool = False
 
-    def sample(self, positive_ids: tf.Tensor) -> Negatives:
+    def sample(
+        self,
+        positive_ids: tf.Tensor,
+        queries: tf.Tensor | None = None,
+        embed_catalogue: Callable[[], tf.Tensor] | None = None,
+    ) -> Negatives:
         """Draw candidates for a batch.
 
         Args:
           positive_ids: int64 ``[batch_size]`` tower indices of the rows' positives.
+          queries: ``[batch_size, dim]`` the batch's query embeddings, for samplers
+            whose proposal depends on the query (``KernelSampler``); others ignore it.
+            No gradient flows through a sampler.
+          embed_catalogue: zero-argument callable returning the doc embeddings of
+            every tower index ``[num_items + 1, dim]`` (the model's
+            ``embed_catalogue``), for samplers that track the model; others ignore it.
         """
         raise NotImplementedError
 
@@ -130,3 +142,65 @@ def check_probability(probability, name: str = "probability") -> np.ndarray:
     if total <= 0:
         raise ValueError(f"{name} must have a positive entry")
     return probability / total
+
+
+# -- tf.distribute: one global batch over several replicas ---------------------------
+
+
+def _replica_context():
+    """The replica context when a ``tf.distribute`` strategy runs several replicas, else None."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return None
+    return context
+
+
+def replicas_in_step() -> int:
+    """Replicas of the ``tf.distribute`` step running now: inside ``strategy.run`` its
+    ``num_replicas_in_sync``, else (one device, cross-replica context) 1."""
+    context = _replica_context()
+    return 1 if context is None else context.num_replicas_in_sync
+
+
+def across_replicas(values: tf.Tensor) -> tf.Tensor:
+    """Every replica's ``values`` concatenated along axis 0, in replica order.
+
+    Inside ``strategy.run`` with several replicas this is
+    ``ReplicaContext.all_gather(values, axis=0)`` (replicas may hold different
+    numbers of rows; gradients flow back to each replica's own rows); anywhere
+    else (one device, cross-replica context) it is ``values``.
+
+    Args:
+      values: ``[rows, ...]`` this replica's part.
+
+    Returns:
+      ``[sum of rows over replicas, ...]``.
+    """
+    context = _replica_context()
+    return values if context is None else context.all_gather(values, axis=0)
+
+
+def replica_row_offset(batch_size) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(offset, global_batch_size)``: where this replica's rows start in the global batch, and its size.
+
+    The global batch is every replica's rows in replica order (``across_replicas``);
+    on one device ``(0, batch_size)``.
+
+    Args:
+      batch_size: int32 scalar, this replica's rows.
+    """
+    batch_size = tf.cast(batch_size, tf.int32)
+    context = _replica_context()
+    if context is None:
+        return tf.constant(0, tf.int32), batch_size
+    sizes = context.all_gather(tf.reshape(batch_size, [1]), axis=0)
+    return tf.reduce_sum(sizes[: context.replica_id_in_sync_group]), tf.reduce_sum(sizes)
+
+
+def global_batch_size(batch_size) -> tf.Tensor:
+    """The batch size summed over replicas (``batch_size`` itself on one device), int32 scalar.
+
+    In-batch candidates are the positives of the whole global batch (the model
+    gathers them across replicas), so their expected count is ``B_global * p``.
+    """
+    return replica_row_offset(batch_size)[1]

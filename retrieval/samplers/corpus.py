@@ -111,7 +111,7 @@ class CorpusSampler(Sampler):
         p = tf.gather(self._probability, ids)
         return log_expected_count(p, self.num_samples, num_tries if self.unique else None)
 
-    def sample(self, positive_ids: tf.Tensor) -> Negatives:
+    def sample(self, positive_ids: tf.Tensor, queries=None, embed_catalogue=None) -> Negatives:
         ids, num_tries = self.draw()
         return Negatives(
             ids=ids,
@@ -183,7 +183,7 @@ class AllItems(Sampler):
         self.num_items = int(num_items)
         self._ids = tf.range(1, num_items + 1, dtype=tf.int64)
 
-    def sample(self, positive_ids: tf.Tensor) -> Negatives:
+    def sample(self, positive_ids: tf.Tensor, queries=None, embed_catalogue=None) -> Negatives:
         return Negatives(
             ids=self._ids,
             log_q=tf.zeros([self.num_items], tf.float32),

@@ -69,6 +69,10 @@ class StreamingFrequency(tf.Module):
     step being a running mean of the batch size.
 
     All state is in ``tf.Variable`` s, so it is saved with a checkpoint.
+    Under a ``tf.distribute`` strategy the model hands every replica the ids
+    of the whole global batch, so the estimator advances once per global step
+    over the global batch, as on one device; the variables keep the first
+    replica's (identical) update (``ONLY_FIRST_REPLICA``).
 
     Keys are int64: tower indices here; a corpus that grows while training
     can key on ``tf.strings.to_hash_bucket_fast(item_id, 2**62)`` instead.
@@ -101,16 +105,16 @@ class StreamingFrequency(tf.Module):
         self.num_buckets = int(num_buckets)
         self.num_hashes = int(num_hashes)
         self.learning_rate = float(learning_rate)
-        self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        # Every replica computes the same update (see above): keep the first one's.
+        first = dict(trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        self.step = tf.Variable(0, dtype=tf.int64, name="step", **first)
         self.last_step = tf.Variable(
-            tf.fill([num_hashes, num_buckets], tf.constant(-1, tf.int64)), trainable=False, name="last_step"
+            tf.fill([num_hashes, num_buckets], tf.constant(-1, tf.int64)), name="last_step", **first
         )
         self.gap = tf.Variable(
-            tf.fill([num_hashes, num_buckets], tf.constant(initial_gap, tf.float32)),
-            trainable=False,
-            name="gap",
+            tf.fill([num_hashes, num_buckets], tf.constant(initial_gap, tf.float32)), name="gap", **first
         )
-        self.draws_per_step = tf.Variable(0.0, dtype=tf.float32, trainable=False, name="draws_per_step")
+        self.draws_per_step = tf.Variable(0.0, dtype=tf.float32, name="draws_per_step", **first)
         self._multipliers = tf.constant(
             [np.uint64(m).astype(np.int64) for m in _HASH_MULTIPLIERS[:num_hashes]], tf.int64
         )
@@ -126,7 +130,11 @@ class StreamingFrequency(tf.Module):
     def update(self, keys: tf.Tensor) -> None:
         """Advance one step and fold in this batch's keys (int64 ``[batch_size]``)."""
         keys = tf.reshape(tf.cast(keys, tf.int64), [-1])
-        step = self.step.assign_add(1)
+        # The increment must wait for the batch: otherwise, inside Keras's train
+        # function, it can run beside the iterator's get_next and count the
+        # call that only finds the end of the data.
+        with tf.control_dependencies([keys]):
+            step = self.step.assign_add(1)
         rate = self.learning_rate
         size = tf.cast(tf.size(keys), tf.float32)
         # A running mean too, started at the first batch's size.
@@ -148,8 +156,8 @@ class StreamingFrequency(tf.Module):
             # First sight (last == -1): the steps since the start are the only gap there is.
             first_sight = tf.cast(step, tf.float32) / count
             new_gap = tf.where(last < 0, first_sight, updated)
-            self.gap.scatter_nd_update(index, new_gap)
-            self.last_step.scatter_nd_update(index, tf.fill(tf.shape(unique), step))
+            _scatter_nd_update(self.gap, index, new_gap)
+            _scatter_nd_update(self.last_step, index, tf.fill(tf.shape(unique), step))
 
     def expected_count_per_step(self, keys: tf.Tensor) -> tf.Tensor:
         """Estimated occurrences per step, ``1 / max_h B[h(key)]``, same shape as ``keys``."""
@@ -169,3 +177,12 @@ class StreamingFrequency(tf.Module):
         per_step = self.expected_count_per_step(keys)
         draws = tf.maximum(self.draws_per_step, 1.0)
         return tf.math.log(per_step) - tf.math.log(draws)
+
+
+def _scatter_nd_update(variable: tf.Variable, indices: tf.Tensor, updates: tf.Tensor) -> None:
+    """``variable.scatter_nd_update``; mirrored (``tf.distribute``) variables lack it and get
+    the whole updated array assigned instead."""
+    if isinstance(variable, tf.distribute.DistributedValues):
+        variable.assign(tf.tensor_scatter_nd_update(variable, indices, updates))
+    else:
+        variable.scatter_nd_update(indices, updates)

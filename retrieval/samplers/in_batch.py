@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from retrieval.samplers.base import Negatives, Sampler
+from retrieval.samplers.base import Negatives, Sampler, global_batch_size
 from retrieval.samplers.corpus import CorpusSampler
 
 
@@ -44,12 +44,13 @@ class InBatchSampler(Sampler):
         """log(B * p(ids)): log expected count of ``ids`` among B in-batch positives."""
         return tf.math.log(tf.cast(batch_size, tf.float32)) + self.frequency.log_probability(ids)
 
-    def sample(self, positive_ids: tf.Tensor) -> Negatives:
+    def sample(self, positive_ids: tf.Tensor, queries=None, embed_catalogue=None) -> Negatives:
         positive_ids = tf.cast(positive_ids, tf.int64)
         return Negatives(
             ids=tf.zeros([0], tf.int64),
             log_q=tf.zeros([0], tf.float32),
-            positive_log_q=self.batch_log_count(positive_ids, tf.size(positive_ids)),
+            # Under tf.distribute the candidates are every replica's positives (the model gathers them).
+            positive_log_q=self.batch_log_count(positive_ids, global_batch_size(tf.size(positive_ids))),
         )
 
 
@@ -86,9 +87,9 @@ class MixedSampler(Sampler):
             axis=0,
         )
 
-    def sample(self, positive_ids: tf.Tensor) -> Negatives:
+    def sample(self, positive_ids: tf.Tensor, queries=None, embed_catalogue=None) -> Negatives:
         positive_ids = tf.cast(positive_ids, tf.int64)
-        batch_size = tf.size(positive_ids)
+        batch_size = global_batch_size(tf.size(positive_ids))  # every replica's positives
         ids, num_tries = self.corpus.draw()
         return Negatives(
             ids=ids,
