@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 SET    ?=
 
-.PHONY: install test train evaluate lint clean bench bench-eval bench-features bench-serving bench-losses
+.PHONY: install test train evaluate lint clean bench bench-eval bench-features bench-serving bench-losses bench-kernel bench-scale
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -41,6 +41,17 @@ bench-serving:
 # popularity and the TFRS tutorial recipe on ML-100K and the synthetic default (long: ~1-2 h on 2 cores).
 bench-losses:
 	nice -n 10 $(BIN)/python benchmarks/bench_losses.py
+
+# Kernel-based sampled softmax (Blanc & Rendle 2018) vs uniform / unigram^0.75 / popularity sampling and
+# full softmax, m = 8..512 negatives, on ML-100K and a 100k-item synthetic log (~40 min on 2 cores).
+bench-kernel:
+	nice -n 10 $(BIN)/python benchmarks/bench_kernel.py
+
+# Out of core: 20M synthetic clicks over 1M items as Parquet shards (in $RETRIEVAL_SCALE_DIR, default
+# /tmp/retrieval-scale, ~300 MB), streamed through the job of configs/scale.yaml; peak RSS and throughput.
+# ARGS="--clicks 1000000 --items 100000" for a small run; ARGS="--set data.stream.max_train_batches=1500" caps training.
+bench-scale:
+	nice -n 10 $(BIN)/python benchmarks/bench_scale.py $(ARGS)
 
 clean:
 	rm -rf artifacts .pytest_cache

@@ -57,11 +57,17 @@ def atomic_directory(final: str | Path, *, overwrite: bool = False) -> Iterator[
 
     On an exception the scratch directory is left in place (renamed
     ``.<name>.failed-<pid>``) for inspection, and ``final`` is untouched.
+    Scratch directories of ``final`` left by processes that no longer run
+    (killed with SIGKILL, so nothing renamed them) are deleted.
     """
     final = Path(final)
     if final.exists() and not overwrite:
         raise RunExistsError(f"{final} already exists; choose another run.name or set run.overwrite=true")
     final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".{final.name}.partial-*"):
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
     scratch = final.parent / f".{final.name}.partial-{os.getpid()}"
     if scratch.exists():
         shutil.rmtree(scratch)
@@ -82,6 +88,16 @@ def atomic_directory(final: str | Path, *, overwrite: bool = False) -> Iterator[
         shutil.rmtree(old)
     else:
         scratch.rename(final)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only checks that the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, another user's
+    return True
 
 
 def serving_signature(tower: tf.keras.Model) -> dict[str, tf.TensorSpec]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import shutil
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,13 +20,35 @@ import tensorflow as tf
 from retrieval.config import Config, IndexConfig, apply_overrides, save_config
 from retrieval.data import ITEM, USER, load_dataset
 from retrieval.evaluation import build_eval_set, evaluate_against_baselines, format_table, ranker_names, write_report
-from retrieval.export import MANIFEST_FILE, atomic_directory, read_manifest, write_bundle
+from retrieval.export import MANIFEST_FILE, RunExistsError, atomic_directory, read_manifest, write_bundle
 from retrieval.features import FeatureStatistics, TowerStatistics, TowerTables, feature_arrays
 from retrieval.index import ItemIndex, build_index
 from retrieval.model import build_model
 from retrieval.serving import Bundle
 from retrieval.towers import build_towers
-from retrieval.training import embed_frame, fit, seed_everything
+from retrieval.training import distribution_strategy, embed_frame, fit, seed_everything
+# The out-of-core path (data.out_of_core):
+from retrieval.arrays import drop_members
+from retrieval.data.streaming import (
+    ClickShards,
+    click_stream_dataset,
+    collect_users,
+    plan_split,
+    sample_test_users,
+    scan_counts,
+)
+from retrieval.evaluation import (
+    EvalSet,
+    activity_segments,
+    index_ranking,
+    mean_log_popularity,
+    metrics_by_segment,
+    score_ranking,
+    tail_items,
+)
+from retrieval.evaluation.metrics import segment_labels
+from retrieval.evaluation.protocol import pad_columns
+from retrieval.training import embed, fit_dataset
 
 log = logging.getLogger("retrieval")
 
@@ -45,9 +69,17 @@ def default_run_name(config_name: str) -> str:
 def train_evaluate_export(config: Config, *, config_name: str = "default") -> RunResult:
     """Run the whole job; the run directory appears only when every step succeeded."""
     started = time.perf_counter()
+    if config.data.out_of_core:  # click shards streamed through tf.data, never loaded whole
+        if config.train.checkpoint_every_steps:
+            log.warning("train.checkpoint_every_steps: not yet supported with data.out_of_core (no checkpoints)")
+        return _train_evaluate_export_out_of_core(config, config_name, started)
+    # First: MultiWorkerMirroredStrategy must exist before other TensorFlow work.
+    strategy = distribution_strategy(config.train)
     name = config.run.name or default_run_name(config_name)
     final = Path(config.run.output_dir) / name
-    with atomic_directory(final, overwrite=config.run.overwrite) as scratch:
+    with ExitStack() as cleanup, atomic_directory(final, overwrite=config.run.overwrite) as scratch:
+        # Outside the run directory: they outlive a killed run; deleted once the run directory is in place.
+        checkpoint_dir = training_checkpoints(config, name, cleanup)
         save_config(config, scratch / "config.yaml")
         dataset = load_dataset(config.data, config.split)
         log.info("data: %s", json.dumps(dataset.summary()))
@@ -56,19 +88,19 @@ def train_evaluate_export(config: Config, *, config_name: str = "default") -> Ru
         examples = tables.examples()
         seed_everything(config.train.seed)  # before the towers are built: their init is random
         towers = catalogue = None  # None: build_model makes the ID towers
-        if not config.towers.is_id_only:
-            towers = build_towers(
-                config.towers, config.model, TowerStatistics.fit(config.towers, examples, tables.reference_time)
+        with strategy.scope():  # the towers', samplers' and loss's variables belong to the strategy
+            if not config.towers.is_id_only:
+                statistics = TowerStatistics.fit(config.towers, examples, tables.reference_time)
+                towers = build_towers(config.towers, config.model, statistics)
+                catalogue = tables.catalogue()  # sampled negatives are embedded from their raw features
+            model = build_model(
+                config.model,
+                stats,
+                use_weights=config.train.use_weights,
+                train_clicks=dataset.train,
+                towers=towers,
+                catalogue_features=catalogue,
             )
-            catalogue = tables.catalogue()  # sampled negatives are embedded from their raw features
-        model = build_model(
-            config.model,
-            stats,
-            use_weights=config.train.use_weights,
-            train_clicks=dataset.train,
-            towers=towers,
-            catalogue_features=catalogue,
-        )
         if not model.servable_by_dot_product:
             raise ValueError(
                 f"model.loss.kind={config.model.loss.kind!r} scores items by tree paths, not dot products, "
@@ -76,7 +108,10 @@ def train_evaluate_export(config: Config, *, config_name: str = "default") -> Ru
             )
 
         log.info("training: %d clicks, %d epochs", len(dataset.train), config.train.epochs)
-        history = fit(model, examples, config.train, log_dir=scratch, split=config.split)
+        with strategy.scope():  # fit compiles: the optimizer's variables too
+            history = fit(
+                model, examples, config.train, log_dir=scratch, split=config.split, checkpoint_dir=checkpoint_dir
+            )
 
         catalogue_ids = dataset.items[ITEM].astype(str).tolist()
         log.info("indexing %d catalogue items (%s)", len(catalogue_ids), config.index.factory)
@@ -123,6 +158,91 @@ def train_evaluate_export(config: Config, *, config_name: str = "default") -> Ru
             },
         )
     return RunResult(final, metrics, time.perf_counter() - started)
+
+
+class UnfinishedRunError(RunExistsError):
+    """An unfinished run of the same name cannot be resumed (other config, or in use)."""
+
+
+# Config that may change between a killed run and its resume (None = the whole section): it
+# does not change what is trained (the index, evaluation and export come after training).
+_RESUME_IGNORES = {
+    "run": None,
+    "index": None,
+    "evaluation": None,
+    "export": None,
+    "train": {"verbose", "resume", "checkpoint_every_steps", "checkpoint_dir"},
+}
+
+
+def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path | None:
+    """The checkpoint directory of run ``name``, ready for ``fit``; None when checkpoints are off.
+
+    ``<train.checkpoint_dir or run.output_dir>/.<name>.checkpoints``. It is
+    locked (``flock``) while this process runs, checked against the config
+    an earlier, killed attempt saved there (a resume must train the same
+    thing) and, through ``cleanup``, deleted when the job succeeds.
+
+    Raises:
+      UnfinishedRunError: the checkpoints there were written for another
+        config (set ``train.resume=false`` to start over), or another live
+        process is training this run.
+    """
+    train = config.train
+    if not train.checkpoint_every_steps:
+        return None
+    if train.distribute == "multi_worker":
+        log.warning("train.checkpoint_every_steps: not yet supported with train.distribute=multi_worker "
+                    "(no checkpoints)")
+        return None
+    directory = Path(train.checkpoint_dir or config.run.output_dir) / f".{name}.checkpoints"
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = cleanup.enter_context(open(directory / "lock", "w"))
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UnfinishedRunError(f"another process is training run {name!r} ({directory} is locked)") \
+            from None
+    current = _resume_view(config.to_dict())
+    saved = directory / "config.json"
+    if (directory / "checkpoint").exists():  # tf.train.CheckpointManager's index: a checkpoint was written
+        if not train.resume:
+            log.info("train.resume=false: deleting the checkpoints of an unfinished run in %s", directory)
+            for path in directory.iterdir():
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.name != "lock":
+                    path.unlink()
+        else:
+            before = json.loads(saved.read_text()) if saved.exists() else {}
+            changed = sorted(key for key in {*before, *current} if before.get(key) != current.get(key))
+            if changed:
+                raise UnfinishedRunError(
+                    f"{directory} holds checkpoints of an unfinished run {name!r} with another config "
+                    f"(differs at {', '.join(changed[:5])}); rerun with that config to resume it, or set "
+                    "train.resume=false to start over, or choose another run.name"
+                )
+            log.info("found checkpoints of an unfinished run %r in %s: resuming it", name, directory)
+    saved.write_text(json.dumps(current, sort_keys=True))
+    log.info(
+        "checkpoints every %d steps in %s (a killed run resumes when started again with run.name=%s)",
+        train.checkpoint_every_steps, directory, name,
+    )
+    cleanup.push(lambda failed, *_: None if failed else shutil.rmtree(directory, ignore_errors=True))
+    return directory
+
+
+def _resume_view(config: dict[str, Any]) -> dict[str, Any]:
+    """The config flattened to ``section.key`` -> value, less the keys a resume may change."""
+    flat = {}
+    for section, values in config.items():
+        ignored = _RESUME_IGNORES.get(section, set())
+        if ignored is None:
+            continue
+        for key, value in (values.items() if isinstance(values, dict) else [("", values)]):
+            if key not in ignored:
+                flat[f"{section}.{key}"] = json.loads(json.dumps(value))
+    return flat
 
 
 def write_metric_summaries(log_dir: str | Path, metrics: dict[str, Any], step: int) -> None:
@@ -227,3 +347,171 @@ def _doc_inputs(manifest: dict[str, Any], ids: np.ndarray) -> dict[str, np.ndarr
     if (rows < 0).any():
         raise ValueError(f"{int((rows < 0).sum())} indexed items are no longer in the catalogue the config names")
     return feature_arrays(catalogue.iloc[rows].reset_index(drop=True), manifest["doc_features"])
+
+
+# --- Out of core (data.out_of_core): click shards streamed through tf.data. ---
+
+
+def _train_evaluate_export_out_of_core(config: Config, config_name: str, started: float) -> RunResult:
+    """The main job on a click log streamed from shards (``retrieval.data.streaming``), ID towers only.
+
+    No click frame of the whole log is ever built: vocabularies and popularity
+    come from streaming passes, training reads the shards through ``tf.data``,
+    and evaluation holds only the clicks of ``data.stream.max_test_users``
+    sampled test users. The run directory is the in-memory job's.
+    """
+    stream = config.data.stream
+    name = config.run.name or default_run_name(config_name)
+    final = Path(config.run.output_dir) / name
+    with atomic_directory(final, overwrite=config.run.overwrite) as scratch:
+        save_config(config, scratch / "config.yaml")
+        seconds: dict[str, float] = {}
+        clock = time.perf_counter()
+        shards = ClickShards.open(config.data.clicks, config.data.columns, stream.read_batch_size)
+        plan = plan_split(shards, config.split)
+        counts = scan_counts(shards, plan)
+        stats = FeatureStatistics.from_counts(counts.user_ids, counts.item_ids, counts.item_counts, counts.has_weights)
+        catalogue_ids = counts.catalogue()
+        seconds["streaming_stats"] = time.perf_counter() - clock
+        summary = {
+            "source": f"files:{config.data.clicks.path} ({len(shards.files)} {shards.format} shards, out of core)",
+            "clicks": plan.rows,
+            "train_clicks": counts.train_rows,
+            "test_clicks": counts.test_rows,
+            "train_users": len(stats.users),
+            "train_items": len(stats.items),
+            "test_users": len(counts.test_user_ids),
+            "catalogue_items": len(catalogue_ids),
+            "time_range": list(plan.time_range) if plan.time_range else None,
+            "temporal_cut": plan.cut,
+        }
+        log.info("data (streamed in %.1fs): %s", seconds["streaming_stats"], json.dumps(summary))
+
+        seed_everything(config.train.seed)  # before the towers are built: their init is random
+        model = build_model(config.model, stats, use_weights=config.train.use_weights)
+        dataset = click_stream_dataset(
+            shards, plan, config.train.batch_size, shuffle_buffer=stream.shuffle_buffer, seed=stream.seed,
+            train_rows=counts.train_rows, max_batches=stream.max_train_batches,
+        )
+        log.info("training: %d clicks streamed, %d epochs", counts.train_rows, config.train.epochs)
+        clock = time.perf_counter()
+        history = fit_dataset(model, dataset, config.train, log_dir=scratch, progress=log.info)
+        seconds["training"] = time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        log.info("indexing %d catalogue items (%s)", len(catalogue_ids), config.index.factory)
+        item_embeddings = embed(model.doc_tower, ITEM, catalogue_ids)
+        tuning_users = _sample(np.asarray(stats.users.ids, dtype=object), config.index.tune_queries, config.index.seed)
+        index = build_index(
+            catalogue_ids, item_embeddings, config.index, embed(model.query_tower, USER, tuning_users), "training users"
+        )
+        seconds["indexing"] = time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        users = sample_test_users(counts, stream.max_test_users, stream.seed)
+        user_train, user_test = collect_users(shards, plan, users)
+        eval_set = _streamed_eval_set(user_train, user_test, stats, catalogue_ids, config.evaluation)
+        log.info("evaluating %d sampled test users over the full corpus", len(eval_set.user_ids))
+        metrics = _evaluate_streamed(
+            index, embed(model.query_tower, USER, eval_set.user_ids), eval_set, user_train, stats, config.evaluation
+        )
+        seconds["evaluation"] = time.perf_counter() - clock
+        metrics["data"] = {**summary, "evaluation_users_sampled": len(users)}
+        metrics["final_train_loss"] = history["loss"][-1]
+        metrics["out_of_core"] = {
+            "seconds": {k: round(v, 2) for k, v in seconds.items()},
+            "epoch_seconds": history.get("epoch_seconds"),
+            "clicks_per_second": history.get("clicks_per_second"),
+        }
+        (scratch / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        (scratch / "metrics.md").write_text(format_table(metrics) + "\n")
+        write_report(scratch, metrics, title=f"Offline evaluation: {name}", plots=config.evaluation.plots)
+        write_metric_summaries(scratch / "tensorboard" / "evaluation", metrics, step=config.train.epochs)
+
+        write_bundle(
+            scratch,
+            query_tower=model.query_tower,
+            doc_tower=model.doc_tower,
+            index=index,
+            item_embeddings=item_embeddings if config.export.topk_model else None,
+            topk_k=config.export.topk_k,
+            manifest={
+                "run": name,
+                "config": config.to_dict(),
+                "metrics": {k: metrics[k] for k in [*ranker_names(metrics), "counts"]},
+                "popular_item_ids": stats.item_popularity.ranked_item_ids(POPULAR_ITEMS_IN_MANIFEST),
+            },
+        )
+    return RunResult(final, metrics, time.perf_counter() - started)
+
+
+def _sample(ids: np.ndarray, size: int, seed: int) -> list[str]:
+    if len(ids) > size:
+        ids = ids[np.sort(np.random.default_rng(seed).choice(len(ids), size, replace=False))]
+    return [str(i) for i in ids]
+
+
+def _streamed_eval_set(user_train, user_test, stats: FeatureStatistics, catalogue_ids, config) -> EvalSet:
+    """``build_eval_set`` when only the sampled users' clicks are in memory.
+
+    ``build_eval_set`` reads "items with training clicks" from its train frame;
+    here that frame holds the sampled users' clicks only, so unseen items are
+    judged against the training vocabulary first and build_eval_set keeps the rest.
+    """
+    known = pd.Index(stats.items.ids, dtype=object)
+    unseen_item = ~user_test[ITEM].isin(known)
+    if config.unseen_users == "drop":
+        unseen_item &= user_test[USER].isin(set(user_train[USER]))
+    unseen_clicks = int(user_test.loc[unseen_item, [USER, ITEM]].drop_duplicates().shape[0])
+    if config.unseen_items == "drop":
+        user_test = user_test[~unseen_item]
+    eval_set = build_eval_set(user_train, user_test, catalogue_ids, config.model_copy(update={"unseen_items": "keep"}))
+    eval_set.counts["test_clicks_on_items_unseen_in_training"] = unseen_clicks
+    return eval_set
+
+
+def _evaluate_streamed(index, query_embeddings, eval_set: EvalSet, user_train, stats, config) -> dict[str, Any]:
+    """``evaluate_against_baselines`` with training popularity from the streamed counts (popularity only)."""
+    ks = sorted(set(config.ks))
+    depth = ks[-1]
+    catalogue = pd.Index(index.item_ids, dtype=object)
+    item_counts = np.zeros(len(catalogue), np.int64)
+    item_counts[catalogue.get_indexer(pd.Index(stats.items.ids, dtype=object))] = stats.item_popularity.counts[1:]
+    is_tail = tail_items(item_counts, config.head_fraction)
+    activity = user_train[USER].value_counts().reindex(pd.Index(eval_set.user_ids, dtype=object), fill_value=0)
+    segments = activity_segments(activity.to_numpy(), config.activity_edges)
+
+    def popularity() -> np.ndarray:
+        # popularity_ranking, from counts instead of a training frame.
+        order = np.lexsort((np.arange(len(item_counts)), -item_counts))
+        head = order[: depth + max((len(e) for e in eval_set.exclude), default=0)]
+        rows = np.broadcast_to(head, (len(eval_set.user_ids), len(head)))
+        rows, _ = drop_members(rows, np.zeros(rows.shape, np.float32), eval_set.exclude)
+        return pad_columns(rows[:, :depth], depth)
+
+    rankers = {"model": lambda: index_ranking(index, query_embeddings, eval_set, depth, config.query_batch_size)}
+    if "popularity" in config.baselines.rankers:
+        rankers["popularity"] = popularity
+    results: dict[str, Any] = {}
+    by_segment, seconds = {}, {}
+    for name, rank in rankers.items():
+        clock = time.perf_counter()
+        ranked = rank()
+        seconds[name] = round(time.perf_counter() - clock, 3)
+        results[name] = score_ranking(ranked, eval_set.relevant, ks, item_counts, is_tail)
+        by_segment[name] = metrics_by_segment(
+            ranked, eval_set.relevant, segments, ks, order=segment_labels(config.activity_edges)
+        )
+    relevant_rows = np.concatenate(eval_set.relevant) if eval_set.relevant else np.zeros(0, np.int64)
+    results["segments"] = by_segment
+    results["reference"] = {
+        "test_items_log_popularity": mean_log_popularity(eval_set.relevant, item_counts),
+        "catalogue_items": int(len(item_counts)),
+        "head_fraction": config.head_fraction,
+        "tail_items": int(is_tail.sum()),
+        "relevant_pairs_on_tail_items": int(is_tail[relevant_rows].sum()),
+        "segment_users": {label: int(np.sum(segments == label)) for label in segment_labels(config.activity_edges)},
+    }
+    results["seconds"] = seconds
+    results["counts"] = dict(eval_set.counts)
+    return results

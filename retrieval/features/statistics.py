@@ -93,3 +93,32 @@ class FeatureStatistics:
         weights = train[WEIGHT] if WEIGHT in train else None
         has_weights = weights is not None and not bool(np.all(weights.to_numpy() == 1.0))
         return cls(users, items, ItemPopularity.from_clicks(train, items), has_weights)
+
+    @classmethod
+    def from_counts(
+        cls, user_ids, item_ids, item_counts, has_weights: bool
+    ) -> "FeatureStatistics":
+        """The statistics of ``from_training_clicks`` from per-id counts, without a click frame.
+
+        For logs streamed out of core (``retrieval.data.streaming.scan_counts``).
+
+        Args:
+          user_ids: [num_users] distinct training user ids, any order.
+          item_ids: [num_items] distinct training item ids, any order.
+          item_counts: [num_items] training clicks of each item (repeats included).
+          has_weights: some training click has a weight other than 1.
+        """
+        item_ids = np.asarray(item_ids, dtype=object).astype(str).astype(object)
+        item_counts = np.asarray(item_counts)
+        if len(item_ids) == 0 or len(user_ids) == 0:
+            raise ValueError("cannot build feature statistics from an empty training log")
+        if item_counts.shape != item_ids.shape:
+            raise ValueError(f"item_counts has shape {item_counts.shape}, item_ids {item_ids.shape}")
+        if len(set(item_ids)) != len(item_ids):
+            raise ValueError("item_ids must be distinct")
+        order = sorted(range(len(item_ids)), key=item_ids.__getitem__)
+        items = Vocabulary(tuple(item_ids[order]))
+        counts = np.zeros(len(items) + 1, dtype=np.float64)
+        counts[1:] = item_counts[order]
+        users = Vocabulary(tuple(sorted(str(u) for u in user_ids)))
+        return cls(users, items, ItemPopularity(items, counts), bool(has_weights))

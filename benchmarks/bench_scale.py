@@ -1,0 +1,346 @@
+"""Out-of-core scale benchmark: N synthetic clicks over M items, streamed from Parquet shards.
+
+1. Generates the log as Parquet shards, one chunk of users at a time (the
+   whole log is never in memory), with the generative story of
+   ``retrieval/data/synthetic.py`` (Zipf popularity, taste clusters, repeats
+   redrawn per user, users arriving over the period).
+2. Runs the main job out of core (``configs/scale.yaml``): streaming
+   statistics, training through tf.data, an IVF index over every item,
+   evaluation of a sample of test users, the bundle.
+3. Reports generation time, streaming-statistics time, training clicks/s and
+   seconds per epoch, index build time, evaluation, peak RSS
+   (``ru_maxrss`` and an RSS sampled every second from /proc/self/status, with
+   the phase it was in) and the bundle size, to
+   ``benchmarks/results/bench_scale.{json,md}``.
+
+    python benchmarks/bench_scale.py                                  # 20M clicks / 1M items, 1 epoch
+    python benchmarks/bench_scale.py --clicks 1000000 --items 100000  # a couple of minutes
+
+The data goes to ``$RETRIEVAL_SCALE_DIR`` (default /tmp/retrieval-scale), never
+into the repository; an existing log with the same parameters is reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import resource
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from retrieval.config import SyntheticConfig, load_config  # noqa: E402
+from retrieval.data import synthetic  # noqa: E402
+from retrieval.data.schema import ITEM, TIME, USER  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+log = logging.getLogger("bench_scale")
+
+
+# --- Chunked generation. ---
+
+
+def generate_shards(
+    out: Path, clicks: int, items: int, *, clicks_per_user: float, clusters: int, seed: int, shard_clicks: int
+) -> dict:
+    """Write about ``clicks`` synthetic clicks as Parquet shards by time, as logs are written.
+
+    The latent truth (item clusters and popularity, users' clusters) is drawn
+    once by ``synthetic.synthetic_truth``: O(users + items) memory. Clicks are
+    drawn per chunk of about ``shard_clicks`` clicks' worth of users with
+    ``synthetic._draw_items`` (repeats are redrawn per user, so chunks of users
+    are independent), from one seeded generator. The period is cut into
+    ``clicks / shard_clicks`` equal time windows, one shard each; every chunk
+    appends its clicks of a window to that window's shard as a row group, so a
+    shard holds every user active then and only one chunk is in memory.
+    """
+    users = max(1, int(round(clicks / clicks_per_user)))
+    cfg = SyntheticConfig(
+        n_users=users, n_items=items, n_clusters=clusters, mean_clicks_per_user=clicks_per_user, seed=seed
+    )
+    truth = synthetic.synthetic_truth(cfg)
+    rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[1])
+    user_ids, item_ids = synthetic._ids("u", users), synthetic._ids("i", items)
+    # Per-user activity as in generate_clicks (lognormal rate, Poisson, at least 3).
+    sigma = synthetic._CLICKS_SIGMA
+    rate = clicks_per_user * rng.lognormal(-(sigma**2) / 2, sigma, users)
+    counts = np.maximum(3, rng.poisson(rate))
+    span = cfg.days * synthetic._DAY
+    arrival = rng.integers(0, max(1, int(synthetic._ARRIVAL_WINDOW * span)), users)
+    out.mkdir(parents=True, exist_ok=True)
+    n_shards = max(1, int(round(counts.sum() / shard_clicks)))
+    schema = pa.schema([(USER, pa.string()), (ITEM, pa.string()), (TIME, pa.int64())])
+    writers = [pq.ParquetWriter(out / f"part-{i:05d}.parquet", schema) for i in range(n_shards)]
+    ends = np.cumsum(counts)
+    bounds = np.unique(np.searchsorted(ends, np.arange(shard_clicks, ends[-1], shard_clicks), side="right"))
+    written, start = 0, 0
+    for stop in [*bounds[(bounds > 0) & (bounds < users)].tolist(), users]:
+        user = np.repeat(np.arange(start, stop), counts[start:stop])
+        item = synthetic._draw_items(truth, user, cfg.taste_strength, rng)
+        when = arrival[user] + (rng.random(len(user)) * (span - arrival[user])).astype(np.int64)
+        order = np.argsort(when, kind="stable")
+        user, item, when = user[order], item[order], when[order]
+        window = np.minimum(when * n_shards // span, n_shards - 1)
+        cuts = np.searchsorted(window, np.arange(n_shards + 1))
+        for shard, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:])):
+            if hi > lo:
+                writers[shard].write_table(
+                    pa.table(
+                        {USER: user_ids[user[lo:hi]], ITEM: item_ids[item[lo:hi]], TIME: synthetic.START + when[lo:hi]},
+                        schema=schema,
+                    )
+                )
+        written += len(user)
+        start = stop
+        log.info("generated users up to %d: %d clicks so far", stop, written)
+    for writer in writers:
+        writer.close()
+    return {"clicks": int(written), "users": users, "items": items, "shards": n_shards}
+
+
+# --- Memory sampling. ---
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class RssSampler(threading.Thread):
+    """Samples the process RSS every ``interval`` seconds; keeps the peak per phase."""
+
+    def __init__(self, interval: float = 1.0):
+        super().__init__(daemon=True)
+        self.interval, self.phase = interval, "start"
+        self.peaks: dict[str, int] = {}
+        self.samples: list[tuple[float, str, int]] = []
+        self._done = threading.Event()
+        self._t0 = time.perf_counter()
+
+    partial_path: Path | None = None
+    lines: list | None = None
+
+    def run(self):
+        while not self._done.is_set():
+            rss = rss_bytes()
+            elapsed = round(time.perf_counter() - self._t0, 1)
+            self.samples.append((elapsed, self.phase, rss))
+            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
+            if self.partial_path is not None and len(self.samples) % 30 == 0:
+                # If the run is cut short, what it measured so far is on disk.
+                self.partial_path.write_text(json.dumps({
+                    "elapsed_seconds": elapsed, "phase": self.phase,
+                    "peak_rss_bytes_ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                    "peak_rss_bytes_by_phase": self.peaks, "log": self.lines or [],
+                }, indent=2))
+            self._done.wait(self.interval)
+
+    def stop(self):
+        self._done.set()
+        self.join()
+
+
+class PhaseFromLog(logging.Handler):
+    """Names the sampler's phase from the job's log lines (data, training, indexing, evaluating, export)."""
+
+    MARKERS = (("training:", "training"), ("indexing", "indexing"), ("evaluating", "evaluation"))
+
+    def __init__(self, sampler: RssSampler, lines: list):
+        super().__init__()
+        self.sampler, self.lines = sampler, lines
+
+    def emit(self, record):
+        message = record.getMessage()
+        self.lines.append(f"{time.strftime('%H:%M:%S')} {message}")
+        for marker, phase in self.MARKERS:
+            if message.startswith(marker):
+                self.sampler.phase = phase
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clicks", type=int, default=20_000_000)
+    parser.add_argument("--items", type=int, default=1_000_000)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--clicks-per-user", type=float, default=20.0)
+    parser.add_argument("--clusters", type=int, default=200)
+    parser.add_argument("--shard-clicks", type=int, default=1_000_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config", default=str(ROOT / "configs" / "scale.yaml"))
+    parser.add_argument("--set", action="append", default=[], help="extra config overrides")
+    parser.add_argument("--dir", default=os.environ.get("RETRIEVAL_SCALE_DIR", "/tmp/retrieval-scale"))
+    parser.add_argument("--keep-run", action="store_true", help="keep the run directory (bundle)")
+    parser.add_argument("--generate-only", action="store_true", help="write the shards and stop")
+    parser.add_argument("--out", default=str(RESULTS / "bench_scale"), help="results path without extension")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout)
+    logging.getLogger("faiss").setLevel(logging.WARNING)
+
+    sampler = RssSampler()
+    sampler.start()
+    base = Path(args.dir)
+    name = f"clicks{args.clicks}-items{args.items}-cpu{args.clicks_per_user:g}-k{args.clusters}-seed{args.seed}"
+    data_dir = base / "logs" / name
+    done = data_dir / "_DONE.json"
+    started = time.perf_counter()
+    if done.exists():
+        generation = json.loads(done.read_text())
+        generation["reused"] = True
+        log.info("reusing %s", data_dir)
+    else:
+        sampler.phase = "generation"
+        shutil.rmtree(data_dir, ignore_errors=True)
+        generation = generate_shards(
+            data_dir,
+            args.clicks,
+            args.items,
+            clicks_per_user=args.clicks_per_user,
+            clusters=args.clusters,
+            seed=args.seed,
+            shard_clicks=args.shard_clicks,
+        )
+        generation["seconds"] = round(time.perf_counter() - started, 1)
+        done.write_text(json.dumps(generation))
+        generation["reused"] = False
+    generation["bytes"] = directory_bytes(data_dir)
+    log.info("log: %s", json.dumps(generation))
+    if args.generate_only:
+        sampler.stop()
+        return
+
+    from retrieval.jobs import train_evaluate_export  # TensorFlow is imported here, after generation
+
+    sampler.phase = "streaming_stats"
+    lines: list[str] = []
+    sampler.lines, sampler.partial_path = lines, Path(f"{args.out}.partial.json")
+    logging.getLogger("retrieval").setLevel(logging.INFO)
+    logging.getLogger("retrieval").addHandler(PhaseFromLog(sampler, lines))
+    overrides = [
+        f"data.clicks.path={data_dir}/*.parquet",
+        f"train.epochs={args.epochs}",
+        f"run.output_dir={base / 'runs'}",
+        f"run.name={name}-e{args.epochs}",
+        "run.overwrite=true",
+        *args.set,
+    ]
+    config = load_config(args.config, overrides)
+    rss_before_job = rss_bytes()
+    job_started = time.perf_counter()
+    result = train_evaluate_export(config, config_name="scale")
+    job_seconds = time.perf_counter() - job_started
+    sampler.stop()
+
+    metrics = result.metrics
+    ooc = metrics["out_of_core"]
+    bundle = {
+        "bytes": directory_bytes(result.directory),
+        "files": {
+            p.name: directory_bytes(p) if p.is_dir() else p.stat().st_size
+            for p in sorted(result.directory.iterdir())
+        },
+    }
+    report = {
+        "command": " ".join(["python", *sys.argv]),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "generation": generation,
+        "config": args.config,
+        "overrides": overrides,
+        "data": metrics["data"],
+        "seconds": {**ooc["seconds"], "job_total": round(job_seconds, 1)},
+        "epoch_seconds": ooc["epoch_seconds"],
+        "training_clicks_per_second": ooc["clicks_per_second"],
+        "final_train_loss": metrics["final_train_loss"],
+        "train_batches": (
+            f"capped at {config.data.stream.max_train_batches} batches of {config.train.batch_size} per epoch"
+            if config.data.stream.max_train_batches
+            else f"every training click, batches of {config.train.batch_size}"
+        ),
+        "evaluation": {
+            ranker: {k: v for k, v in metrics[ranker].items() if k.split("@")[0] in ("recall", "ndcg", "coverage")}
+            for ranker in ("model", "popularity")
+            if ranker in metrics
+        },
+        "evaluation_counts": metrics["counts"],
+        "memory": {
+            "peak_rss_bytes_ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "rss_before_job_bytes": rss_before_job,
+            "peak_rss_bytes_by_phase": sampler.peaks,
+        },
+        "bundle": bundle,
+        "log": lines,
+    }
+    manifest = json.loads((result.directory / "manifest.json").read_text())
+    report["index"] = manifest.get("index")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{args.out}.json").write_text(json.dumps(report, indent=2))
+    Path(f"{args.out}.md").write_text(markdown(report) + "\n")
+    Path(f"{args.out}.partial.json").unlink(missing_ok=True)
+    if not args.keep_run:
+        shutil.rmtree(result.directory)
+    print(markdown(report))
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def markdown(r: dict) -> str:
+    g, s, m = r["generation"], r["seconds"], r["memory"]
+    rows = [
+        "# Out-of-core scale benchmark",
+        "",
+        f"`{r['command']}` on {r['machine']['cpus']} CPUs ({r['machine']['platform']}).",
+        "",
+        "| step | figure |",
+        "|---|---|",
+        f"| log | {g['clicks']:,} clicks, {g['users']:,} users, {g['items']:,} items, {g['shards']} Parquet shards, "
+        f"{g['bytes'] / 2**20:.0f} MiB |",
+        f"| generation | {'reused' if g.get('reused') else str(g.get('seconds')) + ' s'} |",
+        f"| streaming statistics (pass 1: time cut; pass 2: counts and vocabularies) | {s['streaming_stats']:.1f} s |",
+        f"| training ({r['train_batches']}) | {s['training']:.1f} s; per epoch "
+        + ", ".join(f"{e:.0f} s" for e in r["epoch_seconds"] or [])
+        + "; "
+        + ", ".join(f"{c:,.0f} clicks/s" for c in r["training_clicks_per_second"] or [])
+        + " |",
+        f"| index ({(r.get('index') or {}).get('factory', '?')}) build + tuning | {s['indexing']:.1f} s |",
+        f"| evaluation ({r['evaluation_counts'].get('evaluated_users', 0):,} sampled users, incl. pass 3) | "
+        f"{s['evaluation']:.1f} s |",
+        f"| whole job | {s['job_total']:.1f} s |",
+        f"| peak RSS (ru_maxrss) | {_gib(m['peak_rss_bytes_ru_maxrss'])} |",
+        "| peak RSS by phase (sampled 1/s) | "
+        + ", ".join(f"{k} {_gib(v)}" for k, v in m["peak_rss_bytes_by_phase"].items())
+        + " |",
+        f"| bundle | {r['bundle']['bytes'] / 2**20:.0f} MiB |",
+        "",
+        "| ranker | " + " | ".join(k for k in next(iter(r["evaluation"].values()))) + " |",
+        "|---|" + "---|" * len(next(iter(r["evaluation"].values()))),
+    ]
+    for ranker, values in r["evaluation"].items():
+        rows.append(f"| {ranker} | " + " | ".join(f"{v:.4f}" for v in values.values()) + " |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""Out of core: click shards streamed through tf.data give what the in-memory path gives.
+
+The reference is always the in-memory path on the same clicks read by the pandas
+loader: ``read_clicks`` -> ``split_clicks`` -> ``FeatureStatistics.from_training_clicks``.
+"""
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import retrieval  # noqa: F401
+import tensorflow as tf
+
+from retrieval.config import ColumnsConfig, ConfigError, SplitConfig, SyntheticConfig, TableConfig, load_config
+from retrieval.data import DataError, generate_clicks, read_clicks, split_clicks, temporal_cut
+from retrieval.data.streaming import (
+    ClickShards,
+    click_stream_dataset,
+    collect_users,
+    plan_split,
+    random_test_mask,
+    scan_counts,
+    train_batches,
+)
+from retrieval.features import FeatureStatistics
+
+ROOT = Path(__file__).resolve().parents[1]
+COLUMNS = ColumnsConfig(user="user_id", item="item_id", timestamp="timestamp", weight="weight")
+TEMPORAL = SplitConfig(kind="temporal", test_fraction=0.2)
+
+
+def _log(seed: int, n_users: int = 300, n_items: int = 200) -> pd.DataFrame:
+    clicks, _, _ = generate_clicks(
+        SyntheticConfig(n_users=n_users, n_items=n_items, mean_clicks_per_user=15, seed=seed)
+    )
+    # Shuffled rows (shards are not in time order) and weights that are not all 1.
+    clicks = clicks.sample(frac=1.0, random_state=seed).reset_index(drop=True)
+    clicks["weight"] = np.random.default_rng(seed).choice([1.0, 2.0, 0.5], len(clicks)).astype(np.float32)
+    return clicks
+
+
+def _write(clicks: pd.DataFrame, folder: Path, fmt: str, shards: int = 3) -> Path:
+    """The log as ``shards`` files in ``folder`` plus the whole log as one file beside it."""
+    folder.mkdir(parents=True)
+    for i, part in enumerate(np.array_split(np.arange(len(clicks)), shards)):
+        rows = clicks.iloc[part]
+        if fmt == "parquet":
+            rows.to_parquet(folder / f"part-{i}.parquet", index=False)
+        else:
+            rows.to_csv(folder / f"part-{i}.csv", index=False)
+    whole = folder.parent / f"{folder.name}-whole.{fmt}"
+    clicks.to_parquet(whole, index=False) if fmt == "parquet" else clicks.to_csv(whole, index=False)
+    return whole
+
+
+@pytest.fixture(scope="module", params=["parquet", "csv"])
+def logs(request, tmp_path_factory):
+    """(shards, the in-memory clicks read by the pandas loader from the same data as one file)."""
+    fmt = request.param
+    folder = tmp_path_factory.mktemp(fmt) / "shards"
+    whole = _write(_log(seed=3), folder, fmt)
+    # A glob for parquet, a directory for CSV: both ways of naming shards.
+    path = f"{folder}/*.parquet" if fmt == "parquet" else str(folder)
+    shards = ClickShards.open(TableConfig(path=path), COLUMNS, read_batch_size=500)
+    assert len(shards.files) == 3 and shards.format == fmt
+    return shards, read_clicks(TableConfig(path=str(whole)), COLUMNS)
+
+
+def test_streamed_statistics_equal_the_in_memory_ones(logs):
+    shards, clicks = logs
+    plan = plan_split(shards, TEMPORAL)
+    assert plan.cut == temporal_cut(clicks, TEMPORAL.test_fraction)
+    assert plan.rows == len(clicks)
+    assert plan.time_range == (clicks["timestamp"].min(), clicks["timestamp"].max())
+    counts = scan_counts(shards, plan)
+    train, test = split_clicks(clicks, TEMPORAL)
+    assert (counts.train_rows, counts.test_rows) == (len(train), len(test))
+    streamed = FeatureStatistics.from_counts(counts.user_ids, counts.item_ids, counts.item_counts, counts.has_weights)
+    reference = FeatureStatistics.from_training_clicks(train)
+    assert streamed.users == reference.users
+    assert streamed.items == reference.items
+    np.testing.assert_array_equal(streamed.item_popularity.counts, reference.item_popularity.counts)
+    assert streamed.has_weights and reference.has_weights
+    assert sorted(counts.test_user_ids) == sorted(test["user_id"].unique())
+    # The catalogue holds every logged item, train and test.
+    assert set(counts.catalogue()) == set(clicks["item_id"])
+
+
+def test_streamed_split_holds_the_rows_of_the_in_memory_split(logs):
+    shards, clicks = logs
+    plan = plan_split(shards, TEMPORAL)
+    users = sorted(clicks["user_id"].unique())
+    train, test = collect_users(shards, plan, users)
+    ref_train, ref_test = split_clicks(clicks, TEMPORAL)
+    # Shards are read in file order, which is the log's order: same rows, same order.
+    pd.testing.assert_frame_equal(train, ref_train)
+    pd.testing.assert_frame_equal(test, ref_test)
+    # A subset of users gets exactly their rows.
+    some = users[::7]
+    sub_train, sub_test = collect_users(shards, plan, some)
+    pd.testing.assert_frame_equal(sub_train, ref_train[ref_train["user_id"].isin(some)].reset_index(drop=True))
+    pd.testing.assert_frame_equal(sub_test, ref_test[ref_test["user_id"].isin(some)].reset_index(drop=True))
+
+
+def _multiset(users, items, weights) -> Counter:
+    return Counter(zip(map(str, users), map(str, items), np.asarray(weights, np.float32).tolist()))
+
+
+def test_tf_data_yields_every_training_click_once_per_epoch(logs):
+    shards, clicks = logs
+    plan = plan_split(shards, TEMPORAL)
+    ref_train, _ = split_clicks(clicks, TEMPORAL)
+    expected = _multiset(ref_train["user_id"], ref_train["item_id"], ref_train["weight"])
+    dataset = click_stream_dataset(shards, plan, 64, shuffle_buffer=700, seed=5, train_rows=len(ref_train))
+    assert int(dataset.cardinality()) == -(-len(ref_train) // 64)
+    orders = []
+    for _ in range(2):  # two epochs: each complete, in a different order
+        users, items, weights, sizes = [], [], [], []
+        for batch in dataset:
+            users += [u.decode() for u in batch["user_id"].numpy()]
+            items += [i.decode() for i in batch["item_id"].numpy()]
+            weights += batch["weight"].numpy().tolist()
+            sizes.append(len(batch["user_id"]))
+            assert batch["weight"].dtype == tf.float32
+        assert _multiset(users, items, weights) == expected
+        assert all(size == 64 for size in sizes[:-1]) and 0 < sizes[-1] <= 64
+        orders.append(list(zip(users, items)))
+    assert orders[0] != orders[1]
+    # Seeded: the same seed and epoch repeat the same batches.
+    first = [b["user_id"].tolist() for b in train_batches(shards, plan, 64, shuffle_buffer=700, seed=5)]
+    again = [b["user_id"].tolist() for b in train_batches(shards, plan, 64, shuffle_buffer=700, seed=5)]
+    assert first == again
+
+
+def test_random_split_is_a_seeded_partition(logs):
+    shards, clicks = logs
+    split = SplitConfig(kind="random", test_fraction=0.25, seed=1)
+    plan = plan_split(shards, split)
+    counts = scan_counts(shards, plan)
+    assert counts.train_rows + counts.test_rows == len(clicks)
+    # Binomial(n, 0.25): 5 standard deviations.
+    assert abs(counts.test_rows - 0.25 * len(clicks)) < 5 * np.sqrt(len(clicks) * 0.25 * 0.75)
+    train, test = collect_users(shards, plan, sorted(clicks["user_id"].unique()))
+    streamed = Counter()
+    for batch in train_batches(shards, plan, 100, shuffle_buffer=300, seed=0):
+        streamed += _multiset(batch["user_id"], batch["item_id"], batch["weight"])
+    assert streamed == _multiset(train["user_id"], train["item_id"], train["weight"])
+    assert streamed + _multiset(test["user_id"], test["item_id"], test["weight"]) == _multiset(
+        clicks["user_id"], clicks["item_id"], clicks["weight"]
+    )
+    # The side of a click depends on the click and the seed, not on the batch it is read in.
+    batch = next(shards.scan())
+    whole = random_test_mask(batch, 0.25, 1)
+    halves = np.concatenate([random_test_mask(batch.take(m), 0.25, 1) for m in (np.arange(len(batch)) < 100,
+                                                                               np.arange(len(batch)) >= 100)])
+    np.testing.assert_array_equal(whole, halves)
+    assert not np.array_equal(whole, random_test_mask(batch, 0.25, 2))
+
+
+# --- Bad inputs: errors name the file. ---
+
+
+def test_no_shards(tmp_path):
+    with pytest.raises(DataError, match=r"no files match the pattern"):
+        ClickShards.open(TableConfig(path=str(tmp_path / "*.parquet")), COLUMNS)
+    with pytest.raises(DataError, match=r"holds no \.parquet/\.csv/\.tsv shards"):
+        ClickShards.open(TableConfig(path=str(tmp_path)), COLUMNS)
+
+
+def test_a_shard_missing_a_column_is_named(tmp_path):
+    clicks = _log(seed=1, n_users=20, n_items=10)
+    folder = tmp_path / "logs"
+    _write(clicks, folder, "parquet")
+    clicks.drop(columns=["timestamp"]).to_parquet(folder / "part-9.parquet", index=False)
+    with pytest.raises(DataError, match=r"part-9\.parquet.*missing column 'timestamp'"):
+        ClickShards.open(TableConfig(path=str(folder)), COLUMNS)
+    csv = tmp_path / "csv"
+    _write(clicks, csv, "csv")
+    clicks.drop(columns=["item_id"]).to_csv(csv / "part-1.csv", index=False)
+    with pytest.raises(DataError, match=r"part-1\.csv.*missing column 'item_id'"):
+        ClickShards.open(TableConfig(path=str(csv)), COLUMNS)
+
+
+def test_mixed_formats_are_refused(tmp_path):
+    clicks = _log(seed=1, n_users=20, n_items=10)
+    folder = tmp_path / "logs"
+    _write(clicks, folder, "parquet")
+    clicks.to_csv(folder / "extra.csv", index=False)
+    with pytest.raises(DataError, match=r"mix formats: .*csv \(.*extra\.csv\).*parquet \(.*part-0\.parquet\)"):
+        ClickShards.open(TableConfig(path=str(folder)), COLUMNS)
+
+
+def test_a_bad_value_names_file_and_row(tmp_path):
+    clicks = _log(seed=1, n_users=20, n_items=10)
+    folder = tmp_path / "logs"
+    _write(clicks, folder, "csv")
+    bad = clicks.iloc[:5].copy()
+    bad["weight"] = bad["weight"].astype(object)
+    bad.loc[3, "weight"] = -1.0
+    bad.to_csv(folder / "part-1.csv", index=False)
+    shards = ClickShards.open(TableConfig(path=str(folder)), COLUMNS)
+    with pytest.raises(DataError, match=r"part-1\.csv, line 5, column 'weight': negative weight"):
+        list(shards.scan())
+
+
+def test_unsupported_settings_are_refused_by_the_config():
+    base = ["data.source=files", "data.clicks.path=x/*.parquet", "data.out_of_core=true",
+            "evaluation.baselines.rankers=[popularity]"]
+    load_config(None, base)  # supported
+    for override, reason in [
+        ("split.kind=leave_last_k", "split.kind: leave_last_k"),
+        ("train.validation_fraction=0.1", "early stopping"),
+        ("evaluation.baselines.rankers=[popularity, als]", "als baseline"),
+        ("data.duplicates=first", "duplicates"),
+        ("towers.query.features=[{name: user_id, kind: id}, {name: age, kind: numeric}]", "feature towers"),
+    ]:
+        with pytest.raises(ConfigError, match=f"not yet supported with data.out_of_core: .*{reason}"):
+            load_config(None, base + [override])
+    with pytest.raises(ConfigError, match="data.out_of_core needs data.source: files"):
+        load_config(None, ["data.out_of_core=true"])
+
+
+# --- The optimiser for large tables. ---
+
+
+def _adam_rows(var, m, v, grad, step, lr=0.1, b1=0.9, b2=0.999, eps=1e-7):
+    m = b1 * m + (1 - b1) * grad
+    v = b2 * v + (1 - b2) * grad**2
+    alpha = lr * np.sqrt(1 - b2**step) / (1 - b1**step)
+    return var - alpha * m / (np.sqrt(v) + eps), m, v
+
+
+def test_lazy_adam_updates_only_the_touched_rows_as_adam_would():
+    from retrieval.training import LazyAdam
+
+    rng = np.random.default_rng(0)
+    start = rng.normal(size=(6, 3)).astype(np.float32)
+    table = tf.Variable(start)
+    optimizer = LazyAdam(learning_rate=0.1)
+    var, m, v = start.astype(np.float64), np.zeros((6, 3)), np.zeros((6, 3))
+    for step, rows in enumerate([[1, 4], [4, 4, 0]], start=1):  # a repeated row: gradients add up
+        values = rng.normal(size=(len(rows), 3)).astype(np.float32)
+        optimizer.apply_gradients([(tf.IndexedSlices(tf.constant(values), tf.constant(rows), tf.constant([6, 3])),
+                                    table)])
+        grad = np.zeros((6, 3))
+        np.add.at(grad, rows, values)
+        touched = sorted(set(rows))
+        var[touched], m[touched], v[touched] = _adam_rows(var[touched], m[touched], v[touched], grad[touched], step)
+    np.testing.assert_allclose(table.numpy(), var, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(table.numpy()[[2, 3, 5]], start[[2, 3, 5]])  # never touched: unchanged
+
+
+# --- The whole job, out of core against in memory. ---
+
+
+@pytest.mark.slow
+def test_job_out_of_core_matches_the_in_memory_job(tmp_path, monkeypatch):
+    from retrieval import jobs
+
+    clicks, _, _ = generate_clicks(SyntheticConfig(n_users=500, n_items=300, mean_clicks_per_user=30, seed=0))
+    folder = tmp_path / "shards"
+    whole = _write(clicks, folder, "parquet")
+    common = [
+        "data.source=files",
+        "split.kind=temporal",
+        "split.test_fraction=0.2",
+        "train.epochs=6",
+        "train.batch_size=256",
+        "train.optimizer=lazy_adam",
+        "train.verbose=0",
+        "train.validation_fraction=0",
+        "model.loss.log_q_source=static",
+        "evaluation.baselines.rankers=[popularity]",
+        "evaluation.plots=false",
+        "export.topk_model=false",
+        f"run.output_dir={tmp_path / 'runs'}",
+    ]
+    in_memory = jobs.train_evaluate_export(
+        load_config(ROOT / "configs/default.yaml", common + [f"data.clicks.path={whole}", "run.name=mem"])
+    ).metrics
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the out-of-core path must not load the log with pandas")
+
+    for target in ("retrieval.data.loaders.read_clicks", "retrieval.data.dataset.read_clicks",
+                   "retrieval.jobs.load_dataset", "pandas.read_parquet", "pandas.read_csv"):
+        monkeypatch.setattr(target, refuse)
+    streamed = jobs.train_evaluate_export(
+        load_config(
+            ROOT / "configs/default.yaml",
+            common + [f"data.clicks.path={folder}/*.parquet", "data.out_of_core=true",
+                      "data.stream.max_test_users=null", "data.stream.shuffle_buffer=2000", "run.name=ooc"],
+        )
+    ).metrics
+    # Same evaluated users, relevant pairs and masks; popularity is deterministic, so exactly equal.
+    assert streamed["counts"] == in_memory["counts"]
+    assert streamed["popularity"] == pytest.approx(in_memory["popularity"])
+    assert streamed["reference"].pop("segment_users") == in_memory["reference"].pop("segment_users")
+    assert streamed["reference"] == pytest.approx(in_memory["reference"])
+    # The model differs only in its shuffle: its metric is close, and it has learnt the tastes.
+    assert abs(streamed["model"]["recall@20"] - in_memory["model"]["recall@20"]) < 0.05
+    assert streamed["model"]["recall@20"] > 1.2 * streamed["popularity"]["recall@20"]
