@@ -72,7 +72,8 @@ def test_users_unseen_in_training_are_served_from_their_features(run):
     queries = TowerTables.from_dataset(dataset, config.towers).queries(unseen).to_dict("records")
     assert all(q["history"] == ("",) * 20 for q in queries)
     served = Bundle.load(result.directory).recommend_batch(queries, k=10)
-    assert all(r.fallback is None and len(r.item_ids) == 10 for r in served)
+    # Unseen ids, embedded from their features: the reply says so and keeps the scores.
+    assert all(r.fallback == "features" and len(r.item_ids) == 10 and None not in r.scores for r in served)
 
 
 def test_re_evaluating_the_bundle_reproduces_the_metrics(run):

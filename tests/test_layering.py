@@ -6,6 +6,7 @@ from pathlib import Path
 # Stage order (config and arrays are shared foundations).
 STAGES = [
     "config",
+    "config_reference",  # the README's config reference, generated from config only
     "arrays",
     "data",
     "features",

@@ -24,6 +24,11 @@ def test_notebook_runs(name, tmp_path, monkeypatch):
     assert not errors
 
 
+def test_every_documented_notebook_is_collected():
+    # test_notebook_runs executes whatever is in notebooks/; the README names these two.
+    assert {"quickstart.ipynb", "sampling.ipynb"} <= {p.name for p in NOTEBOOKS.glob("*.ipynb")}
+
+
 def test_notebooks_are_committed_without_outputs():
     for path in NOTEBOOKS.glob("*.ipynb"):
         notebook = nbformat.read(path, as_version=4)
