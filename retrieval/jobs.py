@@ -37,16 +37,7 @@ from retrieval.data.streaming import (
     sample_test_users,
     scan_counts,
 )
-from retrieval.evaluation import (
-    EvalSet,
-    activity_segments,
-    index_ranking,
-    mean_log_popularity,
-    metrics_by_segment,
-    score_ranking,
-    tail_items,
-)
-from retrieval.evaluation.metrics import segment_labels
+from retrieval.evaluation import EvalSet, compare_rankers, index_ranking
 from retrieval.evaluation.protocol import pad_columns
 from retrieval.training import embed, fit_dataset
 
@@ -138,25 +129,7 @@ def train_evaluate_export(config: Config, *, config_name: str = "default") -> Ru
         )
         metrics["data"] = dataset.summary()
         metrics["final_train_loss"] = history["loss"][-1]
-        (scratch / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        (scratch / "metrics.md").write_text(format_table(metrics) + "\n")
-        write_report(scratch, metrics, title=f"Offline evaluation: {name}", plots=config.evaluation.plots)
-        write_metric_summaries(scratch / "tensorboard" / "evaluation", metrics, step=config.train.epochs)
-
-        write_bundle(
-            scratch,
-            query_tower=model.query_tower,
-            doc_tower=model.doc_tower,
-            index=index,
-            item_embeddings=item_embeddings if config.export.topk_model else None,
-            topk_k=config.export.topk_k,
-            manifest={
-                "run": name,
-                "config": config.to_dict(),
-                "metrics": {k: metrics[k] for k in [*ranker_names(metrics), "counts"]},
-                "popular_item_ids": stats.item_popularity.ranked_item_ids(POPULAR_ITEMS_IN_MANIFEST),
-            },
-        )
+        write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, stats)
     return RunResult(final, metrics, time.perf_counter() - started)
 
 
@@ -173,6 +146,37 @@ _RESUME_IGNORES = {
     "export": None,
     "train": {"verbose", "resume", "checkpoint_every_steps", "checkpoint_dir"},
 }
+
+
+def write_run_outputs(
+    directory: Path,
+    name: str,
+    config: Config,
+    metrics: dict[str, Any],
+    model,
+    index: ItemIndex,
+    item_embeddings: np.ndarray,
+    stats: FeatureStatistics,
+) -> None:
+    """Metrics (JSON, Markdown, report, TensorBoard) and the serving bundle of a finished run."""
+    (directory / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    (directory / "metrics.md").write_text(format_table(metrics) + "\n")
+    write_report(directory, metrics, title=f"Offline evaluation: {name}", plots=config.evaluation.plots)
+    write_metric_summaries(directory / "tensorboard" / "evaluation", metrics, step=config.train.epochs)
+    write_bundle(
+        directory,
+        query_tower=model.query_tower,
+        doc_tower=model.doc_tower,
+        index=index,
+        item_embeddings=item_embeddings if config.export.topk_model else None,
+        topk_k=config.export.topk_k,
+        manifest={
+            "run": name,
+            "config": config.to_dict(),
+            "metrics": {k: metrics[k] for k in [*ranker_names(metrics), "counts"]},
+            "popular_item_ids": stats.item_popularity.ranked_item_ids(POPULAR_ITEMS_IN_MANIFEST),
+        },
+    )
 
 
 def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path | None:
@@ -423,25 +427,7 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
             "epoch_seconds": history.get("epoch_seconds"),
             "clicks_per_second": history.get("clicks_per_second"),
         }
-        (scratch / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        (scratch / "metrics.md").write_text(format_table(metrics) + "\n")
-        write_report(scratch, metrics, title=f"Offline evaluation: {name}", plots=config.evaluation.plots)
-        write_metric_summaries(scratch / "tensorboard" / "evaluation", metrics, step=config.train.epochs)
-
-        write_bundle(
-            scratch,
-            query_tower=model.query_tower,
-            doc_tower=model.doc_tower,
-            index=index,
-            item_embeddings=item_embeddings if config.export.topk_model else None,
-            topk_k=config.export.topk_k,
-            manifest={
-                "run": name,
-                "config": config.to_dict(),
-                "metrics": {k: metrics[k] for k in [*ranker_names(metrics), "counts"]},
-                "popular_item_ids": stats.item_popularity.ranked_item_ids(POPULAR_ITEMS_IN_MANIFEST),
-            },
-        )
+        write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, stats)
     return RunResult(final, metrics, time.perf_counter() - started)
 
 
@@ -472,14 +458,11 @@ def _streamed_eval_set(user_train, user_test, stats: FeatureStatistics, catalogu
 
 def _evaluate_streamed(index, query_embeddings, eval_set: EvalSet, user_train, stats, config) -> dict[str, Any]:
     """``evaluate_against_baselines`` with training popularity from the streamed counts (popularity only)."""
-    ks = sorted(set(config.ks))
-    depth = ks[-1]
+    depth = max(config.ks)
     catalogue = pd.Index(index.item_ids, dtype=object)
     item_counts = np.zeros(len(catalogue), np.int64)
     item_counts[catalogue.get_indexer(pd.Index(stats.items.ids, dtype=object))] = stats.item_popularity.counts[1:]
-    is_tail = tail_items(item_counts, config.head_fraction)
     activity = user_train[USER].value_counts().reindex(pd.Index(eval_set.user_ids, dtype=object), fill_value=0)
-    segments = activity_segments(activity.to_numpy(), config.activity_edges)
 
     def popularity() -> np.ndarray:
         # popularity_ranking, from counts instead of a training frame.
@@ -492,26 +475,4 @@ def _evaluate_streamed(index, query_embeddings, eval_set: EvalSet, user_train, s
     rankers = {"model": lambda: index_ranking(index, query_embeddings, eval_set, depth, config.query_batch_size)}
     if "popularity" in config.baselines.rankers:
         rankers["popularity"] = popularity
-    results: dict[str, Any] = {}
-    by_segment, seconds = {}, {}
-    for name, rank in rankers.items():
-        clock = time.perf_counter()
-        ranked = rank()
-        seconds[name] = round(time.perf_counter() - clock, 3)
-        results[name] = score_ranking(ranked, eval_set.relevant, ks, item_counts, is_tail)
-        by_segment[name] = metrics_by_segment(
-            ranked, eval_set.relevant, segments, ks, order=segment_labels(config.activity_edges)
-        )
-    relevant_rows = np.concatenate(eval_set.relevant) if eval_set.relevant else np.zeros(0, np.int64)
-    results["segments"] = by_segment
-    results["reference"] = {
-        "test_items_log_popularity": mean_log_popularity(eval_set.relevant, item_counts),
-        "catalogue_items": int(len(item_counts)),
-        "head_fraction": config.head_fraction,
-        "tail_items": int(is_tail.sum()),
-        "relevant_pairs_on_tail_items": int(is_tail[relevant_rows].sum()),
-        "segment_users": {label: int(np.sum(segments == label)) for label in segment_labels(config.activity_edges)},
-    }
-    results["seconds"] = seconds
-    results["counts"] = dict(eval_set.counts)
-    return results
+    return compare_rankers(rankers, eval_set, item_counts, activity.to_numpy(), config)

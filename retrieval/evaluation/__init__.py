@@ -8,7 +8,7 @@
 """
 
 from retrieval.evaluation.baselines import BASELINES, als_ranking, baseline_ranking, fit_als, popularity_ranking
-from retrieval.evaluation.compare import evaluate_against_baselines, score_ranking
+from retrieval.evaluation.compare import compare_rankers, evaluate_against_baselines, score_ranking
 from retrieval.evaluation.metrics import (
     activity_segments,
     coverage_at_k,
@@ -30,6 +30,7 @@ __all__ = [
     "baseline_ranking",
     "build_eval_set",
     "coverage_at_k",
+    "compare_rankers",
     "evaluate_against_baselines",
     "fit_als",
     "format_table",

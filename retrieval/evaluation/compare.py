@@ -7,7 +7,7 @@ catalogue, so the table's columns differ only in the scorer.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -83,19 +83,39 @@ def evaluate_against_baselines(
       "reference": {...}, "seconds": {ranker: s}, "counts": {...}}``; the per-ranker
       dicts are flat ``"metric@k" -> value`` maps (see ``score_ranking``).
     """
-    ks = sorted(set(config.ks))
-    depth = ks[-1]
+    depth = max(config.ks)
     catalogue_ids = list(index.item_ids)
-    item_counts = item_click_counts(train, catalogue_ids)
-    is_tail = tail_items(item_counts, config.head_fraction)
     activity = train[USER].value_counts().reindex(pd.Index(eval_set.user_ids, dtype=object), fill_value=0)
-    segments = activity_segments(activity.to_numpy(), config.activity_edges)
-
     rankers = {MODEL: lambda: index_ranking(index, query_embeddings, eval_set, depth, config.query_batch_size)}
     for name in config.baselines.rankers:
         rankers[name] = lambda name=name: baseline_ranking(
             name, train, catalogue_ids, eval_set, depth, config.baselines
         )
+    return compare_rankers(rankers, eval_set, item_click_counts(train, catalogue_ids), activity.to_numpy(), config)
+
+
+def compare_rankers(
+    rankers: dict[str, Callable[[], np.ndarray]],
+    eval_set: EvalSet,
+    item_counts: np.ndarray,
+    activity: np.ndarray,
+    config: EvaluationConfig,
+) -> dict[str, dict]:
+    """Run each ranker and score it on ``eval_set``, overall and per activity segment.
+
+    Args:
+      rankers: name -> a function returning [num_users, max(ks)] catalogue rows.
+      eval_set: users, relevant rows and masks from ``build_eval_set``.
+      item_counts: [num_items] training clicks per catalogue row (tail, popularity bias).
+      activity: [num_users] training clicks of each ``eval_set`` user (segments).
+      config: ks, head fraction, activity edges.
+
+    Returns:
+      the dict ``evaluate_against_baselines`` documents.
+    """
+    ks = sorted(set(config.ks))
+    is_tail = tail_items(item_counts, config.head_fraction)
+    segments = activity_segments(activity, config.activity_edges)
     results: dict[str, dict] = {}
     by_segment, seconds = {}, {}
     for name, rank in rankers.items():
