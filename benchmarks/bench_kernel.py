@@ -48,12 +48,9 @@ import retrieval  # noqa: E402,F401  (sets TF_USE_LEGACY_KERAS before TensorFlow
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from bench_losses import Prepared, metrics_of  # noqa: E402  (benchmarks/ is on sys.path)
+from bench_losses import Prepared, metrics_of, prepare_config  # noqa: E402  (benchmarks/ is on sys.path)
 from retrieval.config import load_config  # noqa: E402
-from retrieval.data import ITEM, USER, load_dataset, locate_movielens_100k  # noqa: E402
-from retrieval.evaluation import build_eval_set  # noqa: E402
-from retrieval.evaluation.metrics import tail_items  # noqa: E402
-from retrieval.features import FeatureStatistics  # noqa: E402
+from retrieval.data import ITEM, USER, locate_movielens_100k  # noqa: E402
 from retrieval.model import build_model  # noqa: E402
 from retrieval.samplers import KernelSampler  # noqa: E402
 from retrieval.training import click_dataset, fit, seed_everything  # noqa: E402
@@ -135,27 +132,7 @@ FULL = "full softmax"
 def prepare(name: str, eval_users: int) -> Prepared:
     """Split the dataset and build its evaluation set (at most ``eval_users`` test users, seeded)."""
     path, overrides = DATASETS[name]
-    config = load_config(path, [*COMMON, *overrides])
-    dataset = load_dataset(config.data, config.split)
-    stats = FeatureStatistics.from_training_clicks(dataset.train)
-    catalogue_ids = dataset.items[ITEM].astype(str).tolist()
-    test = dataset.test
-    users = test[USER].astype(str).unique()
-    if len(users) > eval_users:
-        keep = np.random.default_rng(0).choice(users, eval_users, replace=False)
-        test = test[test[USER].astype(str).isin(set(keep))]
-    eval_set = build_eval_set(dataset.train, test, catalogue_ids, config.evaluation)
-    counts = dataset.train[ITEM].astype(str).value_counts().reindex(catalogue_ids, fill_value=0).to_numpy()
-    return Prepared(
-        name,
-        config,
-        dataset.train,
-        stats,
-        catalogue_ids,
-        eval_set,
-        tail_items(counts, 0.2),
-        stats.items.lookup(catalogue_ids),
-    )
+    return prepare_config(name, load_config(path, [*COMMON, *overrides]), eval_users)
 
 
 def rank_model(model, data: Prepared, k: int = K, chunk: int = 512) -> np.ndarray:

@@ -130,11 +130,20 @@ class Prepared:
 
 
 def prepare(name: str, overrides: list[str] | None = None) -> Prepared:
-    config = load_config(DATASETS[name], ["train.verbose=0", *(overrides or [])])
+    return prepare_config(name, load_config(DATASETS[name], ["train.verbose=0", *(overrides or [])]))
+
+
+def prepare_config(name: str, config, eval_users: int | None = None) -> Prepared:
+    """Split the config's data and build its evaluation set (at most ``eval_users`` test users, seeded)."""
     dataset = load_dataset(config.data, config.split)
     stats = FeatureStatistics.from_training_clicks(dataset.train)
     catalogue_ids = dataset.items[ITEM].astype(str).tolist()
-    eval_set = build_eval_set(dataset.train, dataset.test, catalogue_ids, config.evaluation)
+    test = dataset.test
+    users = test[USER].astype(str).unique()
+    if eval_users is not None and len(users) > eval_users:
+        keep = np.random.default_rng(0).choice(users, eval_users, replace=False)
+        test = test[test[USER].astype(str).isin(set(keep))]
+    eval_set = build_eval_set(dataset.train, test, catalogue_ids, config.evaluation)
     counts = dataset.train[ITEM].astype(str).value_counts().reindex(catalogue_ids, fill_value=0).to_numpy()
     return Prepared(
         name,
