@@ -52,3 +52,14 @@ def drop_members(rows: np.ndarray, scores: np.ndarray, members: Sequence[np.ndar
     scores = np.take_along_axis(np.asarray(scores), order, axis=1)
     removed = np.take_along_axis(removed, order, axis=1)
     return np.where(removed, -1, rows), np.where(removed, -np.inf, scores)
+
+
+def seeded_subset(values: np.ndarray, size: int | None, seed: int) -> np.ndarray:
+    """At most ``size`` of ``values``, drawn uniformly without replacement with ``seed``, in their order.
+
+    ``values`` itself when it has no more than ``size`` entries (or ``size`` is None).
+    """
+    values = np.asarray(values)
+    if size is None or len(values) <= size:
+        return values
+    return values[np.sort(np.random.default_rng(seed).choice(len(values), size, replace=False))]

@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
+from retrieval.arrays import seeded_subset
 from retrieval.config import Config, IndexConfig, apply_overrides, save_config
 from retrieval.data import ITEM, USER, load_dataset
 from retrieval.evaluation import build_eval_set, evaluate_against_baselines, format_table, ranker_names, write_report
@@ -28,7 +29,6 @@ from retrieval.serving import Bundle
 from retrieval.towers import build_towers
 from retrieval.training import distribution_strategy, embed_frame, fit, seed_everything
 # The out-of-core path (data.out_of_core):
-from retrieval.arrays import drop_members
 from retrieval.data.streaming import (
     ClickShards,
     click_stream_dataset,
@@ -37,8 +37,7 @@ from retrieval.data.streaming import (
     sample_test_users,
     scan_counts,
 )
-from retrieval.evaluation import EvalSet, compare_rankers, index_ranking
-from retrieval.evaluation.protocol import pad_columns
+from retrieval.evaluation import EvalSet, compare_rankers, index_ranking, popularity_ranking_from_counts
 from retrieval.training import embed, fit_dataset
 
 log = logging.getLogger("retrieval")
@@ -260,10 +259,7 @@ def write_metric_summaries(log_dir: str | Path, metrics: dict[str, Any], step: i
 
 
 def _user_sample(train, size: int, seed: int) -> list[str]:
-    users = np.sort(train[USER].astype(str).unique())
-    if len(users) > size:
-        users = users[np.sort(np.random.default_rng(seed).choice(len(users), size, replace=False))]
-    return users.tolist()
+    return seeded_subset(np.sort(train[USER].astype(str).unique()), size, seed).tolist()
 
 
 def evaluate_bundle(
@@ -405,7 +401,10 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         clock = time.perf_counter()
         log.info("indexing %d catalogue items (%s)", len(catalogue_ids), config.index.factory)
         item_embeddings = embed(model.doc_tower, ITEM, catalogue_ids)
-        tuning_users = _sample(np.asarray(stats.users.ids, dtype=object), config.index.tune_queries, config.index.seed)
+        tuning_users = [
+            str(user) for user in seeded_subset(np.asarray(stats.users.ids, dtype=object), config.index.tune_queries,
+                                                config.index.seed)
+        ]
         index = build_index(
             catalogue_ids, item_embeddings, config.index, embed(model.query_tower, USER, tuning_users), "training users"
         )
@@ -429,12 +428,6 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         }
         write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, stats)
     return RunResult(final, metrics, time.perf_counter() - started)
-
-
-def _sample(ids: np.ndarray, size: int, seed: int) -> list[str]:
-    if len(ids) > size:
-        ids = ids[np.sort(np.random.default_rng(seed).choice(len(ids), size, replace=False))]
-    return [str(i) for i in ids]
 
 
 def _streamed_eval_set(user_train, user_test, stats: FeatureStatistics, catalogue_ids, config) -> EvalSet:
@@ -463,16 +456,7 @@ def _evaluate_streamed(index, query_embeddings, eval_set: EvalSet, user_train, s
     item_counts = np.zeros(len(catalogue), np.int64)
     item_counts[catalogue.get_indexer(pd.Index(stats.items.ids, dtype=object))] = stats.item_popularity.counts[1:]
     activity = user_train[USER].value_counts().reindex(pd.Index(eval_set.user_ids, dtype=object), fill_value=0)
-
-    def popularity() -> np.ndarray:
-        # popularity_ranking, from counts instead of a training frame.
-        order = np.lexsort((np.arange(len(item_counts)), -item_counts))
-        head = order[: depth + max((len(e) for e in eval_set.exclude), default=0)]
-        rows = np.broadcast_to(head, (len(eval_set.user_ids), len(head)))
-        rows, _ = drop_members(rows, np.zeros(rows.shape, np.float32), eval_set.exclude)
-        return pad_columns(rows[:, :depth], depth)
-
     rankers = {"model": lambda: index_ranking(index, query_embeddings, eval_set, depth, config.query_batch_size)}
     if "popularity" in config.baselines.rankers:
-        rankers["popularity"] = popularity
+        rankers["popularity"] = lambda: popularity_ranking_from_counts(item_counts, eval_set, depth)
     return compare_rankers(rankers, eval_set, item_counts, activity.to_numpy(), config)

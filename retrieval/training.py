@@ -474,7 +474,7 @@ def fit_dataset(
       dataset: batches ``{"user_id": tf.string [batch], "item_id": tf.string [batch],
         "weight": tf.float32 [batch]}``.
       config: optimiser, epochs, seed; ``verbose`` 0 silences the per-epoch line.
-      log_dir: as ``fit``: ``train_log.csv`` (one row per epoch) and TensorBoard
+      log_dir: as ``fit``: ``train_log.csv`` (one row per epoch, as CSVLogger writes it) and TensorBoard
         scalars ``epoch_<name>`` under ``tensorboard/train``.
       progress: ``callable(str)`` for progress lines (a clicks/s line every minute
         and one per epoch); None = ``print`` (per epoch only, unless ``verbose`` is 0).
@@ -529,10 +529,7 @@ def fit_dataset(
     if writer is not None:
         writer.close()
     if log_dir is not None:
-        keys = sorted(history)
-        lines = [",".join(["epoch", *keys])]
-        lines += [",".join([str(e), *(repr(history[k][e]) for k in keys)]) for e in range(config.epochs)]
-        (Path(log_dir) / "train_log.csv").write_text("\n".join(lines) + "\n")
+        _write_csv_log(Path(log_dir) / "train_log.csv", history)  # the columns Keras's CSVLogger writes in fit()
     return history
 
 

@@ -129,7 +129,12 @@ def temporal_cut(clicks: pd.DataFrame, test_fraction: float) -> int:
     so at least one click is always in train.
     """
     _need_time(clicks, "temporal")
-    return int(np.quantile(clicks[TIME].to_numpy(), 1 - test_fraction, method="lower"))
+    return timestamp_cut(clicks[TIME].to_numpy(), test_fraction)
+
+
+def timestamp_cut(timestamps: np.ndarray, test_fraction: float) -> int:
+    """``temporal_cut`` of an array of every click's timestamp (the out-of-core split uses it too)."""
+    return int(np.quantile(timestamps, 1 - test_fraction, method="lower"))
 
 
 def _need_time(clicks: pd.DataFrame, kind: str) -> None:

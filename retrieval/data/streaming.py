@@ -49,8 +49,10 @@ import pyarrow.csv as pacsv
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
+from retrieval.arrays import seeded_subset
 from retrieval.config import ColumnsConfig, SplitConfig, TableConfig
 from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
+from retrieval.data.splits import timestamp_cut
 
 _SHARD_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "tsv", ".txt": "tsv"}
 _SEPARATORS = {"csv": ",", "tsv": "\t"}
@@ -392,7 +394,7 @@ def plan_split(shards: ClickShards, split: SplitConfig) -> SplitPlan:
         )
     everything = np.concatenate(stamps)
     del stamps
-    cut = int(np.quantile(everything, 1 - split.test_fraction, method="lower"))  # as splits.temporal_cut
+    cut = timestamp_cut(everything, split.test_fraction)
     if not (everything > cut).any():
         raise DataError(
             f"temporal split left the test part empty: no click is later than the cut at {cut} "
@@ -510,10 +512,7 @@ def scan_counts(shards: ClickShards, plan: SplitPlan) -> StreamCounts:
 
 def sample_test_users(counts: StreamCounts, max_users: Optional[int], seed: int) -> np.ndarray:
     """Up to ``max_users`` test users (sorted ids), drawn uniformly with ``seed``; None = all."""
-    users = np.sort(counts.test_user_ids)
-    if max_users is not None and len(users) > max_users:
-        users = users[np.sort(np.random.default_rng(seed).choice(len(users), max_users, replace=False))]
-    return users
+    return seeded_subset(np.sort(counts.test_user_ids), max_users, seed)
 
 
 def collect_users(

@@ -7,7 +7,14 @@
 - ``report``: Markdown tables, ``report.md`` and PNG plots.
 """
 
-from retrieval.evaluation.baselines import BASELINES, als_ranking, baseline_ranking, fit_als, popularity_ranking
+from retrieval.evaluation.baselines import (
+    BASELINES,
+    als_ranking,
+    baseline_ranking,
+    fit_als,
+    popularity_ranking,
+    popularity_ranking_from_counts,
+)
 from retrieval.evaluation.compare import compare_rankers, evaluate_against_baselines, score_ranking
 from retrieval.evaluation.metrics import (
     activity_segments,
@@ -40,6 +47,7 @@ __all__ = [
     "metrics_by_segment",
     "popularity_bias",
     "popularity_ranking",
+    "popularity_ranking_from_counts",
     "ranker_names",
     "ranking_metrics",
     "score_ranking",

@@ -44,7 +44,15 @@ def popularity_ranking(
     Returns:
       [num_users, depth] catalogue rows. ``config`` is unused (uniform signature).
     """
-    counts = item_click_counts(train, catalogue_ids)
+    return popularity_ranking_from_counts(item_click_counts(train, catalogue_ids), eval_set, depth)
+
+
+def popularity_ranking_from_counts(counts: np.ndarray, eval_set: EvalSet, depth: int) -> np.ndarray:
+    """``popularity_ranking`` from [num_items] training clicks per catalogue row (no click frame needed).
+
+    Returns:
+      [num_users, depth] catalogue rows.
+    """
     global_order = np.lexsort((np.arange(len(counts)), -counts))
     extra = max((len(e) for e in eval_set.exclude), default=0)
     head = global_order[: depth + extra]
