@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 SET    ?=
 
-.PHONY: install test train evaluate lint clean bench bench-eval bench-features bench-serving bench-losses bench-kernel bench-scale
+.PHONY: install test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-losses bench-kernel bench-scale
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -16,8 +16,19 @@ install: $(BIN)/activate
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
+# The whole suite (what CI runs); test-fast leaves out the tests marked slow (model training, subprocess
+# jobs) for the edit-test loop.
 test:
 	$(BIN)/python -m pytest -q
+
+test-fast:
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade) over the repo, mypy over retrieval/ and pipelines/;
+# both configured in pyproject.toml. Fails on the first finding.
+lint:
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # make train [CONFIG=configs/x.yaml] [SET="train.epochs=3 run.name=demo"]
 train:

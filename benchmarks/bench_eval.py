@@ -37,13 +37,12 @@ import sys
 import time
 from pathlib import Path
 
-import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-
 import faiss
 import numpy as np
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
+import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 from retrieval.evaluation import EvalSet, index_ranking
 from retrieval.index import ItemIndex
 
@@ -68,7 +67,7 @@ def _interleaved(methods: dict, repeats: int) -> tuple[dict, dict, dict]:
     Returns:
       (median seconds, median ratio to the reference within a round, last result), each by name.
     """
-    for run, warm_up in methods.values():
+    for _run, warm_up in methods.values():
         warm_up()  # tf.function tracing, tf.data pipelines, thread pools
     names = list(methods)
     seconds = {name: [] for name in names}
@@ -177,7 +176,8 @@ def _markdown(results: dict) -> str:
         f"batches of {results['query_batch']}. Load average (1, 5, 15 min) at start / end: "
         f"{env['load_average_1_5_15_min']['start']} / {env['load_average_1_5_15_min']['end']}.",
         "",
-        "| items | dim | queries | k | method | seconds | queries/s | FAISS speed-up | same ids as FAISS | max score gap |",
+        "| items | dim | queries | k | method | seconds | queries/s | FAISS speed-up | same ids as FAISS "
+        "| max score gap |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["runs"]:
@@ -190,7 +190,8 @@ def _markdown(results: dict) -> str:
         )
     lines += [
         "",
-        "FAISS speed-up = method seconds / FAISS seconds in the same round. FactorizedTopK times include its accuracy update; "
+        "FAISS speed-up = method seconds / FAISS seconds in the same round. "
+        "FactorizedTopK times include its accuracy update; "
         "candidate batch 128 is the TFRS tutorials' `candidates=items.batch(128).map(model)`. FactorizedTopK "
         "agreement is checked on the first query batch. Ids that differ from FAISS do so only at near-ties "
         "(max score gap ~1e-7, float rounding).",
@@ -216,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     load_at_start = [round(x, 2) for x in os.getloadavg()]
     runs = []
     for num_items in args.items:
-        rows = bench(num_items, args.dim, args.queries, args.k, args.batch, args.candidate_batch, args.repeats, args.seed)
+        rows = bench(
+            num_items, args.dim, args.queries, args.k, args.batch, args.candidate_batch, args.repeats, args.seed
+        )
         for row in rows:
             print(json.dumps({key: row[key] for key in ("items", "method", "seconds", "faiss_speedup")}), flush=True)
         runs += rows

@@ -36,10 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-
 import numpy as np
 
+import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 from retrieval.config import Config, EvaluationConfig, load_config
 from retrieval.data import ITEM, USER, load_dataset
 from retrieval.evaluation import build_eval_set, ranking_metrics
@@ -110,7 +109,9 @@ def run(name: str, seed: int, out: Path) -> dict:
         "config": name,
         "command": _command(path, extra),
         "seed": seed,
-        "warm": {key: result.metrics[ranker][key] for ranker in ("model",) for key in (f"recall@{K}", f"ndcg@{K}", "users")},
+        "warm": {
+            key: result.metrics[ranker][key] for ranker in ("model",) for key in (f"recall@{K}", f"ndcg@{K}", "users")
+        },
         "popularity": {key: result.metrics["popularity"][key] for key in (f"recall@{K}", f"ndcg@{K}")},
         "unseen_users": served_metrics(bundle, config, "unseen", None),
     }
@@ -119,7 +120,9 @@ def run(name: str, seed: int, out: Path) -> dict:
     )
     cold = train_evaluate_export(cold_config)
     held = load_dataset(cold_config.data, cold_config.split).held_out_items
-    row["cold_items"] = served_metrics(Bundle.load(cold.directory), cold_config, "warm", held) | {"held_out_items": len(held)}
+    row["cold_items"] = served_metrics(Bundle.load(cold.directory), cold_config, "warm", held) | {
+        "held_out_items": len(held)
+    }
     row["seconds"] = round(time.perf_counter() - started, 1)
     return row
 

@@ -43,12 +43,11 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import retrieval  # noqa: E402,F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-
 from bench_losses import Prepared, metrics_of, prepare_config  # noqa: E402  (benchmarks/ is on sys.path)
+
+import retrieval  # noqa: E402,F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 from retrieval.config import load_config  # noqa: E402
 from retrieval.data import ITEM, USER, locate_movielens_100k  # noqa: E402
 from retrieval.model import build_model  # noqa: E402

@@ -36,12 +36,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-
 import numpy as np
 import pandas as pd
 import tensorflow as tf
 
+import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 from retrieval.config import ALSConfig, Config, load_config
 from retrieval.data import ITEM, USER, load_dataset, locate_movielens_100k
 from retrieval.evaluation import build_eval_set

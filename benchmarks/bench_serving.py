@@ -40,7 +40,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -423,7 +422,7 @@ def tfrs_vs_faiss(items, queries, exact, args, recall_at_k) -> dict:
     tfrs_seconds = time.perf_counter() - seconds
     single = single_latencies(lambda q: search(tf.constant(q))[1].numpy(), queries, min(args.single, 100),
                               args.single_seconds)
-    del brute_force, search
+    brute_force = search = None  # free the TF copy of the items before FAISS builds its own
 
     flat = faiss.IndexFlatIP(items.shape[1])
     flat.add(items)
@@ -450,7 +449,9 @@ def tfrs_vs_faiss(items, queries, exact, args, recall_at_k) -> dict:
 def targets(results) -> dict:
     exact_qps = results["exact"]["batch_qps"]
     ann = [r for r in results["indexes"] if r["factory"] != "Flat"]
-    meeting = [r["factory"] for r in ann if r["recall"] >= TARGET_RECALL and r["batch_qps"] >= TARGET_SPEEDUP * exact_qps]
+    meeting = [
+        r["factory"] for r in ann if r["recall"] >= TARGET_RECALL and r["batch_qps"] >= TARGET_SPEEDUP * exact_qps
+    ]
     p99 = {r["factory"]: r["http"]["sequential_p99_ms"] for r in results["indexes"]}
     return {
         "ann_recall_and_speedup": {"target": f"recall@k >= {TARGET_RECALL} at >= {TARGET_SPEEDUP:g}x exact QPS",
@@ -501,7 +502,8 @@ def markdown(results, argv) -> str:
     for r, stack, h in [(r, stack, r[key]) for r in results["indexes"]
                         for stack, key in ((DEFAULT_STACK, "http"), ("h11/asyncio", "http_h11")) if key in r]:
         lines.append(
-            f"| {r['factory']} | {stack} | {h['reload_seconds']:.1f} | {h['sequential_count']} | {h['sequential_p50_ms']:.2f} | "
+            f"| {r['factory']} | {stack} | {h['reload_seconds']:.1f} | {h['sequential_count']} | "
+            f"{h['sequential_p50_ms']:.2f} | "
             f"{h['sequential_p99_ms']:.2f} | {h['sequential_qps']:.0f} | {h['served_recall']:.4f} | "
             f"{h['concurrent_qps']:.0f} ({h['concurrency']} clients) | {h['concurrent_p50_ms']:.2f} | "
             f"{h['concurrent_p99_ms']:.2f} | {h['errors']} |"
@@ -532,7 +534,8 @@ def markdown(results, argv) -> str:
         "Notes: build s = train (on a sample of at most index.train_sample_size items) + add; tune s = "
         "FAISS ParameterSpace exploration on half the tuning queries + recall on the other half "
         "(`ItemIndex.tune`; the exact reference for the tuning queries is computed once, outside); the chosen "
-        "params are then measured on the evaluation queries. Size = serialized index. Single-query latency is `ItemIndex.search` with one "
+        "params are then measured on the evaluation queries. Size = serialized index. "
+        "Single-query latency is `ItemIndex.search` with one "
         "query; HTTP latency is measured at the client and includes JSON encoding, the query "
         "SavedModel and the FAISS search; client and server share the cores.",
         "",

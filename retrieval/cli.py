@@ -16,7 +16,7 @@ import logging
 import sys
 import urllib.error
 import urllib.request
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -43,7 +43,7 @@ class TableConfig(_Section):
 
     path: str = Field(description="File path; relative paths resolve against the working directory.")
     format: TableFormat = Field("auto", description="File format; auto = from the extension (.csv, .tsv, .parquet).")
-    separator: Optional[str] = Field(None, description="Field separator; None = from the format.")
+    separator: str | None = Field(None, description="Field separator; None = from the format.")
     header: bool = Field(True, description="Whether the first line names the columns (CSV/TSV).")
     encoding: str = Field("utf-8", description="Text encoding of CSV/TSV files (MovieLens: latin-1).")
 
@@ -53,8 +53,8 @@ class ColumnsConfig(_Section):
 
     user: str = Field("user_id", description="Column holding the user id.")
     item: str = Field("item_id", description="Column holding the item id.")
-    timestamp: Optional[str] = Field("timestamp", description="None if the log has no time column.")
-    weight: Optional[str] = Field(None, description="Optional per-click weight (e.g. rating, dwell).")
+    timestamp: str | None = Field("timestamp", description="None if the log has no time column.")
+    weight: str | None = Field(None, description="Optional per-click weight (e.g. rating, dwell).")
 
 
 class SyntheticConfig(_Section):
@@ -82,14 +82,14 @@ class StreamConfig(_Section):
         description="Training rows held and permuted at a time (bounded-memory shuffle; shard order is "
         "reshuffled every epoch too).",
     )
-    max_test_users: Optional[int] = Field(
+    max_test_users: int | None = Field(
         10_000,
         gt=0,
         description="Evaluate at most this many test users, drawn with `seed`; their test clicks (and "
         "training clicks, for masking) are the only clicks held in memory. None = every test user.",
     )
     seed: int = Field(0, description="Seed of the shuffle and of the test-user sample.")
-    max_train_batches: Optional[int] = Field(
+    max_train_batches: int | None = Field(
         None,
         gt=0,
         description="End each epoch after this many batches (smoke runs and benchmarks on a busy "
@@ -103,16 +103,16 @@ class DataConfig(_Section):
     source: Literal["synthetic", "movielens-100k", "files"] = Field(
         "synthetic", description="Where clicks come from: the embedded generator, MovieLens 100K, or your files."
     )
-    clicks: Optional[TableConfig] = Field(None, description="Click log (source: files).")
-    test_clicks: Optional[TableConfig] = Field(
+    clicks: TableConfig | None = Field(None, description="Click log (source: files).")
+    test_clicks: TableConfig | None = Field(
         None, description="Separately given test log; required by split.kind: none."
     )
     columns: ColumnsConfig = ColumnsConfig()
-    item_features: Optional[TableConfig] = Field(None, description="Item feature table (one row per item id).")
+    item_features: TableConfig | None = Field(None, description="Item feature table (one row per item id).")
     item_id_column: str = Field("item_id", description="Id column of the item feature table.")
-    user_features: Optional[TableConfig] = Field(None, description="User feature table (one row per user id).")
+    user_features: TableConfig | None = Field(None, description="User feature table (one row per user id).")
     user_id_column: str = Field("user_id", description="Id column of the user feature table.")
-    movielens_dir: Optional[str] = Field(
+    movielens_dir: str | None = Field(
         None,
         description="MovieLens 100K folder; None = $RETRIEVAL_DATA_DIR or ../shared/datasets/ml-100k.",
     )
@@ -131,7 +131,7 @@ class DataConfig(_Section):
     stream: StreamConfig = Field(StreamConfig(), description="Out-of-core reading (data.out_of_core).")
 
     @model_validator(mode="after")
-    def _files_need_a_path(self) -> "DataConfig":
+    def _files_need_a_path(self) -> DataConfig:
         if self.source == "files" and self.clicks is None:
             raise ValueError("data.clicks is required when data.source is 'files'")
         if self.out_of_core:
@@ -177,7 +177,9 @@ class StreamingFrequencyConfig(_Section):
     """Streaming log-Q estimation for in-batch negatives (Yi et al., RecSys 2019): per hashed item,
     the last step it was seen and an exponential moving average of the steps between sightings."""
 
-    num_buckets: int = Field(1 << 18, gt=0, description="Size of each hash array (>= live items keeps collisions rare).")
+    num_buckets: int = Field(
+        1 << 18, gt=0, description="Size of each hash array (>= live items keeps collisions rare)."
+    )
     num_hashes: int = Field(2, ge=1, le=4, description="Hash functions; the estimate takes the largest gap over them.")
     learning_rate: float = Field(
         0.05, gt=0, le=1, description="EMA rate of the gap estimate: larger tracks drift faster, smaller is less noisy."
@@ -235,7 +237,9 @@ class LossConfig(_Section):
     mixed_corpus: Literal["uniform", "unigram", "log_uniform"] = Field(
         "uniform", description="The corpus part of negatives: mixed (uniform in Yang et al. 2020)."
     )
-    unigram_alpha: float = Field(0.75, ge=0, description="Exponent of the unigram sampler (1 popularity, 0.75 word2vec).")
+    unigram_alpha: float = Field(
+        0.75, ge=0, description="Exponent of the unigram sampler (1 popularity, 0.75 word2vec)."
+    )
     unique: bool = Field(False, description="Draw corpus negatives without replacement (TensorFlow's expected counts).")
     hard_negatives: Literal["none", "in_batch_top_k", "mined"] = Field(
         "none",
@@ -256,7 +260,7 @@ class LossConfig(_Section):
     seed: int = Field(0, description="Seed of the corpus samplers' random generator.")
 
     @model_validator(mode="after")
-    def _hierarchical_has_no_negatives(self) -> "LossConfig":
+    def _hierarchical_has_no_negatives(self) -> LossConfig:
         if self.kind == "hierarchical_softmax" and self.hard_negatives != "none":
             raise ValueError(
                 f"model.loss.hard_negatives={self.hard_negatives!r} needs candidates; hierarchical_softmax has none"
@@ -264,7 +268,7 @@ class LossConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _kernel_draws_with_replacement(self) -> "LossConfig":
+    def _kernel_draws_with_replacement(self) -> LossConfig:
         if self.negatives == "kernel" and self.unique:
             raise ValueError(
                 "model.loss.unique=true is not supported with negatives='kernel' (it draws with replacement)"
@@ -275,7 +279,9 @@ class LossConfig(_Section):
 class ModelConfig(_Section):
     """Towers and the training objective."""
 
-    embedding_dim: int = Field(64, gt=0, description="Output size of both towers (and default size of feature embeddings).")
+    embedding_dim: int = Field(
+        64, gt=0, description="Output size of both towers (and default size of feature embeddings)."
+    )
     normalize: bool = Field(True, description="L2-normalise tower outputs (cosine similarity).")
     temperature: float = Field(0.2, gt=0, description="Logits are divided by this.")
     log_q_correction: bool = Field(
@@ -304,7 +310,7 @@ _FEATURE_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"  # becomes a SavedModel signature ar
 
 class _Feature(_Section):
     name: str = Field(pattern=_FEATURE_NAME, description="Tower input name (and serving argument).")
-    source: Optional[str] = Field(
+    source: str | None = Field(
         None,
         description="Column it is read from: the user (query) or item (doc) feature table, or the click "
         "log (user_id, item_id, timestamp). None = the name.",
@@ -316,11 +322,11 @@ class _Feature(_Section):
 
 
 class _EmbeddedFeature(_Feature):
-    embedding_dim: Optional[int] = Field(None, gt=0, description="None = model.embedding_dim.")
+    embedding_dim: int | None = Field(None, gt=0, description="None = model.embedding_dim.")
 
 
 class _VocabularyFeature(_EmbeddedFeature):
-    hash_buckets: Optional[int] = Field(
+    hash_buckets: int | None = Field(
         None, gt=0, description="Hash values into this many rows; None = vocabulary of training values."
     )
     oov_buckets: int = Field(1, gt=0, description="Rows shared by values outside the vocabulary.")
@@ -344,7 +350,7 @@ class CategoricalFeature(_VocabularyFeature):
     """One string value per row (gender, occupation, zip prefix)."""
 
     kind: Literal["categorical"]
-    prefix: Optional[int] = Field(None, gt=0, description="Keep only the first n characters (zip -> region).")
+    prefix: int | None = Field(None, gt=0, description="Keep only the first n characters (zip -> region).")
 
 
 class MultiCategoricalFeature(_VocabularyFeature):
@@ -352,7 +358,7 @@ class MultiCategoricalFeature(_VocabularyFeature):
 
     kind: Literal["multi_categorical"]
     max_values: int = Field(8, gt=0, description="Values kept per row (serving shape [batch, max_values]).")
-    separator: Optional[str] = Field(
+    separator: str | None = Field(
         None, min_length=1, description="Split string cells on this; None = cells are lists."
     )
 
@@ -381,7 +387,7 @@ class TextConfig(_Section):
     buckets: int = Field(50_000, gt=0, description="Hash buckets (embedding rows) shared by all tokens.")
 
     @model_validator(mode="after")
-    def _some_tokens(self) -> "TextConfig":
+    def _some_tokens(self) -> TextConfig:
         if not (self.trigrams or self.words):
             raise ValueError("text needs trigrams or words (or both)")
         return self
@@ -395,7 +401,7 @@ class TextFeature(_EmbeddedFeature):
 
 
 FeatureConfig = Annotated[
-    Union[IdFeature, CategoricalFeature, MultiCategoricalFeature, NumericFeature, TimestampFeature, TextFeature],
+    IdFeature | CategoricalFeature | MultiCategoricalFeature | NumericFeature | TimestampFeature | TextFeature,
     Field(discriminator="kind"),
 ]
 
@@ -411,7 +417,7 @@ class HistoryConfig(_Section):
     share_item_embedding: bool = Field(
         True, description="Use the doc tower's item-id embedding (needs an id feature on item_id there)."
     )
-    embedding_dim: Optional[int] = Field(None, gt=0, description="Own table only; None = model.embedding_dim.")
+    embedding_dim: int | None = Field(None, gt=0, description="Own table only; None = model.embedding_dim.")
 
 
 class MLPConfig(_Section):
@@ -422,7 +428,7 @@ class MLPConfig(_Section):
     dropout: float = Field(0.0, ge=0, lt=1, description="After each hidden layer, training only.")
 
     @model_validator(mode="after")
-    def _positive_widths(self) -> "MLPConfig":
+    def _positive_widths(self) -> MLPConfig:
         if any(width <= 0 for width in self.widths):
             raise ValueError(f"mlp.widths must be positive, got {list(self.widths)}")
         return self
@@ -432,11 +438,11 @@ class TowerConfig(_Section):
     """One tower: its features, optional click history (query only) and MLP."""
 
     features: tuple[FeatureConfig, ...] = Field((), description="The tower's input features (see the feature kinds).")
-    history: Optional[HistoryConfig] = Field(None, description="Pooled click history (query tower only); None = none.")
+    history: HistoryConfig | None = Field(None, description="Pooled click history (query tower only); None = none.")
     mlp: MLPConfig = MLPConfig()
 
     @model_validator(mode="after")
-    def _has_inputs(self) -> "TowerConfig":
+    def _has_inputs(self) -> TowerConfig:
         if not self.features and self.history is None:
             raise ValueError("a tower needs at least one feature or a history")
         return self
@@ -453,7 +459,7 @@ class TowersConfig(_Section):
     doc: TowerConfig = TowerConfig(features=(IdFeature(name="item_id", kind="id"),))
 
     @model_validator(mode="after")
-    def _consistent(self) -> "TowersConfig":
+    def _consistent(self) -> TowersConfig:
         if self.doc.history is not None:
             raise ValueError("towers.doc.history: click history is a query-tower feature")
         names = self.query.input_names + self.doc.input_names
@@ -471,7 +477,7 @@ class TowersConfig(_Section):
         return self
 
     @property
-    def item_id_feature(self) -> Optional[IdFeature]:
+    def item_id_feature(self) -> IdFeature | None:
         """The doc tower's item-id feature, if it has one."""
         return next((f for f in self.doc.features if f.kind == "id" and f.column == "item_id"), None)
 
@@ -484,8 +490,12 @@ class TowersConfig(_Section):
 class TrainConfig(_Section):
     """Optimisation."""
 
-    epochs: int = Field(5, gt=0, description="Training epochs; with validation_fraction > 0 the most early stopping may run.")
-    batch_size: int = Field(1024, gt=1, description="Global batch; in-batch softmax gives each query this many candidates.")
+    epochs: int = Field(
+        5, gt=0, description="Training epochs; with validation_fraction > 0 the most early stopping may run."
+    )
+    batch_size: int = Field(
+        1024, gt=1, description="Global batch; in-batch softmax gives each query this many candidates."
+    )
     optimizer: Literal["adam", "adagrad", "sgd", "lazy_adam"] = Field(
         "adam",
         description="adam (and tf-keras sgd, whose momentum slot is always updated densely) touch every "
@@ -516,7 +526,7 @@ class TrainConfig(_Section):
         "for the best number of epochs (the held-out latest clicks matter on a temporal split); false "
         "keeps the best weights of the run on the reduced part.",
     )
-    checkpoint_every_steps: Optional[int] = Field(
+    checkpoint_every_steps: int | None = Field(
         200,
         ge=0,
         description="Save the training state (weights, optimizer slots, sampler / log-Q estimator state and "
@@ -524,7 +534,7 @@ class TrainConfig(_Section):
         "mid-epoch resumes where it stopped when started again with the same run.name and config. "
         "None or 0 = no checkpoints.",
     )
-    checkpoint_dir: Optional[str] = Field(
+    checkpoint_dir: str | None = Field(
         None,
         description="The checkpoints go to `<checkpoint_dir>/.<run.name>.checkpoints`; None = run.output_dir. "
         "They outlive a killed run and are deleted once the run directory is complete.",
@@ -564,7 +574,7 @@ class IndexConfig(_Section):
     tune_queries: int = Field(
         1000, ge=2, description="Queries sampled for tuning: half choose the setting, half measure its recall."
     )
-    search_params: Optional[str] = Field(
+    search_params: str | None = Field(
         None, description='Fixed FAISS search parameters, e.g. "nprobe=32" (recall is still measured); None = tune.'
     )
     seed: int = Field(0, description="Seed of the training and tuning samples.")
@@ -598,7 +608,7 @@ class BaselinesConfig(_Section):
     als: ALSConfig = ALSConfig()
 
     @model_validator(mode="after")
-    def _no_repeats(self) -> "BaselinesConfig":
+    def _no_repeats(self) -> BaselinesConfig:
         if len(set(self.rankers)) != len(self.rankers):
             raise ValueError(f"evaluation.baselines.rankers names a ranker twice: {list(self.rankers)}")
         return self
@@ -635,7 +645,7 @@ class EvaluationConfig(_Section):
     plots: bool = Field(True, description="Write PNG plots beside report.md.")
 
     @model_validator(mode="after")
-    def _ks_positive(self) -> "EvaluationConfig":
+    def _ks_positive(self) -> EvaluationConfig:
         if not self.ks or any(k <= 0 for k in self.ks):
             raise ValueError(f"evaluation.ks must be positive integers, got {list(self.ks)}")
         edges = list(self.activity_edges)
@@ -659,12 +669,12 @@ class ExportConfig(_Section):
 class RunConfig(_Section):
     """Where results go."""
 
-    name: Optional[str] = Field(None, description="Run name; None = <UTC time>-<config name>.")
+    name: str | None = Field(None, description="Run name; None = <UTC time>-<config name>.")
     output_dir: str = Field("artifacts", description="Directory that holds run directories.")
     overwrite: bool = Field(False, description="Replace an existing run directory of the same name.")
 
     @model_validator(mode="after")
-    def _plain_name(self) -> "RunConfig":
+    def _plain_name(self) -> RunConfig:
         if self.name is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", self.name):
             raise ValueError(f"run.name must use letters, digits, '.', '_' and '-', got {self.name!r}")
         return self
@@ -684,13 +694,13 @@ class Config(_Section):
     run: RunConfig = RunConfig()
 
     @model_validator(mode="after")
-    def _split_none_needs_test_file(self) -> "Config":
+    def _split_none_needs_test_file(self) -> Config:
         if self.split.kind == "none" and self.data.test_clicks is None:
             raise ValueError("split.kind 'none' needs data.test_clicks (the separately given test log)")
         return self
 
     @model_validator(mode="after")
-    def _out_of_core_supported(self) -> "Config":
+    def _out_of_core_supported(self) -> Config:
         if not self.data.out_of_core:
             return self
         unsupported = {
@@ -699,7 +709,8 @@ class Config(_Section):
             "split.hold_out_items > 0": self.split.hold_out_items > 0,
             "early stopping (train.validation_fraction > 0)": self.train.validation_fraction > 0,
             "model.loss.hard_negatives: mined": self.model.loss.hard_negatives == "mined",
-            "the als baseline (set evaluation.baselines.rankers: [popularity])": "als" in self.evaluation.baselines.rankers,
+            "the als baseline (set evaluation.baselines.rankers: [popularity])": "als"
+            in self.evaluation.baselines.rankers,
         }
         named = [key for key, used in unsupported.items() if used]
         if named:
@@ -711,7 +722,7 @@ class Config(_Section):
         return self.model_dump(mode="json")
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "<dict>") -> "Config":
+    def from_dict(cls, raw: dict[str, Any], source: str = "<dict>") -> Config:
         """Validate ``raw``; raise ConfigError naming each bad key."""
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a mapping at the top level, got {type(raw).__name__}")

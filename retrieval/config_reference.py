@@ -19,8 +19,9 @@ import argparse
 import sys
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Literal, Union
+from typing import Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel

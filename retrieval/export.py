@@ -26,10 +26,11 @@ import json
 import os
 import platform
 import shutil
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import faiss
 import numpy as np

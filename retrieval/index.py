@@ -23,9 +23,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import faiss
 import numpy as np
@@ -129,7 +130,7 @@ class ItemIndex:
         *,
         train_sample_size: int | None = None,
         seed: int = 0,
-    ) -> "ItemIndex":
+    ) -> ItemIndex:
         """Index ``embeddings`` [num_items, dim] for inner-product search.
 
         Args:
@@ -330,7 +331,7 @@ class ItemIndex:
         (directory / INDEX_INFO_FILE).write_text(json.dumps(self.info(), indent=2))
 
     @classmethod
-    def load(cls, directory: str | Path) -> "ItemIndex":
+    def load(cls, directory: str | Path) -> ItemIndex:
         """Load a saved index and apply its saved search parameters."""
         directory = Path(directory)
         info = json.loads((directory / INDEX_INFO_FILE).read_text())

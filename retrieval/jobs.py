@@ -20,14 +20,7 @@ import tensorflow as tf
 from retrieval.arrays import seeded_subset
 from retrieval.config import Config, IndexConfig, apply_overrides, save_config
 from retrieval.data import ITEM, USER, load_dataset
-from retrieval.evaluation import build_eval_set, evaluate_against_baselines, format_table, ranker_names, write_report
-from retrieval.export import MANIFEST_FILE, RunExistsError, atomic_directory, read_manifest, write_bundle
-from retrieval.features import FeatureStatistics, TowerStatistics, TowerTables, feature_arrays
-from retrieval.index import ItemIndex, build_index
-from retrieval.model import build_model
-from retrieval.serving import Bundle
-from retrieval.towers import build_towers
-from retrieval.training import distribution_strategy, embed_frame, fit, seed_everything
+
 # The out-of-core path (data.out_of_core):
 from retrieval.data.streaming import (
     ClickShards,
@@ -37,8 +30,24 @@ from retrieval.data.streaming import (
     sample_test_users,
     scan_counts,
 )
-from retrieval.evaluation import EvalSet, compare_rankers, index_ranking, popularity_ranking_from_counts
-from retrieval.training import embed, fit_dataset
+from retrieval.evaluation import (
+    EvalSet,
+    build_eval_set,
+    compare_rankers,
+    evaluate_against_baselines,
+    format_table,
+    index_ranking,
+    popularity_ranking_from_counts,
+    ranker_names,
+    write_report,
+)
+from retrieval.export import MANIFEST_FILE, RunExistsError, atomic_directory, read_manifest, write_bundle
+from retrieval.features import FeatureStatistics, TowerStatistics, TowerTables, feature_arrays
+from retrieval.index import ItemIndex, build_index
+from retrieval.model import build_model
+from retrieval.serving import Bundle
+from retrieval.towers import build_towers
+from retrieval.training import distribution_strategy, embed, embed_frame, fit, fit_dataset, seed_everything
 
 log = logging.getLogger("retrieval")
 
@@ -309,7 +318,6 @@ def reindex_bundle(
     """
     if isinstance(index_config, str):
         index_config = IndexConfig(factory=index_config)
-    factory = index_config.factory
     source = Path(directory)
     manifest = read_manifest(source)
     old_index = ItemIndex.load(source)

@@ -44,7 +44,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import faiss
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -69,13 +69,13 @@ class RecommendRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    query: Optional[dict[str, Any]] = None
-    queries: Optional[list[dict[str, Any]]] = Field(None, min_length=1, max_length=MAX_BATCH)
+    query: dict[str, Any] | None = None
+    queries: list[dict[str, Any]] | None = Field(None, min_length=1, max_length=MAX_BATCH)
     k: int = Field(10, ge=1, le=MAX_K)
-    exclude_item_ids: Optional[list[Any]] = Field(None, max_length=MAX_EXCLUDED)
+    exclude_item_ids: list[Any] | None = Field(None, max_length=MAX_EXCLUDED)
 
     @model_validator(mode="after")
-    def _one_shape(self) -> "RecommendRequest":
+    def _one_shape(self) -> RecommendRequest:
         if (self.query is None) == (self.queries is None):
             raise ValueError("give exactly one of 'query' (one object) and 'queries' (a list of objects)")
         excluded = self.exclude_item_ids
@@ -190,7 +190,9 @@ def create_app(
         try:
             old, new = await holder.reload(parsed.bundle)
         except Exception as error:  # whatever failed, the old bundle keeps serving
-            return _error(422, f"bundle {parsed.bundle!r} not loaded, still serving {holder.current.version!r}: {error}")
+            return _error(
+                422, f"bundle {parsed.bundle!r} not loaded, still serving {holder.current.version!r}: {error}"
+            )
         log.info("reloaded: %s -> %s", old.version, new.version)
         return JSONResponse(
             {"bundle": new.version, "previous": old.version, "seconds": round(time.perf_counter() - started, 3)}

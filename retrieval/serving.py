@@ -18,9 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -67,7 +68,7 @@ class Bundle:
         )
 
     @classmethod
-    def load(cls, directory: str | Path) -> "Bundle":
+    def load(cls, directory: str | Path) -> Bundle:
         return cls(directory)
 
     @property

@@ -20,10 +20,9 @@ START = time.perf_counter()
 
 import numpy as np
 import pandas as pd
-
-import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow loads)
 import tensorflow as tf
 
+import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow loads)
 from retrieval.config import LossConfig, ModelConfig, TrainConfig
 from retrieval.features import FeatureStatistics
 from retrieval.losses import LossInputs, gather_across_replicas

@@ -104,7 +104,9 @@ def test_a_test_set_of_only_unseen_ids_evaluates_to_zero_users():
 
 config_value = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True), st.text(max_size=5)),
-    lambda children: st.one_of(st.lists(children, max_size=3), st.dictionaries(st.text(max_size=8), children, max_size=3)),
+    lambda children: st.one_of(
+        st.lists(children, max_size=3), st.dictionaries(st.text(max_size=8), children, max_size=3)
+    ),
     max_leaves=8,
 )
 sections = st.sampled_from(["data", "split", "model", "train", "index", "evaluation", "run", "bogus"])

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 import retrieval  # noqa: F401
-
 from retrieval.config import load_config
 from retrieval.jobs import train_evaluate_export
 

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-import retrieval  # noqa: F401
 import tensorflow as tf
 from pydantic import ValidationError
 
+import retrieval  # noqa: F401
 from retrieval.config import TrainConfig
 from retrieval.losses import LossInputs, gather_across_replicas
 from retrieval.samplers import Negatives, global_batch_size, replica_row_offset

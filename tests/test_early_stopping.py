@@ -4,10 +4,9 @@ exactly, and fit stops, picks the best epoch and refits."""
 import numpy as np
 import pandas as pd
 import pytest
-
-import retrieval  # noqa: F401
 import tensorflow as tf
 
+import retrieval  # noqa: F401
 from retrieval.config import ModelConfig, SplitConfig, TrainConfig
 from retrieval.features import FeatureStatistics
 from retrieval.model import build_model

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-import retrieval  # noqa: F401
 import tensorflow as tf
 
+import retrieval  # noqa: F401
 from retrieval.config import load_config
 from retrieval.export import RunExistsError
 from retrieval.jobs import evaluate_bundle, train_evaluate_export
@@ -101,8 +100,22 @@ def test_fresh_process_serves_the_same_top_k(run):
     _, result = run
     in_process = Bundle.load(result.directory).recommend({"user_id": "u0007"}, k=10)
     completed = subprocess.run(
-        [sys.executable, "-m", "retrieval.serving", "--bundle", str(result.directory), "--user-id", "u0007", "-k", "10"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300, check=True,
+        [
+            sys.executable,
+            "-m",
+            "retrieval.serving",
+            "--bundle",
+            str(result.directory),
+            "--user-id",
+            "u0007",
+            "-k",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        check=True,
     )
     served = json.loads(completed.stdout.strip().splitlines()[-1])
     assert served["item_ids"] == in_process.item_ids

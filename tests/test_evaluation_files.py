@@ -40,7 +40,9 @@ def test_user_items_lines_become_canonical_clicks(tmp_path):
     assert clicks[ITEM].tolist() == ["10", "11", "12", "11", "12", "10"]
     assert (clicks[WEIGHT] == 1.0).all() and clicks[WEIGHT].dtype == np.float32
     assert pd.api.types.is_string_dtype(clicks[USER]) and pd.api.types.is_string_dtype(clicks[ITEM])
-    same_with_separator = read_clicks(_user_items(_write(tmp_path, "t.txt", "0;10;11;12\n1;11\n"), separator=";"), ColumnsConfig())
+    same_with_separator = read_clicks(
+        _user_items(_write(tmp_path, "t.txt", "0;10;11;12\n1;11\n"), separator=";"), ColumnsConfig()
+    )
     assert same_with_separator[ITEM].tolist() == ["10", "11", "12", "11"]
 
 
@@ -97,7 +99,12 @@ def _evaluate(dataset, config):
 
 def test_given_test_file_end_to_end_matches_the_same_split_as_csv(tmp_path):
     paths = _benchmark_files(tmp_path)
-    common = ["data.source=files", "split.kind=none", "evaluation.ks=[5, 20]", "evaluation.baselines.rankers=[popularity]"]
+    common = [
+        "data.source=files",
+        "split.kind=none",
+        "evaluation.ks=[5, 20]",
+        "evaluation.baselines.rankers=[popularity]",
+    ]
     given = load_config(
         None,
         common
@@ -127,7 +134,9 @@ def test_given_test_file_end_to_end_matches_the_same_split_as_csv(tmp_path):
     assert results["popularity"]["recall@20"] == pytest.approx(reference["popularity"]["recall@20"], abs=0.02)
 
     # Masking is configurable: without it, training items compete for the top slots.
-    unmasked = given.model_copy(update={"evaluation": given.evaluation.model_copy(update={"exclude_train_items": False})})
+    unmasked = given.model_copy(
+        update={"evaluation": given.evaluation.model_copy(update={"exclude_train_items": False})}
+    )
     unmasked_set = build_eval_set(dataset.train, dataset.test, dataset.items[ITEM].tolist(), unmasked.evaluation)
     assert all(len(e) == 0 for e in unmasked_set.exclude)
     assert sum(len(e) for e in eval_set.exclude) > 0

@@ -4,10 +4,9 @@ import json
 from pathlib import Path
 
 import pytest
-
-import retrieval  # noqa: F401
 import tensorflow as tf
 
+import retrieval  # noqa: F401
 from pipelines import evaluate as evaluate_cli
 from retrieval.config import load_config
 from retrieval.evaluation.report import PLOT_FILES

@@ -63,9 +63,15 @@ def test_every_kind_parses_with_its_own_options():
 @pytest.mark.parametrize(
     "raw, message",
     [
-        (_towers([{"name": "age", "kind": "numeric", "text": {}}]), r"towers\.query\.features\.0\.numeric\.text: unknown key"),
+        (
+            _towers([{"name": "age", "kind": "numeric", "text": {}}]),
+            r"towers\.query\.features\.0\.numeric\.text: unknown key",
+        ),
         (_towers([{"name": "age", "kind": "number"}]), r"towers\.query\.features\.0: .*'number'"),
-        (_towers([{"name": "age", "kind": "categorical", "hash_buckets": 0}]), r"features\.0\.categorical\.hash_buckets"),
+        (
+            _towers([{"name": "age", "kind": "categorical", "hash_buckets": 0}]),
+            r"features\.0\.categorical\.hash_buckets",
+        ),
         (_towers([{"name": "bad name", "kind": "categorical"}]), r"features\.0\.categorical\.name"),
         (_towers([{"name": "t", "kind": "text", "text": {"trigrams": False, "words": False}}]), "trigrams or words"),
         (_towers([{"name": "x", "kind": "id"}, {"name": "x", "kind": "numeric"}]), r"repeated: \['x'\]"),

@@ -4,10 +4,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-import retrieval  # noqa: F401
 import tensorflow as tf
 
+import retrieval  # noqa: F401
 from retrieval.config import load_config
 from retrieval.data import ITEM, USER, load_dataset
 from retrieval.features import TowerTables, feature_arrays

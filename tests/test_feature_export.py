@@ -4,11 +4,10 @@ import json
 
 import numpy as np
 import pytest
+import tensorflow as tf
 from feature_fixtures import ALL_KINDS, small_tables
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
-import tensorflow as tf
-
 from retrieval.config import ModelConfig
 from retrieval.export import write_bundle
 from retrieval.features import TowerStatistics, TowerTables, feature_arrays

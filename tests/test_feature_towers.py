@@ -5,11 +5,10 @@ import re
 import numpy as np
 import pandas as pd
 import pytest
+import tensorflow as tf
 from feature_fixtures import ALL_KINDS, small_tables
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
-import tensorflow as tf
-
 from retrieval.config import ModelConfig
 from retrieval.features import TowerStatistics, TowerTables, age_days, feature_arrays, numeric_values
 from retrieval.towers import (
@@ -84,7 +83,9 @@ def test_timestamp_age_matches_numpy(unit, values):
     out = TimestampAge(unit, reference, stats, log_stats)(tf.constant(values, tf.float64)).numpy()
     missing = np.isnan(values)
     np.testing.assert_allclose(out[:, 0], np.where(missing, 0, (age - stats[0]) / stats[1]), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(out[:, 1], np.where(missing, 0, (log_age - log_stats[0]) / log_stats[1]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        out[:, 1], np.where(missing, 0, (log_age - log_stats[0]) / log_stats[1]), rtol=1e-5, atol=1e-5
+    )
     np.testing.assert_array_equal(out[:, 2], missing.astype(float))
 
 

@@ -2,12 +2,10 @@
 
 import numpy as np
 import pytest
-
-import retrieval  # noqa: F401
 import tensorflow as tf
 
+import retrieval  # noqa: F401
 from retrieval.samplers import InBatchSampler, StaticFrequency, StreamingFrequency
-
 
 _FEEDERS = {}
 

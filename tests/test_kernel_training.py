@@ -1,13 +1,12 @@
 """KernelSampler (Blanc & Rendle) wired into training, against brute-force kernel probabilities."""
 
-import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-
 import numpy as np
 import pytest
 import tensorflow as tf
 from scipy import stats
 
-from retrieval.config import ConfigError, Config, SyntheticConfig, load_config
+import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from retrieval.config import Config, ConfigError, SyntheticConfig, load_config
 from retrieval.data import ITEM, USER, generate_clicks
 from retrieval.features import FeatureStatistics
 from retrieval.model import build_model, build_sampler

@@ -3,10 +3,9 @@
 import numpy as np
 import pandas as pd
 import pytest
-
-import retrieval  # noqa: F401
 import tensorflow as tf
 
+import retrieval  # noqa: F401
 from retrieval.config import ConfigError, LossConfig, ModelConfig, load_config
 from retrieval.features import FeatureStatistics
 from retrieval.model import build_model, build_objective, build_sampler

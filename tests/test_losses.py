@@ -3,10 +3,9 @@
 import numpy as np
 import pandas as pd
 import pytest
-
-import retrieval  # noqa: F401
 import tensorflow as tf
 
+import retrieval  # noqa: F401
 from retrieval.config import ModelConfig
 from retrieval.features import FeatureStatistics
 from retrieval.losses import in_batch_softmax_task, relative_sampling_probability

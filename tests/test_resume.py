@@ -19,10 +19,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-
-import retrieval  # noqa: F401
 import tensorflow as tf
 
+import retrieval  # noqa: F401
 from retrieval.config import ModelConfig, TrainConfig, load_config
 from retrieval.data import load_dataset
 from retrieval.features import FeatureStatistics

@@ -10,11 +10,10 @@
 
 import numpy as np
 import pytest
-
-import retrieval  # noqa: F401
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
+import retrieval  # noqa: F401
 from retrieval.losses import (
     HierarchicalSoftmax,
     HuffmanTree,

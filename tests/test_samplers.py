@@ -7,11 +7,10 @@ of each item over many batches.
 
 import numpy as np
 import pytest
+import tensorflow as tf
 from scipy import stats
 
 import retrieval  # noqa: F401
-import tensorflow as tf
-
 from retrieval.samplers import (
     AllItems,
     InBatchSampler,
@@ -55,7 +54,12 @@ def _tf_candidates(kind, counts, true_ids, m, unique, seed):
         true_classes, to_index = true_ids - 1, np.arange(1, NUM_ITEMS + 1)
     true_classes = tf.constant(true_classes.reshape(-1, 1), tf.int64)
     common = {
-        "true_classes": true_classes, "num_true": 1, "num_sampled": m, "unique": unique, "range_max": NUM_ITEMS, "seed": seed
+        "true_classes": true_classes,
+        "num_true": 1,
+        "num_sampled": m,
+        "unique": unique,
+        "range_max": NUM_ITEMS,
+        "seed": seed,
     }
     if kind == "uniform":
         out = tf.random.uniform_candidate_sampler(**common)

@@ -14,11 +14,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-
-import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
 import tensorflow as tf
 import uvicorn
 
+import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
 from retrieval.config import IndexConfig
 from retrieval.export import TOPK_MODEL_DIR, write_bundle
 from retrieval.index import build_index
@@ -167,7 +166,10 @@ def test_oversized_body_is_refused(app):
 def test_failed_reload_keeps_serving_the_old_bundle(app, tmp_path):
     response = call(app, "POST", "/admin/reload", json={"bundle": str(tmp_path / "missing")})
     assert response.status_code == 422
-    assert "still serving 'bundle-a'" in response.json()["error"] and "manifest.json is missing" in response.json()["error"]
+    assert (
+        "still serving 'bundle-a'" in response.json()["error"]
+        and "manifest.json is missing" in response.json()["error"]
+    )
     assert call(app, "GET", "/healthz").json()["bundle"] == "bundle-a"
 
 

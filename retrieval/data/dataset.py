@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import pandas as pd
 
@@ -38,7 +38,7 @@ class Dataset:
     train: pd.DataFrame
     test: pd.DataFrame
     items: pd.DataFrame
-    users: Optional[pd.DataFrame]
+    users: pd.DataFrame | None
     source: str
     held_out_items: tuple[str, ...] = ()
 
@@ -136,7 +136,7 @@ def _features(table: TableConfig, id_column: str, key: str) -> pd.DataFrame:
     return features.rename(columns={id_column: key})
 
 
-def _catalogue(key: str, features: Optional[pd.DataFrame], *logs: pd.DataFrame) -> pd.DataFrame:
+def _catalogue(key: str, features: pd.DataFrame | None, *logs: pd.DataFrame) -> pd.DataFrame:
     """Feature rows in table order, then ids only seen in the logs, first seen first."""
     known = pd.Series([], dtype="str") if features is None else features[key]
     ids = pd.concat([known, *(log[key] for log in logs)], ignore_index=True).drop_duplicates()

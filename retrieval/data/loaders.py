@@ -14,7 +14,7 @@ import io
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import numpy as np
 import pandas as pd
@@ -192,7 +192,7 @@ class _Raw:
     numbers: np.ndarray  # per frame row: its 1-based line (text) or row (parquet)
     is_text: bool
 
-    def error(self, message: str, position: Optional[int] = None, column: Optional[str] = None) -> DataError:
+    def error(self, message: str, position: int | None = None, column: str | None = None) -> DataError:
         number = None if position is None else int(self.numbers[position])
         return DataError(
             message,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import pandas as pd
@@ -22,7 +21,7 @@ _FOLDER = "ml-100k"
 _MARKER = "u.data"
 
 
-def locate_movielens_100k(explicit: Optional[str] = None) -> Path:
+def locate_movielens_100k(explicit: str | None = None) -> Path:
     """Find the MovieLens 100K folder (the one holding ``u.data``).
 
     Places tried, in order:

@@ -17,8 +17,6 @@ column         dtype    meaning
 
 from __future__ import annotations
 
-from typing import Optional
-
 USER = "user_id"
 ITEM = "item_id"
 TIME = "timestamp"
@@ -44,10 +42,10 @@ class DataError(ValueError):
         self,
         message: str,
         *,
-        file: Optional[str] = None,
-        line: Optional[int] = None,
-        row: Optional[int] = None,
-        column: Optional[str] = None,
+        file: str | None = None,
+        line: int | None = None,
+        row: int | None = None,
+        column: str | None = None,
     ) -> None:
         self.file, self.line, self.row, self.column = file, line, row, column
         place = [str(file)] if file is not None else []

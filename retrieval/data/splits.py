@@ -13,8 +13,6 @@ which question:
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 import pandas as pd
 
@@ -23,7 +21,7 @@ from retrieval.data.schema import ITEM, TIME, USER, DataError
 
 
 def split_clicks(
-    clicks: pd.DataFrame, cfg: SplitConfig, test_clicks: Optional[pd.DataFrame] = None
+    clicks: pd.DataFrame, cfg: SplitConfig, test_clicks: pd.DataFrame | None = None
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Split ``clicks`` as ``cfg.kind`` says.
 

@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import glob
 import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -75,12 +75,12 @@ class ClickShards:
     format: str
     columns: ColumnsConfig
     read_batch_size: int = 65_536
-    separator: Optional[str] = None
+    separator: str | None = None
     header: bool = True
     encoding: str = "utf-8"
 
     @classmethod
-    def open(cls, table: TableConfig, columns: ColumnsConfig, read_batch_size: int = 65_536) -> "ClickShards":
+    def open(cls, table: TableConfig, columns: ColumnsConfig, read_batch_size: int = 65_536) -> ClickShards:
         """List the shards ``table.path`` names and check each one's columns.
 
         ``table.path`` is a file, a directory (every ``.parquet``/``.pq``/
@@ -169,7 +169,7 @@ class ClickShards:
         )
         return pads.dataset(file, format=fmt)
 
-    def batches(self, file: str) -> Iterator["ClickBatch"]:
+    def batches(self, file: str) -> Iterator[ClickBatch]:
         """Canonical click batches of one shard, in file order."""
         try:
             scanner = self._dataset(file).to_batches(columns=self.wanted, batch_size=self.read_batch_size)
@@ -185,7 +185,7 @@ class ClickShards:
         except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as error:
             raise DataError(f"cannot read the {self.format} shard: {error}", file=file) from None
 
-    def scan(self, files: Optional[Sequence[str]] = None) -> Iterator["ClickBatch"]:
+    def scan(self, files: Sequence[str] | None = None) -> Iterator[ClickBatch]:
         """Canonical click batches of every shard (or of ``files``), shard by shard."""
         for file in self.files if files is None else files:
             yield from self.batches(file)
@@ -218,13 +218,13 @@ class ClickBatch:
 
     users: pa.Array  # string
     items: pa.Array  # string
-    timestamps: Optional[np.ndarray]  # int64 seconds, or None without a time column
+    timestamps: np.ndarray | None  # int64 seconds, or None without a time column
     weights: np.ndarray  # float32
 
     def __len__(self) -> int:
         return len(self.users)
 
-    def take(self, mask: np.ndarray) -> "ClickBatch":
+    def take(self, mask: np.ndarray) -> ClickBatch:
         keep = pa.array(mask)
         return ClickBatch(
             self.users.filter(keep),
@@ -330,10 +330,10 @@ class SplitPlan:
 
     kind: str
     rows: int
-    cut: Optional[int] = None
+    cut: int | None = None
     test_fraction: float = 0.0
     seed: int = 0
-    time_range: Optional[tuple[int, int]] = None
+    time_range: tuple[int, int] | None = None
 
     def is_test(self, batch: ClickBatch) -> np.ndarray:
         """[len(batch)] bool: the batch's test clicks."""
@@ -510,7 +510,7 @@ def scan_counts(shards: ClickShards, plan: SplitPlan) -> StreamCounts:
     )
 
 
-def sample_test_users(counts: StreamCounts, max_users: Optional[int], seed: int) -> np.ndarray:
+def sample_test_users(counts: StreamCounts, max_users: int | None, seed: int) -> np.ndarray:
     """Up to ``max_users`` test users (sorted ids), drawn uniformly with ``seed``; None = all."""
     return seeded_subset(np.sort(counts.test_user_ids), max_users, seed)
 
@@ -622,8 +622,8 @@ def click_stream_dataset(
     *,
     shuffle_buffer: int,
     seed: int,
-    train_rows: Optional[int] = None,
-    max_batches: Optional[int] = None,
+    train_rows: int | None = None,
+    max_batches: int | None = None,
 ):
     """``tf.data.Dataset`` of ``train_batches``, a new shuffle every epoch (every iteration).
 

@@ -7,7 +7,7 @@ catalogue, so the table's columns differ only in the scorer.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pandas as pd

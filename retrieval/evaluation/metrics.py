@@ -28,7 +28,8 @@ Beyond accuracy (``count(i)``: item i's training clicks; ``T``: the set of test 
   - ``tail_recall@k = mean over users with R_u^tail > 0 of |top_k(u) ∩ rel(u) ∩ tail| / R_u^tail``,
     where ``tail`` is every catalogue item outside the ``head_fraction`` (20% by default)
     most clicked in training (``tail_items``; ties at the boundary are head),
-    ``R_u^tail = |rel(u) ∩ tail|``; items with no training clicks are tail. Users without a relevant tail item are left out of the mean.
+    ``R_u^tail = |rel(u) ∩ tail|``; items with no training clicks are tail.
+    Users without a relevant tail item are left out of the mean.
 
 Segments: ``activity_segments`` labels users by their number of training clicks and
 ``metrics_by_segment`` computes ``ranking_metrics`` inside each label.
@@ -36,7 +37,7 @@ Segments: ``activity_segments`` labels users by their number of training clicks 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

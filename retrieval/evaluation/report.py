@@ -7,8 +7,9 @@ module stays light and works without a display.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 REPORT_FILE = "report.md"
 PLOT_FILES = {

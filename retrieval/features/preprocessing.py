@@ -9,8 +9,8 @@ so the exported SavedModels preprocess raw values exactly as training did.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Union
 
 import numpy as np
 import pandas as pd
@@ -37,7 +37,7 @@ class NumericStatistics:
     count: int
 
     @classmethod
-    def from_values(cls, values) -> "NumericStatistics":
+    def from_values(cls, values) -> NumericStatistics:
         values = np.asarray(values, dtype=np.float64)
         values = values[~np.isnan(values)]
         if values.size == 0:
@@ -64,7 +64,7 @@ class TimestampStatistics:
     log_age: NumericStatistics
 
 
-Statistic = Union[Vocabulary, NumericStatistics, TimestampStatistics, None]
+Statistic = Vocabulary | NumericStatistics | TimestampStatistics | None
 
 
 def numeric_values(values, log: bool) -> np.ndarray:
@@ -98,7 +98,7 @@ def category_values(feature: FeatureConfig, column: pd.Series) -> pd.Series:
     return values[values != PAD]
 
 
-def fit_statistic(feature: FeatureConfig, column: pd.Series, reference: Optional[float]) -> Statistic:
+def fit_statistic(feature: FeatureConfig, column: pd.Series, reference: float | None) -> Statistic:
     """The statistic of one feature from its training-examples column (see ``training_examples``)."""
     if feature.kind in ("id", "categorical", "multi_categorical"):
         if getattr(feature, "hash_buckets", None) is not None:
@@ -130,10 +130,10 @@ class TowerStatistics:
 
     features: Mapping[str, Statistic] = field(default_factory=dict)
     items: Vocabulary = Vocabulary(())
-    reference_time: Optional[float] = None
+    reference_time: float | None = None
 
     @classmethod
-    def fit(cls, towers: TowersConfig, examples: pd.DataFrame, reference_time: Optional[float]) -> "TowerStatistics":
+    def fit(cls, towers: TowersConfig, examples: pd.DataFrame, reference_time: float | None) -> TowerStatistics:
         """Fit on the training examples (``retrieval.features.training_examples``)."""
         if examples.empty:
             raise ValueError("cannot fit feature statistics on an empty training set")

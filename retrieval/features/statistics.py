@@ -27,7 +27,7 @@ class Vocabulary:
     ids: tuple[str, ...]
 
     @classmethod
-    def from_series(cls, values: pd.Series, min_count: int = 1) -> "Vocabulary":
+    def from_series(cls, values: pd.Series, min_count: int = 1) -> Vocabulary:
         """Sorted unique values of ``values`` seen at least ``min_count`` times."""
         values = values.astype(str)
         if min_count <= 1:
@@ -55,7 +55,7 @@ class ItemPopularity:
     counts: np.ndarray  # [len(vocabulary) + 1] float64
 
     @classmethod
-    def from_clicks(cls, train: pd.DataFrame, vocabulary: Vocabulary) -> "ItemPopularity":
+    def from_clicks(cls, train: pd.DataFrame, vocabulary: Vocabulary) -> ItemPopularity:
         """Count training clicks per item. Weights are ignored: Q is how often an
         item *appears* as a positive, which is what in-batch sampling draws."""
         counts = np.bincount(vocabulary.lookup(train[ITEM]), minlength=len(vocabulary) + 1)
@@ -85,7 +85,7 @@ class FeatureStatistics:
     has_weights: bool
 
     @classmethod
-    def from_training_clicks(cls, train: pd.DataFrame) -> "FeatureStatistics":
+    def from_training_clicks(cls, train: pd.DataFrame) -> FeatureStatistics:
         if train.empty:
             raise ValueError("cannot build feature statistics from an empty training log")
         users = Vocabulary.from_series(train[USER])
@@ -97,7 +97,7 @@ class FeatureStatistics:
     @classmethod
     def from_counts(
         cls, user_ids, item_ids, item_counts, has_weights: bool
-    ) -> "FeatureStatistics":
+    ) -> FeatureStatistics:
         """The statistics of ``from_training_clicks`` from per-id counts, without a click frame.
 
         For logs streamed out of core (``retrieval.data.streaming.scan_counts``).

@@ -23,8 +23,9 @@ Fixed-width columns hold one tuple of W strings per row in a frame and become
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -44,10 +45,10 @@ class InputSpec:
 
     name: str
     dtype: str
-    width: Optional[int] = None
+    width: int | None = None
 
     @property
-    def shape(self) -> list[Optional[int]]:
+    def shape(self) -> list[int | None]:
         return [None] if self.width is None else [None, self.width]
 
 
@@ -138,10 +139,10 @@ def _window(clicks: pd.DataFrame, order: np.ndarray, start: np.ndarray, end: np.
 def tower_frame(
     tower: TowerConfig,
     rows: pd.DataFrame,
-    table: Optional[pd.DataFrame],
+    table: pd.DataFrame | None,
     key: str,
     side: str,
-    history: Optional[np.ndarray] = None,
+    history: np.ndarray | None = None,
 ) -> pd.DataFrame:
     """Raw inputs of ``tower`` for each row of ``rows``.
 
@@ -180,7 +181,7 @@ def tower_frame(
 
 
 def training_examples(
-    train: pd.DataFrame, users: Optional[pd.DataFrame], items: pd.DataFrame, towers: TowersConfig
+    train: pd.DataFrame, users: pd.DataFrame | None, items: pd.DataFrame, towers: TowersConfig
 ) -> pd.DataFrame:
     """One row per training click: every input of both towers, plus ``user_id``, ``item_id``,
     ``weight`` and ``timestamp`` (when the log has one), in the order of ``train``.
@@ -216,10 +217,10 @@ def catalogue_inputs(items: pd.DataFrame, towers: TowersConfig) -> pd.DataFrame:
 
 def query_inputs(
     user_ids: Sequence[str],
-    users: Optional[pd.DataFrame],
+    users: pd.DataFrame | None,
     train: pd.DataFrame,
     towers: TowersConfig,
-    reference_time: Optional[float],
+    reference_time: float | None,
 ) -> pd.DataFrame:
     """Query-tower inputs for users queried after training, plus ``user_id``.
 
@@ -239,12 +240,12 @@ def query_inputs(
     return query
 
 
-def reference_time(train: pd.DataFrame) -> Optional[float]:
+def reference_time(train: pd.DataFrame) -> float | None:
     """The end of training (latest training click, seconds), or None without timestamps."""
     return float(train[TIME].max()) if TIME in train and len(train) else None
 
 
-def feature_arrays(frame: pd.DataFrame, names: Optional[Iterable[str]] = None) -> dict[str, np.ndarray]:
+def feature_arrays(frame: pd.DataFrame, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
     """Columns as arrays a tower takes: strings as object [n], tuple columns as object [n, W]."""
     arrays = {}
     for name in frame.columns if names is None else names:
@@ -316,16 +317,16 @@ class TowerTables:
 
     towers: TowersConfig
     train: pd.DataFrame
-    users: Optional[pd.DataFrame]
+    users: pd.DataFrame | None
     items: pd.DataFrame
 
     @classmethod
-    def from_dataset(cls, dataset: Any, towers: TowersConfig) -> "TowerTables":
+    def from_dataset(cls, dataset: Any, towers: TowersConfig) -> TowerTables:
         """From a ``retrieval.data.Dataset`` (train, users, items)."""
         return cls(towers, dataset.train, dataset.users, dataset.items)
 
     @property
-    def reference_time(self) -> Optional[float]:
+    def reference_time(self) -> float | None:
         return reference_time(self.train)
 
     def examples(self) -> pd.DataFrame:

@@ -31,7 +31,6 @@ import tensorflow as tf
 
 from retrieval.samplers.base import Negatives, Sampler, replicas_in_step
 
-
 # Evaluate a whole (distinct queries x distinct nodes) grid with one matrix product when it has at
 # most this many entries per (query, node) pair actually needed.
 _GRID_FACTOR = 16

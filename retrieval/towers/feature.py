@@ -24,8 +24,8 @@ item and a candidate item live in one space.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import tensorflow as tf
 
@@ -83,7 +83,7 @@ def feature_tower(
     embedding_dim: int,
     normalize: bool = True,
     l2_regularization: float = 0.0,
-    item_embedding: Optional[IdEmbedding] = None,
+    item_embedding: IdEmbedding | None = None,
     name: str = "feature_tower",
 ) -> tf.keras.Model:
     """A tower from raw features to an embedding.
@@ -131,7 +131,7 @@ def feature_tower(
 class _Context:
     embedding_dim: int
     l2_regularization: float
-    item_embedding: Optional[IdEmbedding]
+    item_embedding: IdEmbedding | None
 
 
 def _encode_id(feature, vocabulary, context: _Context, x):
@@ -209,7 +209,7 @@ def _encode_history(history: HistoryConfig, stats: TowerStatistics, context: _Co
     return pooling(name=f"{history.name}_{history.pooling}")(table(x), mask)
 
 
-def _category_ids(feature: FeatureConfig, vocabulary: Optional[Vocabulary], x):
+def _category_ids(feature: FeatureConfig, vocabulary: Vocabulary | None, x):
     """Integer ids and the number of embedding rows for a categorical input of any shape."""
     if feature.hash_buckets is not None:
         return tf.keras.layers.Hashing(feature.hash_buckets, name=f"{feature.name}_hash")(x), feature.hash_buckets
@@ -236,6 +236,6 @@ def _regularizer(l2: float):
     return tf.keras.regularizers.l2(l2) if l2 else None
 
 
-def _need_values(name: str, vocabulary: Optional[Vocabulary]) -> None:  # same check as IdEmbedding.build
+def _need_values(name: str, vocabulary: Vocabulary | None) -> None:  # same check as IdEmbedding.build
     if vocabulary is None or len(vocabulary) == 0:
         raise ValueError(f"feature {name!r} has no training values to build a vocabulary from")

@@ -62,7 +62,7 @@ class IdEmbedding:
     embedding: tf.keras.layers.Embedding
 
     @classmethod
-    def build(cls, name: str, vocabulary: Vocabulary, dim: int, l2_regularization: float = 0.0) -> "IdEmbedding":
+    def build(cls, name: str, vocabulary: Vocabulary, dim: int, l2_regularization: float = 0.0) -> IdEmbedding:
         """Layers ``{name}_lookup`` and ``{name}_embedding``: one row per vocabulary id after the OOV row."""
         if vocabulary is None or len(vocabulary) == 0:
             raise ValueError(f"feature {name!r} has no training values to build a vocabulary from")
