@@ -675,13 +675,18 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _plain_name(self) -> RunConfig:
-        if self.name is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", self.name):
-            raise ValueError(f"run.name must use letters, digits, '.', '_' and '-', got {self.name!r}")
+        # One plain path component: no separators, not '.'/'..', not hidden (the job's own scratch,
+        # lock and checkpoint names beside the run start with '.'), short enough for those suffixes.
+        if self.name is not None and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}", self.name):
+            raise ValueError(
+                "run.name must be one plain directory name: up to 200 letters, digits, '.', '_' and '-', "
+                f"starting with a letter, digit or '_', got {self.name!r}"
+            )
         return self
 
 
 class Config(_Section):
-    """The whole job: data -> split -> model -> train -> index -> evaluation -> run."""
+    """The whole job: data -> split -> towers -> model -> train -> index -> evaluation -> export -> run."""
 
     data: DataConfig = DataConfig()
     split: SplitConfig = SplitConfig()

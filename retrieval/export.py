@@ -17,11 +17,12 @@ Bundle layout (``artifacts/<run>/``)::
 
 Everything is written under a hidden ``.<run>.partial-<pid>`` directory next
 to the final one and renamed into place at the end, so a crash never leaves a
-half bundle under the final name.
+half bundle under the final name; ``.<run>.lock`` holds the name meanwhile.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
@@ -56,39 +57,93 @@ class RunExistsError(FileExistsError):
 def atomic_directory(final: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a scratch directory that becomes ``final`` only if the block succeeds.
 
-    On an exception the scratch directory is left in place (renamed
-    ``.<name>.failed-<pid>``) for inspection, and ``final`` is untouched.
-    Scratch directories of ``final`` left by processes that no longer run
-    (killed with SIGKILL, so nothing renamed them) are deleted.
+    The name is locked (``flock`` on ``.<name>.lock`` beside it) for the whole
+    block, so two jobs writing the same run cannot both finish: the second one
+    fails at once instead of silently replacing the first one's result.
+    ``overwrite`` replaces only an existing bundle (a directory holding
+    ``manifest.json``); anything else at ``final`` is never deleted.
+
+    On an exception the scratch directory is deleted (a failed run cannot be
+    resumed from it: resuming uses the checkpoints) and ``final`` is
+    untouched. Scratch directories of ``final`` left by processes that no
+    longer run (killed with SIGKILL, so nothing cleaned up) are deleted.
+
+    Raises:
+      RunExistsError: ``final`` exists and ``overwrite`` is false, or it
+        exists and is not a bundle, or another process holds the name.
     """
     final = Path(final)
-    if final.exists() and not overwrite:
-        raise RunExistsError(f"{final} already exists; choose another run.name or set run.overwrite=true")
     final.parent.mkdir(parents=True, exist_ok=True)
-    for stale in final.parent.glob(f".{final.name}.partial-*"):
-        pid = stale.name.rsplit("-", 1)[1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-    scratch = final.parent / f".{final.name}.partial-{os.getpid()}"
-    if scratch.exists():
-        shutil.rmtree(scratch)
-    scratch.mkdir()
+    with _name_lock(final):
+        _check_replaceable(final, overwrite)
+        for stale in [*final.parent.glob(f".{final.name}.partial-*"), *final.parent.glob(f".{final.name}.old-*")]:
+            pid = stale.name.rsplit("-", 1)[1]
+            if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
+        scratch = final.parent / f".{final.name}.partial-{os.getpid()}"
+        if scratch.exists():
+            shutil.rmtree(scratch)
+        scratch.mkdir()
+        try:
+            yield scratch
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        _check_replaceable(final, overwrite)  # the lock makes this hold; checked again before deleting anything
+        if final.exists():
+            # Swap: move the old one aside first so a crash here still leaves one
+            # complete bundle under some name.
+            old = final.parent / f".{final.name}.old-{os.getpid()}"
+            final.rename(old)
+            scratch.rename(final)
+            shutil.rmtree(old)
+        else:
+            scratch.rename(final)
+
+
+def _check_replaceable(final: Path, overwrite: bool) -> None:
+    if not (final.exists() or final.is_symlink()):
+        return
+    if not overwrite:
+        raise RunExistsError(f"{final} already exists; choose another run.name or set run.overwrite=true")
+    if final.is_symlink() or not (final / MANIFEST_FILE).is_file():
+        raise RunExistsError(
+            f"{final} exists and is not a run bundle (no {MANIFEST_FILE}); run.overwrite replaces only a "
+            "bundle, so nothing was deleted: choose another run.name or move it away"
+        )
+
+
+@contextmanager
+def _name_lock(final: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``.<name>.lock`` beside ``final``; the file is removed on release.
+
+    The lock file is unlinked while still locked, so a process that opened it
+    meanwhile finds, once it holds the lock, that the path names another file
+    (or none) and retries on a fresh one: only one process ever holds the name.
+    """
+    path = final.parent / f".{final.name}.lock"
+    while True:
+        handle = open(path, "a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise RunExistsError(
+                f"another process is writing run {final.name!r} in {final.parent} ({path} is locked); "
+                "wait for it or choose another run.name"
+            ) from None
+        try:
+            same_file = os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
+        except FileNotFoundError:
+            same_file = False
+        if same_file:
+            break
+        handle.close()  # the holder released and removed it between our open and flock: retry
     try:
-        yield scratch
-    except BaseException:
-        failed = final.parent / f".{final.name}.failed-{os.getpid()}"
-        shutil.rmtree(failed, ignore_errors=True)
-        scratch.rename(failed)
-        raise
-    if final.exists():
-        # Swap: move the old one aside first so a crash here still leaves one
-        # complete bundle under some name.
-        old = final.parent / f".{final.name}.old-{os.getpid()}"
-        final.rename(old)
-        scratch.rename(final)
-        shutil.rmtree(old)
-    else:
-        scratch.rename(final)
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        handle.close()
 
 
 def _process_alive(pid: int) -> bool:

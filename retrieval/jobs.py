@@ -240,8 +240,19 @@ def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path 
         "checkpoints every %d steps in %s (a killed run resumes when started again with run.name=%s)",
         train.checkpoint_every_steps, directory, name,
     )
-    cleanup.push(lambda failed, *_: None if failed else shutil.rmtree(directory, ignore_errors=True))
+    cleanup.push(lambda failed, *_: _after_training_job(directory, failed is not None))
     return directory
+
+
+def _after_training_job(checkpoint_dir: Path, failed: bool) -> None:
+    """Delete the checkpoints when the job succeeded or when there is nothing to resume from."""
+    if failed and (checkpoint_dir / "checkpoint").exists():
+        log.error(
+            "the run failed; its checkpoints are kept in %s: run the same command again to resume, "
+            "or set train.resume=false to start over", checkpoint_dir,
+        )
+        return
+    shutil.rmtree(checkpoint_dir, ignore_errors=True)
 
 
 def _resume_view(config: dict[str, Any]) -> dict[str, Any]:
