@@ -1,64 +1,143 @@
-"""In-batch softmax with log-Q correction against a numpy hand computation."""
+"""The project's in-batch softmax and logit transforms against a numpy computation and TFRS.
+
+The references (numpy in-batch loss, a ``tfrs.tasks.Retrieval`` set up for a mean
+reduction) live in ``tests/reference_losses.py``; ``retrieval.losses`` is what is tested.
+"""
 
 import numpy as np
 import pandas as pd
 import pytest
 import tensorflow as tf
+from reference_losses import in_batch_softmax_task, numpy_in_batch_loss, relative_sampling_probability
 
 import retrieval  # noqa: F401
 from retrieval.config import ModelConfig
 from retrieval.features import FeatureStatistics
-from retrieval.losses import in_batch_softmax_task, relative_sampling_probability
+from retrieval.losses import (
+    LossInputs,
+    SampledSoftmax,
+    correct_log_q,
+    remove_accidental_hits,
+    weighted_mean,
+)
 from retrieval.model import build_model
+from retrieval.samplers import MASKED_LOG_Q, Negatives
+
+BATCH, DIM = 8, 4
+IDS = np.array([0, 1, 2, 1, 3, 4, 0, 5])  # rows 1/3 and 0/6 share a positive: accidental hits
 
 
-def _numpy_in_batch_loss(q, d, log_q, ids, temperature, weights=None, remove_hits=True):
-    logits = q @ d.T / temperature - log_q[None, :]
-    if remove_hits:
-        same = ids[:, None] == ids[None, :]
-        logits = np.where(same & ~np.eye(len(ids), dtype=bool), -np.inf, logits)
-    log_softmax = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
-    per_row = -np.diag(log_softmax)
-    weights = np.ones(len(ids)) if weights is None else weights
-    return float(np.sum(per_row * weights) / len(ids))
+def _in_batch_inputs(q, d, log_q, ids, weights=None):
+    """In-batch negatives only: the other rows' positives, with their log Q."""
+    return LossInputs(
+        tf.constant(q),
+        tf.constant(d),
+        tf.constant(ids, tf.int64),
+        (Negatives(tf.zeros([0], tf.int64), tf.zeros([0]), tf.constant(log_q, tf.float32)),),
+        (tf.zeros([0, q.shape[1]]),),
+        True,
+        None if weights is None else tf.constant(weights),
+    )
 
 
-def test_relative_probability_is_probability_over_its_max():
-    q = np.array([0.5, 0.25, 0.125, 0.125])
-    np.testing.assert_allclose(relative_sampling_probability(q), [1.0, 0.5, 0.25, 0.25])
-    # log(Q / max Q) differs from log Q by one constant, so softmax is unchanged.
-    shift = np.log(q) - np.log(relative_sampling_probability(q))
-    np.testing.assert_allclose(shift, shift[0])
-
-
-@pytest.mark.parametrize("bad", [np.array([]), np.array([0.0, 0.0]), np.array([0.5, -0.1]), np.array([np.nan])])
-def test_relative_probability_rejects_bad_input(bad):
-    with pytest.raises(ValueError, match="probability"):
-        relative_sampling_probability(bad)
+def _random_batch(seed):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(BATCH, DIM)).astype(np.float32)
+    d = rng.normal(size=(BATCH, DIM)).astype(np.float32)
+    prob = rng.uniform(0.01, 1.0, size=BATCH).astype(np.float32)
+    weights = rng.uniform(0.5, 2.0, size=BATCH).astype(np.float32)
+    return q, d, prob, weights
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_tfrs_task_with_correction_equals_numpy(seed):
-    rng = np.random.default_rng(seed)
-    batch, dim, temperature = 8, 4, 0.2
-    q = rng.normal(size=(batch, dim)).astype(np.float32)
-    d = rng.normal(size=(batch, dim)).astype(np.float32)
-    ids = np.array([0, 1, 2, 1, 3, 4, 0, 5])  # rows 1/3 and 0/6 share a positive: accidental hits
-    prob = rng.uniform(0.01, 1.0, size=batch).astype(np.float32)
-    weights = rng.uniform(0.5, 2.0, size=batch).astype(np.float32)
-    task = in_batch_softmax_task(temperature=temperature, remove_accidental_hits=True)
-    loss = task(
+@pytest.mark.parametrize("remove_hits", [True, False])
+def test_in_batch_softmax_equals_numpy_and_tfrs(seed, remove_hits):
+    q, d, prob, weights = _random_batch(seed)
+    temperature = 0.2
+    loss = SampledSoftmax(temperature=temperature, remove_accidental_hits=remove_hits)
+    ours = float(loss.compute(_in_batch_inputs(q, d, np.log(prob), IDS, weights)))
+    expected = numpy_in_batch_loss(q, d, np.log(prob), IDS, temperature, weights, remove_hits=remove_hits)
+    assert ours == pytest.approx(expected, rel=1e-5)
+    task = in_batch_softmax_task(temperature=temperature, remove_accidental_hits=remove_hits)
+    tfrs_loss = task(
         tf.constant(q),
         tf.constant(d),
         sample_weight=tf.constant(weights),
-        candidate_sampling_probability=tf.constant(prob),
-        candidate_ids=tf.constant(ids),
+        candidate_sampling_probability=tf.constant(relative_sampling_probability(prob)),
+        candidate_ids=tf.constant(IDS),
         compute_metrics=False,
     )
-    expected = _numpy_in_batch_loss(q, d, np.log(prob), ids, temperature, weights)
-    assert float(loss) == pytest.approx(expected, rel=1e-5)
-    # The correction matters: without it the loss is different.
-    assert expected != pytest.approx(_numpy_in_batch_loss(q, d, np.zeros(batch), ids, temperature, weights))
+    assert ours == pytest.approx(float(tfrs_loss), rel=1e-5)
+    # Neither reference is blind to what is tested: the correction and the hit removal change the value.
+    assert expected != pytest.approx(
+        numpy_in_batch_loss(q, d, np.zeros(BATCH), IDS, temperature, weights, remove_hits=remove_hits), rel=1e-3
+    )
+    assert expected != pytest.approx(
+        numpy_in_batch_loss(q, d, np.log(prob), IDS, temperature, weights, remove_hits=not remove_hits), rel=1e-3
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_log_q_weight_scales_the_correction(seed):
+    q, d, prob, _ = _random_batch(seed)
+    inputs = _in_batch_inputs(q, d, np.log(prob), IDS)
+    for weight in (0.0, 0.5):
+        ours = float(SampledSoftmax(temperature=0.5, log_q_weight=weight).compute(inputs))
+        assert ours == pytest.approx(numpy_in_batch_loss(q, d, weight * np.log(prob), IDS, 0.5), rel=1e-5)
+
+
+def test_masked_negatives_stay_masked_whatever_the_log_q_weight():
+    # A sampler masks a column with log Q = MASKED_LOG_Q (hard.py: a slot with no hard negative);
+    # with log_q_weight = 0 the correction is off, but the mask must not be.
+    rng = np.random.default_rng(3)
+    q = rng.normal(size=(BATCH, DIM)).astype(np.float32)
+    items = rng.normal(size=(20, DIM)).astype(np.float32)
+    positive_ids = np.arange(1, BATCH + 1)
+    ids = np.array([[11, 12, 13]] * BATCH)
+    log_q = np.zeros(ids.shape, np.float32)
+    log_q[:, 1] = MASKED_LOG_Q
+
+    def per_example(loss, columns):
+        negatives = Negatives(tf.constant(ids[:, columns], tf.int64), tf.constant(log_q[:, columns]), tf.zeros([BATCH]))
+        inputs = LossInputs(
+            tf.constant(q),
+            tf.constant(items[positive_ids]),
+            tf.constant(positive_ids, tf.int64),
+            (negatives,),
+            (tf.constant(items[ids[:, columns]]),),
+            False,
+        )
+        return loss.per_example(inputs).numpy()
+
+    for weight in (0.0, 1.0):
+        loss = SampledSoftmax(temperature=1.0, log_q_weight=weight)
+        np.testing.assert_allclose(per_example(loss, [0, 1, 2]), per_example(loss, [0, 2]), rtol=1e-6)
+
+
+def test_correct_log_q_subtracts():
+    logits = tf.constant([[1.0, 2.0, 3.0]])
+    log_q = tf.constant([0.5, -1.0, 0.0])
+    np.testing.assert_allclose(correct_log_q(logits, log_q), [[0.5, 3.0, 3.0]])
+
+
+def test_remove_accidental_hits_masks_only_the_rows_own_positive_elsewhere():
+    logits = tf.zeros([3, 4])
+    labels = tf.constant(np.eye(3, 4, dtype=np.float32))
+    ids = tf.constant([7, 8, 7, 9])  # row 0's positive 7 again at column 2; row 2's label column is 7 too
+    out = remove_accidental_hits(logits, labels, ids).numpy()
+    masked = out < -1e30
+    assert masked.tolist() == [
+        [False, False, True, False],
+        [False, False, False, False],
+        [True, False, False, False],
+    ]
+
+
+def test_weighted_mean_divides_by_the_global_batch():
+    per_example = tf.constant([1.0, 2.0, 3.0])
+    weights = tf.constant([1.0, 0.0, 2.0])
+    assert float(weighted_mean(per_example, weights)) == pytest.approx((1 + 6) / 3)
+    assert float(weighted_mean(per_example, weights, global_batch_size=6)) == pytest.approx((1 + 6) / 6)
 
 
 def test_model_loss_uses_training_popularity_as_q():
@@ -81,7 +160,7 @@ def test_model_loss_uses_training_popularity_as_q():
     counts = {"a": 3, "b": 2, "c": 1}  # training clicks per item
     log_q = np.log([counts[i] / 6 for i in ["a", "c", "b", "b"]])
     ids = np.array([0, 1, 2, 2])
-    assert loss == pytest.approx(_numpy_in_batch_loss(q, d, log_q, ids, 0.1), rel=1e-5)
+    assert loss == pytest.approx(numpy_in_batch_loss(q, d, log_q, ids, 0.1), rel=1e-5)
 
 
 def test_unknown_ids_embed_to_zero():

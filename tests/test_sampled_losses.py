@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
+from reference_losses import in_batch_softmax_task
 
 import retrieval  # noqa: F401
 from retrieval.losses import (
@@ -20,7 +21,6 @@ from retrieval.losses import (
     LossInputs,
     NegativeSampling,
     SampledSoftmax,
-    in_batch_softmax_task,
     mine_hard_negatives,
     remove_accidental_hits,
 )
