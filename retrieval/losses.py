@@ -29,9 +29,8 @@ from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
-import tensorflow_recommenders as tfrs
 
-from retrieval.samplers import Negatives, across_replicas, replica_row_offset, replicas_in_step
+from retrieval.samplers import MASKED_LOG_Q, Negatives, across_replicas, replica_row_offset, replicas_in_step
 
 # As TFRS: large enough to remove a column from a softmax, small enough that
 # adding a logit to it stays finite.
@@ -136,52 +135,6 @@ def weighted_mean(
     if global_batch_size is None:
         global_batch_size = tf.shape(per_example)[0]
     return tf.reduce_sum(per_example) / tf.cast(global_batch_size, per_example.dtype)
-
-
-def relative_sampling_probability(probability: np.ndarray) -> np.ndarray:
-    """Scale Q so its largest value is 1 (for ``tfrs.tasks.Retrieval``).
-
-    Softmax is unchanged by adding a constant to every logit of a row, so
-    ``log(Q / max Q)`` corrects exactly as ``log Q`` does. TFRS clips the
-    probability it is given at 1e-6 before taking the log; on a large corpus
-    raw Q falls below that for most of the tail, and the clip would silently
-    under-correct exactly the items the correction is for.
-
-    Args:
-      probability: [num_items] non-negative.
-
-    Returns:
-      [num_items] float32 in [0, 1].
-    """
-    probability = np.asarray(probability, dtype=np.float64)
-    if probability.ndim != 1 or probability.size == 0:
-        raise ValueError(f"probability must be a non-empty vector, got shape {probability.shape}")
-    if np.any(probability < 0) or not np.all(np.isfinite(probability)):
-        raise ValueError("probability must be finite and non-negative")
-    peak = probability.max()
-    if peak <= 0:
-        raise ValueError("probability must have at least one positive entry")
-    return (probability / peak).astype(np.float32)
-
-
-def in_batch_softmax_task(
-    *, temperature: float | None, remove_accidental_hits: bool, num_hard_negatives: int | None = None
-) -> tfrs.tasks.Retrieval:
-    """TFRS in-batch softmax with a mean (not TFRS's default sum) reduction.
-
-    The model uses ``SampledSoftmax`` with ``InBatchSampler``; this task is its
-    reference in the tests.
-    """
-    loss = tf.keras.losses.CategoricalCrossentropy(
-        from_logits=True, reduction=tf.keras.losses.Reduction.SUM_OVER_BATCH_SIZE
-    )
-    return tfrs.tasks.Retrieval(
-        loss=loss,
-        temperature=temperature,
-        remove_accidental_hits=remove_accidental_hits,
-        num_hard_negatives=num_hard_negatives,
-        name="in_batch_softmax",
-    )
 
 
 @dataclass(frozen=True)
@@ -460,9 +413,10 @@ class RetrievalLoss(tf.keras.layers.Layer):
         logits, labels = [head], [head_labels]
         for negatives, embeddings in zip(inputs.negatives, inputs.negative_embeddings):
             block = candidate_scores(q, embeddings) / self.temperature
-            # Masked columns (MASKED_LOG_Q) stay masked whatever the weight.
+            # Masked columns (log_q = MASKED_LOG_Q, as the samplers write it in float32) stay masked
+            # whatever the weight; no real log expected count comes near it.
             block = correct_log_q(
-                block, tf.where(negatives.log_q >= 1e29, negatives.log_q, weight * negatives.log_q)
+                block, tf.where(negatives.log_q >= MASKED_LOG_Q, negatives.log_q, weight * negatives.log_q)
             )
             if self.remove_hits:
                 block = remove_accidental_hits(block, tf.zeros_like(block), negatives.ids, positive_ids)

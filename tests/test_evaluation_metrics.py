@@ -1,4 +1,4 @@
-"""Beyond-accuracy and per-segment metrics: hand-worked examples and a brute-force reference.
+"""Ranking, beyond-accuracy and per-segment metrics: hand-worked examples and a brute-force reference.
 
 The reference below is written from the formulas in ``retrieval/evaluation/metrics.py``'s
 docstring with Python sets and loops, sharing no code with the vectorised functions.
@@ -21,6 +21,42 @@ from retrieval.evaluation import (
     tail_recall,
 )
 from retrieval.evaluation.metrics import segment_labels
+
+
+def test_ranking_metrics_by_hand():
+    # user 0: relevant {3, 7}; ranking 5, 3, 9, 7  -> hits at ranks 2 and 4
+    # user 1: relevant {1};    ranking 2, 4, 6, 8  -> no hit
+    ranked = np.array([[5, 3, 9, 7], [2, 4, 6, 8]])
+    relevant = [np.array([3, 7]), np.array([1])]
+    m = ranking_metrics(ranked, relevant, ks=[2, 4])
+    assert m["users"] == 2
+    assert m["recall@2"] == pytest.approx((1 / 2 + 0) / 2)
+    assert m["recall@4"] == pytest.approx((2 / 2 + 0) / 2)
+    assert m["precision@2"] == pytest.approx((1 / 2 + 0) / 2)
+    assert m["hit_rate@2"] == pytest.approx(0.5)
+    dcg2 = 1 / math.log2(3)
+    idcg2 = 1 / math.log2(2) + 1 / math.log2(3)
+    assert m["ndcg@2"] == pytest.approx((dcg2 / idcg2) / 2)
+    dcg4 = 1 / math.log2(3) + 1 / math.log2(5)
+    assert m["ndcg@4"] == pytest.approx((dcg4 / idcg2) / 2)
+    assert m["mrr@4"] == pytest.approx((1 / 2) / 2)
+
+
+def test_ideal_dcg_uses_min_of_relevant_and_k():
+    # One relevant item ranked first: perfect NDCG at every k.
+    m = ranking_metrics(np.array([[4, 1, 2]]), [np.array([4])], ks=[1, 3])
+    assert m["ndcg@1"] == pytest.approx(1.0)
+    assert m["ndcg@3"] == pytest.approx(1.0)
+    assert m["recall@1"] == pytest.approx(1.0)
+
+
+def test_users_without_relevant_items_are_skipped_and_padding_never_hits():
+    ranked = np.array([[-1, -1, 0], [0, 1, 2]])
+    m = ranking_metrics(ranked, [np.array([0]), np.array([], dtype=np.int64)], ks=[2, 3])
+    assert m["users"] == 1
+    assert m["recall@2"] == 0.0
+    assert m["recall@3"] == 1.0
+
 
 # Three users over a catalogue of 6 items; training clicks per item:
 COUNTS = np.array([9, 0, 3, 1, 0, 7])  # head (top 20% of 6 = ceil(1.2) = 2 items): 0 and 5
@@ -165,6 +201,10 @@ def test_every_metric_matches_the_reference_on_random_data(seed):
 
 
 def test_bad_arguments_name_themselves():
+    with pytest.raises(ValueError, match="ranked must be"):
+        ranking_metrics(np.array([[1, 2]]), [np.array([1])], ks=[5])
+    with pytest.raises(ValueError, match="relevant sets"):
+        ranking_metrics(np.array([[1, 2]]), [], ks=[1])
     with pytest.raises(ValueError, match="ranked must be"):
         coverage_at_k(RANKED, 6, 4)
     with pytest.raises(ValueError, match="num_items is 3"):
