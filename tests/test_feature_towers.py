@@ -121,7 +121,32 @@ def test_towers_declare_exactly_the_configured_raw_inputs(towers):
     dtypes = {name: tensor.dtype for name, tensor in zip(query.input_names, query.inputs)}
     assert dtypes == {"user_id": tf.string, "age": tf.float32, "zip": tf.string, "country": tf.string,
                       "signup": tf.float64, "history": tf.string}
-    assert doc.get_layer("tags_split") is not None and query.get_layer("zip_prefix") is not None
+
+
+def test_split_and_prefix_layers_transform_the_raw_strings(towers):
+    _, _, query, doc = towers
+    # tags: separator "|", max_values 3: the first three kept, "" padded.
+    split = doc.get_layer("tags_split")(tf.constant(["c|a|b|d", "", "a"])).numpy().astype(str)
+    assert split.tolist() == [["c", "a", "b"], ["", "", ""], ["a", "", ""]]
+    prefix = query.get_layer("zip_prefix")(tf.constant(["10001", "9", "", "941ü5"])).numpy()
+    assert [p.decode() for p in prefix] == ["100", "9", "", "941"]
+
+
+def _tower_inputs(tower, frame):
+    return {name: tf.constant(values) for name, values in feature_arrays(frame, tower.input_names).items()}
+
+
+def test_every_raw_input_changes_the_embedding(towers):
+    # A feature the tower declares but drops on the way (a wiring slip) leaves the output unchanged.
+    tables, _, query, doc = towers
+    users = [f"u{i}" for i in range(6)]
+    for tower, frame in ((doc, tables.catalogue()), (query, tables.queries(users))):
+        inputs = _tower_inputs(tower, frame)
+        base = tower(inputs, training=False).numpy()
+        for name in tower.input_names:
+            shuffled = dict(inputs, **{name: tf.reverse(inputs[name], axis=[0])})
+            moved = np.abs(tower(shuffled, training=False).numpy() - base).max()
+            assert moved > 1e-3, f"{name} does not reach the {tower.name} output"
 
 
 def test_lookups_follow_the_training_vocabulary_with_oov(towers):
