@@ -28,7 +28,7 @@ class _Section(BaseModel):
 
 
 TableFormat = Literal[
-    "auto",  # from the file extension: .csv, .tsv/.txt, .parquet
+    "auto",  # from the file extension: .csv, .tsv/.txt, .parquet/.pq, .dat, .data
     "csv",
     "tsv",
     "parquet",
@@ -42,7 +42,11 @@ class TableConfig(_Section):
     """Where a table lives and how to parse it."""
 
     path: str = Field(description="File path; relative paths resolve against the working directory.")
-    format: TableFormat = Field("auto", description="File format; auto = from the extension (.csv, .tsv, .parquet).")
+    format: TableFormat = Field(
+        "auto",
+        description="File format; auto = from the extension (.csv; .tsv/.txt; .parquet/.pq; MovieLens "
+        ".dat for 1M, .data for 100K).",
+    )
     separator: str | None = Field(None, description="Field separator; None = from the format.")
     header: bool = Field(True, description="Whether the first line names the columns (CSV/TSV).")
     encoding: str = Field("utf-8", description="Text encoding of CSV/TSV files (MovieLens: latin-1).")
@@ -285,7 +289,10 @@ class ModelConfig(_Section):
     normalize: bool = Field(True, description="L2-normalise tower outputs (cosine similarity).")
     temperature: float = Field(0.2, gt=0, description="Logits are divided by this.")
     log_q_correction: bool = Field(
-        True, description="Subtract log Q(item) (training popularity) from in-batch logits."
+        True,
+        description="Subtract log Q, each candidate's log expected count in the batch's candidates, from "
+        "the logits of every sampled loss (in-batch, corpus-sampled, mixed; sgns then becomes NCE). "
+        "full_softmax samples nothing and ignores it.",
     )
     log_q_strength: float = Field(
         1.0,
@@ -295,7 +302,9 @@ class ModelConfig(_Section):
         "over-corrects (ranks popular items higher than the unbiased model would).",
     )
     remove_accidental_hits: bool = Field(
-        True, description="Mask in-batch negatives that are the row's own positive item."
+        True,
+        description="Mask candidates (in-batch or sampled) equal to the row's own positive item; "
+        "always on for full_softmax, where the positive is also a column of its own.",
     )
     l2_regularization: float = Field(0.0, ge=0, description="L2 penalty on embedding tables.")
     loss: LossConfig = Field(LossConfig(), description="Objective, negatives and log-Q source.")

@@ -1,13 +1,13 @@
 """The config reference: every key of ``retrieval.config`` as Markdown tables.
 
-    python -m retrieval.config_reference                      # print the reference
-    python -m retrieval.config_reference --write README.md    # replace README's block
-    python -m retrieval.config_reference --check README.md    # exit 1 if README's block is stale
+    python -m retrieval.config_reference                                # print the reference
+    python -m retrieval.config_reference --write docs/configuration.md  # replace the generated block
+    python -m retrieval.config_reference --check docs/configuration.md  # exit 1 if the block is stale
 
 The tables are generated from the pydantic models (dotted key, type with its
-bounds, default, the field's ``description``), so the README cannot drift from
-the code: ``tests/test_docs.py`` fails when the block between the markers in
-README.md differs from what this module generates. Feature kinds (the
+bounds, default, the field's ``description``), so docs/configuration.md cannot
+drift from the code: ``tests/test_docs.py`` fails when the block between the
+markers there differs from what this module generates. Feature kinds (the
 ``towers.*.features`` discriminated union) get one table each.
 
 Imports only ``retrieval.config`` (no TensorFlow).
@@ -31,7 +31,8 @@ from retrieval.config import Config
 
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
-REGENERATE = "python -m retrieval.config_reference --write README.md"
+TARGET = "docs/configuration.md"  # the file that holds the generated block, relative to the repository root
+REGENERATE = f"python -m retrieval.config_reference --write {TARGET}"
 REQUIRED = "required"
 
 # Constraint metadata (annotated_types.Gt, Ge, ... as pydantic stores them) -> how it reads after
@@ -226,17 +227,17 @@ def reference_markdown(config: type[BaseModel] = Config) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def readme_block(text: str) -> str:
-    """The text between the reference markers of a README (ValueError if they are missing)."""
+def marked_block(text: str) -> str:
+    """The text between the reference markers of a Markdown file (ValueError if they are missing)."""
     start, end = text.find(START), text.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"README has no {START} ... {END} block")
+        raise ValueError(f"no {START} ... {END} block")
     return text[start + len(START) : end].strip("\n") + "\n"
 
 
 def replace_block(text: str, reference: str) -> str:
     """``text`` with the block between the markers replaced by ``reference``."""
-    readme_block(text)  # checks the markers
+    marked_block(text)  # checks the markers
     start, end = text.find(START) + len(START), text.find(END)
     return text[:start] + "\n" + reference.rstrip("\n") + "\n" + text[end:]
 
@@ -244,15 +245,15 @@ def replace_block(text: str, reference: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     action = parser.add_mutually_exclusive_group()
-    action.add_argument("--write", type=Path, metavar="README", help="replace the marked block of this file")
-    action.add_argument("--check", type=Path, metavar="README", help="exit 1 if the marked block is stale")
+    action.add_argument("--write", type=Path, metavar="FILE", help=f"replace the marked block of FILE ({TARGET})")
+    action.add_argument("--check", type=Path, metavar="FILE", help="exit 1 if the marked block of FILE is stale")
     args = parser.parse_args(argv)
     reference = reference_markdown()
     if args.write:
         text = args.write.read_text(encoding="utf-8")
         args.write.write_text(replace_block(text, reference), encoding="utf-8")
     elif args.check:
-        if readme_block(args.check.read_text(encoding="utf-8")) != reference:
+        if marked_block(args.check.read_text(encoding="utf-8")) != reference:
             print(f"{args.check}: the config reference is out of date; run `{REGENERATE}`", file=sys.stderr)
             return 1
     else:

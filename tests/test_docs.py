@@ -1,5 +1,9 @@
-"""README.md matches the code: the generated config reference, and no dangling file references."""
+"""README.md and docs/ match the code and the results: the generated config reference
+(docs/configuration.md), every quoted figure against the results file it cites, and no
+dangling file references."""
 
+import json
+import math
 import re
 from pathlib import Path
 
@@ -11,6 +15,8 @@ from retrieval.config import Config, IdFeature, TextFeature
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+CONFIGURATION = ROOT / config_reference.TARGET
 
 
 def _flatten(value, prefix=""):
@@ -37,12 +43,18 @@ def _yaml(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
 
 
-def test_readme_config_reference_is_up_to_date():
-    block = config_reference.readme_block(README.read_text(encoding="utf-8"))
+def test_configuration_reference_is_up_to_date():
+    block = config_reference.marked_block(CONFIGURATION.read_text(encoding="utf-8"))
     assert block == config_reference.reference_markdown(), (
-        "README.md's config reference differs from retrieval/config.py: regenerate it with "
+        f"{config_reference.TARGET}'s config reference differs from retrieval/config.py: regenerate it with "
         f"`{config_reference.REGENERATE}`"
     )
+
+
+def test_readme_links_the_reference_instead_of_copying_it():
+    readme = README.read_text(encoding="utf-8")
+    assert config_reference.START not in readme and "#### `model`" not in readme
+    assert f"({config_reference.TARGET})" in readme
 
 
 def test_reference_lists_every_key_with_the_default_pydantic_dumps():
@@ -86,7 +98,7 @@ def test_every_feature_kind_has_a_table_with_its_own_fields():
 
 
 def test_check_and_write_round_trip(tmp_path, capsys):
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "configuration.md"
     stale = f"# title\n\nbefore\n{config_reference.START}\n| old | table |\n{config_reference.END}\nafter\n"
     readme.write_text(stale)
     assert config_reference.main(["--check", str(readme)]) == 1
@@ -100,33 +112,190 @@ def test_check_and_write_round_trip(tmp_path, capsys):
 
 def test_missing_markers_are_an_error():
     with pytest.raises(ValueError, match="config-reference:start"):
-        config_reference.readme_block("# no block here\n")
+        config_reference.marked_block("# no block here\n")
+
+
+# -- quoted figures ----------------------------------------------------------------------
+#
+# A figure quoted in README.md or docs/ is followed by a marker naming the results file and the
+# JSON pointer (RFC 6901: "/" between keys, "~1" for a "/" inside a key) of the value it shows,
+# optionally with a scale factor for unit changes (seconds shown as ms: "* 1000"):
+#
+#     recall@20 0.479 <!-- result: benchmarks/results/bench_losses.json#/quality/synthetic/rankers/... -->
+#
+# The figure is the last number before the marker (a short unit such as "x", " ms" or " GiB" may sit
+# between). It must equal the stored value rounded to the decimals printed.
+
+_MARKER = re.compile(
+    r"(?P<figure>\d[\d,]*(?:\.\d+)?)(?P<unit>[^\d<|`]{0,8}?)\s*"
+    r"<!-- result: (?P<file>[^#\s]+)#(?P<pointer>/[^>]*?)(?: \* (?P<scale>[0-9.e+-]+))? -->"
+)
+_ANY_MARKER = re.compile(r"<!-- result:")
+_RESULTS = "benchmarks/results/"
+
+
+def _pointer(document, pointer: str):
+    """The value at a JSON pointer (``/a/b/0``); KeyError naming the missing part."""
+    value = document
+    for part in pointer.lstrip("/").split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(value, list):
+            value = value[int(part)]
+        elif isinstance(value, dict) and part in value:
+            value = value[part]
+        else:
+            raise KeyError(f"{part!r} (of {pointer})")
+    return value
+
+
+def figure_mismatches(text: str, root: Path = ROOT) -> tuple[int, list[str]]:
+    """(markers checked, problems): each marked figure against the results file it cites."""
+    problems, checked, loaded = [], 0, {}
+    markers = list(_MARKER.finditer(text))
+    if len(markers) != len(_ANY_MARKER.findall(text)):
+        problems.append("a `<!-- result: ... -->` marker does not follow a figure or is malformed")
+    for marker in markers:
+        figure, file, pointer = marker["figure"], marker["file"], marker["pointer"]
+        where = f"{figure} <- {file}#{pointer}"
+        if not file.startswith(_RESULTS) or not file.endswith(".json"):
+            problems.append(f"{where}: figures must cite a JSON file under {_RESULTS}")
+            continue
+        if file not in loaded:
+            path = root / file
+            loaded[file] = json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+        if loaded[file] is None:
+            problems.append(f"{where}: no such results file")
+            continue
+        try:
+            value = _pointer(loaded[file], pointer)
+        except (KeyError, IndexError, ValueError) as error:
+            problems.append(f"{where}: not in the file: {error}")
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            problems.append(f"{where}: the cited value is not a number ({value!r})")
+            continue
+        shown = float(figure.replace(",", ""))
+        decimals = len(figure.split(".")[1]) if "." in figure else 0
+        stored = value * float(marker["scale"] or 1)
+        checked += 1
+        if not math.isclose(shown, stored, abs_tol=0.5 * 10**-decimals + 1e-9):
+            problems.append(f"{where}: the file holds {stored!r}, which reads {stored:.{decimals}f}")
+    return checked, problems
+
+
+def _documents() -> list[Path]:
+    return [README, *DOCS]
+
+
+def test_docs_exist():
+    names = {path.name for path in DOCS}
+    expected = {
+        "configuration.md",
+        "operations.md",
+        "losses-and-log-q.md",
+        "sampling.md",
+        "feature-towers.md",
+        "evaluation-protocol.md",
+    }
+    assert expected <= names, f"missing from docs/: {sorted(expected - names)}"
+
+
+@pytest.mark.parametrize("path", _documents(), ids=lambda p: p.name)
+def test_quoted_figures_equal_the_results_they_cite(path):
+    checked, problems = figure_mismatches(path.read_text(encoding="utf-8"))
+    assert not problems, f"{path.relative_to(ROOT)}: " + "; ".join(problems)
+
+
+def test_quoted_figures_are_checked_at_all():
+    counts = {p.name: figure_mismatches(p.read_text(encoding="utf-8"))[0] for p in _documents()}
+    assert counts["README.md"] >= 3 and sum(counts.values()) >= 40, counts
+
+
+def test_a_figure_that_differs_from_its_results_file_is_reported(tmp_path):
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "r.json").write_text(json.dumps({"runs": [{"recall@20": 0.4792, "seconds": 0.0023}], "a/b": 3}))
+    cite = "<!-- result: benchmarks/results/r.json#/runs/0/recall@20 -->"
+    assert figure_mismatches(f"recall 0.479 {cite}", tmp_path) == (1, [])
+    assert figure_mismatches(f"| 0.4792 {cite} |", tmp_path) == (1, [])
+    checked, problems = figure_mismatches(f"recall 0.483 {cite}", tmp_path)
+    assert checked == 1 and "reads 0.479" in problems[0]
+    assert figure_mismatches(f"recall 0.48 {cite}", tmp_path)[1] == []  # fewer decimals, same value
+    ms = "<!-- result: benchmarks/results/r.json#/runs/0/seconds * 1000 -->"
+    assert figure_mismatches(f"2.3 ms {ms}", tmp_path) == (1, [])
+    assert figure_mismatches(f"2.5 ms {ms}", tmp_path)[1]
+    assert figure_mismatches("3 <!-- result: benchmarks/results/r.json#/a~1b -->", tmp_path) == (1, [])
+    for bad, reason in [
+        ("0.4 <!-- result: benchmarks/results/r.json#/runs/0/ndcg -->", "not in the file"),
+        ("0.4 <!-- result: benchmarks/results/none.json#/x -->", "no such results file"),
+        ("0.4 <!-- result: README.json#/x -->", "under benchmarks/results/"),
+        ("no figure here <!-- result: benchmarks/results/r.json#/a~1b -->", "malformed"),
+    ]:
+        assert reason in " ".join(figure_mismatches(bad, tmp_path)[1]), bad
+
+
+def _prose(text: str) -> str:
+    """``text`` without fenced code blocks, code spans, the generated reference and result markers."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    text = re.sub(re.escape(config_reference.START) + ".*?" + re.escape(config_reference.END), "", text, flags=re.S)
+    text = _MARKER.sub("", text)
+    return re.sub(r"`[^`]*`", "", text)
+
+
+@pytest.mark.parametrize("path", _documents(), ids=lambda p: p.name)
+def test_every_three_decimal_figure_cites_its_results_file(path):
+    # Metrics are printed with three decimals (recall@20 0.479): one without a marker is a figure
+    # copied from somewhere no test can check.
+    loose = re.findall(r"(?<![\w.])\d+\.\d{3,}(?![\w.])", _prose(path.read_text(encoding="utf-8")))
+    assert not loose, f"{path.relative_to(ROOT)} quotes figures without a result marker: {loose}"
 
 
 # -- links --------------------------------------------------------------------------------
 
-_TOP_LEVEL = ("retrieval", "configs", "benchmarks", "tests", "notebooks", "pipelines", "tools")
+_TOP_LEVEL = ("retrieval", "configs", "benchmarks", "tests", "notebooks", "pipelines", "tools", "docs")
 
 
-def _referenced_paths(text: str) -> list[str]:
-    """Relative Markdown link targets and `code` spans naming a repository path."""
+def _links(text: str) -> list[str]:
+    """Relative Markdown link targets (resolved against the file's folder)."""
     targets = re.findall(r"\[[^\][]+\]\(([^)\s\"'=]+)\)", text)
-    links = [t for t in targets if not re.match(r"^(https?:|mailto:|#)", t)]
-    spans = [
+    return [t.split("#")[0] for t in targets if not re.match(r"^(https?:|mailto:|#)", t)]
+
+
+def _spans(text: str) -> list[str]:
+    """`code` spans naming a repository path (resolved against the repository root)."""
+    return [
         s
         for s in re.findall(r"`([^`\s]+)`", text)
         if s.split("/")[0] in _TOP_LEVEL and "/" in s and not re.search(r"[<>{}*]", s)
     ]
-    return [t.split("#")[0] for t in links] + spans
 
 
-def test_readme_names_no_missing_files():
-    paths = _referenced_paths(README.read_text(encoding="utf-8"))
-    assert "retrieval/config.py" in paths  # the check sees the README's paths at all
-    missing = sorted({p for p in paths if not (ROOT / p).exists()})
-    assert not missing, f"README.md refers to files that do not exist: {missing}"
+def _missing(path: Path) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    links = [target for target in _links(text) if not (path.parent / target).exists()]
+    spans = [span for span in _spans(text) if not (ROOT / span.rstrip(".,")).exists()]
+    return sorted(set(links + spans))
 
 
-def test_missing_file_references_are_found():
+def test_readme_and_docs_name_no_missing_files():
+    assert "retrieval/config.py" in _spans(README.read_text(encoding="utf-8"))  # the check sees paths at all
+    missing = {str(path.relative_to(ROOT)): _missing(path) for path in _documents()}
+    missing = {name: paths for name, paths in missing.items() if paths}
+    assert not missing, f"files referred to that do not exist: {missing}"
+
+
+def test_readme_links_every_doc():
+    readme = README.read_text(encoding="utf-8")
+    linked = {target.split("#")[0] for target in _links(readme)}
+    unlinked = [f"docs/{path.name}" for path in DOCS if f"docs/{path.name}" not in linked]
+    assert not unlinked, f"README.md does not link {unlinked}"
+
+
+def test_missing_file_references_are_found(tmp_path):
     text = "see [the config](retrieval/nothing.py) and `configs/absent.yaml`, not `artifacts/<run>/`"
-    assert _referenced_paths(text) == ["retrieval/nothing.py", "configs/absent.yaml"]
+    assert _links(text) == ["retrieval/nothing.py"] and _spans(text) == ["configs/absent.yaml"]
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("# top\n")
+    doc = tmp_path / "docs" / "x.md"
+    doc.write_text("[ok](../README.md), [bad](README.md), `retrieval/config.py`, `retrieval/nothing.py`")
+    assert _missing(doc) == ["README.md", "retrieval/nothing.py"]

@@ -6,7 +6,7 @@ from pathlib import Path
 # Stage order (config and arrays are shared foundations).
 STAGES = [
     "config",
-    "config_reference",  # the README's config reference, generated from config only
+    "config_reference",  # docs/configuration.md, generated from config only
     "arrays",
     "data",
     "features",
