@@ -255,10 +255,17 @@ def test_every_three_decimal_figure_cites_its_results_file(path):
 _TOP_LEVEL = ("retrieval", "configs", "benchmarks", "tests", "notebooks", "pipelines", "tools", "docs")
 
 
-def _links(text: str) -> list[str]:
-    """Relative Markdown link targets (resolved against the file's folder)."""
+def _links(text: str, anchors: bool = False) -> list[str]:
+    """Relative Markdown link targets (resolved against the file's folder), with their #anchor if asked."""
     targets = re.findall(r"\[[^\][]+\]\(([^)\s\"'=]+)\)", text)
-    return [t.split("#")[0] for t in targets if not re.match(r"^(https?:|mailto:|#)", t)]
+    links = [t for t in targets if not re.match(r"^(https?:|mailto:|#)", t)]
+    return links if anchors else [t.split("#")[0] for t in links]
+
+
+def _slugs(markdown: str) -> set[str]:
+    """The anchors a code host gives the headings: lower case, punctuation dropped, spaces -> '-'."""
+    headings = re.findall(r"^#{1,6} (.+)$", re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
 
 
 def _spans(text: str) -> list[str]:
@@ -273,6 +280,11 @@ def _spans(text: str) -> list[str]:
 def _missing(path: Path) -> list[str]:
     text = path.read_text(encoding="utf-8")
     links = [target for target in _links(text) if not (path.parent / target).exists()]
+    for target in _links(text, anchors=True):
+        file, _, anchor = target.partition("#")
+        linked = path.parent / file
+        if anchor and linked.suffix == ".md" and linked.exists() and anchor not in _slugs(linked.read_text()):
+            links.append(target)
     spans = [span for span in _spans(text) if not (ROOT / span.rstrip(".,")).exists()]
     return sorted(set(links + spans))
 
@@ -297,5 +309,9 @@ def test_missing_file_references_are_found(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "README.md").write_text("# top\n")
     doc = tmp_path / "docs" / "x.md"
-    doc.write_text("[ok](../README.md), [bad](README.md), `retrieval/config.py`, `retrieval/nothing.py`")
-    assert _missing(doc) == ["README.md", "retrieval/nothing.py"]
+    (tmp_path / "README.md").write_text("# top\n\n## Out of core: big logs\n\n```\n# not a heading\n```\n")
+    doc.write_text(
+        "[ok](../README.md), [bad](README.md), `retrieval/config.py`, `retrieval/nothing.py`, "
+        "[ok](../README.md#out-of-core-big-logs), [bad](../README.md#limits), [bad](../README.md#not-a-heading)"
+    )
+    assert _missing(doc) == ["../README.md#limits", "../README.md#not-a-heading", "README.md", "retrieval/nothing.py"]
