@@ -20,6 +20,7 @@ import tensorflow as tf
 from retrieval.arrays import seeded_subset
 from retrieval.config import Config, IndexConfig, apply_overrides, save_config
 from retrieval.data import ITEM, USER, load_dataset
+from retrieval.data.fingerprint import FileFingerprint, changed_inputs, fingerprint_inputs
 
 # The out-of-core path (data.out_of_core):
 from retrieval.data.streaming import (
@@ -192,13 +193,16 @@ def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path 
 
     ``<train.checkpoint_dir or run.output_dir>/.<name>.checkpoints``. It is
     locked (``flock``) while this process runs, checked against the config
-    an earlier, killed attempt saved there (a resume must train the same
-    thing) and, through ``cleanup``, deleted when the job succeeds.
+    and the input files (``retrieval.data.fingerprint``: size, mtime and
+    content hash of each file or shard) an earlier, killed attempt saved there
+    (a resume must train the same thing on the same data) and, through
+    ``cleanup``, deleted when the job succeeds. Hashing reads every input
+    once more (about a second per 0.3-1 GB).
 
     Raises:
       UnfinishedRunError: the checkpoints there were written for another
-        config (set ``train.resume=false`` to start over), or another live
-        process is training this run.
+        config or other input files (set ``train.resume=false`` to start
+        over), or another live process is training this run.
     """
     train = config.train
     if not train.checkpoint_every_steps:
@@ -217,6 +221,7 @@ def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path 
             from None
     current = _resume_view(config.to_dict())
     saved = directory / "config.json"
+    inputs, saved_inputs = fingerprint_inputs(config.data), directory / "inputs.json"
     if (directory / "checkpoint").exists():  # tf.train.CheckpointManager's index: a checkpoint was written
         if not train.resume:
             log.info("train.resume=false: deleting the checkpoints of an unfinished run in %s", directory)
@@ -234,14 +239,41 @@ def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path 
                     f"(differs at {', '.join(changed[:5])}); rerun with that config to resume it, or set "
                     "train.resume=false to start over, or choose another run.name"
                 )
+            _check_resumed_inputs(directory, name, saved_inputs, inputs)
             log.info("found checkpoints of an unfinished run %r in %s: resuming it", name, directory)
-    saved.write_text(json.dumps(current, sort_keys=True))
+    _write_json(saved, current)
+    _write_json(saved_inputs, inputs)
     log.info(
         "checkpoints every %d steps in %s (a killed run resumes when started again with run.name=%s)",
         train.checkpoint_every_steps, directory, name,
     )
     cleanup.push(lambda failed, *_: _after_training_job(directory, failed is not None))
     return directory
+
+
+def _check_resumed_inputs(
+    directory: Path, name: str, saved: Path, inputs: dict[str, FileFingerprint | None]
+) -> None:
+    """Raise ``UnfinishedRunError`` naming each input file that differs from the one the checkpoints saw."""
+    if not saved.exists():  # written before inputs were recorded: refuse rather than guess
+        changes = [f"{saved.name} is missing: the inputs of the unfinished run are unknown"]
+    else:
+        changes = changed_inputs(json.loads(saved.read_text()), inputs)
+    if changes:
+        listed = "".join(f"\n  {change}" for change in changes[:10])
+        more = f"\n  ... and {len(changes) - 10} more" if len(changes) > 10 else ""
+        raise UnfinishedRunError(
+            f"{directory} holds checkpoints of an unfinished run {name!r} trained on other input files:"
+            f"{listed}{more}\nrestore the file(s) to resume it, or set train.resume=false to start over, "
+            "or choose another run.name"
+        )
+
+
+def _write_json(path: Path, value: Any) -> None:
+    """``path`` holds ``value`` as JSON, written whole or not at all (a kill mid-write leaves the old file)."""
+    partial = path.with_name(f".{path.name}.tmp")
+    partial.write_text(json.dumps(value, sort_keys=True))
+    partial.replace(path)
 
 
 def _after_training_job(checkpoint_dir: Path, failed: bool) -> None:
