@@ -275,7 +275,10 @@ def fit(
                 "the towers use dropout, whose random masks are not checkpointed (TF stateful random ops): "
                 "the resumed run is statistically, not bit for bit, the uninterrupted one"
             )
-        if log_dir is not None:
+        # Killed in the first epoch, nothing was logged yet: the callbacks write the logs from the
+        # start. (A header-only train_log.csv written here would keep the CSVLogger, appending, from
+        # writing its own: the file then had an "epoch" header over full rows.)
+        if log_dir is not None and checkpoint.history:
             _write_csv_log(Path(log_dir) / "train_log.csv", checkpoint.history)
             _write_epoch_summaries(Path(log_dir) / "tensorboard" / "train", checkpoint.history)
     else:
@@ -326,6 +329,8 @@ def _write_csv_log(path: Path, history: dict[str, list[float]]) -> None:
     """``history``'s epochs as ``tf.keras.callbacks.CSVLogger`` writes them (header, one row per epoch)."""
     keys = sorted(history)
     epochs = len(history[keys[0]]) if keys else 0
+    if not epochs:  # the header alone would be "epoch": a CSVLogger appending to it writes none of its own
+        raise ValueError(f"history holds no epoch to log, got {history!r}")
     if not any(key.startswith("val_") for key in keys):
         keys += [f"val_{key}" for key in keys]  # CSVLogger's columns for validation logs, "NA" without
     with open(path, "w", newline="") as file:

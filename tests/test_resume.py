@@ -4,6 +4,8 @@ same command, resumes from its last checkpoint and ends exactly where an uninter
 The model has every kind of training state a resume must carry: Adam slots, a streaming log-Q
 estimator (tf.Variables), a unigram corpus sampler (a tf.random.Generator), the data position,
 and the early-stopping selection (done before the kill, so the resume must not repeat it).
+The killed run is tried at every ``train.verbose``, killed in the first epoch and in a later one;
+its outputs, ``train_log.csv`` byte for byte, must equal an uninterrupted run's.
 """
 
 import json
@@ -94,19 +96,34 @@ def _doc_embeddings(run: Path) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """An uninterrupted in-process run (no checkpoints) and a subprocess run killed, then resumed."""
-    tmp = tmp_path_factory.mktemp("resume")
-    config_file = tmp / "tiny.yaml"
-    config_file.write_text(CONFIG)
-    reference = train_evaluate_export(
-        load_config(config_file, [f"run.output_dir={tmp / 'reference'}", f"run.name={NAME}",
-                                  "train.checkpoint_every_steps=0"])
+def config_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("config") / "tiny.yaml"
+    path.write_text(CONFIG)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(config_file, tmp_path_factory) -> Path:
+    """An uninterrupted in-process run (no checkpoints, train.verbose=0): what every resumed run must equal."""
+    out = tmp_path_factory.mktemp("reference")
+    return train_evaluate_export(
+        load_config(config_file, [f"run.output_dir={out}", f"run.name={NAME}", "train.checkpoint_every_steps=0"])
     ).directory
 
+
+# Every train.verbose, since the logs must not depend on it, and kills in the first epoch of the final
+# run (nothing logged yet: the resumed run starts train_log.csv afresh) and in a later one.
+KILLS = [(0, "later epoch"), (1, "first epoch"), (2, "first epoch")]
+
+
+@pytest.fixture(scope="module", params=KILLS, ids=[f"verbose{v}-{where.split()[0]}" for v, where in KILLS])
+def runs(request, config_file, reference, tmp_path_factory):
+    """A subprocess run with ``train.verbose`` killed by SIGKILL where ``KILLS`` says, then resumed."""
+    verbose, where = request.param
+    tmp = tmp_path_factory.mktemp(f"resume-verbose{verbose}")
     out = tmp / "killed"
     command = [sys.executable, "-m", "pipelines.train", "--config", str(config_file),
-               "--set", f"run.output_dir={out}", "--set", f"run.name={NAME}"]
+               "--set", f"run.output_dir={out}", "--set", f"run.name={NAME}", "--set", f"train.verbose={verbose}"]
     checkpoints = out / f".{NAME}.checkpoints"
     # Steps per epoch of the final (refit) run: every training click, batches of 32.
     config = load_config(config_file)
@@ -118,10 +135,12 @@ def runs(tmp_path_factory):
     try:
         while process.poll() is None and time.monotonic() < deadline:
             step = _latest_step(checkpoints)
-            # Mid-epoch, and past the first epoch if early stopping chose more than one (each
-            # checkpoint's state file holds the selection): the resume has to skip into a
-            # reshuffled epoch.
-            if step and step % steps and (step > steps or _best_epoch(checkpoints, step) == 1):
+            # Mid-epoch (the resume has to skip into a reshuffled epoch) and, for a later epoch, past
+            # the first if early stopping chose more than one (each checkpoint's state file holds
+            # the selection).
+            if step and step % steps and (
+                step < steps if where == "first epoch" else step > steps or _best_epoch(checkpoints, step) == 1
+            ):
                 os.kill(process.pid, signal.SIGKILL)
                 killed_at = step
                 break
@@ -142,10 +161,10 @@ def runs(tmp_path_factory):
         "reference": reference,
         "out": out,
         "steps": steps,
+        "where": where,
         "killed_at": killed_at,
         "left_behind": left_behind,
         "log": resumed.stderr,
-        "config_file": config_file,
     }
 
 
@@ -158,6 +177,7 @@ def test_kill_leaves_no_run_directory_and_the_rerun_resumes_mid_epoch(runs):
     # The newest checkpoint at the kill (a later one may have been written before the signal landed).
     assert step >= runs["killed_at"] and step % runs["steps"]
     assert (epoch - 1, batch, steps) == (step // runs["steps"], step % runs["steps"], runs["steps"])
+    assert (epoch == 1) == (runs["where"] == "first epoch")  # the kill landed where the case says
     assert "early-stopping selection was done before the checkpoint" in runs["log"]
     # Complete, and nothing hidden left: checkpoints deleted, the killed run's scratch directory too.
     assert sorted(p.name for p in runs["out"].iterdir()) == [NAME]
@@ -178,12 +198,12 @@ def test_resumed_run_equals_uninterrupted_run_exactly(runs):
     assert len(losses) >= 2 and _epoch_losses(resumed) == losses
 
 
-def test_resume_refuses_a_changed_config_or_a_second_process(runs, tmp_path):
+def test_resume_refuses_a_changed_config_or_a_second_process(config_file, tmp_path):
     """Checkpoints of an unfinished run written under one config are not resumed under another."""
 
     def config(*overrides):
         base = [f"run.output_dir={tmp_path}", f"run.name={NAME}"]
-        return load_config(runs["config_file"], [*base, *overrides])
+        return load_config(config_file, [*base, *overrides])
 
     def killed(cleanup):  # what a killed job leaves: lock released, checkpoints kept
         cleanup.__exit__(RuntimeError, RuntimeError("killed"), None)
