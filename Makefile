@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 SET    ?=
 
-.PHONY: install test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-losses bench-kernel bench-scale
+.PHONY: install test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-losses bench-kernel bench-scale bench-synthetic notebooks
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -35,10 +35,14 @@ train:
 	$(BIN)/python -m pipelines.train --config $(CONFIG) $(foreach kv,$(SET),--set $(kv))
 
 # Benchmarks write JSON + Markdown to benchmarks/results/ (a few minutes on 2 cores).
-bench: bench-eval
+bench: bench-eval bench-synthetic
 
 bench-eval:
 	$(BIN)/python benchmarks/bench_eval.py
+
+# Seconds to generate synthetic click logs of 100k and 1M clicks (the timing the unit tests do not assert).
+bench-synthetic:
+	$(BIN)/python benchmarks/bench_synthetic.py
 
 # ID-only vs feature towers vs + history on MovieLens 100K, with cold-start users and items (~40 min on 2 cores).
 bench-features:
@@ -63,6 +67,11 @@ bench-kernel:
 # ARGS="--clicks 1000000 --items 100000" for a small run; ARGS="--set data.stream.max_train_batches=1500" caps training.
 bench-scale:
 	nice -n 10 $(BIN)/python benchmarks/bench_scale.py $(ARGS)
+
+# Execute notebooks/*.ipynb at full settings and save their outputs (tables, PNG plots) into the
+# committed files, volatile metadata stripped (~9 min on 2 busy cores). The tests run them small.
+notebooks:
+	nice -n 10 $(BIN)/python notebooks/run_notebooks.py
 
 clean:
 	rm -rf artifacts .pytest_cache
