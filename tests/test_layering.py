@@ -21,6 +21,7 @@ STAGES = [
     "serving",
     "service",
     "jobs",
+    "tuning",  # hyper-parameter search: runs the job per trial
     "cli",
 ]
 PACKAGE = Path(__file__).resolve().parents[1] / "retrieval"

@@ -1,0 +1,431 @@
+"""Public benchmark splits: the default config and its variants vs popularity, tuned ALS and TFRS.
+
+    python benchmarks/bench_public.py                       # or: make bench-public
+    python benchmarks/bench_public.py --datasets ml-1m --variants default,popularity,als
+    python benchmarks/bench_public.py --datasets ml-1m --variants default --max-epochs 1    # quick
+    python benchmarks/bench_public.py --report              # rewrite md/png from the JSON
+
+Every dataset folder under ``--data-dir`` (``$RETRIEVAL_DATA_DIR`` or ``../shared/datasets``)
+that holds ``train.txt`` and ``valid.txt`` (the LightGCN format: ``uid iid iid ...``) is trained on
+``train.txt`` and scored on ``valid.txt``, as the README's ``user-items`` command line does
+(``split.kind: none``): full ranking over the catalogue, each user's training items masked,
+recall@20 (over |relevant|) and NDCG@20. The held-back test part is never used.
+
+Rows:
+
+- ``popularity``; ``als``: implicit ALS (``retrieval/evaluation/baselines.py``) at every point of
+  a small grid (factors x regularization x iterations), the table showing the best point on
+  valid (chosen on the data it is scored on: an optimistic baseline);
+- model rows, each a list of ``--set`` overrides on configs/default.yaml (``VARIANTS``): the
+  default itself, the TFRS tutorial recipe (``bench_losses.py``) with and without log-Q, and the
+  default with one major option switched. A model row is the whole ``make train`` job (data,
+  early stopping, training, index, evaluation, export); its seconds are the job's wall time.
+
+Each finished row is appended to ``bench_public.json`` at once (a killed run keeps what
+finished) and the Markdown and PNG are rewritten; a row already there for the same (dataset, row,
+seed, overrides) is skipped unless ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import itertools
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from bench_losses import VARIANTS as LOSS_VARIANTS  # benchmarks/ is on sys.path; it imports retrieval first
+
+import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from retrieval.config import ALSConfig, BaselinesConfig, Config, ConfigError, load_config
+from retrieval.data import ITEM, USER, load_dataset
+from retrieval.evaluation import EvalSet, build_eval_set, compare_rankers, item_click_counts
+from retrieval.evaluation.baselines import als_ranking, popularity_ranking
+from retrieval.jobs import train_evaluate_export
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs/default.yaml"
+K = 20
+RECALL, NDCG = f"recall@{K}", f"ndcg@{K}"
+
+# https://www.tensorflow.org/recommenders/examples/basic_retrieval, as bench_losses.py defines it.
+TFRS = LOSS_VARIANTS["TFRS tutorial recipe"]
+
+# Model rows: name -> overrides on configs/default.yaml. One line adds a row.
+VARIANTS: dict[str, list[str]] = {
+    "default": [],
+    "tfrs": TFRS,
+    "tfrs+logq": [*TFRS, "model.log_q_correction=true"],  # log-Q as the default estimates it (streaming)
+    "mixed": ["model.loss.negatives=mixed"],  # in-batch + 1024 uniform draws (Yang et al. 2020)
+    "mixed-dim128": ["model.loss.negatives=mixed", "model.embedding_dim=128"],
+    "hard": ["model.loss.hard_negatives=in_batch_top_k", "model.loss.num_hard_negatives=100"],
+    "kernel": ["model.loss.negatives=kernel", "model.loss.num_negatives=32"],  # Blanc & Rendle 2018, 32/query
+    "dim32": ["model.embedding_dim=32"],
+    "dim128": ["model.embedding_dim=128"],
+    "batch256": ["train.batch_size=256"],
+    "batch4096": ["train.batch_size=4096"],
+    "temp0.07": ["model.temperature=0.07"],
+    "temp0.1": ["model.temperature=0.1"],
+    "temp0.5": ["model.temperature=0.5"],
+}
+BASELINES = ["popularity", "als"]
+ROWS = [*BASELINES, *VARIANTS]
+
+# The ALS grid (every combination); alpha stays at the project's default.
+ALS_FACTORS = [64, 128, 256]
+ALS_REGULARIZATION = [0.01, 1.0]
+ALS_ITERATIONS = [15, 30]
+
+# Set on every model row: the baselines are rows of their own, and no plots are needed.
+BENCH_SETTINGS = ["evaluation.baselines.rankers=[]", "evaluation.plots=false"]
+
+
+def find_datasets(data_dir: Path) -> dict[str, Path]:
+    """Folders of ``data_dir`` holding both ``train.txt`` and ``valid.txt``, by name."""
+    if not data_dir.is_dir():
+        return {}
+    return {
+        folder.name: folder
+        for folder in sorted(data_dir.iterdir())
+        if (folder / "train.txt").is_file() and (folder / "valid.txt").is_file()
+    }
+
+
+def data_overrides(folder: Path) -> list[str]:
+    """The README's ``user-items`` command line: train on train.txt, evaluate on valid.txt."""
+    train, valid = json.dumps(str(folder / "train.txt")), json.dumps(str(folder / "valid.txt"))
+    return [
+        "data.source=files",
+        f"data.clicks={{path: {train}, format: user-items}}",
+        f"data.test_clicks={{path: {valid}, format: user-items}}",
+        "split.kind=none",
+    ]
+
+
+def model_overrides(row: str, seed: int, extra: list[str], max_epochs: int | None, folder: Path) -> list[str]:
+    """Everything a model row sets on configs/default.yaml: data, variant, seed, --set, epoch cap."""
+    overrides = [*data_overrides(folder), *VARIANTS[row], *extra]
+    if seed:  # seed 0 is the config's own seeds: the default row is exactly `make train`
+        base = load_config(CONFIG, overrides)
+        overrides += [f"train.seed={base.train.seed + seed}", f"model.loss.seed={base.model.loss.seed + seed}"]
+    if max_epochs is not None and load_config(CONFIG, overrides).train.epochs > max_epochs:
+        overrides.append(f"train.epochs={max_epochs}")
+    return overrides
+
+
+def train_row(row: str, seed: int, extra: list[str], max_epochs: int | None, folder: Path, work: Path) -> dict:
+    """Run the job for one model row; its recall/NDCG on valid, wall seconds and epochs trained."""
+    name = f"{folder.name}-{row}-{seed}".replace("+", "-")
+    overrides = model_overrides(row, seed, extra, max_epochs, folder)
+    config = load_config(CONFIG, [*overrides, *BENCH_SETTINGS, f"run.output_dir={work}", f"run.name={name}"])
+    result = train_evaluate_export(config, config_name=name)
+    log_file = result.directory / "train_log.csv"
+    epochs = max(len(log_file.read_text().splitlines()) - 1, 0) if log_file.exists() else None
+    shutil.rmtree(result.directory, ignore_errors=True)
+    model = result.metrics["model"]
+    return {
+        RECALL: model[RECALL],
+        NDCG: model[NDCG],
+        "seconds": round(result.seconds, 1),
+        "epochs": epochs,
+        "users": model["users"],
+        "train_clicks": result.metrics["data"].get("train_clicks"),
+    }
+
+
+class Baselines:
+    """One dataset's evaluation set, built once, and its baseline rankers scored as the job scores them."""
+
+    def __init__(self, folder: Path):
+        self.config: Config = load_config(CONFIG, data_overrides(folder))
+        dataset = load_dataset(self.config.data, self.config.split)
+        self.train = dataset.train
+        self.catalogue_ids = dataset.items[ITEM].astype(str).tolist()
+        self.eval_set: EvalSet = build_eval_set(dataset.train, dataset.test, self.catalogue_ids, self.config.evaluation)
+
+    def score(self, name: str, rank: Callable) -> dict:
+        activity = self.train[USER].value_counts().reindex(self.eval_set.user_ids, fill_value=0).to_numpy()
+        depth = max(self.config.evaluation.ks)
+        ranker = partial(rank, self.train, self.catalogue_ids, self.eval_set, depth)
+        counts = item_click_counts(self.train, self.catalogue_ids)
+        results = compare_rankers({name: ranker}, self.eval_set, counts, activity, self.config.evaluation)
+        return {
+            RECALL: results[name][RECALL],
+            NDCG: results[name][NDCG],
+            "seconds": results["seconds"][name],
+            "users": results[name]["users"],
+        }
+
+    def popularity(self) -> dict:
+        return self.score("popularity", popularity_ranking)
+
+    def als(self, factors: int, regularization: float, iterations: int, seed: int) -> dict:
+        als = ALSConfig(factors=factors, regularization=regularization, iterations=iterations, seed=seed)
+        return self.score("als", partial(als_ranking, config=BaselinesConfig(rankers=("als",), als=als)))
+
+
+@functools.lru_cache(maxsize=1)  # the rows of one dataset share it; the next dataset replaces it
+def baselines_of(folder: Path) -> Baselines:
+    return Baselines(folder)
+
+
+def popularity_row(folder: Path) -> dict:
+    return baselines_of(folder).popularity()
+
+
+def als_row(folder: Path, factors: int, regularization: float, iterations: int, seed: int) -> dict:
+    return baselines_of(folder).als(factors, regularization, iterations, seed)
+
+
+def als_grid() -> list[tuple[int, float, int]]:
+    return list(itertools.product(ALS_FACTORS, ALS_REGULARIZATION, ALS_ITERATIONS))
+
+
+# -- results file ----------------------------------------------------------------------------
+
+
+def row_key(entry: dict) -> tuple:
+    return entry["dataset"], entry["row"], entry["seed"], tuple(entry["overrides"]), tuple(entry["extra"])
+
+
+def read_report(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {"rows": []}
+
+
+def append_row(path: Path, entry: dict) -> dict:
+    """Add ``entry`` to the JSON file (replacing one with the same key), written whole or not at all."""
+    report = read_report(path)
+    report["rows"] = [r for r in report["rows"] if row_key(r) != row_key(entry)] + [entry]
+    report["machine"] = {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()}
+    partial_file = path.with_name(f".{path.name}.tmp")
+    partial_file.write_text(json.dumps(report, indent=2))
+    partial_file.replace(path)
+    return report
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Rows grouped by (dataset, row, overrides, extra): mean and std over seeds."""
+    groups: dict[tuple, list[dict]] = {}
+    for entry in rows:
+        groups.setdefault(row_key(entry)[:2] + row_key(entry)[3:], []).append(entry)
+    summary = []
+    for (dataset, row, overrides, extra), runs in groups.items():
+        item: dict[str, Any] = {"dataset": dataset, "row": row, "overrides": list(overrides), "extra": list(extra),
+                                "seeds": len(runs), "users": runs[0].get("users")}
+        for key in (RECALL, NDCG, "seconds", "epochs"):
+            values = [r[key] for r in runs if r.get(key) is not None]
+            if values:
+                item[key] = statistics.fmean(values)
+                item[f"{key}_std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
+        summary.append(item)
+    return summary
+
+
+def table_rows(summary: list[dict], dataset: str) -> list[dict]:
+    """One dataset's rows in ROWS order; the ALS grid collapses to its best point (labelled)."""
+    mine = [s for s in summary if s["dataset"] == dataset]
+    grid = [s for s in mine if s["row"] == "als"]
+    shown = [s for s in mine if s["row"] != "als"]
+    if grid:
+        best = max(grid, key=lambda s: s[RECALL])
+        shown.append({**best, "short": "als (tuned on valid)",
+                      "label": f"als, tuned on valid ({', '.join(best['overrides'])}; best of {len(grid)})"})
+    order = {name: i for i, name in enumerate(ROWS)}
+    shown.sort(key=lambda s: (order.get(s["row"], len(order)), s["extra"]))
+    for s in shown:
+        s.setdefault("short", s["row"] + (f" [{' '.join(s['extra'])}]" if s["extra"] else ""))
+        s.setdefault("label", s["short"])
+    return shown
+
+
+def _cell(s: dict | None, key: str) -> str:
+    if s is None or key not in s:
+        return ""
+    return f"{s[key]:.4f}" + (f" ± {s[f'{key}_std']:.4f}" if s["seeds"] > 1 else "")
+
+
+def markdown(report: dict) -> str:
+    summary = summarise(report["rows"])
+    datasets = sorted({s["dataset"] for s in summary})
+    lines = [
+        "# Public benchmark splits: trained on train.txt, scored on valid.txt\n",
+        f"Full ranking over each catalogue, the user's training items masked; recall@{K} over |relevant| and "
+        f"NDCG@{K} on `valid.txt` (the held-back test part is never used, so these are not test figures). Model "
+        "rows are `make train` with configs/default.yaml plus the row's overrides (`VARIANTS` in "
+        "benchmarks/bench_public.py); their seconds are the whole job's wall time (load, early stopping, "
+        "training, index, evaluation, export) on the machine below. ALS is the best point of a grid "
+        "(factors x regularization x iterations) chosen on valid itself, an optimistic baseline. "
+        "Mean ± std over seeds where a row has several.\n",
+        f"## recall@{K} (rows x datasets)\n",
+        "| row | " + " | ".join(datasets) + " |",
+        "|---" * (len(datasets) + 1) + "|",
+    ]
+    by_dataset = {d: {s["short"]: s for s in table_rows(summary, d)} for d in datasets}
+    for short in dict.fromkeys(name for rows in by_dataset.values() for name in rows):
+        lines.append(f"| {short} | " + " | ".join(_cell(by_dataset[d].get(short), RECALL) for d in datasets) + " |")
+    lines.append("")
+    for d in datasets:
+        rows = list(by_dataset[d].values())
+        als = next((s for s in rows if s["row"] == "als"), None)
+        tfrs = next((s for s in rows if s["row"] == "tfrs+logq" and not s["extra"]), None)
+        users = rows[0].get("users") if rows else None
+        lines += [
+            f"## {d}: {users} users evaluated\n",
+            f"| row | recall@{K} | NDCG@{K} | × tuned ALS | × TFRS + log-Q | epochs | seconds | seeds | overrides |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for s in rows:
+            ratio_als = f"{s[RECALL] / als[RECALL]:.2f}" if als and als[RECALL] else ""
+            ratio_tfrs = f"{s[RECALL] / tfrs[RECALL]:.2f}" if tfrs and tfrs[RECALL] else ""
+            epochs = f"{s['epochs']:.1f}" if "epochs" in s else ""
+            overrides = " ".join(s["extra"] if s["row"] == "als" else [*s["overrides"], *s["extra"]])
+            lines.append(
+                f"| {s['label']} | {_cell(s, RECALL)} | {_cell(s, NDCG)} | {ratio_als} | {ratio_tfrs} | {epochs} | "
+                f"{s.get('seconds', 0):.0f} | {s['seeds']} | {'`' + overrides + '`' if overrides else ''} |"
+            )
+        grid = sorted((s for s in summarise(report["rows"]) if s["dataset"] == d and s["row"] == "als"),
+                      key=lambda s: -s[RECALL])
+        if grid:
+            lines += ["", f"ALS grid on {d} (best first):\n", f"| point | recall@{K} | NDCG@{K} | seconds |",
+                      "|---|---|---|---|"]
+            lines += [f"| {' '.join(s['overrides'])} | {_cell(s, RECALL)} | {_cell(s, NDCG)} | {s['seconds']:.0f} |"
+                      for s in grid]
+        lines.append("")
+    commands = list(dict.fromkeys(r["command"] for r in report["rows"] if "command" in r))
+    machine = report.get("machine", {})
+    lines += ["## Commands\n", *(f"- `{c}`" for c in commands), "",
+              f"Machine: {machine.get('platform', '?')}, {machine.get('cpus', '?')} CPUs (shared with other jobs).", ""]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    summary = summarise(report["rows"])
+    datasets = sorted({s["dataset"] for s in summary})
+    by_dataset = {d: {s["short"]: s for s in table_rows(summary, d)} for d in datasets}
+    labels = list(dict.fromkeys(name for rows in by_dataset.values() for name in rows))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(labels) * max(len(datasets), 1)), 4.5))
+    width = 0.8 / max(len(datasets), 1)
+    for i, d in enumerate(datasets):
+        lookup = by_dataset[d]
+        values = [lookup[label][RECALL] if label in lookup else np.nan for label in labels]
+        errors = [lookup[label].get(f"{RECALL}_std", 0.0) if label in lookup else 0.0 for label in labels]
+        ax.bar(np.arange(len(labels)) + i * width, values, width, yerr=errors, label=d)
+    ax.set_xticks(np.arange(len(labels)) + width * (len(datasets) - 1) / 2)
+    ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel(f"recall@{K} on valid.txt")
+    ax.set_title("Public benchmark splits (train.txt -> valid.txt)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(report: dict, out: Path) -> None:
+    (out / "bench_public.md").write_text(markdown(report))
+    if report["rows"]:
+        plot(report, out / "bench_public.png")
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def _names(values: list[str], valid: list[str], what: str) -> list[str]:
+    names = [name for value in values for name in value.split(",") if name]
+    unknown = [name for name in names if name not in valid]
+    if unknown:
+        raise SystemExit(f"error: unknown {what} {', '.join(unknown)}; valid: {', '.join(valid)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default_dir = os.environ.get("RETRIEVAL_DATA_DIR") or str(ROOT.parent / "shared/datasets")
+    parser.add_argument("--data-dir", type=Path, default=Path(default_dir),
+                        help="folder of dataset folders (default: $RETRIEVAL_DATA_DIR or ../shared/datasets)")
+    parser.add_argument("--datasets", nargs="+", default=[], help="dataset folder names (default: every one found)")
+    parser.add_argument("--variants", nargs="+", default=[],
+                        help=f"rows, comma- or space-separated (default: all): {', '.join(ROWS)}")
+    parser.add_argument("--seeds", type=int, default=1, help="training seeds of each model and ALS row")
+    parser.add_argument("--max-epochs", type=int, help="cap train.epochs of every model row (quick runs)")
+    parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                        help="override applied to every model row (repeatable)")
+    parser.add_argument("--force", action="store_true", help="rerun rows already in the JSON")
+    parser.add_argument("--report", action="store_true", help="only rewrite md/png from the JSON")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "bench_public.json"
+    if args.report:
+        write_report(read_report(path), args.out)
+        return 0
+
+    found = find_datasets(args.data_dir)
+    if not found:
+        print(f"no dataset folder with train.txt and valid.txt under {args.data_dir} "
+              "(set --data-dir or $RETRIEVAL_DATA_DIR)", file=sys.stderr)
+        return 2
+    datasets = _names(args.datasets, list(found), "dataset") or list(found)
+    rows = _names(args.variants, ROWS, "row") or ROWS
+    if args.max_epochs is not None and args.max_epochs < 1:
+        raise SystemExit(f"error: --max-epochs must be at least 1, got {args.max_epochs}")
+    for row in rows:  # a bad --set fails here, before hours of training
+        if row in VARIANTS:
+            try:
+                load_config(CONFIG, model_overrides(row, 0, args.extra, args.max_epochs, found[datasets[0]]))
+            except ConfigError as error:
+                raise SystemExit(f"error: row {row}: {error}") from None
+    command = "python benchmarks/bench_public.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    done = {row_key(r) for r in read_report(path)["rows"]}
+
+    def record(dataset: str, row: str, seed: int, overrides: list[str], extra: list[str], run: Callable[[], dict]):
+        entry = {"dataset": dataset, "row": row, "seed": seed, "overrides": overrides, "extra": extra}
+        if row_key(entry) in done and not args.force:
+            print(f"{dataset} | {row} {' '.join(overrides)} | seed {seed}: already in {path.name}, skipped")
+            return
+        entry.update(run())
+        finished = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        entry.update(command=command, finished=finished)
+        write_report(append_row(path, entry), args.out)
+        print(f"{dataset} | {row} {' '.join(overrides)} | seed {seed}: {RECALL} {entry[RECALL]:.4f}, "
+              f"{NDCG} {entry[NDCG]:.4f}, {entry['seconds']:.0f} s", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="bench-public-") as work:
+        for dataset in datasets:
+            folder = found[dataset]
+            for row in rows:
+                if row == "popularity":
+                    record(dataset, row, 0, [], [], partial(popularity_row, folder))
+                elif row == "als":
+                    for (factors, reg, iterations), seed in itertools.product(als_grid(), range(args.seeds)):
+                        point = [f"factors={factors}", f"regularization={reg}", f"iterations={iterations}"]
+                        record(dataset, row, seed, point, [], partial(als_row, folder, factors, reg, iterations, seed))
+                else:
+                    extra = [*args.extra, *([f"train.epochs<={args.max_epochs}"] if args.max_epochs else [])]
+                    for seed in range(args.seeds):
+                        record(dataset, row, seed, VARIANTS[row], extra,
+                               partial(train_row, row, seed, args.extra, args.max_epochs, folder, Path(work)))
+    write_report(read_report(path), args.out)
+    print(markdown(read_report(path)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Tuning (retrieval/tuning.py, pipelines/tune.py): a checked search space, a study that resumes
+without redoing trials, pruning on the per-epoch validation recall, and a best config that loads."""
+
+import csv
+import json
+from pathlib import Path
+
+import optuna
+import pytest
+
+import retrieval  # noqa: F401
+from pipelines import tune as tune_cli
+from retrieval.config import load_config
+from retrieval.tuning import (
+    STUDY_NAME,
+    Param,
+    SearchSpaceError,
+    TuneError,
+    TuneSettings,
+    _open_study,
+    load_space,
+    run_study,
+    storage_url,
+    value_at,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+# A tiny synthetic log: a trial (early stopping over 2 epochs, refit, index, evaluation, export)
+# takes ~10 s on a busy 2-core machine.
+TINY = [
+    "data.synthetic.n_users=200",
+    "data.synthetic.n_items=150",
+    "data.synthetic.mean_clicks_per_user=20",
+    "train.epochs=2",
+    "train.batch_size=256",
+    "train.verbose=0",
+    "index.tune_queries=50",
+]
+SPACE = "model.temperature: {type: float, low: 0.05, high: 0.5, log: true}\n" \
+        "train.learning_rate: {type: float, low: 0.002, high: 0.05, log: true}\n"
+
+
+def _base(*extra):
+    return load_config(ROOT / "configs/default.yaml", [*TINY, *extra])
+
+
+def _space_file(tmp_path, text=SPACE):
+    path = tmp_path / "space.yaml"
+    path.write_text(text)
+    return path
+
+
+def _trials_csv(study_dir):
+    with open(study_dir / "trials.csv") as handle:
+        return list(csv.DictReader(handle))
+
+
+def _tune(tmp_path, study_dir, trials, *extra):
+    argv = ["--config", str(ROOT / "configs/default.yaml"), "--trials", str(trials),
+            "--space", str(_space_file(tmp_path)), "--study-dir", str(study_dir)]
+    return tune_cli.main([*argv, *(arg for kv in TINY for arg in ("--set", kv)), *extra])
+
+
+@pytest.mark.slow
+def test_tune_writes_every_trial_and_a_best_config_then_resumes_without_redoing_trials(tmp_path):
+    study_dir = tmp_path / "study"
+    assert _tune(tmp_path, study_dir, 3) == 0
+    first = _trials_csv(study_dir)
+    assert [row["number"] for row in first] == ["0", "1", "2"]
+    assert all(row["state"] in ("COMPLETE", "PRUNED") for row in first)
+    assert first[0]["baseline"] == "True"  # the base config's own values come first
+    assert float(first[0]["model.temperature"]) == _base().model.temperature
+    complete = [row for row in first if row["state"] == "COMPLETE"]
+    best_row = max(complete, key=lambda row: float(row["value"]))
+
+    best = load_config(study_dir / "best.yaml")  # a full config make train accepts
+    summary = json.loads((study_dir / "best.json").read_text())
+    assert summary["trial"] == int(best_row["number"])
+    assert summary["value"] == pytest.approx(float(best_row["value"]))
+    for key in ("model.temperature", "train.learning_rate"):
+        assert value_at(best.to_dict(), key) == pytest.approx(float(best_row[key]))
+    # Everything else is the base config, without the trials' own settings (no baselines, no checkpoints).
+    assert best.evaluation.baselines.rankers == _base().evaluation.baselines.rankers
+    assert best.train.checkpoint_every_steps == _base().train.checkpoint_every_steps
+    assert best.data == _base().data
+    assert not any((study_dir / "runs").iterdir())  # bundles deleted once read
+
+    # A process killed mid-trial leaves it running; the next invocation fails it and does not count it.
+    optuna.load_study(study_name=STUDY_NAME, storage=storage_url(study_dir)).ask()
+    assert _tune(tmp_path, study_dir, 4) == 0
+    second = _trials_csv(study_dir)
+    assert [{k: row[k] for k in first[0]} for row in second[:3]] == first  # finished trials not redone
+    assert len(second) == 5
+    assert second[3]["state"] == "FAIL"  # the interrupted one, not counted
+    assert second[4]["state"] in ("COMPLETE", "PRUNED") and second[4]["retry_of"] == "3"
+
+    # Asking for no more than it has runs nothing.
+    assert _tune(tmp_path, study_dir, 4) == 0
+    assert len(_trials_csv(study_dir)) == 5
+
+
+@pytest.mark.slow
+def test_a_trial_below_the_median_is_pruned_after_its_first_epoch(tmp_path):
+    study_dir = tmp_path / "study"
+    study_dir.mkdir()
+    study = optuna.create_study(storage=storage_url(study_dir), study_name=STUDY_NAME, direction="maximize")
+    study.enqueue_trial({"train.learning_rate": 0.05})  # learns: its first-epoch recall sets the median
+    study.enqueue_trial({"train.learning_rate": 1e-7})  # does not move from its random init
+    space = load_space(_space_file(tmp_path, "train.learning_rate: {type: float, low: 1.0e-7, high: 0.1, log: true}"),
+                       _base("train.epochs=3", "train.early_stopping_patience=3"))
+    settings = TuneSettings(pruner_startup_trials=1, pruner_warmup_epochs=0)
+    run_study(_base("train.epochs=3", "train.early_stopping_patience=3"), space, study_dir, 2, settings)
+
+    good, bad = optuna.load_study(study_name=STUDY_NAME, storage=storage_url(study_dir)).trials
+    assert good.state.name == "COMPLETE" and len(good.intermediate_values) == 3
+    assert bad.state.name == "PRUNED"
+    assert list(bad.intermediate_values) == [0]  # stopped after its first epoch, not after three
+    assert bad.intermediate_values[0] < good.intermediate_values[0]
+    rows = _trials_csv(study_dir)
+    assert [row["state"] for row in rows] == ["COMPLETE", "PRUNED"]
+    assert json.loads((study_dir / "best.json").read_text())["trial"] == 0
+    assert not any((study_dir / "runs").iterdir())
+
+
+def test_a_space_with_an_unknown_key_fails_naming_it_before_any_training(tmp_path, capsys):
+    space = _space_file(tmp_path, SPACE + "model.temprature: {type: float, low: 0.1, high: 0.3}\n")
+    study_dir = tmp_path / "study"
+    with pytest.raises(SystemExit) as exit_info:
+        tune_cli.main(["--trials", "1", "--space", str(space), "--study-dir", str(study_dir)])
+    assert "model.temprature" in str(exit_info.value) and "unknown key" in str(exit_info.value)
+    assert not study_dir.exists()  # nothing was started
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("model.loss.negatives: {type: categorical, choices: [in_batch, bogus]}", "model.loss.negatives.*'bogus'"),
+        ("train.epochs.x: {type: int, low: 1, high: 3}", "train.epochs.x"),
+        ("model.temperature: {type: float, low: 0.5, high: 0.1}", "model.temperature: low"),
+        ("model.temperature: {type: float, low: 0, high: 1, log: true}", "log needs low > 0"),
+        ("model.temperature: {type: normal, low: 0, high: 1}", "type must be one of"),
+        ("model.temperature: {type: float, low: 0.1, high: 1, spread: 2}", "unknown field.*spread"),
+        ("run.name: {type: categorical, choices: [a, b]}", "run.name is set by every trial"),
+        ("[1, 2]", "expected a non-empty mapping"),
+    ],
+)
+def test_bad_search_spaces_are_refused_with_the_key(tmp_path, text, match):
+    with pytest.raises(SearchSpaceError, match=match):
+        load_space(_space_file(tmp_path, text), _base())
+
+
+def test_shipped_space_is_valid_and_holds_the_default_values():
+    base = load_config(ROOT / "configs/default.yaml")
+    space = load_space(ROOT / "configs/tune_space.yaml", base)
+    assert {p.key for p in space} >= {"model.temperature", "train.learning_rate", "train.batch_size"}
+    # The default's values lie inside the space, so the baseline trial is the default itself.
+    assert all(p.contains(value_at(base.to_dict(), p.key)) for p in space)
+
+
+def test_param_contains():
+    grid = Param("train.batch_size", "int", low=256, high=4096, step=256)
+    assert grid.contains(1024) and not grid.contains(1000) and not grid.contains(8192)
+    assert not grid.contains(True)
+    choice = Param("model.embedding_dim", "categorical", choices=(32, 64))
+    assert choice.contains(64) and not choice.contains(64.0) and not choice.contains(128)
+
+
+def test_resuming_with_another_base_config_names_the_difference(tmp_path):
+    space = load_space(_space_file(tmp_path), _base())
+    _open_study(tmp_path, _base(), space, TuneSettings())
+    _open_study(tmp_path, _base("run.name=elsewhere"), space, TuneSettings())  # where outputs go may change
+    with pytest.raises(TuneError, match="model.embedding_dim"):
+        _open_study(tmp_path, _base("model.embedding_dim=32"), space, TuneSettings())
+    with pytest.raises(TuneError, match="metric"):
+        _open_study(tmp_path, _base(), space, TuneSettings(metric="ndcg@20"))
+
+
+def test_metric_must_be_computed_by_the_job(tmp_path):
+    space = load_space(_space_file(tmp_path), _base())
+    with pytest.raises(TuneError, match="needs 25 in evaluation.ks"):
+        run_study(_base(), space, tmp_path / "s", 1, TuneSettings(metric="recall@25"))
