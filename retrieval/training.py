@@ -263,7 +263,7 @@ def fit(
         return {**selection, **{key: [float(v) for v in values] for key, values in history.history.items()}}
 
     checkpoint.steps_per_epoch = steps
-    start = int(checkpoint.step.numpy())
+    start = checkpoint.steps_done
     if resumed:
         epoch, batch = divmod(start, steps)
         log.info(
@@ -392,6 +392,10 @@ class TrainingCheckpoint(tf.keras.callbacks.Callback):
         self.history: dict[str, list[float]] = {}
         self.selection: dict[str, list[float]] = {}
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        # Steps are counted in Python and written to ``step`` only when saving: reading a variable
+        # back each batch (``.numpy()``) forces a host sync per step, which cost more than the step.
+        self.steps_done = 0
+        self._supports_tf_logs = True  # Keras then passes batch logs as tensors: no per-batch conversion
         self._miner = getattr(model, "miner", None)
         self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=self.step)
         self._manager = tf.train.CheckpointManager(self._checkpoint, str(self.directory), max_to_keep=2)
@@ -410,7 +414,7 @@ class TrainingCheckpoint(tf.keras.callbacks.Callback):
         if path is None:
             return False
         self._checkpoint.restore(path).assert_existing_objects_matched()
-        step = int(self.step.numpy())
+        step = self.steps_done = int(self.step.numpy())
         state = json.loads((self.directory / f"state-{step}.json").read_text())
         self.history, self.selection = state["history"], state["selection"]
         if self._miner is not None and state["miner_index"]:
@@ -420,12 +424,13 @@ class TrainingCheckpoint(tf.keras.callbacks.Callback):
 
     def save(self) -> None:
         """Write a checkpoint of the current state (numbered by the step), unless this step has one."""
-        step = int(self.step.numpy())
+        step = self.steps_done
         if step == self._saved_step:
             return
+        self.step.assign(step)
         self.directory.mkdir(parents=True, exist_ok=True)
         miner_index = self._miner is not None and self._miner.index is not None
-        if miner_index:
+        if self._miner is not None and miner_index:
             faiss.write_index(self._miner.index, str(self.directory / f".miner-{step}.tmp"))
             os.replace(self.directory / f".miner-{step}.tmp", self.directory / f"miner-{step}.faiss")
         state = {"history": self.history, "selection": self.selection, "miner_index": miner_index}
@@ -439,7 +444,8 @@ class TrainingCheckpoint(tf.keras.callbacks.Callback):
                 side.unlink()
 
     def on_train_batch_end(self, batch, logs=None):
-        step = int(self.step.assign_add(1).numpy())
+        self.steps_done += 1
+        step = self.steps_done
         if step % self.every_steps == 0:
             if self.steps_per_epoch and step % self.steps_per_epoch == 0:
                 self._save_at_epoch_end = True

@@ -275,7 +275,7 @@ def test_fit_resumed_in_process_equals_uninterrupted_fit(tmp_path, monkeypatch):
 
     def killed_after_step_23(self, batch, logs=None):  # epoch 2, batch 7 of 16
         save_and_count(self, batch, logs)
-        if int(self.step.numpy()) == 23:
+        if self.steps_done == 23:
             raise Killed
 
     with monkeypatch.context() as patch, pytest.raises(Killed):
