@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import retrieval  # noqa: F401
-from retrieval.config import load_config
+from retrieval.data import ITEM, load_dataset
 from retrieval.export import RunExistsError
 from retrieval.jobs import evaluate_bundle, train_evaluate_export
 from retrieval.serving import Bundle
@@ -22,18 +22,14 @@ SMALL = [
     "data.synthetic.mean_clicks_per_user=30",
     "train.epochs=8",
     "train.batch_size=512",
-    "train.verbose=0",
-    "run.name=e2e",
 ]
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("artifacts")
-    config = load_config(ROOT / "configs/default.yaml", SMALL + [f"run.output_dir={out}"])
-    return config, train_evaluate_export(config)
+def run(train_run):
+    return train_run("default.yaml", SMALL, "e2e")
 
 
 def test_model_clearly_beats_popularity_on_held_back_data(run):
@@ -57,9 +53,14 @@ def test_bundle_layout_and_no_partial_directories(run):
 
 
 def test_index_covers_items_without_training_clicks(run):
-    _, result = run
-    data = result.metrics["data"]
-    assert data["catalogue_items"] > data["train_items"]  # cold items exist and are indexed
+    config, result = run
+    dataset = load_dataset(config.data, config.split)
+    catalogue = set(dataset.items[ITEM].astype(str))
+    cold = catalogue - set(dataset.train[ITEM].astype(str))
+    assert len(cold) >= 5  # the synthetic log has never-clicked items, and the split leaves more
+    index = Bundle.load(result.directory).index
+    assert index.index.ntotal == len(index.item_ids) == len(catalogue)
+    assert set(index.item_ids) == catalogue  # every cold item is searchable, not only the trained ones
 
 
 def test_run_directory_is_never_silently_overwritten(run):

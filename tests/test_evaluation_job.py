@@ -8,30 +8,24 @@ import tensorflow as tf
 
 import retrieval  # noqa: F401
 from pipelines import evaluate as evaluate_cli
-from retrieval.config import load_config
 from retrieval.evaluation.report import PLOT_FILES
-from retrieval.jobs import train_evaluate_export
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "data.synthetic.n_users=300",
     "data.synthetic.n_items=200",
     "data.synthetic.mean_clicks_per_user=20",
     "train.epochs=2",
     "train.batch_size=512",
-    "train.verbose=0",
     "evaluation.ks=[10, 20]",
     "evaluation.baselines.als.iterations=5",
-    "run.name=eval-job",
 ]
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("artifacts")
-    return train_evaluate_export(load_config(ROOT / "configs/default.yaml", TINY + [f"run.output_dir={out}"]))
+def run(train_run):
+    return train_run("default.yaml", TINY, "eval-job")[1]
 
 
 def _scalars(directory: Path) -> dict[str, float]:

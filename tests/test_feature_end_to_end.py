@@ -1,19 +1,15 @@
 """Feature towers through the whole job on a small synthetic log, with cold items held out of training."""
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import retrieval  # noqa: F401
-from retrieval.config import load_config
 from retrieval.data import ITEM, USER, load_dataset
 from retrieval.features import TowerTables, feature_arrays
-from retrieval.jobs import evaluate_bundle, train_evaluate_export
+from retrieval.jobs import evaluate_bundle
 from retrieval.serving import Bundle
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
     "data.synthetic.n_users=500",
     "data.synthetic.n_items=250",
@@ -21,22 +17,18 @@ SMALL = [
     "split.hold_out_items=0.1",
     "train.epochs=4",
     "train.batch_size=512",
-    "train.verbose=0",
     "evaluation.plots=false",
     "evaluation.baselines.rankers=[popularity]",
     "export.topk_model=false",
-    "run.name=features",
 ]
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("artifacts")
-    config = load_config(ROOT / "configs/synthetic_features.yaml", SMALL + [f"run.output_dir={out}"])
-    dataset = load_dataset(config.data, config.split)
-    return config, dataset, train_evaluate_export(config)
+def run(train_run):
+    config, result = train_run("synthetic_features.yaml", SMALL, "features")
+    return config, load_dataset(config.data, config.split), result
 
 
 def test_feature_model_beats_popularity(run):

@@ -4,33 +4,21 @@ Skipped, with the reason, when the data is not found ($RETRIEVAL_DATA_DIR or
 ../shared/datasets/ml-100k); it is never copied into the repository.
 """
 
-from pathlib import Path
-
 import pytest
 
-from retrieval.config import load_config
 from retrieval.data import locate_movielens_100k
-
-ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def metrics(tmp_path_factory):
+def metrics(train_run):
     try:
         locate_movielens_100k()
     except FileNotFoundError as error:
         pytest.skip(f"MovieLens 100K not available: {error}")
-    from retrieval.jobs import train_evaluate_export
-
-    out = tmp_path_factory.mktemp("artifacts")
     # A short run: five epochs, no early-stopping validation pass.
-    short = ["train.epochs=5", "train.validation_fraction=0"]
-    config = load_config(
-        ROOT / "configs/ml100k.yaml", short + ["train.verbose=0", "run.name=ml100k", f"run.output_dir={out}"]
-    )
-    return train_evaluate_export(config).metrics
+    return train_run("ml100k.yaml", ["train.epochs=5", "train.validation_fraction=0"], "ml100k")[1].metrics
 
 
 def test_temporal_split_has_no_leakage_and_reports_unseen(metrics):
