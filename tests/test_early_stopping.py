@@ -61,6 +61,7 @@ def test_validation_recall_equals_brute_force():
     assert len(watch.validation) == len(hits)
 
 
+@pytest.mark.slow
 def test_fit_stops_early_and_refits_for_the_best_number_of_epochs():
     train = _clicks(2)
     stats = FeatureStatistics.from_training_clicks(train)
@@ -83,6 +84,7 @@ def test_fit_stops_early_and_refits_for_the_best_number_of_epochs():
     assert len(history["selection_loss"]) == len(recalls)
 
 
+@pytest.mark.slow
 def test_without_refit_the_best_weights_are_kept():
     train = _clicks(3)
     stats = FeatureStatistics.from_training_clicks(train)

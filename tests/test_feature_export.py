@@ -19,6 +19,9 @@ from retrieval.training import embed_frame
 # Known users, a user with missing features, and one never seen anywhere.
 USERS = ["u0", "u1", "u5", "stranger"]
 
+# The fixture builds feature towers and writes them as SavedModels (~10-30 s on 2 cores).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):

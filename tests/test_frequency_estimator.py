@@ -51,6 +51,7 @@ def _poisson_stream(rates, steps, rng):
     return [np.repeat(np.arange(len(rates)), row) for row in counts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_estimate_converges_to_known_rates(seed):
     """Rates 0.05..1 per step, EMA rate 0.02: averaged over the last 4000 of 6000 steps the
@@ -148,6 +149,7 @@ def test_bad_arguments():
         StreamingFrequency(num_hashes=9)
 
 
+@pytest.mark.slow
 def test_keras_fit_advances_the_estimator_once_per_batch():
     """Inside Keras's train function the step must not count the call that finds the end of the data."""
     import pandas as pd

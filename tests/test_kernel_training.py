@@ -140,6 +140,7 @@ def _kernel_model(clicks, refresh_steps=3):
     return model
 
 
+@pytest.mark.slow
 def test_a_tiny_model_trains_with_kernel_negatives():
     clicks = _tiny_clicks()
     model = _kernel_model(clicks, refresh_steps=3)
@@ -155,6 +156,7 @@ def test_a_tiny_model_trains_with_kernel_negatives():
     assert model.sampler.refreshes == -(-steps // 3)
 
 
+@pytest.mark.slow
 def test_training_refreshes_the_tree_from_the_current_embeddings():
     clicks = _tiny_clicks()
     model = _kernel_model(clicks, refresh_steps=4)

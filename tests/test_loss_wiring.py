@@ -135,6 +135,7 @@ def test_miner_returns_brute_force_top_k_minus_positive_and_clicks(seed):
         assert mined[row].tolist() == order[:k]
 
 
+@pytest.mark.slow
 def test_miner_rebuilds_every_n_steps_inside_training():
     train = _train(2)
     stats = FeatureStatistics.from_training_clicks(train)
