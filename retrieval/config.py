@@ -14,17 +14,38 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
 class ConfigError(ValueError):
     """A configuration file or override is invalid; the message names the key."""
 
 
+_FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max: TensorFlow computes in float32
+_INT64_MAX = 2**63 - 1
+SEED_MAX = 2**32 - 1  # numpy.random.seed (set by tf.keras.utils.set_random_seed) takes 0 .. 2**32 - 1
+# Every seed goes to numpy and TensorFlow: one range for all, checked when the config is loaded.
+Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
+# Logits are q . d / temperature in float32: below this the softmax is a hard max, and near 1e-38
+# 1 / temperature overflows float32 (1e-300 trained to NaN).
+MIN_TEMPERATURE = 1e-4
+
+
 class _Section(BaseModel):
     # extra="forbid" is what turns a typo such as `train.epoch` into an error
-    # instead of a silently ignored key.
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # instead of a silently ignored key. allow_inf_nan=False refuses inf and
+    # NaN in every float field (an infinite learning rate trained to NaN).
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _fits_the_dtypes_it_is_used_in(cls, value: Any, info: ValidationInfo) -> Any:
+        """Floats reach TensorFlow as float32 and ints numpy as int64: refuse values they cannot hold."""
+        if isinstance(value, float) and abs(value) > _FLOAT32_MAX:
+            raise ValueError(f"{value!r} overflows float32 (at most {_FLOAT32_MAX:.7g} in magnitude)")
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _INT64_MAX:
+            raise ValueError(f"{value!r} does not fit in int64")
+        return value
 
 
 TableFormat = Literal[
@@ -73,7 +94,7 @@ class SyntheticConfig(_Section):
         0.8, ge=0, le=1, description="Share of a user's clicks drawn from their own taste clusters."
     )
     days: int = Field(90, gt=0, description="Time span of the generated log.")
-    seed: int = Field(0, description="Seed of the generator.")
+    seed: Seed = Field(0, description="Seed of the generator.")
 
 
 class StreamConfig(_Section):
@@ -92,7 +113,7 @@ class StreamConfig(_Section):
         description="Evaluate at most this many test users, drawn with `seed`; their test clicks (and "
         "training clicks, for masking) are the only clicks held in memory. None = every test user.",
     )
-    seed: int = Field(0, description="Seed of the shuffle and of the test-user sample.")
+    seed: Seed = Field(0, description="Seed of the shuffle and of the test-user sample.")
     max_train_batches: int | None = Field(
         None,
         gt=0,
@@ -167,7 +188,7 @@ class SplitConfig(_Section):
     )
     test_fraction: float = Field(0.2, gt=0, lt=1, description="Share of clicks in the test part (temporal, random).")
     k: int = Field(1, gt=0, description="Clicks held out per user (leave_last_k).")
-    seed: int = Field(0, description="Seed of the random split.")
+    seed: Seed = Field(0, description="Seed of the random split.")
     hold_out_items: float = Field(
         0.0,
         ge=0,
@@ -261,7 +282,7 @@ class LossConfig(_Section):
     kernel: KernelSamplerConfig = Field(
         KernelSamplerConfig(), description="Kernel sampler settings (used when negatives=kernel)."
     )
-    seed: int = Field(0, description="Seed of the corpus samplers' random generator.")
+    seed: Seed = Field(0, description="Seed of the corpus samplers' random generator.")
 
     @model_validator(mode="after")
     def _hierarchical_has_no_negatives(self) -> LossConfig:
@@ -287,7 +308,7 @@ class ModelConfig(_Section):
         64, gt=0, description="Output size of both towers (and default size of feature embeddings)."
     )
     normalize: bool = Field(True, description="L2-normalise tower outputs (cosine similarity).")
-    temperature: float = Field(0.2, gt=0, description="Logits are divided by this.")
+    temperature: float = Field(0.2, ge=MIN_TEMPERATURE, description="Logits are divided by this.")
     log_q_correction: bool = Field(
         True,
         description="Subtract log Q, each candidate's log expected count in the batch's candidates, from "
@@ -515,7 +536,7 @@ class TrainConfig(_Section):
     use_weights: bool = Field(
         False, description="Use the log's weight column as per-example loss weights."
     )
-    seed: int = Field(42, description="Seeds weights init, batch order and TensorFlow ops (deterministic).")
+    seed: Seed = Field(42, description="Seeds weights init, batch order and TensorFlow ops (deterministic).")
     verbose: Literal["auto", 0, 1, 2] = Field(
         "auto", description="Keras progress: bar on a terminal, a line per epoch otherwise."
     )
@@ -586,7 +607,7 @@ class IndexConfig(_Section):
     search_params: str | None = Field(
         None, description='Fixed FAISS search parameters, e.g. "nprobe=32" (recall is still measured); None = tune.'
     )
-    seed: int = Field(0, description="Seed of the training and tuning samples.")
+    seed: Seed = Field(0, description="Seed of the training and tuning samples.")
 
 
 class ALSConfig(_Section):
@@ -603,7 +624,7 @@ class ALSConfig(_Section):
         5.0, gt=0, description="Confidence of a clicked pair: alpha * (its number of training clicks)."
     )
     iterations: int = Field(15, gt=0, description="Alternating least-squares sweeps.")
-    seed: int = Field(0, description="Seed of the ALS initialisation.")
+    seed: Seed = Field(0, description="Seed of the ALS initialisation.")
     num_threads: int = Field(0, ge=0, description="Threads for the fit; 0 = every core.")
 
 
@@ -731,6 +752,14 @@ class Config(_Section):
             raise ValueError(f"not yet supported with data.out_of_core: {'; '.join(named)}")
         return self
 
+    @model_validator(mode="after")
+    def _faiss_understands_the_index(self) -> Config:
+        # Found here, not when the index is built after training.
+        problem = faiss_index_problem(self.index.factory, self.index.search_params, self.model.embedding_dim)
+        if problem:
+            raise ValueError(problem)
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/YAML-serialisable dict; ``Config.from_dict`` inverts it."""
         return self.model_dump(mode="json")
@@ -744,6 +773,57 @@ class Config(_Section):
             return cls.model_validate(raw)
         except ValidationError as error:
             raise ConfigError(_describe(error, source)) from None
+
+
+def faiss_index_problem(factory: str, search_params: str | None, dim: int) -> str | None:
+    """Why FAISS cannot build ``factory`` over ``dim``-dimensional vectors or apply ``search_params``
+    to it; None when it can.
+
+    An empty index is made from the factory string (FAISS imported here, only
+    when the factory is not the default ``Flat``), and the parameters are set
+    on it. IVF list counts are capped for this check, since an IVF index
+    allocates its lists when made; they are validated against the catalogue
+    when the index is trained.
+    """
+    if factory == "Flat" and not search_params:
+        return None
+    import faiss  # here, so that loading a config imports FAISS only when it has to check one
+
+    # IVF lists and PQ codebooks are allocated when the index is made (PQ8x24 takes 4 GB): shrink
+    # them for the check. Neither number changes whether the string parses.
+    probe = re.sub(r"IVF(\d+)", lambda m: f"IVF{min(int(m.group(1)), 64)}", factory)
+    probe = re.sub(r"(PQ\d+)x(\d+)", lambda m: f"{m.group(1)}x{min(int(m.group(2)), 8)}", probe)
+    try:
+        index = faiss.index_factory(dim, probe, faiss.METRIC_INNER_PRODUCT)
+    except Exception as error:  # FAISS raises RuntimeError with a C++ trace; SWIG may raise TypeError
+        return f"index.factory {factory!r} is not a FAISS index for model.embedding_dim={dim}: {_faiss_reason(error)}"
+    if not search_params:
+        return None
+    try:
+        # faiss's stub lists the (cno: int) and (param_string: str) overloads without @overload.
+        faiss.ParameterSpace().set_index_parameters(index, search_params)  # type: ignore[arg-type]
+    except Exception as error:
+        reason = _faiss_reason(error)
+        return f"index.search_params {search_params!r} do not apply to index.factory {factory!r}: {reason}"
+    for pair in search_params.split(","):
+        name, _, value = (part.strip() for part in pair.partition("="))
+        if name in ("nprobe", "efSearch", "k_factor") and not _number(value) >= 1:  # NaN fails too
+            return f"index.search_params {search_params!r}: {name} must be a number >= 1, got {value!r}"
+    return None
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")
+
+
+def _faiss_reason(error: Exception) -> str:
+    """The last line of a FAISS error ("Error: '...' failed: ..."), without the C++ location."""
+    text = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+    text = re.sub(r"^Error in .*? at \S+:\d+: ", "", text)
+    return text.split(" Error: ", 1)[-1].strip()
 
 
 def _describe(error: ValidationError, source: str) -> str:
@@ -764,7 +844,15 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {text!r} must look like section.key=value")
-    return key.strip().split("."), yaml.safe_load(value) if value.strip() else None
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as error:
+        problem = str(getattr(error, "problem", None) or error).strip()
+        raise ConfigError(
+            f"override {text!r}: the value of {key.strip()} is not valid YAML ({problem}); "
+            "a string holding YAML syntax ([ ] { } : # ...) must be quoted"
+        ) from None
+    return key.strip().split("."), parsed
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

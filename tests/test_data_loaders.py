@@ -353,3 +353,75 @@ def test_malformed_row_names_file_and_line(tmp_path):
     path = write(tmp_path, "c.csv", "\r\nuser_id,item_id,timestamp\r\n1,a,5\r\n\r\n2,b,6,7,8\r\n")
     with pytest.raises(DataError, match=r"c\.csv, line 5: expected 3 fields separated by ',', found 5$"):
         read_clicks(table(path), COLUMNS)
+
+
+# --- values that used to load wrong: both readers refuse them, naming file, line (row) and column ---
+
+
+def _both_readers(path: str, columns: ColumnsConfig) -> list:
+    """The in-memory reader, then the out-of-core one as the job drives it (open, then pass 1)."""
+    from retrieval.data.streaming import ClickShards, plan_split
+
+    return [
+        lambda: read_clicks(table(path), columns),
+        lambda: plan_split(ClickShards.open(table(path), columns), SplitConfig(kind="random")),
+    ]
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        # was INT64_MIN with a numpy warning
+        ("1,a,99999999999999999999,1", r"line 2, column 'timestamp': timestamp '99999999999999999999' is out of range"),
+        ("1,a,-9223372036854775809,1", r"line 2, column 'timestamp': .* out of range: .* fit in int64"),
+        # was float32 inf, and "embeddings contain NaN or inf" after training
+        ("1,a,5,1e39", r"line 2, column 'weight': weight '1e39' overflows float32"),
+    ],
+)
+def test_numbers_beyond_the_canonical_dtypes_are_refused(tmp_path, content, message):
+    path = write(tmp_path, "c.csv", f"user_id,item_id,timestamp,weight\n{content}\n")
+    for read in _both_readers(path, WEIGHTED):
+        with pytest.raises(DataError, match=rf"c\.csv, {message}"):
+            read()
+
+
+def test_the_extremes_of_int64_are_kept_exactly(tmp_path):
+    lowest, highest = -(2**63), 2**63 - 1
+    path = write(tmp_path, "c.csv", f"user_id,item_id,timestamp\n1,a,{highest}\n2,b,{lowest}\n3,c,9007199254740993\n")
+    assert read_clicks(table(path), COLUMNS)[TIME].tolist() == [highest, lowest, 9007199254740993]
+
+
+@pytest.mark.parametrize(
+    "ids,shown",
+    [
+        ([[1, 2], [3]], r"user id \[1, 2\] is a list or struct"),  # was the string "[1 2]"
+        ([{"id": 1}, {"id": 2}], r"user id \{'id': 1\} is a list or struct"),
+        ([True, False], r"user ids are booleans"),
+    ],
+)
+def test_parquet_id_columns_that_hold_no_single_value_are_refused(tmp_path, ids, shown):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "c.parquet")
+    pq.write_table(pa.table({"user_id": pa.array(ids), "item_id": ["a", "b"], "timestamp": [1, 2]}), path)
+    for read in _both_readers(path, COLUMNS):
+        with pytest.raises(DataError, match=rf"c\.parquet, row 1, column 'user_id': {shown}"):
+            read()
+
+
+def test_parquet_binary_ids_read_as_utf8_text_in_both_readers(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from retrieval.data.streaming import ClickShards
+
+    path = str(tmp_path / "c.parquet")
+    pq.write_table(pa.table({"user_id": [b"caf\xc3\xa9", b"u2"], "item_id": ["a", "b"], "timestamp": [1, 2]}), path)
+    shards = ClickShards.open(table(path), COLUMNS)
+    streamed = pd.concat([batch.frame() for batch in shards.scan()], ignore_index=True)
+    assert read_clicks(table(path), COLUMNS)[USER].tolist() == streamed[USER].tolist() == ["café", "u2"]
+    pq.write_table(pa.table({"user_id": [b"u1", b"\xff"], "item_id": ["a", "b"], "timestamp": [1, 2]}), path)
+    for read in _both_readers(path, COLUMNS):
+        with pytest.raises(DataError, match=r"c\.parquet, row 2, column 'user_id': user id b'\\xff' is bytes"):
+            read()

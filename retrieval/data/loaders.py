@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import io
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 import pandas as pd
 
 from retrieval.config import ColumnsConfig, TableConfig
 from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
+from retrieval.data.values import BadValues, click_weights, id_strings, timestamp_seconds
 
 Duplicates = Literal["keep", "first"]
+T = TypeVar("T")
 
 _FORMAT_BY_EXTENSION = {
     ".csv": "csv",
@@ -39,8 +42,6 @@ _MOVIELENS_FIELDS = ["user_id", "item_id", "rating", "timestamp"]
 _MOVIELENS_COLUMNS = ColumnsConfig(
     user="user_id", item="item_id", timestamp="timestamp", weight="rating"
 )
-_EPOCH = pd.Timestamp(0, tz="UTC")
-_DECIMAL = r"[+-]?\d+(?:\.\d*)?"
 _NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
 
 
@@ -281,7 +282,9 @@ def _read_raw(table: TableConfig, fmt: str) -> _Raw:
         options["sep"] = separator
     # pandas takes the column count from the first line it reads, so leading
     # blank lines are skipped (and counted into the line numbers).
-    skipped = re.match(r"(?:[ \t]*\r?\n)*", text).group().count("\n")
+    blank_lines = re.match(r"(?:[ \t]*\r?\n)*", text)
+    assert blank_lines is not None  # the pattern matches the empty string, so it matches every text
+    skipped = blank_lines.group().count("\n")
     try:
         frame = pd.read_csv(
             io.StringIO(text),
@@ -369,88 +372,26 @@ def _require_columns(raw: _Raw, wanted: list[str], header: bool) -> None:
     )
 
 
-def _first_bad(raw: _Raw, bad: np.ndarray, column: str, message: str, values: pd.Series) -> DataError:
-    position = int(np.argmax(bad))
-    count = int(bad.sum())
-    more = f" ({count} bad rows in all)" if count > 1 else ""
-    value = values.iloc[position]
-    if isinstance(value, np.generic):
-        value = value.item()  # show 'nan', not 'np.float64(nan)'
-    return raw.error(message.format(value=value) + more, position, column)
-
-
-def _text(values: pd.Series) -> pd.Series:
-    """Stripped strings, "" where missing (``astype(str)`` alone writes "nan" in pandas 2)."""
-    return values.astype(str).where(values.notna(), "").str.strip()
+def _checked(raw: _Raw, column: str, convert: Callable[[pd.Series], T]) -> T:
+    """``convert(raw.frame[column])``, its refused cells reported at their line (or row)."""
+    try:
+        return convert(raw.frame[column])
+    except BadValues as error:
+        position, count, message = error.first()
+        more = f" ({count} bad rows in all)" if count > 1 else ""
+        raise raw.error(message + more, position, column) from None
 
 
 def _ids(raw: _Raw, column: str, what: str) -> pd.Series:
-    values = raw.frame[column]
-    if pd.api.types.is_float_dtype(values):
-        # A parquet integer id column with nulls is stored as float: 7.0 must read "7".
-        present = values.dropna()
-        if (present == np.floor(present)).all():
-            values = values.astype("Int64")
-    ids = _text(values)
-    empty = (ids == "").to_numpy()
-    if empty.any():
-        raise _first_bad(raw, empty, column, f"empty {what} id", ids)
-    return ids
+    return _checked(raw, column, lambda values: id_strings(values, what))
 
 
 def _timestamps(raw: _Raw, column: str) -> np.ndarray:
-    values = raw.frame[column]
-    if pd.api.types.is_datetime64_any_dtype(values):
-        if values.dt.tz is None:
-            values = values.dt.tz_localize("UTC")
-        seconds = ((values - _EPOCH) // pd.Timedelta(seconds=1)).to_numpy(dtype=np.float64, na_value=np.nan)
-    elif pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values):
-        seconds = np.floor(values.to_numpy(dtype=np.float64, na_value=np.nan))
-    else:
-        values = _text(values)
-        seconds = _parse_times(values)
-    bad = ~np.isfinite(seconds)
-    if bad.any():
-        raise _first_bad(
-            raw,
-            bad,
-            column,
-            "cannot read timestamp {value!r}: expected integer seconds since the epoch or an "
-            "ISO-8601 time such as 2026-01-31T12:00:00Z",
-            values,
-        )
-    return seconds.astype(np.int64)
-
-
-def _parse_times(text: pd.Series) -> np.ndarray:
-    """Seconds since the epoch (float, NaN where unreadable) for strings."""
-    seconds = np.full(len(text), np.nan)
-    # Digits are always epoch seconds, so "20260101" is not read as a date.
-    number = text.str.fullmatch(_DECIMAL).to_numpy()
-    seconds[number] = np.floor(pd.to_numeric(text[number]).to_numpy(dtype=np.float64))
-    other = ~number & (text != "").to_numpy()
-    if other.any():
-        parsed = pd.to_datetime(text[other], format="ISO8601", utc=True, errors="coerce")
-        seconds[other] = ((parsed - _EPOCH) // pd.Timedelta(seconds=1)).to_numpy(
-            dtype=np.float64, na_value=np.nan
-        )
-    return seconds
+    return _checked(raw, column, timestamp_seconds)
 
 
 def _weights(raw: _Raw, column: str) -> np.ndarray:
-    values = raw.frame[column]
-    if pd.api.types.is_numeric_dtype(values):
-        numbers = values.to_numpy(dtype=np.float64, na_value=np.nan)
-    else:
-        values = _text(values)
-        numbers = pd.to_numeric(values, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
-    bad = ~np.isfinite(numbers)
-    if bad.any():
-        raise _first_bad(raw, bad, column, "weight {value!r} is not a finite number", values)
-    negative = numbers < 0
-    if negative.any():
-        raise _first_bad(raw, negative, column, "negative weight {value!r}; weights must be >= 0", values)
-    return numbers.astype(np.float32)
+    return _checked(raw, column, click_weights)
 
 
 def _infer_type(column: pd.Series) -> pd.Series:

@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import glob
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -53,6 +54,7 @@ from retrieval.arrays import seeded_subset
 from retrieval.config import ColumnsConfig, SplitConfig, TableConfig
 from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
 from retrieval.data.splits import timestamp_cut
+from retrieval.data.values import FLOAT32_MAX, BadValues, click_weights, id_strings, timestamp_seconds
 
 _SHARD_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "tsv", ".txt": "tsv"}
 _SEPARATORS = {"csv": ",", "tsv": "\t"}
@@ -92,7 +94,7 @@ class ClickShards:
             streamed; a shard lacks a column (the message names the shard).
         """
         files = list_shard_files(table.path)
-        formats = {}
+        formats: dict[str, str] = {}
         for file in files:
             fmt = table.format if table.format != "auto" else _SHARD_FORMATS.get(Path(file).suffix.lower())
             if fmt is None:
@@ -159,7 +161,9 @@ class ClickShards:
         if self.format == "parquet":
             return pads.dataset(file, format="parquet")
         names = self._text_names(file)
-        ids = {name: pa.string() for name in (self.columns.user, self.columns.item)}
+        # Every column is read as text, so the cells are parsed by the rules read_clicks applies
+        # (retrieval.data.values), not by Arrow's per-block type inference.
+        ids = {name: pa.string() for name in self.wanted}
         fmt = pads.CsvFileFormat(
             parse_options=pacsv.ParseOptions(delimiter=self.separator or _SEPARATORS[self.format]),
             read_options=pacsv.ReadOptions(
@@ -177,8 +181,8 @@ class ClickShards:
             for batch in scanner:
                 if batch.num_rows == 0:
                     continue
-                text = self.format != "parquet" and self.header
-                yield _canonical(batch, self.columns, file, first_row, text)
+                text = self.format != "parquet"
+                yield _canonical(batch, self.columns, file, first_row, text, self.header)
                 first_row += batch.num_rows
         except DataError:
             raise
@@ -247,28 +251,49 @@ def _strings(values: pa.Array) -> np.ndarray:
 
 
 def _canonical(
-    batch: pa.RecordBatch, columns: ColumnsConfig, file: str, first_row: int, text: bool
+    batch: pa.RecordBatch, columns: ColumnsConfig, file: str, first_row: int, text: bool, header: bool = True
 ) -> ClickBatch:
-    """Ids as stripped strings, timestamps as int64 seconds, weights as float32; errors name file and row."""
+    """Ids as stripped strings, timestamps as int64 seconds, weights as float32; errors name file and row.
+
+    Cells follow ``retrieval.data.values``, the rules ``read_clicks`` applies:
+    each column is handed to them as pandas, except the common cases Arrow
+    converts identically and faster (string or integer ids, integer seconds).
+    """
 
     def fail(message: str, bad: np.ndarray, column: str) -> DataError:
         position = first_row + int(np.argmax(bad))
         count = int(bad.sum())
         more = f" ({count} bad rows in this batch)" if count > 1 else ""
-        # Text shards: data row r is on line r + 1 with a header.
+        # Text shards: data row r is on line r + 1 with a header, on line r without.
         return DataError(
             message + more,
             file=file,
-            line=position + 1 if text else None,
+            line=position + int(header) if text else None,
             row=None if text else position,
             column=column,
         )
 
+    def checked(column: str, convert: Callable[[pd.Series], Any]) -> Any:
+        try:
+            return convert(batch.column(column).to_pandas())
+        except BadValues as error:
+            position, count, message = error.first()
+            bad = np.zeros(batch.num_rows, bool)
+            bad[position] = True
+            more = f" ({count} bad rows in this batch)" if count > 1 else ""
+            raise fail(message + more, bad, column) from None
+
     def ids(column: str, what: str) -> pa.Array:
         values = batch.column(column)
+        if pa.types.is_dictionary(values.type):
+            values = values.dictionary_decode()
         if pa.types.is_floating(values.type):
             message = f"{what} ids are stored as floats; write them as integers or strings"
             raise fail(message, np.ones(1, bool), column)
+        if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
+                or pa.types.is_integer(values.type)):
+            # Lists, structs, booleans, bytes, dates...: refused or converted as read_clicks does.
+            return pa.array(checked(column, lambda cells: id_strings(cells, what)).to_numpy(), pa.string())
         values = pc.utf8_trim_whitespace(pc.cast(values, pa.string()))
         empty = pc.fill_null(pc.equal(values, ""), True).to_numpy(zero_copy_only=False)
         if empty.any():
@@ -278,38 +303,40 @@ def _canonical(
     timestamps = None
     if columns.timestamp is not None:
         values = batch.column(columns.timestamp)
-        if pa.types.is_timestamp(values.type):
-            values = pc.cast(values, pa.timestamp("s", tz=values.type.tz), safe=False)
-            seconds = pc.cast(values, pa.int64()).to_numpy(zero_copy_only=False).astype(np.float64)
-            seconds[~pc.is_valid(values).to_numpy(zero_copy_only=False)] = np.nan
-        elif pa.types.is_integer(values.type) or pa.types.is_floating(values.type):
-            seconds = np.floor(pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False))
-        else:
-            raise fail(
-                f"timestamps of type {values.type} cannot be streamed; out of core they must be numbers "
-                "(seconds since the epoch) or Arrow timestamps (ISO-8601 in CSV)",
-                np.ones(1, bool),
-                columns.timestamp,
-            )
-        bad = ~np.isfinite(seconds)
-        if bad.any():
-            raise fail("missing or non-finite timestamp", bad, columns.timestamp)
-        timestamps = seconds.astype(np.int64)
+        timestamps = None
+        if pa.types.is_integer(values.type) and values.null_count == 0:
+            if pa.types.is_signed_integer(values.type) or pc.max(values).as_py() <= np.iinfo(np.int64).max:
+                timestamps = pc.cast(values, pa.int64()).to_numpy(zero_copy_only=False)
+        elif _all_integers(values):  # text shards: integer seconds (Arrow alone would also take "0x10")
+            try:
+                timestamps = pc.cast(values, pa.int64()).to_numpy(zero_copy_only=False)
+            except pa.ArrowInvalid:
+                pass  # beyond int64: the shared rules name the cell
+        if timestamps is None:
+            timestamps = checked(columns.timestamp, timestamp_seconds)
+    weights = None
     if columns.weight is not None:
         values = batch.column(columns.weight)
-        try:
-            weights = pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False).astype(np.float64)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            raise fail("weights must be numbers", np.ones(1, bool), columns.weight) from None
-        bad = ~np.isfinite(weights)
-        if bad.any():
-            raise fail("weight is not a finite number", bad, columns.weight)
-        if (weights < 0).any():
-            raise fail("negative weight; weights must be >= 0", weights < 0, columns.weight)
-        weights = weights.astype(np.float32)
+        if pa.types.is_string(values.type) and values.null_count == 0:
+            # Text shards: Arrow parses the numbers pandas does, to the same doubles, but faster.
+            try:
+                numbers = pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False)
+            except pa.ArrowInvalid:
+                numbers = None
+            if numbers is not None and bool(np.all((numbers >= 0) & (numbers <= FLOAT32_MAX))):
+                weights = numbers.astype(np.float32)
+        if weights is None:
+            weights = checked(columns.weight, click_weights)
     else:
         weights = np.ones(batch.num_rows, dtype=np.float32)
     return ClickBatch(ids(columns.user, "user"), ids(columns.item, "item"), timestamps, weights)
+
+
+def _all_integers(values: pa.Array) -> bool:
+    """True when every cell is text holding an integer in ASCII digits."""
+    if not pa.types.is_string(values.type) or values.null_count:
+        return False
+    return bool(pc.all(pc.match_substring_regex(values, r"^[+-]?[0-9]+$")).as_py())
 
 
 # --- The split, decided one batch at a time. ---
@@ -338,6 +365,8 @@ class SplitPlan:
     def is_test(self, batch: ClickBatch) -> np.ndarray:
         """[len(batch)] bool: the batch's test clicks."""
         if self.kind == "temporal":
+            if batch.timestamps is None or self.cut is None:
+                raise DataError("a temporal split needs the batch's timestamps and the plan's cut")
             return batch.timestamps > self.cut
         return random_test_mask(batch, self.test_fraction, self.seed)
 
@@ -377,17 +406,18 @@ def plan_split(shards: ClickShards, split: SplitConfig) -> SplitPlan:
             "log's time column, or use split.kind: random"
         )
     rows, stamps = 0, []
-    first = last = None
+    first: int | None = None
+    last: int | None = None
     for batch in shards.scan():
         rows += len(batch)
         if batch.timestamps is not None:
             lo, hi = int(batch.timestamps.min()), int(batch.timestamps.max())
-            first, last = (lo, hi) if first is None else (min(first, lo), max(last, hi))
+            first, last = (lo, hi) if first is None or last is None else (min(first, lo), max(last, hi))
             if split.kind == "temporal":
                 stamps.append(batch.timestamps)
     if rows == 0:
         raise DataError("no clicks: every shard is empty", file=shards.files[0])
-    time_range = None if first is None else (first, last)
+    time_range = None if first is None or last is None else (first, last)
     if split.kind == "random":
         return SplitPlan(
             "random", rows, test_fraction=split.test_fraction, seed=split.seed, time_range=time_range
@@ -516,7 +546,7 @@ def sample_test_users(counts: StreamCounts, max_users: int | None, seed: int) ->
 
 
 def collect_users(
-    shards: ClickShards, plan: SplitPlan, user_ids: Sequence[str]
+    shards: ClickShards, plan: SplitPlan, user_ids: Sequence[str] | np.ndarray
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Pass 3: ``(train, test)`` canonical click frames of ``user_ids`` only, in log order."""
     wanted = pa.array(list(user_ids), pa.string())

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from retrieval.config import EvaluationConfig
-from retrieval.data import ITEM, USER
+from retrieval.data import ITEM, USER, DataError
 from retrieval.index import ItemIndex
 
 
@@ -39,12 +39,20 @@ class EvalSet:
 def build_eval_set(
     train: pd.DataFrame, test: pd.DataFrame, catalogue_ids: Sequence[str], config: EvaluationConfig
 ) -> EvalSet:
-    """Group test clicks by user, map items to catalogue rows, apply the masking policy."""
+    """Group test clicks by user, map items to catalogue rows, apply the masking policy.
+
+    Raises:
+      DataError: no test user is left to evaluate (every one was dropped or
+        masked); the message counts what removed them and names the settings.
+        Metrics over zero users would read 0.0000 and look like a result.
+      ValueError: a test click names an item missing from the catalogue.
+    """
     row_of = pd.Series(np.arange(len(catalogue_ids)), index=pd.Index(catalogue_ids, dtype=object))
     train_users = set(train[USER])
     train_items = set(train[ITEM])
     test = test[[USER, ITEM]].drop_duplicates()
     counts = {"test_clicks": int(len(test))}
+    test_users = int(test[USER].nunique())
 
     unseen_user = ~test[USER].isin(train_users)
     counts["test_users_unseen_in_training"] = int(test.loc[unseen_user, USER].nunique())
@@ -85,7 +93,37 @@ def build_eval_set(
         exclude = [np.zeros(0, np.int64) for _ in user_ids]
     counts["evaluated_users"] = int(len(user_ids))
     counts["relevant_pairs"] = int(sum(len(r) for r in relevant))
+    if not len(user_ids):
+        raise DataError(_no_users_message(counts, test_users, config))
     return EvalSet(user_ids, relevant, exclude, counts)
+
+
+def _no_users_message(counts: dict[str, int], test_users: int, config: EvaluationConfig) -> str:
+    """Why no test user is left: every filter that removed some, with the setting behind it."""
+    if not counts["test_clicks"]:
+        return "no test user can be evaluated: the test part holds no clicks"
+    reasons = []
+    unseen_users = counts["test_users_unseen_in_training"]
+    if config.unseen_users == "drop" and unseen_users:
+        reasons.append(
+            f"{unseen_users} of the {test_users} test users have no training clicks and are dropped "
+            "(evaluation.unseen_users: drop; ID towers cannot represent them)"
+        )
+    if config.unseen_items == "drop" and counts["test_clicks_on_items_unseen_in_training"]:
+        reasons.append(
+            f"{counts['test_clicks_on_items_unseen_in_training']} test clicks on items without training "
+            "clicks are dropped (evaluation.unseen_items: drop)"
+        )
+    if counts.get("test_clicks_repeating_a_training_click"):
+        reasons.append(
+            f"{counts['test_clicks_repeating_a_training_click']} test clicks repeat the user's training "
+            "clicks and are masked (evaluation.exclude_train_items: true)"
+        )
+    return (
+        f"no test user can be evaluated ({counts['test_clicks']} distinct test clicks): "
+        + "; ".join(reasons)
+        + ". Check that the test log shares user and item ids with the training log"
+    )
 
 
 def index_ranking(
