@@ -537,3 +537,45 @@ def test_search_params_validate_or_name_the_key(factory, params):
             assert float(value) >= 1
     index = faiss.index_factory(config.model.embedding_dim, factory, faiss.METRIC_INNER_PRODUCT)
     faiss.ParameterSpace().set_index_parameters(index, params)
+
+
+# --- The job: an eval set that is known to be empty stops it before training. ---
+
+
+def _no_training(*args, **kwargs):
+    raise AssertionError("training started although no test user can be evaluated")
+
+
+@pytest.mark.slow  # imports TensorFlow (retrieval.jobs)
+def test_the_job_stops_before_training_when_no_test_user_can_be_evaluated(tmp_path, monkeypatch):
+    import retrieval.jobs as jobs
+
+    train, test = tmp_path / "train.csv", tmp_path / "test.csv"
+    train.write_text("user_id,item_id,timestamp\n" + "".join(f"u{i % 5},i{i % 7},{i}\n" for i in range(40)))
+    test.write_text("user_id,item_id,timestamp\nnew1,i1,100\nnew2,i2,101\n")
+    monkeypatch.setattr(jobs, "fit", _no_training)
+    config = load_config(None, [
+        "data.source=files", f"data.clicks.path={train}", f"data.test_clicks.path={test}", "split.kind=none",
+        f"run.output_dir={tmp_path / 'runs'}", "run.name=r", "train.checkpoint_every_steps=0",
+    ])
+    with pytest.raises(DataError, match=r"no test user can be evaluated.*2 of the 2 test users have no training"):
+        jobs.train_evaluate_export(config)
+    assert not (tmp_path / "runs" / "r").exists()
+
+
+@pytest.mark.slow  # imports TensorFlow (retrieval.jobs)
+def test_the_out_of_core_job_stops_before_training_when_no_test_user_can_be_evaluated(tmp_path, monkeypatch):
+    import retrieval.jobs as jobs
+
+    shards = tmp_path / "logs"
+    shards.mkdir()
+    # The latest 20% of the clicks (the temporal test part) are all by users without earlier clicks.
+    rows = [f"u{i % 5},i{i % 7},{i}\n" for i in range(40)] + [f"new{i},i{i % 7},{100 + i}\n" for i in range(10)]
+    (shards / "part-0.csv").write_text("user_id,item_id,timestamp\n" + "".join(rows))
+    monkeypatch.setattr(jobs, "fit_dataset", _no_training)
+    config = load_config(None, [
+        "data.source=files", f"data.clicks.path={shards}", "data.out_of_core=true", "split.kind=temporal",
+        "evaluation.baselines.rankers=[popularity]", f"run.output_dir={tmp_path / 'runs'}", "run.name=r",
+    ])
+    with pytest.raises(DataError, match=r"no test user can be evaluated.*10 of the 10 test users have no training"):
+        jobs.train_evaluate_export(config)
