@@ -42,6 +42,12 @@ def test_ranking_metrics_by_hand():
     assert m["mrr@4"] == pytest.approx((1 / 2) / 2)
 
 
+def test_a_relevant_item_listed_twice_counts_once():
+    ranked = np.array([[5, 3, 9, 7], [2, 4, 6, 8]])
+    once = ranking_metrics(ranked, [np.array([3, 7]), np.array([1])], ks=[2, 4])
+    assert ranking_metrics(ranked, [np.array([3, 7, 3, 3]), np.array([1, 1])], ks=[2, 4]) == once
+
+
 def test_ideal_dcg_uses_min_of_relevant_and_k():
     # One relevant item ranked first: perfect NDCG at every k.
     m = ranking_metrics(np.array([[4, 1, 2]]), [np.array([4])], ks=[1, 3])

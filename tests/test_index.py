@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from retrieval.arrays import drop_members
 from retrieval.index import ItemIndex
 
 
@@ -33,6 +34,15 @@ def test_excluded_rows_never_returned_and_order_kept():
     for i in range(len(queries)):
         expected = [r for r in full[i] if r not in set(exclude[i].tolist())][:10]
         np.testing.assert_array_equal(top.rows[i], expected)
+
+
+def test_drop_members_by_hand():
+    # Members and padding (-1) anywhere in a row move to its end as -1 / -inf; the rest keep their order.
+    rows = np.array([[4, -1, 2, 7, 1], [3, 5, 6, 3, 8]])
+    scores = np.array([[5.0, 4.0, 3.0, 2.0, 1.0], [9.0, 8.0, 7.0, 6.0, 5.0]])
+    kept_rows, kept_scores = drop_members(rows, scores, [np.array([2]), np.array([3, 99])])
+    assert kept_rows.tolist() == [[4, 7, 1, -1, -1], [5, 6, 8, -1, -1]]
+    assert kept_scores.tolist() == [[5.0, 2.0, 1.0, -np.inf, -np.inf], [8.0, 7.0, 5.0, -np.inf, -np.inf]]
 
 
 def test_asking_for_more_than_the_catalogue_pads():

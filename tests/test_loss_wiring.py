@@ -8,8 +8,9 @@ import tensorflow as tf
 import retrieval  # noqa: F401
 from retrieval.config import ConfigError, LossConfig, ModelConfig, load_config
 from retrieval.features import FeatureStatistics
+from retrieval.losses import LossInputs, SampledSoftmax
 from retrieval.model import build_model, build_objective, build_sampler
-from retrieval.samplers import FaissHardNegativeMiner, UserHistory
+from retrieval.samplers import MASKED_LOG_Q, FaissHardNegativeMiner, Negatives, UserHistory
 
 
 def _train(seed=0, users=30, items=25, clicks=300):
@@ -133,6 +134,36 @@ def test_miner_returns_brute_force_top_k_minus_positive_and_clicks(seed):
             i + 1 for i in np.argsort(-(queries[row] @ items[1:].T), kind="stable") if i + 1 not in excluded
         ]
         assert mined[row].tolist() == order[:k]
+
+
+def test_slots_the_miner_cannot_fill_are_masked_out_of_the_loss():
+    # Fewer items than num_negatives: each row gets its 3 items other than the positive, then
+    # id 0 (OOV) padding, which must carry MASKED_LOG_Q so the loss never sees it.
+    rng = np.random.default_rng(0)
+    items = rng.normal(size=(5, 3)).astype(np.float32)  # tower indices 1..4
+    queries = rng.normal(size=(2, 3)).astype(np.float32)
+    positives = np.array([1, 2])
+    miner = FaissHardNegativeMiner(6, refresh_every=100)
+    negatives = miner.sample(
+        tf.constant(positives, tf.int64), tf.constant(queries), tf.constant([-1, -1], tf.int64), lambda: items
+    )
+    ids, log_q = negatives.ids.numpy(), negatives.log_q.numpy()
+    assert (ids[:, :3] > 0).all() and (ids[:, 3:] == 0).all()
+    np.testing.assert_array_equal(log_q, np.where(ids > 0, 0.0, np.float32(MASKED_LOG_Q)))
+    loss = SampledSoftmax(temperature=1.0, log_q_weight=1.0)
+
+    def per_example(columns):
+        inputs = LossInputs(
+            tf.constant(queries),
+            tf.constant(items[positives]),
+            tf.constant(positives, tf.int64),
+            (Negatives(tf.constant(ids[:, columns]), tf.constant(log_q[:, columns]), tf.zeros([2])),),
+            (tf.constant(items[ids[:, columns]]),),
+            False,
+        )
+        return loss.per_example(inputs).numpy()
+
+    np.testing.assert_allclose(per_example(slice(None)), per_example(slice(0, 3)), rtol=1e-6)
 
 
 @pytest.mark.slow
