@@ -22,6 +22,7 @@ class ConfigError(ValueError):
 
 
 _FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max: TensorFlow computes in float32
+_FLOAT32_TINY = 1.1754943508222875e-38  # numpy.finfo(numpy.float32).tiny, the smallest normal float32
 _INT64_MAX = 2**63 - 1
 SEED_MAX = 2**32 - 1  # numpy.random.seed (set by tf.keras.utils.set_random_seed) takes 0 .. 2**32 - 1
 # Every seed goes to numpy and TensorFlow: one range for all, checked when the config is loaded.
@@ -43,6 +44,8 @@ class _Section(BaseModel):
         """Floats reach TensorFlow as float32 and ints numpy as int64: refuse values they cannot hold."""
         if isinstance(value, float) and abs(value) > _FLOAT32_MAX:
             raise ValueError(f"{value!r} overflows float32 (at most {_FLOAT32_MAX:.7g} in magnitude)")
+        if isinstance(value, float) and 0 < abs(value) < _FLOAT32_TINY:
+            raise ValueError(f"{value!r} underflows float32 (computes as 0; the smallest is {_FLOAT32_TINY:.7g})")
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _INT64_MAX:
             raise ValueError(f"{value!r} does not fit in int64")
         return value

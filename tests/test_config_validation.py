@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
     [
         ("train.learning_rate=.inf", "train.learning_rate", "finite number"),
         ("train.learning_rate=1.0e39", "train.learning_rate", "overflows float32"),
+        ("train.learning_rate=1.0e-50", "train.learning_rate", "underflows float32"),  # would train as 0
         ("model.l2_regularization=.nan", "model.l2_regularization", "finite number"),
         ("model.temperature=1.0e-300", "model.temperature", "greater than or equal to 0.0001"),
         ("train.seed=4294967296", "train.seed", "less than or equal to 4294967295"),
