@@ -140,7 +140,11 @@ def test_weighted_mean_divides_by_the_global_batch():
     assert float(weighted_mean(per_example, weights, global_batch_size=6)) == pytest.approx((1 + 6) / 6)
 
 
-def test_model_loss_uses_training_popularity_as_q():
+@pytest.mark.parametrize(
+    "correction, strength, remove_hits", [(True, 1.0, True), (True, 0.5, True), (False, 1.0, True), (True, 1.0, False)]
+)
+def test_model_loss_uses_training_popularity_as_q(correction, strength, remove_hits):
+    # The model's switches reach its loss: log-Q on/off and its strength, accidental-hit removal.
     train = pd.DataFrame(
         {
             "user_id": ["u1", "u2", "u3", "u1", "u2", "u4"],
@@ -149,7 +153,13 @@ def test_model_loss_uses_training_popularity_as_q():
         }
     )
     stats = FeatureStatistics.from_training_clicks(train)
-    config = ModelConfig(embedding_dim=6, temperature=0.1)
+    config = ModelConfig(
+        embedding_dim=6,
+        temperature=0.1,
+        log_q_correction=correction,
+        log_q_strength=strength,
+        remove_accidental_hits=remove_hits,
+    )
     tf.keras.utils.set_random_seed(0)
     model = build_model(config, stats)
     batch = {"user_id": tf.constant(["u1", "u2", "u3", "u4"]), "item_id": tf.constant(["a", "c", "b", "b"])}
@@ -159,8 +169,10 @@ def test_model_loss_uses_training_popularity_as_q():
     d = model.doc_tower({"item_id": batch["item_id"]}).numpy()
     counts = {"a": 3, "b": 2, "c": 1}  # training clicks per item
     log_q = np.log([counts[i] / 6 for i in ["a", "c", "b", "b"]])
-    ids = np.array([0, 1, 2, 2])
-    assert loss == pytest.approx(numpy_in_batch_loss(q, d, log_q, ids, 0.1), rel=1e-5)
+    ids = np.array([0, 1, 2, 2])  # "b" twice: an accidental hit
+    weight = strength if correction else 0.0
+    expected = numpy_in_batch_loss(q, d, weight * log_q, ids, 0.1, remove_hits=remove_hits)
+    assert loss == pytest.approx(expected, rel=1e-5)
 
 
 def test_unknown_ids_embed_to_zero():
