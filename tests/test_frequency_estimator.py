@@ -51,6 +51,40 @@ def _poisson_stream(rates, steps, rng):
     return [np.repeat(np.arange(len(rates)), row) for row in counts]
 
 
+def _per_occurrence_reference(batches, rate):
+    """The paper's rule applied occurrence by occurrence, in plain Python: {item: gap B}, and
+    the running mean of the batch size. First sight: B = steps so far / occurrences that step."""
+    gap, last, draws = {}, {}, 0.0
+    for step, batch in enumerate(batches, start=1):
+        draws = len(batch) if step == 1 else (1 - rate) * draws + rate * len(batch)
+        for item in sorted(set(batch.tolist())):
+            occurrences = int(np.sum(batch == item))
+            if item not in last:
+                gap[item] = step / occurrences
+            else:
+                for i in range(occurrences):  # the first sees the gap since its last step, the rest 0
+                    gap[item] = (1 - rate) * gap[item] + rate * (step - last[item] if i == 0 else 0)
+            last[item] = step
+    return gap, draws
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_each_update_follows_the_per_occurrence_rule(seed):
+    rng = np.random.default_rng(seed)
+    ids = np.array([3, 17, 40, 91, 250])
+    estimator = StreamingFrequency(num_buckets=1 << 16, num_hashes=1, learning_rate=0.1)
+    assert len(set(estimator.buckets(tf.constant(ids)).numpy()[0])) == len(ids)  # no collision
+    batches = [np.repeat(ids, counts) for counts in rng.poisson([0.2, 0.7, 1.5, 3.0, 0.05], size=(60, 5))]
+    batches[0] = np.repeat(ids, [1, 1, 2, 3, 0])  # first sight with several occurrences in one step
+    _run(estimator, batches)
+    gap, draws = _per_occurrence_reference(batches, 0.1)
+    seen = np.array(sorted(gap))
+    np.testing.assert_allclose(
+        estimator.expected_count_per_step(tf.constant(seen)).numpy(), [1 / gap[i] for i in seen], rtol=1e-5
+    )
+    assert float(estimator.draws_per_step) == pytest.approx(draws, rel=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_estimate_converges_to_known_rates(seed):
