@@ -17,12 +17,14 @@ from retrieval.config import (
 from retrieval.data import ITEM, USER, load_dataset
 from retrieval.evaluation import (
     BASELINES,
+    EvalSet,
     als_ranking,
     baseline_ranking,
     build_eval_set,
     evaluate_against_baselines,
     fit_als,
     popularity_ranking,
+    popularity_ranking_from_counts,
     ranking_metrics,
 )
 from retrieval.index import ItemIndex
@@ -51,6 +53,10 @@ def test_popularity_by_hand_masks_ties_and_padding():
     # counts: x 3, y 2, z 1, w 0. a clicked x; b clicked x and y (masked).
     # Ties at 0 clicks would be broken by catalogue order; b's list runs out after z, w.
     assert ranked.tolist() == [[2, 3, 0, -1], [3, 0, -1, -1]]
+    # Ties: catalogue order, whatever the counts around them.
+    one_user = EvalSet(np.array(["u"]), [np.array([0])], [np.array([2])])
+    tied = popularity_ranking_from_counts(np.array([1, 3, 1, 0, 3, 1]), one_user, depth=5)
+    assert tied.tolist() == [[1, 4, 0, 5, 3]]  # row 2 (a tie at 1) is the user's own click
 
 
 def test_als_is_seeded_covers_the_catalogue_and_masks_like_the_model(synthetic):
