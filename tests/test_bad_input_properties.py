@@ -73,16 +73,32 @@ def _check_canonical(frame: pd.DataFrame) -> None:
 # --- Writing a log and reading it with both readers. ---
 
 
-def _write(directory: Path, fmt: str, columns: dict[str, Any]) -> Path:
-    """A log file: text cells joined by the separator (cells never hold it), or a typed Parquet table."""
+def _write(
+    directory: Path, fmt: str, columns: dict[str, Any], blank_before: frozenset[int] = frozenset(),
+    field_change: tuple[int, int] | None = None,
+) -> Path:
+    """A log file: text cells joined by the separator (cells never hold it), or a typed Parquet table.
+
+    Text only: an empty line goes before each 0-based data row in ``blank_before``;
+    ``field_change=(row, +1 or -1)`` gives that row one field more, or one less.
+    """
     path = directory / f"clicks.{fmt}"
     if fmt == "parquet":
         pq.write_table(pa.table(columns), path)
-    else:
-        lines = [SEPARATORS[fmt].join(columns)]
-        lines += [SEPARATORS[fmt].join(row) for row in zip(*columns.values())]
-        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return path
+    lines = [SEPARATORS[fmt].join(columns)]
+    for number, cells in enumerate(zip(*columns.values())):
+        cells = list(cells)
+        if field_change is not None and field_change[0] == number:
+            cells = [*cells, "1"] if field_change[1] > 0 else cells[:-1]
+        lines += [""] * (number in blank_before) + [SEPARATORS[fmt].join(cells)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def _line(row: int, blank_before: frozenset[int]) -> int:
+    """The text line of 0-based data row ``row``: after the header and the empty lines before it."""
+    return row + 2 + sum(1 for blank in blank_before if blank <= row)
 
 
 def _in_memory(path: Path) -> pd.DataFrame:
@@ -164,7 +180,8 @@ def valid_logs(draw, fmt: str) -> dict[str, Any]:
 @given(data=st.data(), batch=st.integers(1, 5))
 def test_both_readers_load_valid_logs_to_the_same_rows(tmp_path_factory, fmt, data, batch):
     columns = data.draw(valid_logs(fmt))
-    path = _write(tmp_path_factory.mktemp("log"), fmt, columns)
+    blanks = data.draw(st.frozensets(st.integers(0, len(columns["user"]) - 1)))  # both readers skip empty lines
+    path = _write(tmp_path_factory.mktemp("log"), fmt, columns, blanks)
     memory, streamed = _in_memory(path), _streamed(path, batch)
     _check_canonical(memory)
     assert len(memory) == len(columns["user"])
@@ -194,14 +211,17 @@ bad_floats = st.one_of(
 
 
 @st.composite
-def one_bad_cell(draw, fmt: str) -> tuple[dict[str, Any], str, int]:
-    """A valid log with one cell (or, for a stored type no id may have, one column) made bad:
-    (columns, the bad column, 0-based row of the first bad cell)."""
+def one_bad_cell(draw, fmt: str) -> tuple[dict[str, Any], str | None, int]:
+    """A valid log with one cell (or, for a stored type no id may have, one column; or, in text,
+    one row's number of fields) made bad: (columns, the bad column or None for a row with a field
+    more or less, 0-based row of the first bad cell)."""
     columns = draw(valid_logs(fmt))
     n = len(columns["user"])
     row = draw(st.integers(0, n - 1))
     if fmt != "parquet":
-        name = draw(st.sampled_from(NAMES))
+        name = draw(st.sampled_from([*NAMES, None]))
+        if name is None:
+            return columns, None, row
         bad = {
             "user": st.sampled_from(["", " ", "\u3000"]),
             "item": st.sampled_from(["", "  "]),
@@ -246,11 +266,19 @@ def one_bad_cell(draw, fmt: str) -> tuple[dict[str, Any], str, int]:
 @given(data=st.data(), batch=st.integers(1, 5))
 def test_one_bad_cell_stops_both_readers_at_its_line_and_column(tmp_path_factory, fmt, data, batch):
     columns, name, row = data.draw(one_bad_cell(fmt))
-    path = _write(tmp_path_factory.mktemp("log"), fmt, columns)
-    where = f"row {row + 1}" if fmt == "parquet" else f"line {row + 2}"
+    blanks, change = frozenset(), None
+    if fmt != "parquet":
+        blanks = data.draw(st.frozensets(st.integers(0, len(columns["user"]) - 1)))
+        if name is None:
+            change = (row, data.draw(st.sampled_from([1, -1])))
+    path = _write(tmp_path_factory.mktemp("log"), fmt, columns, blanks, change)
+    where = f"row {row + 1}" if fmt == "parquet" else f"line {_line(row, blanks)}"
     for outcome in (_outcome(_in_memory, path), _outcome(_streamed, path, batch)):
         assert isinstance(outcome, DataError), f"{name} row {row}: loaded {outcome}"
-        assert str(outcome).startswith(f"{path}, {where}, column {name!r}: "), str(outcome)
+        if name is None:  # a field more or less: the line (a missing last cell may be named as that cell)
+            assert str(outcome).startswith(f"{path}, {where}"), str(outcome)
+        else:
+            assert str(outcome).startswith(f"{path}, {where}, column {name!r}: "), str(outcome)
 
 
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])

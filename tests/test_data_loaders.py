@@ -344,9 +344,31 @@ def test_load_dataset_rejects_a_test_log_with_another_split(tmp_path):
 
 def test_trailing_separator_does_not_shift_columns(tmp_path):
     path = write(tmp_path, "c.csv", "user_id,item_id,timestamp\n1,a,5,\n2,b,6,\n")
-    with pytest.warns(pd.errors.ParserWarning):
-        clicks = read_clicks(table(path), COLUMNS)
+    clicks = read_clicks(table(path), COLUMNS)
     assert clicks[[USER, ITEM, TIME]].values.tolist() == [["1", "a", 5], ["2", "b", 6]]
+
+
+@pytest.mark.parametrize(
+    "rows,line",
+    [
+        ("1,a,5\n2,b,6,x\n", 3),  # pandas dropped the 'x' with a warning and the row loaded
+        ("1,a,5,x\n2,b,6\n", 2),
+    ],
+)
+def test_a_row_with_a_field_more_names_its_line_in_both_readers(tmp_path, rows, line):
+    path = write(tmp_path, "c.csv", "user_id,item_id,timestamp\n" + rows)
+    for read in _both_readers(path, COLUMNS):
+        with pytest.raises(DataError, match=rf"c\.csv, line {line}: expected 3 fields separated by ',', found 4"):
+            read()
+
+
+@pytest.mark.parametrize("rows,line", [("1,a,5\n2,b\n3,c,7\n", 3), ("1,a,5\n\n2\n", 4)])
+def test_a_row_with_a_field_less_names_its_line_in_both_readers(tmp_path, rows, line):
+    # In memory the missing field reads as empty and the column that needs it names itself.
+    path = write(tmp_path, "c.csv", "user_id,item_id,timestamp\n" + rows)
+    for read in _both_readers(path, COLUMNS):
+        with pytest.raises(DataError, match=rf"c\.csv, line {line}"):
+            read()
 
 
 def test_malformed_row_names_file_and_line(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -285,10 +286,11 @@ def _read_raw(table: TableConfig, fmt: str) -> _Raw:
     blank_lines = re.match(r"(?:[ \t]*\r?\n)*", text)
     assert blank_lines is not None  # the pattern matches the empty string, so it matches every text
     skipped = blank_lines.group().count("\n")
-    try:
-        frame = pd.read_csv(
+    def parse(names: list[str] | None = None) -> pd.DataFrame:
+        return pd.read_csv(
             io.StringIO(text),
             header=0 if header else None,
+            names=names,
             skiprows=skipped,
             dtype=str,
             keep_default_na=False,
@@ -298,6 +300,18 @@ def _read_raw(table: TableConfig, fmt: str) -> _Raw:
             index_col=False,
             **options,
         )
+
+    extra = "\x00extra field"  # a name no file has
+    names: list[str] | None = None
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", pd.errors.ParserWarning)
+            frame = parse()
+        if any(issubclass(w.category, pd.errors.ParserWarning) for w in caught):
+            # A row has one field more than the header and pandas dropped it: read that field too. A
+            # trailing separator (an empty last field) is tolerated; anything else there is an error.
+            names = [*(str(c) for c in frame.columns), extra]
+            frame = parse(names)
     except pd.errors.EmptyDataError:
         raise DataError("the file is empty: no data rows", file=table.path) from None
     except pd.errors.ParserError as error:
@@ -306,12 +320,25 @@ def _read_raw(table: TableConfig, fmt: str) -> _Raw:
         if found is None:
             raise DataError(f"cannot parse with separator {separator!r}: {error}", file=table.path) from None
         expected, line, saw = map(int, found.groups())
+        expected -= names is not None  # the extra name is not one of the file's fields
         raise DataError(
             f"expected {expected} fields separated by {separator!r}, found {saw}", file=table.path, line=line
         ) from None
     frame.columns = [str(c) for c in frame.columns]
-    frame = frame.fillna("")  # the python engine gives NaN for fields missing at line end
     numbers = np.arange(len(frame)) + (2 if header else 1) + skipped
+    surplus = np.zeros(len(frame), bool)
+    if names is not None:
+        surplus = (frame.pop(extra).fillna("").str.strip() != "").to_numpy()
+    if surplus.any():
+        position = int(np.argmax(surplus))
+        raise DataError(
+            f"expected {frame.shape[1]} fields separated by {separator!r}, found {frame.shape[1] + 1}",
+            file=table.path,
+            line=int(numbers[position]),
+        )
+    # Fields missing at line end read as "" (the python engine: NaN), so a short row is refused by
+    # the first column it leaves empty that the log needs.
+    frame = frame.fillna("")
     blank = frame.apply(lambda column: column.str.strip() == "").all(axis=1).to_numpy()
     frame, numbers = frame[~blank].reset_index(drop=True), numbers[~blank]
     if frame.empty:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import glob
 import itertools
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,19 +176,46 @@ class ClickShards:
 
     def batches(self, file: str) -> Iterator[ClickBatch]:
         """Canonical click batches of one shard, in file order."""
+        text = self.format != "parquet"
+        line_of = (lambda row: self._text_line(file, row)) if text else None
         try:
             scanner = self._dataset(file).to_batches(columns=self.wanted, batch_size=self.read_batch_size)
             first_row = 1
             for batch in scanner:
                 if batch.num_rows == 0:
                     continue
-                text = self.format != "parquet"
-                yield _canonical(batch, self.columns, file, first_row, text, self.header)
+                yield _canonical(batch, self.columns, file, first_row, line_of)
                 first_row += batch.num_rows
         except DataError:
             raise
         except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as error:
-            raise DataError(f"cannot read the {self.format} shard: {error}", file=file) from None
+            found = re.search(r"CSV parse error: Row #(\d+): Expected (\d+) columns, got (\d+)", str(error))
+            if found is None or line_of is None:
+                raise DataError(f"cannot read the {self.format} shard: {error}", file=file) from None
+            row, expected, saw = map(int, found.groups())  # Arrow's row counts the header, not empty lines
+            separator = self.separator or _SEPARATORS[self.format]
+            raise DataError(
+                f"expected {expected} fields separated by {separator!r}, found {saw}",
+                file=file,
+                line=line_of(row - int(self.header)),
+            ) from None
+
+    def _text_line(self, file: str, data_row: int) -> int:
+        """The 1-based line of a text shard's 1-based data row ``data_row``.
+
+        Arrow skips empty lines and does not count them; an error names the line
+        a text editor shows, as ``read_clicks`` does, so they are counted here
+        (only when an error needs a line).
+        """
+        number = rows = 0
+        with open(file, encoding=self.encoding, errors="replace", newline="") as handle:
+            for number, line in enumerate(handle, start=1):
+                if (self.header and number == 1) or not line.rstrip("\r\n"):
+                    continue
+                rows += 1
+                if rows == data_row:
+                    return number
+        return number
 
     def scan(self, files: Sequence[str] | None = None) -> Iterator[ClickBatch]:
         """Canonical click batches of every shard (or of ``files``), shard by shard."""
@@ -251,25 +279,31 @@ def _strings(values: pa.Array) -> np.ndarray:
 
 
 def _canonical(
-    batch: pa.RecordBatch, columns: ColumnsConfig, file: str, first_row: int, text: bool, header: bool = True
+    batch: pa.RecordBatch,
+    columns: ColumnsConfig,
+    file: str,
+    first_row: int,
+    line_of: Callable[[int], int] | None = None,
 ) -> ClickBatch:
     """Ids as stripped strings, timestamps as int64 seconds, weights as float32; errors name file and row.
 
     Cells follow ``retrieval.data.values``, the rules ``read_clicks`` applies:
     each column is handed to them as pandas, except the common cases Arrow
     converts identically and faster (string or integer ids, integer seconds).
+    ``first_row`` is the batch's first 1-based data row in the shard;
+    ``line_of(row)`` gives a text shard's line of a data row (None: Parquet,
+    errors name the row).
     """
 
     def fail(message: str, bad: np.ndarray, column: str) -> DataError:
         position = first_row + int(np.argmax(bad))
         count = int(bad.sum())
         more = f" ({count} bad rows in this batch)" if count > 1 else ""
-        # Text shards: data row r is on line r + 1 with a header, on line r without.
         return DataError(
             message + more,
             file=file,
-            line=position + int(header) if text else None,
-            row=None if text else position,
+            line=None if line_of is None else line_of(position),
+            row=position if line_of is None else None,
             column=column,
         )
 
