@@ -7,6 +7,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -66,8 +67,14 @@ def default_run_name(config_name: str) -> str:
     return f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{config_name}"
 
 
-def train_evaluate_export(config: Config, *, config_name: str = "default") -> RunResult:
-    """Run the whole job; the run directory appears only when every step succeeded."""
+def train_evaluate_export(
+    config: Config, *, config_name: str = "default", on_epoch_end: Callable[[int, dict], None] | None = None
+) -> RunResult:
+    """Run the whole job; the run directory appears only when every step succeeded.
+
+    ``on_epoch_end(epoch, logs)`` is passed to ``training.fit``: it sees each early-stopping epoch's
+    validation recall and may raise to abandon the run (pipelines/tune.py prunes trials with it).
+    """
     started = time.perf_counter()
     if config.data.out_of_core:  # click shards streamed through tf.data, never loaded whole
         if config.train.checkpoint_every_steps:  # on by default: say so, without a warning
@@ -83,6 +90,9 @@ def train_evaluate_export(config: Config, *, config_name: str = "default") -> Ru
         save_config(config, scratch / "config.yaml")
         dataset = load_dataset(config.data, config.split)
         log.info("data: %s", json.dumps(dataset.summary()))
+        # Who is evaluated follows from the split alone: an empty eval set fails here, not after training.
+        catalogue_ids = dataset.items[ITEM].astype(str).tolist()
+        eval_set = build_eval_set(dataset.train, dataset.test, catalogue_ids, config.evaluation)
         stats = FeatureStatistics.from_training_clicks(dataset.train)
         tables = TowerTables.from_dataset(dataset, config.towers)
         examples = tables.examples()
@@ -110,10 +120,10 @@ def train_evaluate_export(config: Config, *, config_name: str = "default") -> Ru
         log.info("training: %d clicks, %d epochs", len(dataset.train), config.train.epochs)
         with strategy.scope():  # fit compiles: the optimizer's variables too
             history = fit(
-                model, examples, config.train, log_dir=scratch, split=config.split, checkpoint_dir=checkpoint_dir
+                model, examples, config.train, log_dir=scratch, split=config.split, checkpoint_dir=checkpoint_dir,
+                on_epoch_end=on_epoch_end,
             )
 
-        catalogue_ids = dataset.items[ITEM].astype(str).tolist()
         log.info("indexing %d catalogue items (%s)", len(catalogue_ids), config.index.factory)
         # Every catalogue item is embedded from its features, clicked in training or not.
         item_embeddings = embed_frame(model.doc_tower, tables.catalogue())
@@ -127,9 +137,9 @@ def train_evaluate_export(config: Config, *, config_name: str = "default") -> Ru
             "training users",
         )
 
-        eval_set = build_eval_set(dataset.train, dataset.test, catalogue_ids, config.evaluation)
         log.info("evaluating %d test users over the full corpus", len(eval_set.user_ids))
-        metrics = evaluate_against_baselines(
+        # per-model metric dicts, then the run's "data" summary and "final_train_loss" beside them
+        metrics: dict[str, Any] = evaluate_against_baselines(
             index,
             embed_frame(model.query_tower, tables.queries(eval_set.user_ids)),
             eval_set,
@@ -412,6 +422,8 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
     sampled test users. The run directory is the in-memory job's.
     """
     stream = config.data.stream
+    if config.data.clicks is None:
+        raise ValueError("data.out_of_core needs data.clicks (the click shards)")
     name = config.run.name or default_run_name(config_name)
     final = Path(config.run.output_dir) / name
     with atomic_directory(final, overwrite=config.run.overwrite) as scratch:
@@ -437,6 +449,12 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
             "temporal_cut": plan.cut,
         }
         log.info("data (streamed in %.1fs): %s", seconds["streaming_stats"], json.dumps(summary))
+        # Pass 3 before training: an empty eval set fails now, not after training.
+        clock = time.perf_counter()
+        users = sample_test_users(counts, stream.max_test_users, stream.seed)
+        user_train, user_test = collect_users(shards, plan, users)
+        eval_set = _streamed_eval_set(user_train, user_test, stats, catalogue_ids, config.evaluation)
+        seconds["evaluation"] = time.perf_counter() - clock
 
         seed_everything(config.train.seed)  # before the towers are built: their init is random
         model = build_model(config.model, stats, use_weights=config.train.use_weights)
@@ -462,14 +480,11 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         seconds["indexing"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        users = sample_test_users(counts, stream.max_test_users, stream.seed)
-        user_train, user_test = collect_users(shards, plan, users)
-        eval_set = _streamed_eval_set(user_train, user_test, stats, catalogue_ids, config.evaluation)
         log.info("evaluating %d sampled test users over the full corpus", len(eval_set.user_ids))
         metrics = _evaluate_streamed(
             index, embed(model.query_tower, USER, eval_set.user_ids), eval_set, user_train, stats, config.evaluation
         )
-        seconds["evaluation"] = time.perf_counter() - clock
+        seconds["evaluation"] += time.perf_counter() - clock
         metrics["data"] = {**summary, "evaluation_users_sampled": len(users)}
         metrics["final_train_loss"] = history["loss"][-1]
         metrics["out_of_core"] = {

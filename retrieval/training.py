@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import faiss
@@ -188,6 +189,7 @@ def fit(
     log_dir: Path | None = None,
     split: SplitConfig | None = None,
     checkpoint_dir: Path | None = None,
+    on_epoch_end: Callable[[int, dict], None] | None = None,
 ) -> dict[str, list[float]]:
     """Train ``model`` on the training clicks; return the Keras history.
 
@@ -215,6 +217,9 @@ def fit(
       split: how the test part was split (the validation part is carved alike);
         None = temporal when the clicks have timestamps, else random.
       checkpoint_dir: where to save and look for checkpoints; None = none.
+      on_epoch_end: called as ``on_epoch_end(epoch, logs)`` (0-based epoch) after each epoch of the
+        early-stopping selection run, ``logs`` holding ``val_recall@<validation_k>``; it may raise to
+        stop training (pipelines/tune.py prunes trials this way). Not called without early stopping.
     """
     seed_everything(config.seed)
     optimizer = _OPTIMIZERS[config.optimizer](learning_rate=config.learning_rate)
@@ -237,8 +242,9 @@ def fit(
                 log_dir=str(Path(log_dir) / "tensorboard"), write_graph=False, profile_batch=0, update_freq="epoch"
             )
         )
-    epochs, selection = config.epochs, {}
-    if resumed and checkpoint.selection:
+    epochs = config.epochs
+    selection: dict[str, list[float]] = {}
+    if resumed and checkpoint is not None and checkpoint.selection:
         selection = checkpoint.selection
         epochs = int(selection["best_epoch"][0])
         log.info("early-stopping selection was done before the checkpoint (best epoch %d): not repeated",
@@ -247,7 +253,8 @@ def fit(
         if checkpoint is not None:
             log.info("early-stopping selection (not checkpointed: a killed selection starts over) ...")
         # Without a refit the selection run is the training run: it gets the logs.
-        epochs, selection = select_epochs(model, train, config, split, [] if config.refit else callbacks)
+        hooks = [] if on_epoch_end is None else [tf.keras.callbacks.LambdaCallback(on_epoch_end=on_epoch_end)]
+        epochs, selection = select_epochs(model, train, config, split, hooks + ([] if config.refit else callbacks))
         if not config.refit:
             return selection
     model.compile(optimizer=optimizer)
@@ -587,7 +594,7 @@ class ValidationRecall(tf.keras.callbacks.Callback):
         self.k, self.patience = int(k), int(patience)
         self.recalls: list[float] = []
         self.best_epoch, self.best_weights = 0, None
-        self._masks = None
+        self._masks: tuple[np.ndarray, np.ndarray] | None = None
 
     def _exclusions(self, model: TwoTowerModel) -> tuple[np.ndarray, np.ndarray]:
         """(validation row, tower index) of every fit-part click of each row's user."""
