@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 import tensorflow as tf
 from feature_fixtures import ALL_KINDS, small_tables
@@ -84,7 +85,13 @@ def test_unseen_items_and_users_get_real_embeddings(bundle):
     )
     # An unseen id embedded from its features says so, and keeps its scores.
     assert stranger.fallback == "features" and len(stranger.item_ids) == 3
-    assert all(s is not None for s in stranger.scores)
+    # ... and they are the scores of the in-training query tower fed the same raw features.
+    raw = {"user_id": "new", "age": 30.0, "zip": "99999", "country": "BR", "signup": np.nan}
+    raw["history"] = ("i7", "i2", "")  # padded to the history length, as the bundle pads it
+    scores = (embed_frame(query, pd.DataFrame([raw])) @ item_embeddings.T)[0]
+    best = np.argsort(-scores, kind="stable")[:3]
+    assert stranger.item_ids == catalogue["item_id"].to_numpy()[best].tolist()
+    np.testing.assert_allclose(stranger.scores, scores[best], rtol=1e-5, atol=1e-6)
     known = Bundle.load(directory).recommend(tables.queries(["u0"]).to_dict("records")[0], k=3)
     assert known.fallback is None
     assert "features" in Bundle.load(directory).metadata()["fallbacks"]
