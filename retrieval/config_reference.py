@@ -215,6 +215,8 @@ def reference_markdown(config: type[BaseModel] = Config) -> str:
     seen: dict[type, str] = {}
     for name, field in config.model_fields.items():
         section = field.annotation
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            raise TypeError(f"top-level config field {name!r} is not a section model: {section!r}")
         lines += [f"#### `{name}`", "", _section_summary(section), ""]
         lines += _table(list(_rows(section, f"{name}.", seen)))
         lines.append("")

@@ -193,13 +193,13 @@ class HuffmanTree:
         node_sign = np.zeros(max(num_items - 1, 1), dtype=np.float32)
         for internal in range(num_items - 1):
             weight = 0.0
-            for sign in (1.0, -1.0):  # the lighter child goes left
+            for child_sign in (1.0, -1.0):  # the lighter child goes left
                 child_weight, _, child = heapq.heappop(heap)
                 weight += child_weight
                 if child >= 0:
-                    node_parent[child], node_sign[child] = internal, sign
+                    node_parent[child], node_sign[child] = internal, child_sign
                 else:
-                    leaf_parent[-child], leaf_sign[-child] = internal, sign
+                    leaf_parent[-child], leaf_sign[-child] = internal, child_sign
             heapq.heappush(heap, (weight, num_items + 1 + internal, internal))
         # Walk every leaf up to the root at once, one level per iteration (leaf-to-root order).
         steps_nodes, steps_signs = [], []

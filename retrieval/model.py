@@ -7,6 +7,7 @@ below; each raises ``ValueError`` naming an unknown key and the valid ones.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -101,9 +102,9 @@ class TwoTowerModel(tfrs.Model):
         self._item_ids = tuple(item_ids)
         if catalogue_features is None:
             catalogue_features = {ITEM: np.asarray([_OOV_ITEM, *item_ids], dtype=object)}
-        self._catalogue = {}
+        self._catalogue: dict[str, tf.Tensor] = {}
         self.set_catalogue_features(catalogue_features)
-        self._user_index = None
+        self._user_index: tf.keras.layers.StringLookup | None = None
         if miner is not None:
             if user_ids is None:
                 raise ValueError("a hard-negative miner needs user_ids (the rows of its UserHistory)")
@@ -129,8 +130,8 @@ class TwoTowerModel(tfrs.Model):
                 pd.Index(self._item_ids, dtype=object)
             )
             if np.any(position < 0):
-                missing = self._item_ids[int(np.flatnonzero(position < 0)[0])]
-                raise ValueError(f"the catalogue frame lacks vocabulary item {missing!r}")
+                missing_id = self._item_ids[int(np.flatnonzero(position < 0)[0])]
+                raise ValueError(f"the catalogue frame lacks vocabulary item {missing_id!r}")
             rows = features.iloc[np.r_[position[:1], position]]
             features = feature_arrays(rows)
             if ITEM in features:
@@ -196,6 +197,7 @@ class TwoTowerModel(tfrs.Model):
             self.sampler.observe(across_replicas(positive_ids))
         negatives = [self.sampler.sample(positive_ids, queries=queries, embed_catalogue=self.embed_catalogue)]
         if self.miner is not None and training:
+            assert self._user_index is not None  # __init__ builds it whenever there is a miner
             user_rows = self._user_index(features[USER]) - 1  # -1 = unknown user
             negatives.append(self.miner.sample(positive_ids, queries, user_rows, self.embed_catalogue))
         inputs = LossInputs(
@@ -396,7 +398,7 @@ def build_model(
         ``TwoTowerModel``); None = item ids.
     """
     if towers is None:
-        common = dict(normalize=config.normalize, l2_regularization=config.l2_regularization)
+        common: dict[str, Any] = dict(normalize=config.normalize, l2_regularization=config.l2_regularization)
         towers = (
             id_tower(USER, stats.users, config.embedding_dim, name="query_tower", **common),
             id_tower(ITEM, stats.items, config.embedding_dim, name="doc_tower", **common),

@@ -99,6 +99,8 @@ def load_dataset(data: DataConfig, split: SplitConfig) -> Dataset:
         clicks, item_features, user_features = load_movielens_100k(folder)
         source = f"movielens-100k:{folder}"
     elif data.source == "files":
+        if data.clicks is None:
+            raise ValueError("data.clicks is required when data.source is 'files'")
         clicks = read_clicks(data.clicks, data.columns)
         if data.test_clicks is not None:
             test_log = apply_duplicates(read_clicks(data.test_clicks, data.columns), data.duplicates)

@@ -188,7 +188,7 @@ def _ids(prefix: str, n: int) -> np.ndarray:
 def _spell(codes: np.ndarray, min_syllables: int) -> list[str]:
     words = []
     for code in codes.tolist():
-        syllables = []
+        syllables: list[str] = []
         while code or len(syllables) < min_syllables:
             code, digit = divmod(code, len(_SYLLABLES))
             syllables.append(_SYLLABLES[digit])

@@ -76,7 +76,7 @@ class ALSFactors:
     user_factors: np.ndarray
     item_factors: np.ndarray
 
-    def users(self, user_ids: Sequence[str]) -> np.ndarray:
+    def users(self, user_ids: Sequence[str] | np.ndarray) -> np.ndarray:
         """Factors of ``user_ids`` [len(user_ids), factors]; zero rows for unknown users."""
         rows = self.user_ids.get_indexer(pd.Index(user_ids, dtype=object))
         factors = np.zeros((len(rows), self.user_factors.shape[1]), dtype=np.float32)

@@ -179,7 +179,7 @@ def tail_recall(
         rows = np.asarray(rows, dtype=np.int64)
         tail_relevant.append(rows[is_tail[rows]])
     metrics = ranking_metrics(np.asarray(ranked)[:, :k], tail_relevant, [k])
-    return metrics[f"recall@{k}"], metrics["users"]
+    return metrics[f"recall@{k}"], int(metrics["users"])
 
 
 def activity_segments(activity: np.ndarray, edges: Sequence[int]) -> np.ndarray:
@@ -240,7 +240,7 @@ def metrics_by_segment(
     results = {}
     for label in [label for label in order if label in present] if order is not None else present:
         members = np.flatnonzero(segments == label)
-        results[str(label)] = ranking_metrics(ranked[members], [relevant[i] for i in members], ks)
+        results[str(label)] = ranking_metrics(ranked[members], [relevant[int(i)] for i in members], ks)
     return results
 
 

@@ -93,8 +93,9 @@ def category_values(feature: FeatureConfig, column: pd.Series) -> pd.Series:
         values = pd.Series(flat, dtype=object)
     else:
         values = column.astype(str)
-        if getattr(feature, "prefix", None):
-            values = values.str.slice(0, feature.prefix)
+        prefix = getattr(feature, "prefix", None)  # only some kinds have one
+        if prefix:
+            values = values.str.slice(0, prefix)
     return values[values != PAD]
 
 

@@ -100,7 +100,7 @@ def history_before(clicks: pd.DataFrame, length: int) -> np.ndarray:
     return history
 
 
-def latest_history(clicks: pd.DataFrame, user_ids: Sequence[str], length: int) -> np.ndarray:
+def latest_history(clicks: pd.DataFrame, user_ids: Sequence[str] | np.ndarray, length: int) -> np.ndarray:
     """Each user's last ``length`` clicks in ``clicks``, all visible: the history at serving time.
 
     Returns:
@@ -169,7 +169,7 @@ def tower_frame(
                 f"(columns: {sorted(set(available))})"
             )
     values = {column: rows[column].to_numpy() for column in wanted if column in rows.columns}
-    if from_table:
+    if table is not None and from_table:  # a column missing from both raised above
         joined = table.set_index(key)[from_table].reindex(pd.Index(rows[key].astype(str).to_numpy(), dtype=object))
         values.update({column: joined[column].to_numpy() for column in from_table})
     out = {feature.name: _raw(feature, values[feature.column], side) for feature in tower.features}
@@ -216,7 +216,7 @@ def catalogue_inputs(items: pd.DataFrame, towers: TowersConfig) -> pd.DataFrame:
 
 
 def query_inputs(
-    user_ids: Sequence[str],
+    user_ids: Sequence[str] | np.ndarray,
     users: pd.DataFrame | None,
     train: pd.DataFrame,
     towers: TowersConfig,
@@ -337,6 +337,6 @@ class TowerTables:
         """``catalogue_inputs``: one row per catalogue item, in catalogue order."""
         return catalogue_inputs(self.items, self.towers)
 
-    def queries(self, user_ids: Sequence[str]) -> pd.DataFrame:
+    def queries(self, user_ids: Sequence[str] | np.ndarray) -> pd.DataFrame:
         """``query_inputs`` at the end of training: one row per user id."""
         return query_inputs(user_ids, self.users, self.train, self.towers, self.reference_time)

@@ -130,7 +130,7 @@ class FaissHardNegativeMiner(tf.Module):
         _, rows = self.index.search(np.ascontiguousarray(queries, np.float32), depth)
         found = np.where(rows >= 0, rows + 1, 0)  # FAISS row r holds tower index r + 1
         drop = (found == 0) | (found == positive_ids[:, None])
-        if clicks:
+        if self.history is not None and clicks:
             # (query, item) pairs of the search results that are the user's clicks.
             query_of = np.repeat(np.arange(len(found)), sizes)
             click_items = np.concatenate(

@@ -99,7 +99,7 @@ class QuadraticKernelTree:
         num_nodes = 2 * self.num_leaves - 1
         self.sums = np.zeros((num_nodes, self.dim, self.dim))
         self.counts = np.zeros(num_nodes)
-        self._packed_sums = None  # upper triangles of self.sums, built on the first draw
+        self._packed_sums: np.ndarray | None = None  # upper triangles of self.sums, built on the first draw
         first_leaf = self.num_leaves - 1
         self.sums[first_leaf:] = np.einsum("lbd,lbe->lde", self.buckets, self.buckets)
         self.counts[first_leaf:] = self.bucket_valid.sum(axis=1)
@@ -222,7 +222,7 @@ class QuadraticKernelTree:
         weights = np.where(self.bucket_valid[leaf], self.alpha * dots**2 + 1.0, 0.0)
         per_item = rng.multinomial(count, weights / weights.sum(axis=1, keepdims=True))
         items = (leaf[:, None] * self.leaf_size + np.arange(self.leaf_size)).ravel()
-        ids = np.repeat(items, per_item.ravel())
+        ids: np.ndarray = np.repeat(items, per_item.ravel())
         query_of = np.repeat(np.repeat(owner, self.leaf_size), per_item.ravel())
         ids = ids[np.argsort(query_of, kind="stable")].reshape(num_queries, num_draws)
         ids = rng.permuted(ids, axis=1)  # draws are exchangeable; do not leave them sorted by leaf

@@ -26,10 +26,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import tensorflow as tf
 
-from retrieval.config import FeatureConfig, HistoryConfig, ModelConfig, TowerConfig, TowersConfig
+from retrieval.config import (
+    CategoricalFeature,
+    HistoryConfig,
+    ModelConfig,
+    MultiCategoricalFeature,
+    TowerConfig,
+    TowersConfig,
+)
 from retrieval.features import TowerStatistics, Vocabulary, feature_input
 from retrieval.towers.id import IdEmbedding
 from retrieval.towers.layers import (
@@ -65,10 +73,18 @@ def build_towers(
     history = towers.query.history
     if history is not None and history.share_item_embedding:
         feature = towers.item_id_feature
+        if feature is None:  # TowersConfig validation rejects this
+            raise ValueError(
+                "towers.query.history.share_item_embedding needs an id feature with source item_id in "
+                "towers.doc.features (or set share_item_embedding: false)"
+            )
+        vocabulary = stats[feature.name]
+        if not isinstance(vocabulary, Vocabulary):  # None: a hashed id feature (IdEmbedding.build's message)
+            raise ValueError(f"feature {feature.name!r} has no training values to build a vocabulary from")
         shared = IdEmbedding.build(
-            feature.name, stats[feature.name], feature.embedding_dim or model.embedding_dim, model.l2_regularization
+            feature.name, vocabulary, feature.embedding_dim or model.embedding_dim, model.l2_regularization
         )
-    common = dict(
+    common: dict[str, Any] = dict(
         embedding_dim=model.embedding_dim, normalize=model.normalize, l2_regularization=model.l2_regularization
     )
     query = feature_tower(towers.query, stats, item_embedding=shared, name="query_tower", **common)
@@ -209,11 +225,11 @@ def _encode_history(history: HistoryConfig, stats: TowerStatistics, context: _Co
     return pooling(name=f"{history.name}_{history.pooling}")(table(x), mask)
 
 
-def _category_ids(feature: FeatureConfig, vocabulary: Vocabulary | None, x):
+def _category_ids(feature: CategoricalFeature | MultiCategoricalFeature, vocabulary: Vocabulary | None, x):
     """Integer ids and the number of embedding rows for a categorical input of any shape."""
     if feature.hash_buckets is not None:
         return tf.keras.layers.Hashing(feature.hash_buckets, name=f"{feature.name}_hash")(x), feature.hash_buckets
-    _need_values(feature.name, vocabulary)
+    vocabulary = _need_values(feature.name, vocabulary)
     lookup = tf.keras.layers.StringLookup(
         vocabulary=list(vocabulary.ids),
         mask_token=None,
@@ -223,7 +239,9 @@ def _category_ids(feature: FeatureConfig, vocabulary: Vocabulary | None, x):
     return lookup(x), feature.oov_buckets + len(vocabulary)
 
 
-def _embedding(feature: FeatureConfig, rows: int, context: _Context) -> tf.keras.layers.Embedding:
+def _embedding(
+    feature: CategoricalFeature | MultiCategoricalFeature, rows: int, context: _Context
+) -> tf.keras.layers.Embedding:
     return tf.keras.layers.Embedding(
         rows,
         feature.embedding_dim or context.embedding_dim,
@@ -236,6 +254,7 @@ def _regularizer(l2: float):
     return tf.keras.regularizers.l2(l2) if l2 else None
 
 
-def _need_values(name: str, vocabulary: Vocabulary | None) -> None:  # same check as IdEmbedding.build
+def _need_values(name: str, vocabulary: Vocabulary | None) -> Vocabulary:  # same check as IdEmbedding.build
     if vocabulary is None or len(vocabulary) == 0:
         raise ValueError(f"feature {name!r} has no training values to build a vocabulary from")
+    return vocabulary
