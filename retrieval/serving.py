@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import reprlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,23 @@ import tensorflow as tf
 
 from retrieval.export import read_manifest
 from retrieval.index import ItemIndex
+
+
+class BundleError(ValueError):
+    """A bundle that cannot be served: one line naming the directory, the part and why.
+
+    The message never quotes file contents (FAISS and TensorFlow errors echo
+    bytes of the file they failed on), so it is safe to print or send back.
+    """
+
+
+
+def _short(value: Any) -> str:
+    """A bounded repr for error messages: a client's deeply nested or huge value is not echoed whole."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxlist, short.maxdict, short.maxstring, short.maxother = 2, 4, 4, 40, 40
+    return short.repr(value)
+
 
 
 @dataclass(frozen=True)
@@ -47,20 +66,41 @@ class Recommendations:
 
 
 class Bundle:
-    """A loaded bundle: query model + index + item ids + manifest."""
+    """A loaded bundle: query model + index + item ids + manifest.
+
+    ``Bundle.load`` raises BundleError (one line, no file bytes) for any
+    bundle it cannot serve: missing or corrupt manifest, SavedModel, index or
+    item ids, or parts that do not fit together.
+    """
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         self.loaded_at = time.time()
-        self.manifest = read_manifest(self.directory)
-        self.query_features: list[str] = list(self.manifest["query_features"])
-        self._query_model = tf.saved_model.load(str(self.directory / self.manifest["files"]["query_model"]))
-        self._embed = self._query_model.signatures["serving_default"]
-        # Bundles whose query tower reads id features say which ids it knew (export.save_tower).
-        self._reports_known_ids = "known_ids" in self._embed.structured_outputs
-        # name -> TensorSpec: string [batch], float32/float64 [batch] or string [batch, width].
-        self._input_specs: dict[str, tf.TensorSpec] = dict(self._embed.structured_input_signature[1])
-        self.index = ItemIndex.load(self.directory)
+        with _part(self.directory, "manifest.json"):
+            self.manifest = read_manifest(self.directory)
+            self.query_features: list[str] = [str(f) for f in self.manifest["query_features"]]
+            query_model = str(self.manifest["files"]["query_model"])
+        with _part(self.directory, f"query SavedModel {query_model!r}"):
+            self._query_model = tf.saved_model.load(str(self.directory / query_model))
+            self._embed = self._query_model.signatures["serving_default"]
+            # Bundles whose query tower reads id features say which ids it knew (export.save_tower).
+            self._reports_known_ids = "known_ids" in self._embed.structured_outputs
+            # name -> TensorSpec: string [batch], float32/float64 [batch] or string [batch, width].
+            self._input_specs: dict[str, tf.TensorSpec] = dict(self._embed.structured_input_signature[1])
+        missing = [f for f in self.query_features if f not in self._input_specs]
+        if missing:
+            raise BundleError(
+                f"{self.directory}: the query SavedModel does not take the manifest's query features {missing} "
+                f"(it takes {sorted(self._input_specs)})"
+            )
+        with _part(self.directory, "index (index.faiss, index.json, item_ids.parquet)"):
+            self.index = ItemIndex.load(self.directory)
+        if len(self.index.item_ids) != self.index.index.ntotal:
+            raise BundleError(
+                f"{self.directory}: item_ids.parquet holds {len(self.index.item_ids)} ids for "
+                f"{self.index.index.ntotal} vectors in index.faiss"
+            )
+        self._id_array = np.array([str(item) for item in self.index.item_ids], dtype=object)
         self._row_of = {item: row for row, item in enumerate(self.index.item_ids)}
         self._popular_rows = np.array(
             [self._row_of[item] for item in self.manifest.get("popular_item_ids", []) if item in self._row_of],
@@ -77,11 +117,13 @@ class Bundle:
         return str(self.manifest.get("run") or self.directory.name)
 
     def metadata(self) -> dict[str, Any]:
-        """What a client may want to know: version, features, index, recall, versions (no config dump)."""
+        """What a client may want to know: version, features, index, recall, versions.
+
+        No config dump and no server paths (the bundle's directory stays private).
+        """
         index = self.index.info()
         return {
             "bundle": self.version,
-            "directory": str(self.directory),
             "created_at": self.manifest.get("created_at"),
             "loaded_at": self.loaded_at,
             "format_version": self.manifest.get("format_version"),
@@ -113,19 +155,22 @@ class Bundle:
             value, spec = query[feature], self._input_specs[feature]
             if spec.dtype != tf.string:
                 if isinstance(value, bool) or not (value is None or isinstance(value, (int, float))):
-                    raise ValueError(f"query {position} feature {feature!r} must be a number or null, got {value!r}")
+                    raise ValueError(
+                        f"query {position} feature {feature!r} must be a number or null, got {_short(value)}"
+                    )
             elif spec.shape.rank == 2:
                 if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or any(
                     isinstance(v, bool) or not isinstance(v, (str, int)) for v in value
                 ):
                     raise ValueError(
-                        f"query {position} feature {feature!r} must be a list of strings or integers, got {value!r}"
+                        f"query {position} feature {feature!r} must be a list of strings or integers, "
+                        f"got {_short(value)}"
                     )
             elif value is None and len(self.query_features) > 1:
                 continue  # a missing feature of a feature tower; an ID tower's only id must be given
             elif isinstance(value, bool) or not isinstance(value, (str, int)):
                 raise ValueError(
-                    f"query {position} feature {feature!r} must be a string or integer, got {value!r}"
+                    f"query {position} feature {feature!r} must be a string or integer, got {_short(value)}"
                 )
 
     def embed(self, queries: Sequence[Mapping[str, Any]]) -> np.ndarray:
@@ -185,7 +230,34 @@ class Bundle:
         return results
 
     def _ids(self, rows) -> list[str]:
-        return [str(self.index.item_ids[r]) for r in rows]
+        return self._id_array[np.asarray(rows, dtype=np.int64)].tolist()
+
+
+@contextmanager
+def _part(directory: Path, what: str) -> Iterator[None]:
+    """Any failure while loading one part of a bundle -> BundleError naming the directory and the part."""
+    try:
+        yield
+    except BundleError:
+        raise
+    except Exception as error:
+        raise BundleError(f"{directory}: {what} cannot be loaded: {_reason(error)}") from error
+
+
+def _reason(error: Exception) -> str:
+    """Why a part failed, without quoting the file (library messages echo its bytes)."""
+    if isinstance(error, FileNotFoundError) and "is not a bundle" in str(error):
+        return "manifest.json is missing"  # read_manifest's own message
+    if isinstance(error, FileNotFoundError | IsADirectoryError | NotADirectoryError | PermissionError):
+        name = Path(error.filename).name if getattr(error, "filename", None) else "a file"
+        return f"{type(error).__name__} on {name}"
+    if isinstance(error, json.JSONDecodeError):
+        return f"not valid JSON (line {error.lineno}, column {error.colno})"
+    if isinstance(error, KeyError):
+        return f"the key {_short(error.args[0] if error.args else None)} is missing"
+    if isinstance(error, ValueError) and "bundle format" in str(error):
+        return str(error).split(": ", 1)[-1]  # read_manifest's version message
+    return f"missing, truncated or corrupt ({type(error).__name__})"
 
 
 def _input_tensor(values: Sequence[Any], spec: tf.TensorSpec) -> tf.Tensor:

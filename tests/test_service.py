@@ -21,7 +21,7 @@ import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
 from retrieval.config import IndexConfig
 from retrieval.export import TOPK_MODEL_DIR, write_bundle
 from retrieval.index import build_index
-from retrieval.service import create_app
+from retrieval.service import ServiceLimits, create_app, server_config
 from retrieval.serving import Bundle
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def world(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def app(world):
-    return create_app(world["bundle-a"], max_body_bytes=64 * 1024)
+    return create_app(world["bundle-a"], limits=ServiceLimits(max_body_bytes=64 * 1024))
 
 
 def call(app, method, path, **kwargs):
@@ -158,9 +158,19 @@ def test_bad_requests_get_4xx_with_a_reason(app, method, path, kwargs, status, r
     assert reason in response.json()["error"]
 
 
-def test_oversized_body_is_refused(app):
-    response = call(app, "POST", "/recommend", json={"query": {"user_id": "u" * 100_000}})
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_oversized_body_is_refused_in_json(app, declared):
+    body = json.dumps({"query": {"user_id": "u" * 100_000}}).encode()
+    # Without Content-Length (a generator body is sent chunked) the limit trips while reading.
+    async def chunks():
+        yield body[:50_000]
+        yield body[50_000:]
+
+    content = body if declared else chunks()
+    response = call(app, "POST", "/recommend", content=content)
     assert response.status_code == 413
+    assert response.json() == {"error": f"request body over {64 * 1024} bytes"}
+    assert response.headers["connection"] == "close"
 
 
 def test_failed_reload_keeps_serving_the_old_bundle(app, tmp_path):
@@ -188,8 +198,8 @@ def _free_port():
 def loopback(world):
     """A uvicorn server on 127.0.0.1 in a thread, serving bundle-a."""
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(world["bundle-a"]), host="127.0.0.1", port=port,
-                                           log_level="warning", access_log=False))
+    server = uvicorn.Server(server_config(create_app(world["bundle-a"]), host="127.0.0.1", port=port,
+                                          log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
