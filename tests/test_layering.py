@@ -15,6 +15,7 @@ STAGES = [
     "losses",
     "model",
     "training",
+    "exact_topk",  # brute-force top-k the Flat index searches with
     "index",
     "evaluation",
     "export",

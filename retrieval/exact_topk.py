@@ -1,0 +1,330 @@
+"""Exact inner-product top-k by blocked matrix products and a running threshold.
+
+Brute-force top-k over n items costs one score per (query, item) pair, and on
+a CPU the score itself is cheap: an sgemm computes a [queries, items] block at
+BLAS speed. What is slow is selecting the k best of each row afterwards —
+FAISS's ``IndexFlatIP`` pushes every score through a heap, a full
+``argpartition`` reads every score several times. This module selects
+with one comparison per score instead:
+
+1. The corpus is cut into blocks of ``block_items`` rows; per block, one sgemm
+   writes the scores of a chunk of ``query_chunk`` queries into a preallocated
+   buffer small enough to stay in cache.
+2. Each query keeps a threshold: the k-th best score seen so far (a lower bound
+   of its final k-th score, since any subset's k-th best is). Only scores
+   strictly above it are candidates: ``np.greater`` + ``np.flatnonzero`` over
+   the block. After the first few blocks the threshold passes fewer than one
+   score in a hundred (on random data, about ``k * block / seen`` a block), so
+   selection costs one compare pass, a fraction of the sgemm.
+3. Candidates go into a per-query buffer of a few k; when a row's buffer is
+   full it is cut back to its best k (``argpartition``) and its threshold
+   raised to the k-th of those.
+4. At the end, each buffer's best k are sorted by score.
+
+Excluded items (e.g. a user's training clicks) get score -inf in the block
+they fall in before the comparison, so they never become candidates and cost
+nothing beyond that write.
+
+Query chunks run on a thread pool (numpy releases the GIL in sgemm and in the
+comparison), one BLAS thread each: the same number of cores as a
+multi-threaded matrix product, without BLAS's per-call thread synchronisation,
+which on small blocks costs more than the product.
+
+This is the threshold algorithm of "Top-k" selection with a running bound,
+as in FAISS's own ``ReservoirTopN`` result handlers (a reservoir of 2k–3k
+candidates per query, cut back to k by partition when full) — here in numpy
+around one sgemm per block.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
+
+import numpy as np
+from threadpoolctl import ThreadpoolController
+
+BLOCK_ITEMS = 1024  # corpus rows per sgemm (at least 4 k): with QUERY_CHUNK, a 2 MiB float32 block
+QUERY_CHUNK = 512  # queries per sgemm and per task of the thread pool
+SPARSE_ROWS = 0.5  # below this share of queries with a candidate in a block, compare only their rows
+BUFFER_MULTIPLE = 3  # candidates held per query before cutting back to k, in units of k
+GUESS_MARGIN = 0.7  # extrapolated thresholds aim at k / GUESS_MARGIN passing items
+GUESS_MIN_RANK = 64  # extrapolate from the r-th best seen only when r >= this (relative error ~ 1/sqrt(r))
+
+# threadpoolctl sets BLAS threads process-wide and restores the previous count
+# on exit; two searches overlapping would restore each other's values, so the
+# setting is held by one search at a time.
+_BLAS_LOCK = threading.Lock()
+
+
+@cache
+def _blas_controller() -> ThreadpoolController:
+    """The loaded BLAS libraries (inspecting them takes milliseconds, so once)."""
+    return ThreadpoolController()
+
+
+def blas_threads() -> int:
+    """Threads the BLAS behind numpy's matrix product would use (at least 1)."""
+    counts = [info["num_threads"] for info in _blas_controller().info() if info["user_api"] == "blas"]
+    return max(counts, default=os.cpu_count() or 1)
+
+
+class ExactTopK:
+    """Exact top-k by inner product over a fixed matrix of item vectors.
+
+    Same contract as ``ItemIndex.search``: best first, -inf scores and -1
+    rows where fewer than k items are left. On data without ties the rows
+    equal ``np.argsort(-queries @ items.T)[:, :k]``; ties are broken
+    arbitrarily (as in FAISS).
+
+    Args:
+      items: [num_items, dim] float32 item vectors; used without copying
+        when already C-contiguous float32 (e.g. a view of a FAISS Flat index).
+      block_items: corpus rows per sgemm block (raised to 4k when k is larger).
+      query_chunk: queries per sgemm and per thread-pool task.
+      threads: worker threads; None = the BLAS thread count (what the matrix
+        product itself would use).
+    """
+
+    def __init__(
+        self,
+        items: np.ndarray,
+        *,
+        block_items: int = BLOCK_ITEMS,
+        query_chunk: int = QUERY_CHUNK,
+        threads: int | None = None,
+    ):
+        items = np.ascontiguousarray(items, dtype=np.float32)
+        if items.ndim != 2:
+            raise ValueError(f"items must be [num_items, dim], got shape {items.shape}")
+        for name, value in (("block_items", block_items), ("query_chunk", query_chunk)):
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if threads is not None and threads <= 0:
+            raise ValueError(f"threads must be positive, got {threads}")
+        self.items = items
+        self.block_items = block_items
+        self.query_chunk = query_chunk
+        self.threads = threads
+
+    def __len__(self) -> int:
+        return self.items.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.items.shape[1]
+
+    def search(
+        self, queries: np.ndarray, k: int, exclude: Sequence[np.ndarray] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k items by inner product for each query.
+
+        Args:
+          queries: [num_queries, dim] float32, finite.
+          k: results per query (> 0; may exceed the number of items).
+          exclude: optional num_queries arrays of item rows never to return
+            (e.g. the user's training items); rows outside [0, num_items)
+            are ignored.
+
+        Returns:
+          (scores, rows): [num_queries, k] float32 and int64, best first;
+          -inf and -1 past the last item a query can get.
+        """
+        queries = np.ascontiguousarray(queries, dtype=np.float32)
+        if queries.ndim != 2 or queries.shape[1] != self.dim:
+            raise ValueError(f"queries must be [num_queries, {self.dim}], got {queries.shape}")
+        if k <= 0:
+            raise ValueError(f"k must be positive, got {k}")
+        if exclude is not None and len(exclude) != len(queries):
+            raise ValueError(f"exclude has {len(exclude)} entries for {len(queries)} queries")
+        if not np.all(np.isfinite(queries)):
+            raise ValueError("queries contain NaN or inf")
+        num_queries = len(queries)
+        depth = min(k, len(self))
+        scores = np.full((num_queries, k), -np.inf, dtype=np.float32)
+        rows = np.full((num_queries, k), -1, dtype=np.int64)
+        if num_queries == 0 or depth == 0:
+            return scores, rows
+        owners, excluded = _pairs(exclude, len(self))
+        block = max(self.block_items, 4 * depth)
+        threads = self.threads or blas_threads()
+        chunks = range(0, num_queries, self.query_chunk)
+        # Fewer query chunks than threads (a small batch): split the corpus too, and merge.
+        num_parts = max(1, min(-(-threads // len(chunks)), -(-len(self) // block), len(self) // depth))
+        parts = np.linspace(0, len(self), num_parts + 1).astype(np.int64)
+        tasks = [(start, int(lo), int(hi)) for start in chunks for lo, hi in zip(parts[:-1], parts[1:])]
+
+        def run(task: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
+            start, lo, hi = task
+            stop = min(start + self.query_chunk, num_queries)
+            mine = slice(np.searchsorted(owners, start), np.searchsorted(owners, stop))
+            return _chunk_top_k(
+                queries[start:stop], self.items, depth, block, owners[mine] - start, excluded[mine], lo, hi
+            )
+
+        if min(threads, len(tasks)) == 1:
+            found = [run(task) for task in tasks]
+        else:
+            with _BLAS_LOCK, _blas_controller().limit(limits=1, user_api="blas"):
+                with ThreadPoolExecutor(min(threads, len(tasks))) as pool:
+                    found = list(pool.map(run, tasks))
+        for start in chunks:
+            stop = min(start + self.query_chunk, num_queries)
+            mine = [result for task, result in zip(tasks, found) if task[0] == start]
+            top_scores = np.concatenate([result[0] for result in mine], axis=1)
+            top_rows = np.concatenate([result[1] for result in mine], axis=1)
+            if len(mine) > 1:
+                top_scores, top_rows = _best(top_scores, top_rows, depth)
+            scores[start:stop, :depth] = top_scores
+            rows[start:stop, :depth] = np.where(np.isneginf(top_scores), -1, top_rows)
+        return scores, rows
+
+
+def _pairs(exclude: Sequence[np.ndarray] | None, num_items: int) -> tuple[np.ndarray, np.ndarray]:
+    """(query, item) exclusion pairs in range, sorted by query then item. Two [num_pairs] int64."""
+    if exclude is None:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    lists = [np.asarray(rows, dtype=np.int64).ravel() for rows in exclude]
+    owners = np.repeat(np.arange(len(lists), dtype=np.int64), [len(rows) for rows in lists])
+    items = np.concatenate(lists) if lists else np.zeros(0, np.int64)
+    keep = (items >= 0) & (items < num_items)
+    owners, items = owners[keep], items[keep]
+    order = np.lexsort((items, owners))
+    return owners[order], items[order]
+
+
+def _chunk_top_k(
+    queries: np.ndarray,
+    items: np.ndarray,
+    k: int,
+    block: int,
+    owners: np.ndarray,
+    excluded: np.ndarray,
+    lo: int,
+    hi: int,
+    guess: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Best k of ``queries @ items[lo:hi].T`` per row, best first (k <= hi - lo).
+
+    Args:
+      queries: [m, dim] float32.
+      items: [num_items, dim] float32.
+      k: results per query.
+      block: corpus rows per sgemm.
+      owners, excluded: [num_pairs] (query row in this chunk, item row) pairs to exclude.
+      lo, hi: the item rows to search.
+      guess: raise thresholds above the proven bound by extrapolation (see below);
+        queries whose guess proves too high are searched again without.
+
+    Returns:
+      [m, k] scores (-inf where excluded items had to fill the list) and item rows.
+    """
+    m = len(queries)
+    block = min(block, hi - lo)
+    by_item = np.argsort(excluded, kind="stable")
+    owners, excluded = owners[by_item], excluded[by_item]
+    scores = np.empty((m, block), dtype=np.float32)
+    passed = np.empty((m, block), dtype=bool)
+    capacity = BUFFER_MULTIPLE * k
+    kept_scores = np.full((m, capacity), -np.inf, dtype=np.float32)
+    kept_rows = np.full((m, capacity), -1, dtype=np.int64)
+    count = np.zeros(m, dtype=np.int64)
+    threshold = np.full((m, 1), -np.inf, dtype=np.float32)
+    guessed = np.full(m, -np.inf, dtype=np.float32)
+    sparse = False
+    for start in range(lo, hi, block):
+        stop = min(start + block, hi)
+        width = stop - start
+        out = scores[:, :width]
+        np.matmul(queries, items[start:stop].T, out=out)
+        if len(excluded):
+            here = slice(np.searchsorted(excluded, start), np.searchsorted(excluded, stop))
+            out[owners[here], excluded[here] - start] = -np.inf
+        if start == lo:
+            # The first block's k-th best is the first threshold (block >= k: one partition).
+            best = np.argpartition(out, width - k, axis=1)[:, width - k :]
+            kept_scores[:, :k] = np.take_along_axis(out, best, axis=1)
+            kept_rows[:, :k] = best + start
+            count[:] = k
+            threshold[:, 0] = kept_scores[:, :k].min(axis=1)
+            continue
+        if sparse:
+            # Most queries have no candidate in this block: find the few that do with one
+            # max-reduction, and compare only their rows.
+            hit = np.flatnonzero(out.max(axis=1) > threshold[:, 0])
+            rows_hit = out[hit]
+            flat = np.flatnonzero(rows_hit > threshold[hit])
+            owner = hit[flat // width]
+            flat = owner * width + flat % width
+            sparse = len(hit) < SPARSE_ROWS * m
+        else:  # sparse is decided from this block's arrivals below
+            above = passed[:, :width]
+            np.greater(out, threshold, out=above)
+            flat = np.flatnonzero(above)
+            owner = flat // width
+        if not len(flat):
+            continue
+        arrivals = np.bincount(owner, minlength=m)
+        if not sparse:
+            sparse = bool(np.count_nonzero(arrivals) < SPARSE_ROWS * m)
+        full = np.flatnonzero(count + arrivals > capacity)
+        if len(full):
+            _cut_back(kept_scores, kept_rows, full, k)
+            count[full] = k
+            threshold[full, 0] = np.maximum(kept_scores[full, :k].min(axis=1), guessed[full])
+            # Extrapolation: after a share f of the items, the final k-th best is about the
+            # (k f)-th best seen so far. The (k f / GUESS_MARGIN)-th best is a threshold about
+            # k / GUESS_MARGIN items of the whole part pass, far fewer than the proven bound
+            # (the k-th best seen) lets through; whether it was low enough is checked at the end.
+            rank = int(np.ceil(k * (start - lo) / (hi - lo) / GUESS_MARGIN))
+            if guess and GUESS_MIN_RANK <= rank < k:
+                bound = np.partition(kept_scores[full, :k], k - rank, axis=1)[:, k - rank]
+                guessed[full] = np.maximum(guessed[full], bound)
+                threshold[full, 0] = np.maximum(threshold[full, 0], guessed[full])
+            needed = int((count + arrivals).max())
+            if needed > capacity:  # the threshold lags far behind (e.g. items sorted by score): grow
+                grow = needed - capacity
+                kept_scores = np.pad(kept_scores, ((0, 0), (0, grow)), constant_values=-np.inf)
+                kept_rows = np.pad(kept_rows, ((0, 0), (0, grow)), constant_values=-1)
+                capacity = needed
+        # Candidates arrive grouped by query: slot = the query's count + rank within its group.
+        first = np.cumsum(arrivals) - arrivals
+        slot = count[owner] + np.arange(len(flat)) - first[owner]
+        cell = owner * capacity + slot
+        kept_scores.reshape(-1)[cell] = out.reshape(-1)[flat]
+        kept_rows.reshape(-1)[cell] = flat - owner * width + start
+        count += arrivals
+    top_scores, top_rows = _best(kept_scores, kept_rows, k)
+    # Exact where the k-th best found beats the guess: every item the guess dropped scored
+    # at most the guess. Elsewhere the guess may have dropped a top-k item: search again.
+    wrong = np.flatnonzero((guessed > -np.inf) & (top_scores[:, k - 1] <= guessed))
+    if len(wrong):
+        redo = np.isin(owners, wrong)
+        top_scores[wrong], top_rows[wrong] = _chunk_top_k(
+            queries[wrong], items, k, block, np.searchsorted(wrong, owners[redo]), excluded[redo], lo, hi, guess=False
+        )
+    return top_scores, top_rows
+
+
+def _best(scores: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k highest ``scores`` of each row with their ``rows``, best first. [m, width] -> [m, k]."""
+    width = scores.shape[1]
+    if width > k:
+        best = np.argpartition(scores, width - k, axis=1)[:, width - k :]
+        scores, rows = np.take_along_axis(scores, best, axis=1), np.take_along_axis(rows, best, axis=1)
+    order = np.argsort(-scores, axis=1, kind="stable")
+    return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)
+
+
+def _cut_back(kept_scores: np.ndarray, kept_rows: np.ndarray, rows: np.ndarray, k: int) -> None:
+    """Keep the best k candidates of ``rows`` in their first k slots; empty the rest (in place)."""
+    capacity = kept_scores.shape[1]
+    scores, items = kept_scores[rows], kept_rows[rows]
+    best = np.argpartition(scores, capacity - k, axis=1)[:, capacity - k :]
+    kept_scores[rows] = -np.inf
+    kept_rows[rows] = -1
+    kept_scores[rows, :k] = np.take_along_axis(scores, best, axis=1)
+    kept_rows[rows, :k] = np.take_along_axis(items, best, axis=1)
