@@ -34,12 +34,17 @@ import pandas as pd
 
 from retrieval.arrays import drop_members
 from retrieval.config import IndexConfig
+from retrieval.exact_topk import ExactTopK
 
 INDEX_FILE = "index.faiss"
 ITEM_IDS_FILE = "item_ids.parquet"
 INDEX_INFO_FILE = "index.json"
 ADD_BATCH_SIZE = 100_000  # vectors per index.add call: bounds the progress interval
 MAX_EF_SEARCH = 4096  # highest HNSW efSearch tuning tries
+# Exact search runs on ``ExactTopK`` (blocked sgemm + threshold selection) from this many
+# queries and items on, FAISS's IndexFlatIP below (see ``use_exact_top_k``).
+EXACT_MIN_QUERIES = 64
+EXACT_MIN_ITEMS = 50_000
 
 log = logging.getLogger("retrieval.index")
 
@@ -210,6 +215,10 @@ class ItemIndex:
 
         Returns:
           TopK with [num_queries, k] scores and rows.
+
+        A Flat index searches with ``ExactTopK`` when ``use_exact_top_k`` says
+        it is faster (it masks ``exclude`` in place instead of over-fetching),
+        with FAISS otherwise; both return the exact top-k.
         """
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         if queries.ndim != 2 or queries.shape[1] != self.dim:
@@ -218,6 +227,10 @@ class ItemIndex:
             raise ValueError(f"k must be positive, got {k}")
         if exclude is not None and len(exclude) != len(queries):
             raise ValueError(f"exclude has {len(exclude)} entries for {len(queries)} queries")
+        if isinstance(self.index, faiss.IndexFlat) and self.index.metric_type == faiss.METRIC_INNER_PRODUCT:
+            if use_exact_top_k(len(queries), len(self)) and np.all(np.isfinite(queries)):
+                scores, rows = ExactTopK(flat_vectors(self.index)).search(queries, k, exclude)
+                return TopK(scores=scores, rows=rows)
         extra = 0 if exclude is None else max((len(rows) for rows in exclude), default=0)
         depth = min(k + extra, len(self))
         scores, rows = self.index.search(queries, depth)
@@ -396,14 +409,37 @@ def build_index(
     return index
 
 
+def use_exact_top_k(num_queries: int, num_items: int) -> bool:
+    """Whether ``ExactTopK`` beats FAISS's ``IndexFlatIP`` on a batch of this size.
+
+    Measured on 2 cores, 64-d unit vectors (``make bench-eval``): from 64 queries
+    over 100k items, ``ExactTopK`` runs 1.1-2.8x FAISS's speed, and 4-6x over
+    1M items (FAISS selects through a heap per score, ``ExactTopK`` with one
+    vectorised comparison); below that, its fixed cost per call (thread pool,
+    BLAS thread setting, per-block numpy calls) loses to FAISS: 10-100x slower
+    for a few queries over 1.7k-10k items, 0.4-1.1x over 10k items at any batch.
+    """
+    return num_queries >= EXACT_MIN_QUERIES and num_items >= EXACT_MIN_ITEMS
+
+
+def flat_vectors(index: faiss.IndexFlat) -> np.ndarray:
+    """The [ntotal, d] float32 vectors of a FAISS Flat index, as a view (no copy; valid while ``index`` lives)."""
+    return faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d)
+
+
 def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int) -> TopK:
     """Brute-force inner-product top-k: the oracle approximate indexes are measured against.
+
+    ``ExactTopK`` or FAISS's IndexFlatIP, whichever ``use_exact_top_k`` picks.
 
     Args:
       embeddings: [num_items, dim] float32.
       queries: [num_queries, dim] float32.
       k: results per query (<= num_items).
     """
+    if use_exact_top_k(len(queries), len(embeddings)) and np.all(np.isfinite(queries)):
+        scores, rows = ExactTopK(embeddings).search(np.asarray(queries, dtype=np.float32), k)
+        return TopK(scores=scores, rows=rows)
     flat = faiss.IndexFlatIP(embeddings.shape[1])
     flat.add(np.ascontiguousarray(embeddings, dtype=np.float32))
     scores, rows = flat.search(np.ascontiguousarray(queries, dtype=np.float32), k)
