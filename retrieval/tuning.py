@@ -13,7 +13,8 @@ The study folder holds:
 - ``study.db``: the Optuna study (SQLite). The same command again continues it: ``--trials N`` is
   the total number of finished trials wanted, so finished trials are never redone; a trial left
   running by a killed process is marked failed and its values are tried again first.
-- ``trials.csv``: every trial (number, state, value, seconds, per-epoch validation recall, values).
+- ``trials.csv``: every trial (number, state, value: the metric of a complete trial, seconds,
+  per-epoch validation recall, the searched values).
 - ``best.yaml``: the base config with the best trial's values, a complete config for
   ``make train CONFIG=<study>/best.yaml``; ``best.json`` its trial, value and values.
 - ``runs/``: each trial's run directory, deleted once its metrics are read (``keep_bundles``
@@ -392,7 +393,8 @@ def write_outputs(study: optuna.Study, study_dir: Path, base: Config, space: lis
             )
             steps = [round(t.intermediate_values[s], 6) for s in sorted(t.intermediate_values)]
             writer.writerow([
-                t.number, t.state.name, "" if t.value is None else t.value, seconds,
+                # A pruned trial has no value of the metric (Optuna stores its last validation recall there).
+                t.number, t.state.name, t.value if t.state == TrialState.COMPLETE else "", seconds,
                 *(t.user_attrs.get(k, "") for k in extra), json.dumps(steps) if steps else "",
                 *(t.params.get(p.key, "") for p in space),
             ])

@@ -118,6 +118,8 @@ def test_a_trial_below_the_median_is_pruned_after_its_first_epoch(tmp_path):
     assert bad.intermediate_values[0] < good.intermediate_values[0]
     rows = _trials_csv(study_dir)
     assert [row["state"] for row in rows] == ["COMPLETE", "PRUNED"]
+    assert float(rows[0]["value"]) == pytest.approx(good.value) and rows[1]["value"] == ""
+    assert json.loads(rows[1]["val_recall_by_epoch"]) == [pytest.approx(bad.intermediate_values[0], abs=1e-6)]
     assert json.loads((study_dir / "best.json").read_text())["trial"] == 0
     assert not any((study_dir / "runs").iterdir())
 
