@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 SET    ?=
 
-.PHONY: install test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-losses bench-kernel bench-scale bench-synthetic notebooks
+.PHONY: install test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-losses bench-kernel bench-scale bench-synthetic notebooks bench-public tune
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -33,6 +33,13 @@ lint:
 # make train [CONFIG=configs/x.yaml] [SET="train.epochs=3 run.name=demo"]
 train:
 	$(BIN)/python -m pipelines.train --config $(CONFIG) $(foreach kv,$(SET),--set $(kv))
+
+# Optuna search over configs/tune_space.yaml on the evaluation part; the same command again resumes the
+# study (TRIALS is the total). Writes trials.csv, best.yaml (a config for make train) in artifacts/tune/<config>.
+# make tune [CONFIG=...] [TRIALS=20] [SET="..."] [ARGS="--space configs/x.yaml --study-dir d --keep-bundles"]
+TRIALS ?= 20
+tune:
+	$(BIN)/python -m pipelines.tune --config $(CONFIG) --trials $(TRIALS) $(foreach kv,$(SET),--set $(kv)) $(ARGS)
 
 # Benchmarks write JSON + Markdown to benchmarks/results/ (a few minutes on 2 cores).
 bench: bench-eval bench-synthetic
@@ -67,6 +74,13 @@ bench-kernel:
 # ARGS="--clicks 1000000 --items 100000" for a small run; ARGS="--set data.stream.max_train_batches=1500" caps training.
 bench-scale:
 	nice -n 10 $(BIN)/python benchmarks/bench_scale.py $(ARGS)
+
+# The default config, its variants, popularity, ALS (a grid tuned on valid) and the TFRS tutorial recipe on
+# every ../shared/datasets/<name>/{train,valid}.txt (LightGCN format); rows append to bench_public.json as
+# they finish and are skipped on rerun (hours on 2 cores with Gowalla). ARGS="--datasets ml-1m
+# --variants default,popularity,als --seeds 2 --max-epochs 3 --set k=v --force"
+bench-public:
+	nice -n 10 $(BIN)/python benchmarks/bench_public.py $(ARGS)
 
 # Execute notebooks/*.ipynb at full settings and save their outputs (tables, PNG plots) into the
 # committed files, volatile metadata stripped (~9 min on 2 busy cores). The tests run them small.
