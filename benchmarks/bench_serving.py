@@ -23,6 +23,16 @@ requests (latency) and the same count from ``--http-concurrency`` client
 threads (throughput), each capped at ``--http-seconds``. Then FAISS Flat vs
 ``tfrs.layers.factorized_top_k.BruteForce`` on the same embeddings.
 
+Mixed load (issue 13), on the ``--mixed-factory`` index's server: one client
+sends single queries back to back for ``--mixed-seconds`` with the server
+otherwise idle, then again while ``--mixed-bulk-clients`` other clients (each
+its own process, niced, as load generators on other machines would not take
+the server's cores) send ``--mixed-batch``-query batches with k = ``--k``
+without pause. Single-query p50/p99 of both phases, their ratio (target: mixed
+p99 <= 3 x idle p99, zero errors) and the batches' own latency are recorded.
+``--mixed-only`` runs just that (a few minutes at 1M items) and updates the
+``mixed`` section of an existing ``bench_serving.json`` / ``.md``.
+
 Writes ``bench_serving.json`` and ``bench_serving.md`` to ``--out``. Client and
 server share this machine's cores, as does whatever else runs on it: the load
 average is recorded with the results.
@@ -33,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
 import os
 import platform
 import shutil
@@ -55,6 +66,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RECALL, TARGET_SPEEDUP, TARGET_P99_MS = 0.95, 10.0, 5.0
+TARGET_MIXED_RATIO = 3.0  # single-query p99 under the mixed load <= this x its idle p99
 # uvicorn's HTTP parser / event loop: the default (C parser, libuv) and the pure-Python one.
 DEFAULT_STACK = "httptools/uvloop"
 HTTP_STACKS = [DEFAULT_STACK, "h11/asyncio"]
@@ -76,6 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-concurrency", type=int, default=4)
     parser.add_argument("--http-seconds", type=float, default=15.0)
     parser.add_argument("--tfrs-batch", type=int, default=100, help="queries per BruteForce call")
+    parser.add_argument("--mixed-only", action="store_true",
+                        help="only the mixed-load scenario; updates the 'mixed' section of the results in --out")
+    parser.add_argument("--mixed-factory", default="IVF1024,Flat", help="index the mixed-load server serves")
+    parser.add_argument("--mixed-seconds", type=float, default=5.0, help="length of one idle or mixed window")
+    parser.add_argument("--mixed-rounds", type=int, default=4, help="idle + mixed window pairs")
+    parser.add_argument("--mixed-bulk-clients", type=int, default=2)
+    parser.add_argument("--mixed-batch", type=int, default=1024, help="queries per bulk request")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args(argv)
@@ -93,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     item_ids = [f"i{r:07d}" for r in range(args.items)]
     user_ids = [f"u{q:05d}" for q in range(args.queries)]
     log(f"data: {args.items} items x {args.dim}, {args.clusters} clusters, spread {args.spread}")
+    if args.mixed_only:
+        return mixed_only(args, argv, items, tune_queries, queries, item_ids, user_ids, started)
 
     seconds = time.perf_counter()
     exact = exact_search(items, queries, args.k)
@@ -139,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                     servers[stack] = Server(bundle, *stack.split("/"))
                 key = "http" if stack == DEFAULT_STACK else f"http_{stack.split('/')[0]}"
                 row[key] = servers[stack].measure(bundle, user_ids, exact.rows, args, recall_at_k)
+            if factory == args.mixed_factory:  # the server is serving this bundle now
+                results["mixed"] = mixed_load(servers[DEFAULT_STACK], factory, user_ids, args)
+                results["mixed"]["command"] = command_line(argv)
             results["indexes"].append(row)
             log(f"{factory}: {json.dumps(row, default=float)}")
         for server in servers.values():
@@ -150,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     results["setup"]["load_average_end"] = os.getloadavg()
+    results["argv"] = list(argv if argv is not None else sys.argv[1:])
     results["setup"]["total_seconds"] = time.perf_counter() - started
     results["targets"] = targets(results)
     out = Path(args.out)
@@ -162,6 +187,167 @@ def main(argv: list[str] | None = None) -> int:
 
 def log(message: str) -> None:
     logging.getLogger("bench").info(message)
+
+
+def command_line(argv) -> str:
+    return " ".join(["python benchmarks/bench_serving.py", *(argv if argv is not None else sys.argv[1:])])
+
+
+def mixed_only(args, argv, items, tune_queries, queries, item_ids, user_ids, started) -> int:
+    """Build the --mixed-factory bundle, serve it, run mixed_load; merge into the results in --out."""
+    from retrieval.config import IndexConfig
+    from retrieval.index import build_index
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench_serving-"))
+    server = None
+    try:
+        config = IndexConfig(factory=args.mixed_factory, tune_k=args.k, tune_queries=args.tune_queries,
+                             seed=args.seed)
+        index = build_index(item_ids, items, config, tune_queries, "held-out queries")
+        bundle = write_test_bundle(workdir, args.mixed_factory, index, towers_for(user_ids, queries, item_ids, items))
+        del index, items
+        server = Server(bundle)
+        mixed = mixed_load(server, args.mixed_factory, user_ids, args)
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    mixed["command"] = command_line(argv)
+    mixed["setup"] = {"items": args.items, "dim": args.dim, "k": args.k, "total_seconds": time.perf_counter() - started}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench_serving.json"
+    results = json.loads(path.read_text()) if path.is_file() else {}
+    results["mixed"] = mixed
+    path.write_text(json.dumps(results, indent=2, default=float))
+    if "indexes" in results:
+        results["targets"] = targets(results)
+        path.write_text(json.dumps(results, indent=2, default=float))
+        (out / "bench_serving.md").write_text(markdown(results, results.get("argv", [])))
+    print(mixed_markdown(mixed))
+    return 0 if mixed["met"] else 1
+
+
+def mixed_load(server: Server, factory: str, user_ids, args) -> dict:
+    """Single-query latency with the server otherwise idle and beside --mixed-bulk-clients clients sending
+    big batches, in --mixed-rounds alternating windows of --mixed-seconds each (idle, mixed, idle, ...):
+    both phases then see the same background load of a shared machine."""
+    import httpx
+
+    context = multiprocessing.get_context("spawn")
+    stop, active = context.Event(), context.Event()
+    in_flight = context.Value("i", 0)
+    results = context.Queue()
+    batch_users = [user_ids[i % len(user_ids)] for i in range(args.mixed_batch)]
+    clients = [context.Process(target=_bulk_client,
+                               args=(server.url, batch_users, args.k, stop, active, in_flight, results))
+               for _ in range(args.mixed_bulk_clients)]
+    for process in clients:
+        process.start()
+    phases: dict[str, list] = {"idle": [], "mixed": []}
+    errors = {"idle": 0, "mixed": 0}
+    loads = []
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            _single_loop(client, user_ids, args.k, 2.0)  # warm-up
+            for _ in range(args.mixed_rounds):
+                for phase in ("idle", "mixed"):
+                    if phase == "idle":
+                        active.clear()
+                        _wait_for(lambda: in_flight.value == 0)  # the last batches finish first
+                    else:
+                        active.set()
+                        _wait_for(lambda: in_flight.value == args.mixed_bulk_clients)  # every client sending
+                        time.sleep(0.2)
+                    latencies, failed = _single_loop(client, user_ids, args.k, args.mixed_seconds)
+                    phases[phase] += latencies
+                    errors[phase] += failed
+                    loads.append(os.getloadavg()[0])
+                    log(f"mixed load, {phase} window: p99 {np.percentile(latencies, 99) * 1e3:.2f} ms "
+                        f"over {len(latencies)} requests, load average {loads[-1]:.1f}")
+    finally:
+        stop.set()
+        active.set()
+        bulk = [results.get(timeout=600) for _ in clients]
+        for process in clients:
+            process.join(timeout=60)
+    bulk_latencies = [x for latencies, _ in bulk for x in latencies]
+    idle, mixed = ({"count": len(phases[p]), "errors": errors[p], **_stats(phases[p])} for p in ("idle", "mixed"))
+    row = {
+        "factory": factory,
+        "seconds_per_window": args.mixed_seconds,
+        "rounds": args.mixed_rounds,
+        "bulk_clients": args.mixed_bulk_clients,
+        "bulk_batch": args.mixed_batch,
+        "k": args.k,
+        "idle": idle,
+        "mixed": mixed,
+        "bulk": {"requests": len(bulk_latencies), "errors": sum(e for _, e in bulk),
+                 **(_stats(bulk_latencies) if bulk_latencies else {})},
+        "load_average_1min": {"min": min(loads), "max": max(loads)},
+        "p99_ratio": mixed["p99_ms"] / idle["p99_ms"],
+        "target_ratio": TARGET_MIXED_RATIO,
+    }
+    row["errors"] = idle["errors"] + mixed["errors"] + row["bulk"]["errors"]
+    row["met"] = row["p99_ratio"] <= TARGET_MIXED_RATIO and row["errors"] == 0
+    log(f"mixed load: {json.dumps(row, default=float)}")
+    return row
+
+
+def _wait_for(condition, cap: float = 600.0) -> None:
+    deadline = time.monotonic() + cap
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the bulk clients did not get there in time")
+        time.sleep(0.01)
+
+
+def _single_loop(client, user_ids, k: int, seconds: float) -> dict:
+    latencies, errors = [], 0
+    deadline = time.perf_counter() + seconds
+    i = 0
+    while time.perf_counter() < deadline:
+        started = time.perf_counter()
+        response = client.post("/recommend", json={"query": {"user_id": user_ids[i % len(user_ids)]}, "k": k})
+        latencies.append(time.perf_counter() - started)
+        errors += response.status_code != 200 or len(response.json().get("item_ids", [])) != k
+        i += 1
+    return latencies, int(errors)
+
+
+def _stats(seconds: list[float]) -> dict:
+    ms = 1e3 * np.asarray(seconds)
+    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+            "max_ms": float(ms.max())}
+
+
+def _bulk_client(url: str, users: list[str], k: int, stop, active, in_flight, results) -> None:
+    """One load client (its own process): big batches back to back while ``active``, until ``stop``;
+    reports its latencies and errors."""
+    import httpx
+
+    os.nice(10)  # a load generator: on a shared machine it must not outrank the server it loads
+    body = json.dumps({"queries": [{"user_id": u} for u in users], "k": k}).encode()
+    latencies, errors = [], 0
+    try:
+        with httpx.Client(base_url=url, timeout=600, headers={"content-type": "application/json"}) as client:
+            while not stop.is_set():
+                if not active.wait(timeout=0.5):
+                    continue
+                with in_flight.get_lock():
+                    in_flight.value += 1
+                started = time.perf_counter()
+                try:
+                    ok = client.post("/recommend", content=body).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                finally:
+                    with in_flight.get_lock():
+                        in_flight.value -= 1
+                latencies.append(time.perf_counter() - started)
+                errors += not ok
+    finally:
+        results.put((latencies, errors))
 
 
 def synthetic(rng: np.random.Generator, args) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -453,13 +639,53 @@ def targets(results) -> dict:
         r["factory"] for r in ann if r["recall"] >= TARGET_RECALL and r["batch_qps"] >= TARGET_SPEEDUP * exact_qps
     ]
     p99 = {r["factory"]: r["http"]["sequential_p99_ms"] for r in results["indexes"]}
+    mixed = results.get("mixed")
     return {
+        **({"mixed_load_single_query_p99": {
+            "target": f"single-query p99 under mixed load <= {TARGET_MIXED_RATIO:g} x idle p99, zero errors",
+            "idle_p99_ms": mixed["idle"]["p99_ms"], "mixed_p99_ms": mixed["mixed"]["p99_ms"],
+            "ratio": mixed["p99_ratio"], "errors": mixed["errors"], "met": mixed["met"]}} if mixed else {}),
         "ann_recall_and_speedup": {"target": f"recall@k >= {TARGET_RECALL} at >= {TARGET_SPEEDUP:g}x exact QPS",
                                    "met_by": meeting, "met": bool(meeting)},
         "http_single_query_p99": {"target_ms": TARGET_P99_MS, "p99_ms": p99,
                                   "met_by": [f for f, v in p99.items() if v <= TARGET_P99_MS],
                                   "met": any(v <= TARGET_P99_MS for f, v in p99.items() if f != "Flat")},
     }
+
+
+def mixed_markdown(m: dict) -> str:
+    """The mixed-load section of the Markdown report."""
+    bulk = m["bulk"]
+    lines = [
+        f"## Mixed load ({m['factory']}, k={m['k']}): single queries beside {m['bulk_clients']} clients sending "
+        f"{m['bulk_batch']}-query batches",
+        "",
+        f"Command: `{m['command']}`"
+        + (f" ({m['setup']['items']:,} items x {m['setup']['dim']} dims, {m['setup']['total_seconds'] / 60:.1f} min)"
+           if "setup" in m else ""),
+        "",
+        f"One client sends single queries back to back in {m['rounds']} x 2 alternating windows of "
+        f"{m['seconds_per_window']:g} s: idle (the server has nothing else to do) and mixed (the bulk clients, "
+        "separate processes at nice +10, send batches without pause). Alternating windows give both phases the "
+        "same background load; load average (1 min) during the run "
+        f"{m['load_average_1min']['min']:.1f}-{m['load_average_1min']['max']:.1f} on {os.cpu_count()} cores "
+        "(the machine is shared with other jobs).",
+        "",
+        "| phase | single-query requests | p50 ms | p99 ms | max ms | errors |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for phase in ("idle", "mixed"):
+        r = m[phase]
+        lines.append(f"| {phase} | {r['count']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['max_ms']:.2f} | "
+                     f"{r['errors']} |")
+    lines += [
+        "",
+        f"Bulk batches answered: {bulk['requests']} ({bulk['errors']} errors)"
+        + (f", p50 {bulk['p50_ms']:.0f} ms, p99 {bulk['p99_ms']:.0f} ms each." if "p50_ms" in bulk else "."),
+        f"Mixed p99 / idle p99 = {m['p99_ratio']:.2f} (target <= {m['target_ratio']:g}, zero errors): "
+        f"{'met' if m['met'] else 'MISSED'}.",
+    ]
+    return "\n".join(lines)
 
 
 def markdown(results, argv) -> str:
@@ -520,6 +746,8 @@ def markdown(results, argv) -> str:
         e = t[name]
         lines.append(f"| {label} | {e['batch_qps']:.0f} | {e['single_p50_ms']:.2f} | {e['single_p99_ms']:.2f} | "
                      f"{e['recall']:.4f} |")
+    if "mixed" in results:
+        lines += ["", *mixed_markdown(results["mixed"]).splitlines()]
     g = results["targets"]
     a, p = g["ann_recall_and_speedup"], g["http_single_query_p99"]
     lines += [
@@ -530,6 +758,10 @@ def markdown(results, argv) -> str:
         f"- single-query end-to-end p99 <= {p['target_ms']:g} ms: "
         + ", ".join(f"{f} {v:.2f} ms" for f, v in p["p99_ms"].items())
         + f" ({'met' if p['met'] else 'MISSED'} by an ANN index).",
+        *([f"- mixed load: single-query p99 {m['mixed_p99_ms']:.2f} ms vs {m['idle_p99_ms']:.2f} ms idle = "
+           f"{m['ratio']:.2f}x (target <= {TARGET_MIXED_RATIO:g}x), {m['errors']} errors: "
+           f"{'met' if m['met'] else 'MISSED'}."
+           for m in [g.get("mixed_load_single_query_p99")] if m]),
         "",
         "Notes: build s = train (on a sample of at most index.train_sample_size items) + add; tune s = "
         "FAISS ParameterSpace exploration on half the tuning queries + recall on the other half "

@@ -56,6 +56,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="event loop; auto = uvloop when installed (default: %(default)s)",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--gil-switch-interval", type=float, default=0.0005,
+        help="seconds a Python thread may hold the interpreter while others wait (sys.setswitchinterval; "
+        "Python's default 0.005 lets a large batch delay small requests by that much per hand-over; "
+        "default: %(default)s)",
+    )
     _add_limit_flags(serve)
 
     reload = commands.add_parser("reload", help="make a running service serve another bundle")
@@ -99,6 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (BundleError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    sys.setswitchinterval(args.gil_switch_interval)
     config = server_config(
         app, limits, http=args.http, host=args.host, port=args.port, access_log=args.access_log,
         log_level=args.log_level, loop=args.loop,

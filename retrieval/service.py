@@ -67,13 +67,15 @@ import http
 import ipaddress
 import json
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import anyio
 import faiss
 import h11
 import uvicorn
@@ -135,10 +137,17 @@ class ServiceLimits:
         default=64, metadata={"help": "queries the bulk lane answers at a time before yielding to other requests"}
     )
     bulk_workers: int = dataclasses.field(default=1, metadata={"help": "threads of the bulk lane"})
+    bulk_nice: int = dataclasses.field(
+        default=10, metadata={"help": "how many nice steps the bulk lane's threads run below the server (0-19)"}
+    )
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.bulk_nice, int) and 0 <= self.bulk_nice <= 19):
+            raise ValueError(f"ServiceLimits.bulk_nice must be an integer from 0 to 19, got {self.bulk_nice!r}")
         for spec in dataclasses.fields(self):
             value = getattr(self, spec.name)
+            if spec.name == "bulk_nice":
+                continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"ServiceLimits.{spec.name} must be a positive number, got {value!r}")
             if spec.type == "int" and not isinstance(value, int):
@@ -270,7 +279,7 @@ def create_app(
 
     limits = limits or ServiceLimits()
     holder = BundleHolder(bundle if isinstance(bundle, Bundle) else Bundle.load(bundle))
-    bulk_lane = anyio.CapacityLimiter(limits.bulk_workers)
+    bulk_lane = _bulk_executor(limits)
     expected_authorization = None if admin_token is None else f"Bearer {admin_token}".encode()
 
     def answer(current: Bundle, payload: dict[str, Any] | bytes, chunk: int | None) -> bytes:
@@ -306,7 +315,7 @@ def create_app(
             content = await run_in_threadpool(answer, current, payload, None)
         else:  # a large batch: its own bounded lane, in chunks, so small requests never wait behind it
             work = functools.partial(answer, current, body if payload is None else payload, limits.bulk_chunk)
-            content = await anyio.to_thread.run_sync(work, limiter=bulk_lane)
+            content = await asyncio.get_running_loop().run_in_executor(bulk_lane, work)
         return Response(content, media_type="application/json")
 
     async def healthz(request: Request) -> JSONResponse:
@@ -548,6 +557,24 @@ class BoundedH11Protocol(_ReadDeadline, H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         self._reject(400, f"invalid HTTP request: {msg}")
+
+
+def _bulk_executor(limits: ServiceLimits) -> ThreadPoolExecutor:
+    """The bulk lane: its own ``bulk_workers`` threads, each ``bulk_nice`` steps below the server.
+
+    A thread of its own (not the shared pool) because the lowered priority must stay with bulk work:
+    the OS then gives a core to a small request's thread first (Linux sets nice per thread).
+    """
+
+    def lower_priority() -> None:
+        if limits.bulk_nice and hasattr(os, "setpriority"):
+            try:
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + limits.bulk_nice)
+            except OSError as error:  # not permitted here: the lane still runs, at the server's priority
+                log.warning("bulk lane keeps the server's priority: %s", error)
+
+    return ThreadPoolExecutor(limits.bulk_workers, thread_name_prefix="bulk", initializer=lower_priority)
 
 
 class _HeaderCount:

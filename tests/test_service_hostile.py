@@ -460,3 +460,24 @@ def test_large_batches_run_one_at_a_time_in_chunks_beside_small_requests(world, 
     assert big_calls == [8] * (3 * 8)  # every batch in chunks of bulk_chunk
     assert peak[0] == 1  # one bulk search at a time
     np.testing.assert_array_equal(sorted(set(calls)), [1, 8])
+
+
+def test_the_bulk_lane_runs_below_the_server_priority(world, monkeypatch):  # noqa: F811
+    """The OS gives a core to a small request's thread before the bulk lane's (Linux: nice per thread)."""
+    import os
+
+    app = create_app(world["bundle-a"], limits=ServiceLimits(bulk_queries=4, bulk_nice=5))
+    bundle = app.state.holder.current
+    original, seen = bundle.recommend_batch, {}
+
+    def record(queries, k=10, exclude_item_ids=None):
+        seen[len(queries)] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        return original(queries, k, exclude_item_ids)
+
+    monkeypatch.setattr(bundle, "recommend_batch", record)
+    assert call(app, "POST", "/recommend", json={"query": {"user_id": "user01"}}).status_code == 200
+    big = {"queries": [{"user_id": "user01"}] * 8}
+    assert call(app, "POST", "/recommend", json=big).status_code == 200
+    assert seen == {1: os.getpriority(os.PRIO_PROCESS, 0), 8: os.getpriority(os.PRIO_PROCESS, 0) + 5}
+    with pytest.raises(ValueError, match="bulk_nice must be an integer from 0 to 19"):
+        ServiceLimits(bulk_nice=20)
