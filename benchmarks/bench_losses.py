@@ -107,6 +107,7 @@ VARIANTS: dict[str, list[str]] = {
         "model.embedding_dim=32",
         "train.optimizer=adagrad",
         "train.learning_rate=0.1",
+        "model.loss.reduction=sum",  # tfrs.tasks.Retrieval sums over the batch; lr 0.1 assumes it
         "train.batch_size=8192",
         "train.epochs=3",
         "train.validation_fraction=0",

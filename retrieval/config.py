@@ -276,6 +276,11 @@ class LossConfig(_Section):
         "current doc embeddings, excluding the positive and the user's training clicks.",
     )
     num_hard_negatives: int = Field(10, gt=0, description="k of hard_negatives.")
+    reduction: Literal["mean", "sum"] = Field(
+        "mean",
+        description="Batch loss: mean over the batch (learning rates independent of batch_size), or sum, "
+        "as tfrs.tasks.Retrieval (its tutorials' learning rates assume it).",
+    )
     mining_refresh_steps: int = Field(100, gt=0, description="Rebuild the mining index every this many steps.")
     log_q_source: Literal["static", "streaming"] = Field(
         "static",

@@ -332,6 +332,9 @@ class RetrievalLoss(tf.keras.layers.Layer):
       remove_accidental_hits: mask negatives that are the row's own positive.
       num_hard_negatives: keep only the k highest-scoring negatives of each row
         (after correction), as TFRS ``num_hard_negatives``; None keeps all.
+      reduction: "mean" divides the summed per-example losses by the batch
+        size (the learning rate does not depend on it); "sum" does not, as
+        ``tfrs.tasks.Retrieval`` (Keras ``SUM``): its gradients grow with the batch.
     """
 
     def __init__(
@@ -341,6 +344,7 @@ class RetrievalLoss(tf.keras.layers.Layer):
         log_q_weight: float = 1.0,
         remove_accidental_hits: bool = True,
         num_hard_negatives: int | None = None,
+        reduction: str = "mean",
         name: str | None = None,
     ):
         super().__init__(name=name)
@@ -352,15 +356,22 @@ class RetrievalLoss(tf.keras.layers.Layer):
         self.log_q_weight = float(log_q_weight)
         self.remove_hits = bool(remove_accidental_hits)
         self.num_hard_negatives = num_hard_negatives
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        self.reduction = reduction
 
     def compute(self, inputs: LossInputs) -> tf.Tensor:
-        """The batch loss, ``sum(weight * per_example) / batch_size``.
+        """The batch loss, ``sum(weight * per_example) / batch_size`` (``reduction="sum"``: not divided).
 
         With ``inputs.global_batch_size`` the denominator is the global batch:
-        this replica's share of the global loss (see ``gather_across_replicas``).
+        this replica's share of the global loss (see ``gather_across_replicas``);
+        summed, each replica's share is its own rows' sum.
         """
         _check_inputs(inputs)
-        return weighted_mean(self.per_example(inputs), inputs.sample_weight, inputs.global_batch_size)
+        per_example = self.per_example(inputs)
+        if self.reduction == "sum":
+            return weighted_mean(per_example, inputs.sample_weight, global_batch_size=1)
+        return weighted_mean(per_example, inputs.sample_weight, inputs.global_batch_size)
 
     def per_example(self, inputs: LossInputs) -> tf.Tensor:
         """``[batch_size]`` losses; subclasses implement it."""

@@ -355,6 +355,7 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
         # Over all items the positive is also a column of its own: it must be removed there.
         remove_accidental_hits=config.remove_accidental_hits or exact,
         num_hard_negatives=loss.num_hard_negatives if loss.hard_negatives == "in_batch_top_k" else None,
+        reduction=loss.reduction,
         name=loss.kind,
     )
 

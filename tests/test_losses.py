@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import tensorflow as tf
+import tensorflow_recommenders as tfrs
 from reference_losses import in_batch_softmax_task, numpy_in_batch_loss, relative_sampling_probability
 
 import retrieval  # noqa: F401
@@ -75,6 +76,22 @@ def test_in_batch_softmax_equals_numpy_and_tfrs(seed, remove_hits):
     assert expected != pytest.approx(
         numpy_in_batch_loss(q, d, np.log(prob), IDS, temperature, weights, remove_hits=not remove_hits), rel=1e-3
     )
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sum_reduction_equals_tfrs_default_retrieval_task(seed):
+    """reduction="sum" is tfrs.tasks.Retrieval as its tutorials use it (Keras SUM), not the mean times a constant."""
+    q, d, _, weights = _random_batch(seed)
+    ids = np.arange(BATCH)  # no accidental hits: TFRS's default task does not remove them
+    inputs = _in_batch_inputs(q, d, np.zeros(BATCH, np.float32), ids, weights)
+    summed = float(SampledSoftmax(temperature=1.0, reduction="sum").compute(inputs))
+    task = tfrs.tasks.Retrieval()  # default loss: CategoricalCrossentropy(from_logits=True, reduction=SUM)
+    expected = float(task(tf.constant(q), tf.constant(d), sample_weight=tf.constant(weights), compute_metrics=False))
+    assert summed == pytest.approx(expected, rel=1e-5)
+    mean = float(SampledSoftmax(temperature=1.0).compute(inputs))
+    assert summed == pytest.approx(BATCH * mean, rel=1e-5) and summed != pytest.approx(mean, rel=1e-2)
+    with pytest.raises(ValueError, match="reduction"):
+        SampledSoftmax(reduction="avg")
 
 
 @pytest.mark.parametrize("seed", [0, 1])
