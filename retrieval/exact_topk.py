@@ -15,11 +15,21 @@ with one comparison per score instead:
    strictly above it are candidates: ``np.greater`` + ``np.flatnonzero`` over
    the block. After the first few blocks the threshold passes fewer than one
    score in a hundred (on random data, about ``k * block / seen`` a block), so
-   selection costs one compare pass, a fraction of the sgemm.
-3. Candidates go into a per-query buffer of a few k; when a row's buffer is
-   full it is cut back to its best k (``argpartition``) and its threshold
-   raised to the k-th of those.
-4. At the end, each buffer's best k are sorted by score.
+   selection costs one compare pass, a fraction of the sgemm. Once most
+   queries have no candidate in a block, one row-max reduction finds those
+   that do and only their rows are compared.
+3. Candidates go into a per-query buffer of ``BUFFER_MULTIPLE * k``; when a
+   row's buffer is full it is cut back to its best k (``argpartition``) and
+   its threshold raised to the k-th of those.
+4. For large k the proven bound lags: after a share f of the items, the
+   final k-th best is near the (k f)-th best seen, far above the k-th. At each
+   cut-back the threshold is raised to an extrapolated guess, the
+   (k f / ``GUESS_MARGIN``)-th best seen (when that rank is at least
+   ``GUESS_MIN_RANK``, so its relative error ~ 1/sqrt(rank) is small). A guess
+   is not a proof: at the end, a query whose k-th best found does not beat its
+   guess is searched again without guessing (on random unit vectors, 1M x 64,
+   1 query of 512 at k = 1000, none at k = 100). The result is exact either way.
+5. At the end, each buffer's best k are sorted by score.
 
 Excluded items (e.g. a user's training clicks) get score -inf in the block
 they fall in before the comparison, so they never become candidates and cost
@@ -28,12 +38,18 @@ nothing beyond that write.
 Query chunks run on a thread pool (numpy releases the GIL in sgemm and in the
 comparison), one BLAS thread each: the same number of cores as a
 multi-threaded matrix product, without BLAS's per-call thread synchronisation,
-which on small blocks costs more than the product.
+which on small blocks costs more than the product. A batch with fewer chunks
+than threads splits the corpus between threads instead and merges.
 
-This is the threshold algorithm of "Top-k" selection with a running bound,
-as in FAISS's own ``ReservoirTopN`` result handlers (a reservoir of 2k–3k
-candidates per query, cut back to k by partition when full) — here in numpy
-around one sgemm per block.
+The reservoir (a buffer of a few k candidates per query, cut back to k by a
+partition when full, with the threshold at its k-th) is the scheme of FAISS's
+``ReservoirTopN`` result handlers; here it is vectorised over the queries of a
+chunk in numpy, around one sgemm per block.
+
+Measured (``make bench-eval``, 1M x 64 unit vectors, 1000 queries, 2 cores,
+each run paired with a bare-product run): 0.65-0.91 of the bare blocked
+matrix product's speed at k = 10, 100, 1000, with and without masks; FAISS's
+``IndexFlatIP`` 0.12-0.17, TFRS ``BruteForce`` 0.4-0.7.
 """
 
 from __future__ import annotations

@@ -412,12 +412,14 @@ def build_index(
 def use_exact_top_k(num_queries: int, num_items: int) -> bool:
     """Whether ``ExactTopK`` beats FAISS's ``IndexFlatIP`` on a batch of this size.
 
-    Measured on 2 cores, 64-d unit vectors (``make bench-eval``): from 64 queries
-    over 100k items, ``ExactTopK`` runs 1.1-2.8x FAISS's speed, and 4-6x over
-    1M items (FAISS selects through a heap per score, ``ExactTopK`` with one
-    vectorised comparison); below that, its fixed cost per call (thread pool,
-    BLAS thread setting, per-block numpy calls) loses to FAISS: 10-100x slower
-    for a few queries over 1.7k-10k items, 0.4-1.1x over 10k items at any batch.
+    Measured on 2 cores, 64-d unit vectors: from 64 queries over 100k items,
+    ``ExactTopK`` runs 1.1-2.8x FAISS's speed; over 1M items with 1000 queries,
+    at k = 10-1000, 0.65-0.91 of the bare matrix product's speed against
+    FAISS's 0.12-0.17 (``benchmarks/results/bench_eval.md``; FAISS selects
+    through a heap per score, ``ExactTopK`` with one vectorised comparison).
+    Below that its fixed cost per call (thread pool, BLAS thread
+    setting, per-block numpy calls) loses: 10-100x slower than FAISS for a few
+    queries over 1.7k-10k items, 0.4-1.1x over 10k items at any batch size.
     """
     return num_queries >= EXACT_MIN_QUERIES and num_items >= EXACT_MIN_ITEMS
 
