@@ -71,8 +71,8 @@ GUESS_MARGIN = 0.7  # extrapolated thresholds aim at k / GUESS_MARGIN passing it
 GUESS_MIN_RANK = 64  # extrapolate from the r-th best seen only when r >= this (relative error ~ 1/sqrt(r))
 
 # threadpoolctl sets BLAS threads process-wide and restores the previous count
-# on exit; two searches overlapping would restore each other's values, so the
-# setting is held by one search at a time.
+# on exit; two searches overlapping would restore each other's values, so one
+# search runs at a time (each uses every core anyway).
 _BLAS_LOCK = threading.Lock()
 
 
@@ -166,12 +166,7 @@ class ExactTopK:
             return scores, rows
         owners, excluded = _pairs(exclude, len(self))
         block = max(self.block_items, 4 * depth)
-        threads = self.threads or blas_threads()
         chunks = range(0, num_queries, self.query_chunk)
-        # Fewer query chunks than threads (a small batch): split the corpus too, and merge.
-        num_parts = max(1, min(-(-threads // len(chunks)), -(-len(self) // block), len(self) // depth))
-        parts = np.linspace(0, len(self), num_parts + 1).astype(np.int64)
-        tasks = [(start, int(lo), int(hi)) for start in chunks for lo, hi in zip(parts[:-1], parts[1:])]
 
         def run(task: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
             start, lo, hi = task
@@ -181,12 +176,19 @@ class ExactTopK:
                 queries[start:stop], self.items, depth, block, owners[mine] - start, excluded[mine], lo, hi
             )
 
-        if min(threads, len(tasks)) == 1:
-            found = [run(task) for task in tasks]
-        else:
-            with _BLAS_LOCK, _blas_controller().limit(limits=1, user_api="blas"):
-                with ThreadPoolExecutor(min(threads, len(tasks))) as pool:
-                    found = list(pool.map(run, tasks))
+        # Under the lock, the BLAS thread count read is the caller's, not another search's 1.
+        with _BLAS_LOCK:
+            threads = self.threads or blas_threads()
+            # Fewer query chunks than threads (a small batch): split the corpus too, and merge.
+            num_parts = max(1, min(-(-threads // len(chunks)), -(-len(self) // block), len(self) // depth))
+            parts = np.linspace(0, len(self), num_parts + 1).astype(np.int64)
+            tasks = [(start, int(lo), int(hi)) for start in chunks for lo, hi in zip(parts[:-1], parts[1:])]
+            if min(threads, len(tasks)) == 1:
+                found = [run(task) for task in tasks]
+            else:
+                with _blas_controller().limit(limits=1, user_api="blas"):
+                    with ThreadPoolExecutor(min(threads, len(tasks))) as pool:
+                        found = list(pool.map(run, tasks))
         for start in chunks:
             stop = min(start + self.query_chunk, num_queries)
             mine = [result for task, result in zip(tasks, found) if task[0] == start]

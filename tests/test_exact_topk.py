@@ -1,5 +1,7 @@
 """ExactTopK against np.argsort of the full float64 score matrix, over seeds and shapes."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import faiss
 import numpy as np
 import pytest
@@ -180,3 +182,14 @@ def test_flat_vectors_is_a_view_of_the_index():
     flat = faiss.IndexFlatIP(4)
     flat.add(items)
     np.testing.assert_array_equal(index_module.flat_vectors(flat), items)
+
+
+def test_concurrent_searches_are_exact_and_restore_the_blas_threads():
+    _, items, queries = _data(10, 6_000, 300)
+    search = ExactTopK(items, block_items=512, query_chunk=64, threads=2)
+    before = exact_topk.blas_threads()
+    with ThreadPoolExecutor(3) as pool:
+        found = list(pool.map(lambda _: search.search(queries, 20), range(3)))
+    for scores, rows in found:
+        _assert_top_k(scores, rows, queries, items, 20)
+    assert exact_topk.blas_threads() == before
