@@ -194,7 +194,8 @@ class ItemIndex:
         """Apply a FAISS parameter string such as ``"nprobe=16"`` or ``"efSearch=128"``."""
         if params:
             try:
-                faiss.ParameterSpace().set_index_parameters(self.index, params)
+                # faiss's stub lists the (cno: int) and (param_string: str) overloads without @overload.
+                faiss.ParameterSpace().set_index_parameters(self.index, params)  # type: ignore[arg-type]
             except RuntimeError as error:
                 raise ValueError(f"search params {params!r} do not apply to {self.factory!r}: {error}") from None
         self.search_params = params
@@ -234,7 +235,7 @@ class ItemIndex:
         extra = 0 if exclude is None else max((len(rows) for rows in exclude), default=0)
         depth = min(k + extra, len(self))
         scores, rows = self.index.search(queries, depth)
-        if extra:
+        if exclude is not None and extra:
             rows, scores = drop_members(rows, scores, exclude)
         return _pad(scores[:, :k], rows[:, :k], k)
 
@@ -494,10 +495,11 @@ def _explore(
             values = sorted({float(k), *(v for v in values if v > k)})
             while values[-1] < MAX_EF_SEARCH:
                 values.append(values[-1] * 2)
-        points = []
+        points: list[dict[str, Any]] = []
         for value in values:
             params = f"{name}={int(value) if float(value).is_integer() else value}"
-            space.set_index_parameters(index, params)
+            # faiss's stub lists the (cno: int) and (param_string: str) overloads without @overload.
+            space.set_index_parameters(index, params)  # type: ignore[arg-type]
             started = time.perf_counter()
             rows = index.search(queries, k)[1]
             seconds = time.perf_counter() - started
@@ -509,18 +511,23 @@ def _explore(
                 return params, points
         return max(points, key=lambda point: point["recall"])["params"], points
     criterion = faiss.IntersectionCriterion(len(queries), k)
-    criterion.set_groundtruth(np.ascontiguousarray(exact_scores), np.ascontiguousarray(exact_rows))
+    # faiss's Python wrapper replaces set_groundtruth(gt_nnn, D, I) and explore(index, nq, xq, crit, ops)
+    # with (D, I) and (index, xq, crit) -> OperatingPoints; its stub still describes the SWIG signatures.
+    criterion.set_groundtruth(  # type: ignore[call-overload]
+        np.ascontiguousarray(exact_scores), np.ascontiguousarray(exact_rows)
+    )
     space.verbose = 0
     space.min_test_duration = 0.05  # repeat fast settings so their timings are not pure noise
-    explored = space.explore(index, queries, criterion)  # keep it alive: optimal_pts points into it
-    points = explored.optimal_pts
+    # keep it alive: optimal_pts points into it
+    explored = space.explore(index, queries, criterion)  # type: ignore[call-overload]
+    pareto = explored.optimal_pts
     # Pareto front: sorted by time, recall increasing. Row 0 is FAISS's
     # placeholder ("", perf 0).
     front = [
-        {"params": points.at(i).key, "recall": float(points.at(i).perf),
-         "ms_per_query": 1e3 * points.at(i).t / len(queries)}
-        for i in range(points.size())
-        if points.at(i).key
+        {"params": pareto.at(i).key, "recall": float(pareto.at(i).perf),
+         "ms_per_query": 1e3 * pareto.at(i).t / len(queries)}
+        for i in range(pareto.size())
+        if pareto.at(i).key
     ]
     if not front:
         return "", []

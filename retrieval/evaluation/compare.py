@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 import pandas as pd
@@ -88,9 +89,7 @@ def evaluate_against_baselines(
     activity = train[USER].value_counts().reindex(pd.Index(eval_set.user_ids, dtype=object), fill_value=0)
     rankers = {MODEL: lambda: index_ranking(index, query_embeddings, eval_set, depth, config.query_batch_size)}
     for name in config.baselines.rankers:
-        rankers[name] = lambda name=name: baseline_ranking(
-            name, train, catalogue_ids, eval_set, depth, config.baselines
-        )
+        rankers[name] = partial(baseline_ranking, name, train, catalogue_ids, eval_set, depth, config.baselines)
     return compare_rankers(rankers, eval_set, item_click_counts(train, catalogue_ids), activity.to_numpy(), config)
 
 
