@@ -66,6 +66,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RECALL, TARGET_SPEEDUP, TARGET_P99_MS = 0.95, 10.0, 5.0
+SERVE_ARGS: list[str] = []  # --serve-args: extra `retrieval serve` flags for every server started
 TARGET_MIXED_RATIO = 3.0  # single-query p99 under the mixed load <= this x its idle p99
 # uvicorn's HTTP parser / event loop: the default (C parser, libuv) and the pure-Python one.
 DEFAULT_STACK = "httptools/uvloop"
@@ -95,9 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed-rounds", type=int, default=4, help="idle + mixed window pairs")
     parser.add_argument("--mixed-bulk-clients", type=int, default=2)
     parser.add_argument("--mixed-batch", type=int, default=1024, help="queries per bulk request")
+    parser.add_argument("--serve-args", default="", help="extra `retrieval serve` flags, e.g. '--bulk-chunk 16'")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args(argv)
+    SERVE_ARGS[:] = args.serve_args.split()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
@@ -499,7 +502,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "retrieval.cli", "serve", "--bundle", str(bundle), "--port", str(self.port),
-             "--log-level", "warning", "--http", http, "--loop", loop],
+             "--log-level", "warning", "--http", http, "--loop", loop, *SERVE_ARGS],
             cwd=ROOT,
         )
         import httpx

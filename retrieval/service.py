@@ -134,7 +134,7 @@ class ServiceLimits:
         default=16, metadata={"help": "batches of more queries run in the bulk lane, apart from small requests"}
     )
     bulk_chunk: int = dataclasses.field(
-        default=64, metadata={"help": "queries the bulk lane answers at a time before yielding to other requests"}
+        default=8, metadata={"help": "queries the bulk lane answers at a time before yielding to other requests"}
     )
     bulk_workers: int = dataclasses.field(default=1, metadata={"help": "threads of the bulk lane"})
     bulk_nice: int = dataclasses.field(
@@ -294,12 +294,14 @@ def create_app(
         try:
             for position, query in enumerate(queries):
                 current.check_query(query, position)
+            # One query-tower call for the whole batch (mostly outside the interpreter lock), then the
+            # search and the JSON in slices, yielding the interpreter between them.
+            embeddings, known = current.embed_with_known(queries)
             for start in range(0, len(queries), step):
                 if start:
                     time.sleep(0)  # let the small requests' threads take the interpreter between chunks
-                results = current.recommend_batch(
-                    queries[start : start + step], parsed.k, excluded[start : start + step]
-                )
+                window = slice(start, start + step)
+                results = current.recommend_embedded(embeddings[window], known[window], parsed.k, excluded[window])
                 pieces.append(_dumps([_result(r) for r in results])[1:-1])
         except ValueError as error:
             raise HTTPException(422, str(error)) from None

@@ -208,17 +208,39 @@ class Bundle:
             raise ValueError(f"k must be positive, got {k}")
         if exclude_item_ids is not None and len(exclude_item_ids) != len(queries):
             raise ValueError(f"exclude_item_ids has {len(exclude_item_ids)} lists for {len(queries)} queries")
+        embeddings, known_ids = self.embed_with_known(queries)
+        return self.recommend_embedded(embeddings, known_ids, k, exclude_item_ids)
+
+    def embed_with_known(self, queries: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+        """Checked raw queries -> (embeddings [n, dim] float32, known_ids bool [n]) for recommend_embedded."""
+        return self._embed_checked(queries)
+
+    def recommend_embedded(
+        self,
+        embeddings: np.ndarray,
+        known_ids: np.ndarray,
+        k: int = 10,
+        exclude_item_ids: Sequence[Sequence[str]] | None = None,
+    ) -> list[Recommendations]:
+        """Top-k for query embeddings [n, dim] and known_ids [n] from ``embed_with_known`` (one FAISS search).
+
+        ``recommend_batch`` is embed_with_known + this; a caller answering a large batch embeds it
+        once and searches it in slices.
+        """
+        if k <= 0:
+            raise ValueError(f"k must be positive, got {k}")
+        if exclude_item_ids is not None and len(exclude_item_ids) != len(embeddings):
+            raise ValueError(f"exclude_item_ids has {len(exclude_item_ids)} lists for {len(embeddings)} queries")
         exclude = [
             np.array([self._row_of[i] for i in items if i in self._row_of], dtype=np.int64)
-            for items in (exclude_item_ids or [()] * len(queries))
+            for items in (exclude_item_ids or [()] * len(embeddings))
         ]
-        embeddings, known_ids = self._embed_checked(queries)
         top = self.index.search(embeddings, k, exclude=exclude)
         # An all-zero embedding is the towers' out-of-vocabulary row: the model
         # knows nothing about this query, so popularity is the honest answer.
         unknown = ~np.any(embeddings != 0, axis=1)
         results = []
-        for i in range(len(queries)):
+        for i in range(len(embeddings)):
             if unknown[i]:
                 excluded = set(exclude[i].tolist())
                 rows = [r for r in self._popular_rows if r not in excluded][:k]

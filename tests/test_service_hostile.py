@@ -417,24 +417,24 @@ def test_large_batches_run_one_at_a_time_in_chunks_beside_small_requests(world, 
     limits = ServiceLimits(bulk_queries=16, bulk_chunk=8, bulk_workers=1)
     app = create_app(world["bundle-a"], limits=limits)
     bundle = app.state.holder.current
-    original = bundle.recommend_batch
+    original = bundle.recommend_embedded
     calls, running, peak, lock = [], [0], [0], threading.Lock()
 
-    def slow(queries, k=10, exclude_item_ids=None):
-        calls.append(len(queries))
-        if len(queries) == 1:
-            return original(queries, k, exclude_item_ids)
+    def slow(embeddings, known_ids, k=10, exclude_item_ids=None):
+        calls.append(len(embeddings))
+        if len(embeddings) == 1:
+            return original(embeddings, known_ids, k, exclude_item_ids)
         with lock:
             running[0] += 1
             peak[0] = max(peak[0], running[0])
         try:
             time.sleep(0.05)  # a big chunk takes a while
-            return original(queries, k, exclude_item_ids)
+            return original(embeddings, known_ids, k, exclude_item_ids)
         finally:
             with lock:
                 running[0] -= 1
 
-    monkeypatch.setattr(bundle, "recommend_batch", slow)
+    monkeypatch.setattr(bundle, "recommend_embedded", slow)
     users = [f"user{u % 60:02d}" for u in range(64)]
     big = {"queries": [{"user_id": u} for u in users], "k": 5}
 
@@ -452,7 +452,7 @@ def test_large_batches_run_one_at_a_time_in_chunks_beside_small_requests(world, 
     single, single_seconds, done_before_single, replies = asyncio.run(go())
     assert single.status_code == 200 and done_before_single == 0
     assert single_seconds < 0.5 * 3 * 8 * 0.05, single_seconds  # well under the three batches' time
-    expected = original([{"user_id": u} for u in users], 5)
+    expected = Bundle.load(world["bundle-a"]).recommend_batch([{"user_id": u} for u in users], 5)
     for reply in replies:
         assert reply.status_code == 200
         assert [r["item_ids"] for r in reply.json()["results"]] == [r.item_ids for r in expected]
@@ -468,13 +468,13 @@ def test_the_bulk_lane_runs_below_the_server_priority(world, monkeypatch):  # no
 
     app = create_app(world["bundle-a"], limits=ServiceLimits(bulk_queries=4, bulk_nice=5))
     bundle = app.state.holder.current
-    original, seen = bundle.recommend_batch, {}
+    original, seen = bundle.recommend_embedded, {}
 
-    def record(queries, k=10, exclude_item_ids=None):
-        seen[len(queries)] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        return original(queries, k, exclude_item_ids)
+    def record(embeddings, known_ids, k=10, exclude_item_ids=None):
+        seen[len(embeddings)] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        return original(embeddings, known_ids, k, exclude_item_ids)
 
-    monkeypatch.setattr(bundle, "recommend_batch", record)
+    monkeypatch.setattr(bundle, "recommend_embedded", record)
     assert call(app, "POST", "/recommend", json={"query": {"user_id": "user01"}}).status_code == 200
     big = {"queries": [{"user_id": "user01"}] * 8}
     assert call(app, "POST", "/recommend", json=big).status_code == 200
