@@ -102,3 +102,60 @@ def test_padding_leaves_are_never_reached():
     draws = tree.sample(queries, 256, np.random.default_rng(0))
     assert draws.ids.min() >= 0 and draws.ids.max() < 1682
     assert np.all(np.isfinite(draws.log_prob))
+
+
+@pytest.mark.parametrize("num_items,leaf_size", [(50, 4), (7, 4), (3, 4), (200, 3)])
+def test_update_of_many_rows_equals_a_fresh_tree(num_items, leaf_size):
+    # Depth 0 (3 items), depth 1 (7 items) and deeper trees; unsorted rows, some sharing a leaf.
+    rng = np.random.default_rng(num_items)
+    items = rng.normal(size=(num_items, 5))
+    tree = QuadraticKernelTree(items, leaf_size=leaf_size)
+    for _ in range(3):
+        rows = rng.choice(num_items, size=max(1, num_items // 3), replace=False)
+        new = rng.normal(size=(len(rows), 5))
+        tree.update(rows, new)
+        items[rows] = new
+    fresh = QuadraticKernelTree(items, leaf_size=leaf_size)
+    np.testing.assert_allclose(tree.sums, fresh.sums, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(tree.counts, fresh.counts)
+    queries = rng.normal(size=(4, 5))
+    np.testing.assert_allclose(tree.partition(queries), (1 + 100.0 * (queries @ items.T) ** 2).sum(axis=1))
+    ids = rng.integers(0, num_items, size=(4, 6))
+    expected = np.log(np.take_along_axis(_brute_probabilities(queries, items, 100.0), ids, axis=1))
+    np.testing.assert_allclose(tree.log_prob(queries, ids), expected, rtol=1e-10)
+
+
+@pytest.mark.parametrize("grid_factor", [0.0, 1e9])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_both_level_paths_draw_from_the_kernel_distribution(monkeypatch, grid_factor, seed):
+    # grid_factor 0: every level's masses per (query, node) pair; 1e9: one matrix product per level.
+    from retrieval.samplers import kernel
+
+    monkeypatch.setattr(kernel, "_GRID_FACTOR", grid_factor)
+    rng = np.random.default_rng(seed)
+    num_items = 45  # 12 buckets of 4 padded to 16 leaves: depth 4, padding subtrees on the right
+    items, queries = rng.normal(size=(num_items, 3)) / 2, rng.normal(size=(3, 3))
+    tree = QuadraticKernelTree(items, alpha=5.0, leaf_size=4, max_chunk=7)  # several chunks per level
+    draws = tree.sample(queries, 20_000, np.random.default_rng(seed + 10))
+    expected = _brute_probabilities(queries, items, 5.0)
+    for q in range(len(queries)):
+        observed = np.bincount(draws.ids[q], minlength=num_items)
+        assert len(observed) == num_items
+        assert stats.chisquare(observed, expected[q] * observed.sum())[1] > 1e-3
+    np.testing.assert_allclose(
+        draws.log_prob, np.log(np.take_along_axis(expected, draws.ids, axis=1)), rtol=1e-10
+    )
+
+
+def test_draws_follow_an_update():
+    # After update the walk must use the new sums and items, not the mirror of the old ones.
+    rng = np.random.default_rng(8)
+    items = rng.normal(size=(40, 3))
+    tree = QuadraticKernelTree(items, alpha=20.0, leaf_size=4)
+    rows = np.arange(0, 40, 3)
+    items[rows] = rng.normal(size=(len(rows), 3)) * 2
+    tree.update(rows, items[rows])
+    query = rng.normal(size=(1, 3))
+    draws = tree.sample(query, 20_000, np.random.default_rng(1))
+    expected = _brute_probabilities(query, items, 20.0)[0]
+    assert stats.chisquare(np.bincount(draws.ids[0], minlength=40), expected * 20_000)[1] > 1e-3

@@ -228,3 +228,33 @@ def test_a_restored_step_off_the_schedule_still_builds_the_tree():
     assert sampler.refreshes == 1 and negatives.ids.shape == (2, 3)
     items = catalogue[1:].astype(np.float32).astype(np.float64)
     np.testing.assert_allclose(sampler.tree.sums[0], items.T @ items, rtol=1e-6)
+
+
+def test_refresh_updates_only_the_changed_rows_and_equals_a_rebuild():
+    rng = np.random.default_rng(9)
+    num_items, dim = 70, 4
+    catalogue = _catalogue(rng, num_items, dim).astype(np.float32)
+    sampler = KernelSampler(num_items, 5, leaf_size=4)
+    sampler.refresh(catalogue)
+    assert (sampler.refreshes, sampler.rebuilds, sampler.rows_updated) == (1, 1, 0)
+    rows = np.array([1, 2, 33, 70])  # tower indices
+    catalogue[rows] = rng.normal(size=(len(rows), dim))
+    sampler.refresh(catalogue)
+    assert (sampler.refreshes, sampler.rebuilds, sampler.rows_updated) == (2, 1, len(rows))
+    fresh = KernelSampler(num_items, 5, leaf_size=4)
+    fresh.refresh(catalogue)
+    np.testing.assert_allclose(sampler.tree.sums, fresh.tree.sums, rtol=1e-12, atol=1e-12)
+    # update_rows: the same result from the ids alone; a repeated id and the OOV row 0.
+    ids = np.array([5, 0, 5, 41])
+    catalogue[ids] = rng.normal(size=(len(ids), dim))
+    catalogue[5] = catalogue[ids[0]]
+    sampler.update_rows(ids, catalogue[ids])
+    fresh.refresh(catalogue)
+    np.testing.assert_allclose(sampler.tree.sums, fresh.tree.sums, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(sampler._oov, catalogue[0])
+    sampler.refresh(catalogue)  # nothing changed since update_rows
+    assert sampler.rows_updated == len(rows) + 2
+    with pytest.raises(ValueError, match="tower indices"):
+        sampler.update_rows(np.array([num_items + 1]), np.zeros((1, dim)))
+    with pytest.raises(RuntimeError, match="call refresh"):
+        KernelSampler(num_items, 5).update_rows(np.array([1]), np.zeros((1, dim)))

@@ -11,14 +11,16 @@ large |logits|, and its sum over any set S of items is cheap in kernel space:
 So a binary tree over the items whose nodes store ``sum d_i d_i^T`` (D x D)
 and a count lets us sample *exactly* from ``K(q, .) / sum K(q, .)``: walk from
 the root, going left with probability K(left) / K(node). Each step costs
-O(D^2); a draw costs O(D^2 log n). Leaves hold small buckets of items, where
-the last step samples directly from the bucket's kernel values (O(bucket D)).
-A query's m draws walk down together, splitting binomially at each node, so
-the cost is per distinct (query, node) pair, at most O(m D^2 log n).
+O(D^2); a draw costs O(D^2 log n), against O(n D) for the softmax itself.
+Leaves hold small buckets of items; the last step samples directly among the
+items of the last internal node (O(bucket D)).
 
-Everything is vectorised over all draws of a batch (no per-item Python loops);
-the tree is plain numpy so it can be refreshed from the current doc
-embeddings every N training steps, or updated incrementally for a few rows.
+Everything is vectorised numpy with no per-node Python loop: the statistics are
+flat arrays in heap order; all draws of a batch descend one level at a time,
+each level costing one matrix product (near the root) or one gathered dot
+product per distinct (query, node) pair (deeper); an update of r changed rows
+touches only their ancestors, level by level (O(r D^2 log n)), so a model
+trained with sparse updates keeps its tree current for a fraction of a rebuild.
 """
 
 from __future__ import annotations
@@ -31,12 +33,10 @@ import tensorflow as tf
 
 from retrieval.samplers.base import Negatives, Sampler, replicas_in_step
 
-# Evaluate a whole (distinct queries x distinct nodes) grid with one matrix product when it has at
-# most this many entries per (query, node) pair actually needed.
+# A level's left-child masses come from one matrix product over every (query, node) of the level
+# while that grid has at most this many entries per distinct pair the draws need (measured:
+# benchmarks/bench_kernel.py --part curve; a per-pair gather is memory-bound, BLAS is not).
 _GRID_FACTOR = 16
-# ... and evaluate every node (every item at the leaves) for every query when there are at most this
-# many (query, node) entries.
-_FULL_GRID = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -57,19 +57,30 @@ class KernelDraws:
 class QuadraticKernelTree:
     """Divide-and-conquer tree of ``sum d d^T`` for kernel sampling.
 
+    Storage is flat numpy, in heap order (node ``k``'s children are ``2k + 1``
+    and ``2k + 2``): the internal nodes' sums as packed upper triangles
+    (``D (D + 1) / 2`` entries) in float64, with a float32 mirror that the walk
+    reads; the items themselves (float64, and a float32 mirror), zero-padded to
+    ``num_leaves * leaf_size`` rows. Leaves keep no sums: the walk reads the
+    items of the last internal node's two leaves directly (``2 * leaf_size * D``
+    multiply-adds, about what one packed sum costs), which halves the memory.
+
     Args:
       embeddings: [num_items, dim] item (doc) embeddings.
       alpha: kernel scale; larger follows the model's logits more sharply.
       leaf_size: items per leaf bucket.
       max_chunk: (query, node) pairs evaluated at once deep in the tree (bounds
-        memory to about ``2 * max_chunk * dim^2`` floats).
+        the walk's scratch memory to about ``max_chunk * (dim^2 / 2 + 2 * leaf_size * dim)``
+        floats).
     """
 
-    def __init__(self, embeddings: np.ndarray, *, alpha: float = 100.0, leaf_size: int = 32, max_chunk: int = 1024):
+    def __init__(self, embeddings: np.ndarray, *, alpha: float = 100.0, leaf_size: int = 32, max_chunk: int = 256):
         if alpha <= 0:
             raise ValueError(f"alpha must be positive, got {alpha}")
         if leaf_size <= 0:
             raise ValueError(f"leaf_size must be positive, got {leaf_size}")
+        if max_chunk <= 0:
+            raise ValueError(f"max_chunk must be positive, got {max_chunk}")
         self.alpha = float(alpha)
         self.leaf_size = int(leaf_size)
         self.max_chunk = int(max_chunk)
@@ -88,31 +99,32 @@ class QuadraticKernelTree:
         num_buckets = -(-self.num_items // self.leaf_size)
         self.depth = int(np.ceil(np.log2(num_buckets))) if num_buckets > 1 else 0
         self.num_leaves = 2**self.depth
-        padded = np.zeros((self.num_leaves * self.leaf_size, self.dim))
-        padded[: self.num_items] = embeddings
-        # Buckets: [num_leaves, leaf_size, dim]; padding rows are zero vectors
-        # with a zero count, so they add nothing to any sum.
-        self.buckets = padded.reshape(self.num_leaves, self.leaf_size, self.dim)
-        self.bucket_valid = (np.arange(self.num_leaves * self.leaf_size) < self.num_items).reshape(
-            self.num_leaves, self.leaf_size
-        )
-        num_nodes = 2 * self.num_leaves - 1
-        self.sums = np.zeros((num_nodes, self.dim, self.dim))
-        self.counts = np.zeros(num_nodes)
-        self._packed_sums: np.ndarray | None = None  # upper triangles of self.sums, built on the first draw
-        first_leaf = self.num_leaves - 1
-        self.sums[first_leaf:] = np.einsum("lbd,lbe->lde", self.buckets, self.buckets)
-        self.counts[first_leaf:] = self.bucket_valid.sum(axis=1)
+        self._upper = np.triu_indices(self.dim)
+        # Padding rows are zero vectors outside every count: they add nothing to any sum, and the
+        # walk gives them weight 0.
+        self.items = np.zeros((self.num_leaves * self.leaf_size, self.dim))
+        self.items[: self.num_items] = embeddings
+        self._items32 = self.items.astype(np.float32)
+        leaf_counts = np.clip(self.num_items - np.arange(self.num_leaves) * self.leaf_size, 0, self.leaf_size)
+        self.counts = np.zeros(2 * self.num_leaves - 1)
+        self.counts[self.num_leaves - 1 :] = leaf_counts
+        self._stats = np.zeros((self.num_leaves - 1, len(self._upper[0])))
+        self._stats32 = np.zeros(self._stats.shape, dtype=np.float32)
         for level in range(self.depth - 1, -1, -1):  # bottom-up, one vectorised level at a time
             nodes = np.arange(2**level - 1, 2 ** (level + 1) - 1)
-            self.sums[nodes] = self.sums[2 * nodes + 1] + self.sums[2 * nodes + 2]
             self.counts[nodes] = self.counts[2 * nodes + 1] + self.counts[2 * nodes + 2]
+        if self.depth:
+            self._recompute(np.arange(self.num_leaves // 2 - 1, self.num_leaves - 1))
 
     def update(self, rows: np.ndarray, embeddings: np.ndarray) -> None:
         """Replace the embeddings of ``rows`` [r] by ``embeddings`` [r, dim].
 
-        Only the r leaf-to-root paths change: O(r * D^2 * log n), cheaper than
-        ``refresh`` when few items moved.
+        Only the ancestors of the r rows change, and only they are recomputed:
+        the lowest internal nodes above the rows from their items, then each
+        level above as the sum of its two children, one vectorised step per
+        level. Cost O(min(r, n / leaf) * leaf * D^2) for the lowest level plus
+        O(r * D^2 * log n) above it, and no rounding drift: the result equals a
+        ``refresh`` from the same embeddings.
         """
         rows = np.asarray(rows, dtype=np.int64)
         embeddings = np.asarray(embeddings, dtype=np.float64)
@@ -120,28 +132,64 @@ class QuadraticKernelTree:
             raise ValueError(f"embeddings must be [{len(rows)}, {self.dim}], got {embeddings.shape}")
         if len(np.unique(rows)) != len(rows) or rows.min(initial=0) < 0 or rows.max(initial=0) >= self.num_items:
             raise ValueError("rows must be unique item rows in [0, num_items)")
-        leaf, slot = np.divmod(rows, self.leaf_size)
-        old = self.buckets[leaf, slot]
-        delta = np.einsum("rd,re->rde", embeddings, embeddings) - np.einsum("rd,re->rde", old, old)
-        self.buckets[leaf, slot] = embeddings
-        node = leaf + self.num_leaves - 1
-        for _ in range(self.depth + 1):
-            np.add.at(self.sums, node, delta)
-            node = (node - 1) // 2
-        self._packed_sums = None
+        if not np.all(np.isfinite(embeddings)):
+            raise ValueError("embeddings contain NaN or inf")
+        self.items[rows] = embeddings
+        self._items32[rows] = embeddings
+        if self.depth:
+            self._recompute(np.unique(rows // (2 * self.leaf_size)) + self.num_leaves // 2 - 1)
+
+    def _recompute(self, lowest: np.ndarray) -> None:
+        """Recompute the sums of ``lowest`` (sorted nodes of the lowest internal level) from their
+        items, then of all their ancestors."""
+        block = 2 * self.leaf_size  # items under one lowest internal node
+        buckets = self.items.reshape(-1, block, self.dim)
+        first = self.num_leaves // 2 - 1
+        upper_i, upper_j = self._upper
+        for start in range(0, len(lowest), 1024):  # a [nodes, D, D] temporary at 1M items would not fit
+            nodes = lowest[start : start + 1024]
+            rows = buckets[nodes - first]
+            self._stats[nodes] = np.matmul(rows.transpose(0, 2, 1), rows)[:, upper_i, upper_j]
+        self._stats32[lowest] = self._stats[lowest]
+        nodes = lowest
+        while len(nodes) and nodes[0] > 0:
+            nodes = np.unique((nodes - 1) // 2)
+            self._stats[nodes] = self._stats[2 * nodes + 1] + self._stats[2 * nodes + 2]
+            self._stats32[nodes] = self._stats[nodes]
+
+    @property
+    def sums(self) -> np.ndarray:
+        """Every node's ``sum d d^T``, [num_nodes, dim, dim] float64, unpacked (for inspection:
+        it materialises O(num_nodes * dim^2) floats; the walk never uses it)."""
+        sums = np.zeros((2 * self.num_leaves - 1, self.dim, self.dim))
+        upper_i, upper_j = self._upper
+        internal = self.num_leaves - 1
+        sums[:internal, upper_i, upper_j] = self._stats
+        sums[:internal, upper_j, upper_i] = self._stats
+        buckets = self.items.reshape(self.num_leaves, self.leaf_size, self.dim)
+        sums[internal:] = np.matmul(buckets.transpose(0, 2, 1), buckets)
+        return sums
 
     # -- probabilities ----------------------------------------------------------
 
     def partition(self, queries: np.ndarray) -> np.ndarray:
         """Z(q) = sum_i K(q, d_i) for each query. [num_queries]."""
         queries = self._check_queries(queries)
-        return self.alpha * np.einsum("qd,de,qe->q", queries, self.sums[0], queries) + self.counts[0]
+        if self.depth == 0:
+            return self.kernel(queries, np.broadcast_to(np.arange(self.num_items), (len(queries), self.num_items))).sum(
+                axis=1
+            )
+        upper_i, upper_j = self._upper
+        root = np.zeros((self.dim, self.dim))
+        root[upper_i, upper_j] = self._stats[0]  # upper triangle only: q^T U q with U's
+        root[upper_j, upper_i] += self._stats[0]  # off-diagonal doubled equals q^T S q
+        root[np.diag_indices(self.dim)] /= 2
+        return self.alpha * np.einsum("bd,bd->b", queries @ root, queries) + self.counts[0]
 
     def kernel(self, queries: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """K(q_b, d_{ids[b, j]}). queries [B, dim], ids [B, m] -> [B, m]."""
         queries = self._check_queries(queries)
-        leaf, slot = np.divmod(np.asarray(ids, dtype=np.int64), self.leaf_size)
-        dots = np.einsum("bd,bmd->bm", queries, self.buckets[leaf, slot])
+        dots = np.einsum("bd,bmd->bm", queries, self.items[np.asarray(ids, dtype=np.int64)])
         return self.alpha * dots**2 + 1.0
 
     def log_prob(self, queries: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -156,13 +204,13 @@ class QuadraticKernelTree:
         Exact up to float32 rounding of the tree's node masses (~1e-7 relative,
         far below sampling noise); the returned ``log_prob`` is exact (float64).
 
-        The draws of one query walk down the tree together: at each node the
-        ``n`` draws that reached it split binomially between the children
-        (``Binomial(n, K(left) / K(node))``) and, at a leaf, multinomially
-        between its items. That is the same distribution as ``n`` independent
-        walks, but the work is per distinct (query, node) pair instead of per
-        draw, which matters once ``num_draws`` is large: near the root every
-        draw of a query shares one pair.
+        Every draw of every query descends one level at a time, all together:
+        at each level the left child's kernel mass is computed once per
+        distinct (query, node) pair (one matrix product over the whole level
+        near the root, where the pairs cover most of the grid; deeper, one
+        packed dot product per pair), and each draw goes left with probability
+        K(left) / K(node). At the last internal level the draws pick an item
+        of the node's two leaves directly, from the items' kernel values.
 
         Args:
           queries: [num_queries, dim].
@@ -170,93 +218,90 @@ class QuadraticKernelTree:
           rng: the random generator (the only source of randomness).
 
         Returns:
-          ``KernelDraws`` ``[num_queries, num_draws]``, each row in random order.
+          ``KernelDraws`` ``[num_queries, num_draws]``; the draws of a row are independent.
         """
         queries = self._check_queries(queries)
         if num_draws <= 0:
             raise ValueError(f"num_draws must be positive, got {num_draws}")
         num_queries = len(queries)
-        outer, flat_sums = self._packed(queries)
-        # Small trees: every node's kernel mass for every query in one matrix product, then
-        # the walk only looks values up.
-        every_node = None
-        if num_queries * len(flat_sums) <= _FULL_GRID:
-            every_node = (outer @ flat_sums.T).astype(np.float64)
-        # One entry per (query, node) pair that some draws reached: owner query, node, draws, K(node).
-        owner = np.arange(num_queries)
-        node = np.zeros(num_queries, dtype=np.int64)
-        count = np.full(num_queries, num_draws, dtype=np.int64)
-        mass = self.alpha * (outer @ flat_sums[0]).astype(np.float64) + self.counts[0]
-        for _ in range(self.depth):
+        outer = self._outer(queries)
+        owner = np.repeat(np.arange(num_queries), num_draws)  # the query of each draw
+        node = np.zeros(len(owner), dtype=np.int64)  # its current node, in heap order
+        final = max(self.depth - 1, 0)  # the level whose nodes' items are drawn from directly
+        mass = np.zeros(len(owner))
+        if final > 0:
+            mass = (self.alpha * (outer @ self._stats32[0]).astype(np.float64) + self.counts[0])[owner]
+        for level in range(final):
             left = 2 * node + 1
-            if every_node is not None:
-                quadratic = every_node[owner, left]
-            else:
-                quadratic = self._quadratic(outer, flat_sums, owner, left)
-            left_mass = self.alpha * quadratic + self.counts[left]
+            left_mass = self.alpha * self._left_quadratic(outer, owner, node - (2**level - 1), level)
+            left_mass += self.counts[left]
             # A subtree of padding only (count 0) has mass exactly 0: never let rounding of
             # mass - left_mass send draws there. Elsewhere mass >= count >= 1, rounding is negligible.
             right_mass = np.where(self.counts[left + 1] > 0, np.maximum(mass - left_mass, 0.0), 0.0)
-            to_left = rng.binomial(count, left_mass / (left_mass + right_mass))
-            owner = np.concatenate([owner, owner])
-            node = np.concatenate([left, left + 1])
-            count = np.concatenate([to_left, count - to_left])
-            mass = np.concatenate([left_mass, right_mass])
-            kept = count > 0
-            owner, node, count, mass = owner[kept], node[kept], count[kept], mass[kept]
-        # Inside the leaf buckets: split each pair's draws multinomially over its items' kernel values.
-        leaf = node - (self.num_leaves - 1)
-        queries_at, query_slot = np.unique(owner, return_inverse=True)
-        leaves, leaf_slot = np.unique(leaf, return_inverse=True)
-        if num_queries * self.num_items <= _FULL_GRID * 8:  # every item's dot product, one product
-            flat_items = self.buckets.reshape(-1, self.dim)
-            every_item = (queries @ flat_items.T).reshape(num_queries, self.num_leaves, self.leaf_size)
-            dots = every_item[owner, leaf]
-        elif len(queries_at) * len(leaves) <= _GRID_FACTOR * len(owner):
-            grid = (queries[queries_at] @ self.buckets[leaves].reshape(-1, self.dim).T).reshape(
-                len(queries_at), len(leaves), self.leaf_size
-            )
-            dots = grid[query_slot.reshape(-1), leaf_slot.reshape(-1)]
-        else:
-            dots = np.einsum("pd,pbd->pb", queries[owner], self.buckets[leaf])
-        weights = np.where(self.bucket_valid[leaf], self.alpha * dots**2 + 1.0, 0.0)
-        per_item = rng.multinomial(count, weights / weights.sum(axis=1, keepdims=True))
-        items = (leaf[:, None] * self.leaf_size + np.arange(self.leaf_size)).ravel()
-        ids: np.ndarray = np.repeat(items, per_item.ravel())
-        query_of = np.repeat(np.repeat(owner, self.leaf_size), per_item.ravel())
-        ids = ids[np.argsort(query_of, kind="stable")].reshape(num_queries, num_draws)
-        ids = rng.permuted(ids, axis=1)  # draws are exchangeable; do not leave them sorted by leaf
+            go_left = rng.random(len(owner)) * (left_mass + right_mass) < left_mass
+            node = np.where(go_left, left, left + 1)
+            mass = np.where(go_left, left_mass, right_mass)
+        ids = self._draw_in_buckets(queries, owner, node - (2**final - 1), final, rng)
+        ids = ids.reshape(num_queries, num_draws)
         return KernelDraws(ids, self.log_prob(queries, ids))
 
-    def _packed(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _left_quadratic(self, outer: np.ndarray, owner: np.ndarray, index: np.ndarray, level: int) -> np.ndarray:
+        """``q^T S q`` of the left child of each draw's node (``index`` within ``level``), float64."""
+        width = 2**level
+        first_left = 2 * width - 1  # heap index of the first node of level + 1
+        if width <= _GRID_FACTOR:  # every query has a pair: the grid below wins whatever the pairs
+            grid = outer @ self._stats32[first_left : first_left + 2 * width : 2].T
+            return grid[owner, index].astype(np.float64)
+        pairs, inverse = np.unique(owner * width + index, return_inverse=True)
+        pair_owner, pair_index = np.divmod(pairs, width)
+        if len(outer) * width <= _GRID_FACTOR * len(pairs):
+            # The distinct pairs cover much of the (query, node) grid: one matrix product over the
+            # level's left children is faster than gathering per pair (BLAS vs memory-bound gathers).
+            grid = outer @ self._stats32[first_left : first_left + 2 * width : 2].T
+            values = grid[pair_owner, pair_index]
+        else:
+            values = np.empty(len(pairs), dtype=np.float32)
+            lefts = first_left + 2 * pair_index
+            for start in range(0, len(pairs), self.max_chunk):
+                part = slice(start, start + self.max_chunk)
+                values[part] = np.einsum("pk,pk->p", self._stats32[lefts[part]], outer[pair_owner[part]])
+        return values.astype(np.float64)[inverse.reshape(-1)]
+
+    def _draw_in_buckets(
+        self, queries: np.ndarray, owner: np.ndarray, index: np.ndarray, level: int, rng: np.random.Generator
+    ) -> np.ndarray:
+        """One item row per draw, from the items under node ``index`` of ``level``, by kernel value."""
+        width = 2**level
+        bucket = self.leaf_size * 2 ** (self.depth - level)  # items under one node of the level
+        pairs, inverse = np.unique(owner * width + index, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        pair_owner, pair_index = np.divmod(pairs, width)
+        buckets = self._items32.reshape(width, bucket, self.dim)
+        queries32 = queries.astype(np.float32)
+        cumulative = np.empty((len(pairs), bucket))
+        for start in range(0, len(pairs), self.max_chunk):
+            part = slice(start, start + self.max_chunk)
+            dots = np.matmul(buckets[pair_index[part]], queries32[pair_owner[part], :, None])[:, :, 0]
+            cumulative[part] = self.alpha * dots.astype(np.float64) ** 2 + 1.0
+        valid = np.minimum(self.num_items - pair_index * bucket, bucket)  # padding rows weigh nothing
+        cumulative[np.arange(bucket) >= valid[:, None]] = 0.0
+        np.cumsum(cumulative, axis=1, out=cumulative)
+        per_draw = cumulative[inverse]
+        target = rng.random(len(owner)) * per_draw[:, -1]
+        slot = np.minimum((per_draw <= target[:, None]).sum(axis=1), valid[inverse] - 1)
+        ids: np.ndarray = index * bucket + slot
+        return ids
+
+    def _outer(self, queries: np.ndarray) -> np.ndarray:
         # q^T S q == <vec(q q^T), vec(S)>, and S is symmetric: the upper triangle with the
         # off-diagonal weighted 2 holds the same inner product in D(D+1)/2 entries instead of D^2.
-        # Both are float32: the walk is memory-bound, and a node's mass is then exact to ~1e-7
-        # relative, far below sampling noise; log_prob (hence log Q) stays exact in float64.
-        upper_i, upper_j = np.triu_indices(self.dim)
-        if self._packed_sums is None:
-            self._packed_sums = np.ascontiguousarray(self.sums[:, upper_i, upper_j], dtype=np.float32)
-        weight = np.where(upper_i == upper_j, 1.0, 2.0)
-        return (queries[:, upper_i] * queries[:, upper_j] * weight).astype(np.float32), self._packed_sums
-
-    def _quadratic(
-        self, outer: np.ndarray, flat_sums: np.ndarray, owner: np.ndarray, nodes: np.ndarray
-    ) -> np.ndarray:
-        # One matrix product between the distinct queries' packed outer products and the distinct
-        # nodes is fastest while that grid is not much larger than the pairs actually needed (a
-        # gathered per-pair product is memory-bound, ~10-30x slower per entry than BLAS); beyond,
-        # compute each pair alone, in chunks of max_chunk pairs to bound memory.
-        queries, query_slot = np.unique(owner, return_inverse=True)
-        distinct, node_slot = np.unique(nodes, return_inverse=True)
-        if len(queries) * len(distinct) <= _GRID_FACTOR * len(owner):
-            rows = outer if len(queries) == len(outer) else outer[queries]  # often every query: no copy
-            grid = rows @ flat_sums[distinct].T
-            return grid[query_slot.reshape(-1), node_slot.reshape(-1)].astype(np.float64)
-        result = np.empty(len(owner))
-        for start in range(0, len(owner), self.max_chunk):
-            part = slice(start, start + self.max_chunk)
-            result[part] = np.einsum("pk,pk->p", outer[owner[part]], flat_sums[nodes[part]])
-        return result
+        # float32, C-contiguous [num_queries, D(D+1)/2]: what the walk multiplies with the float32 sums.
+        upper_i, upper_j = self._upper
+        weight = np.where(upper_i == upper_j, 1.0, 2.0).astype(np.float32)
+        squares = queries.astype(np.float32)[:, :, None] * queries.astype(np.float32)[:, None, :]
+        outer = np.take(squares.reshape(len(queries), -1), upper_i * self.dim + upper_j, axis=1)
+        outer *= weight
+        return np.ascontiguousarray(outer)
 
     def _check_queries(self, queries: np.ndarray) -> np.ndarray:
         queries = np.asarray(queries, dtype=np.float64)
@@ -281,16 +326,18 @@ class KernelSampler(Sampler):
     each row's positive is a column of its own with ``positive_log_q = log(m p(pos | q))``
     (``includes_batch_positives = False``, as ``tf.nn.sampled_softmax_loss``).
 
-    Only full rebuilds: with Adam or a normalising tower every item embedding moves
-    every step, so ``QuadraticKernelTree.update`` (O(rows D^2 log n)) would not be
-    cheaper than a rebuild on this schedule.
+    A refresh is incremental: it compares the catalogue with the embeddings the tree
+    holds and updates only the changed rows' ancestors (``QuadraticKernelTree.update``),
+    which is what sparse or lazy optimiser updates leave (the batch's rows); when every
+    row moved (dense Adam, a normalising tower) that costs what a rebuild costs.
+    ``update_rows`` is the same update for a caller that knows which rows it changed.
 
     Args:
       num_items: vocabulary size V (tower indices 1..V).
       num_samples: draws per query, ``m``.
       alpha: kernel scale on the raw tower dot product.
       leaf_size: items per leaf bucket of the tree.
-      refresh_steps: rebuild the tree every this many calls (and whenever there is none,
+      refresh_steps: refresh the tree every this many calls (and build it whenever there is none,
         e.g. after restoring ``step`` from a checkpoint; the numpy tree and generator are not
         checkpointed, so a resumed run draws differently from an uninterrupted one).
       seed: seed of the numpy generator (draws are deterministic given it).
@@ -324,7 +371,10 @@ class KernelSampler(Sampler):
         self.leaf_size = int(leaf_size)
         self.refresh_steps = int(refresh_steps)
         self.tree: QuadraticKernelTree | None = None
-        self.refreshes = 0
+        self.refreshes = 0  # refresh() calls
+        self.rebuilds = 0  # ... that built a new tree
+        self.rows_updated = 0  # rows updated incrementally, by refresh() or update_rows()
+        self._built_from: np.ndarray | None = None  # the item rows the tree holds (float32)
         self._oov = None  # the OOV row's embedding at the last refresh (a positive may be OOV)
         self._rng = np.random.default_rng(seed)
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
@@ -332,19 +382,56 @@ class KernelSampler(Sampler):
     # -- numpy side (runs inside tf.numpy_function) --------------------------------
 
     def refresh(self, item_embeddings: np.ndarray) -> None:
-        """Rebuild the tree from ``item_embeddings`` ``[num_items + 1, dim]`` (row 0, OOV, left out)."""
+        """Bring the tree up to ``item_embeddings`` ``[num_items + 1, dim]`` (row 0, OOV, left out).
+
+        Builds it on the first call; afterwards updates the rows that changed since the
+        last refresh (``QuadraticKernelTree.update``).
+        """
         item_embeddings = np.asarray(item_embeddings, dtype=np.float64)
         if item_embeddings.ndim != 2 or len(item_embeddings) != self.num_items + 1:
             raise ValueError(
                 f"item_embeddings must be [num_items + 1 = {self.num_items + 1}, dim], "
                 f"got {item_embeddings.shape}"
             )
-        if self.tree is None or self.tree.dim != item_embeddings.shape[1]:
-            self.tree = QuadraticKernelTree(item_embeddings[1:], alpha=self.alpha, leaf_size=self.leaf_size)
+        items = item_embeddings[1:]
+        if self.tree is None or self._built_from is None or self._built_from.shape != items.shape:
+            self.tree = QuadraticKernelTree(items, alpha=self.alpha, leaf_size=self.leaf_size)
+            self.rebuilds += 1
         else:
-            self.tree.refresh(item_embeddings[1:])
+            # Rows that differ from what the tree holds (exact comparison: a row any update
+            # touched differs, one no update touched is bit-identical). When every row moved
+            # (dense Adam, a normalising tower) this is a rebuild at the same cost.
+            changed = np.flatnonzero(np.any(items != self._built_from, axis=1))
+            self.tree.update(changed, items[changed])
+            self.rows_updated += len(changed)
+        self._built_from = np.array(items, dtype=np.float32)
         self._oov = item_embeddings[0]
         self.refreshes += 1
+
+    def update_rows(self, ids: np.ndarray, embeddings: np.ndarray) -> None:
+        """Update the tree for tower indices ``ids`` [r] whose embeddings are now ``embeddings`` [r, dim].
+
+        For a caller that knows which rows its (sparse) update touched: no scan of the
+        catalogue. Index 0 (OOV) updates the OOV row only; repeated ids must carry equal rows.
+        """
+        if self.tree is None or self._built_from is None:
+            raise RuntimeError("the kernel tree has not been built; call refresh() first")
+        ids = np.asarray(ids, dtype=np.int64)
+        embeddings = np.asarray(embeddings, dtype=np.float64)
+        if ids.ndim != 1 or embeddings.shape != (len(ids), self.tree.dim):
+            raise ValueError(
+                f"ids must be [r] and embeddings [r, {self.tree.dim}], got {ids.shape} and {embeddings.shape}"
+            )
+        if ids.min(initial=0) < 0 or ids.max(initial=0) > self.num_items:
+            raise ValueError(f"ids must be tower indices in [0, {self.num_items}]")
+        ids, first = np.unique(ids, return_index=True)
+        embeddings = embeddings[first]
+        if ids.size and ids[0] == 0:
+            self._oov = embeddings[0]
+            ids, embeddings = ids[1:], embeddings[1:]
+        self.tree.update(ids - 1, embeddings)
+        self._built_from[ids - 1] = embeddings
+        self.rows_updated += len(ids)
 
     def draw(
         self, queries: np.ndarray, positive_ids: np.ndarray
@@ -387,7 +474,7 @@ class KernelSampler(Sampler):
         queries: tf.Tensor | None = None,
         embed_catalogue: Callable[[], tf.Tensor] | None = None,
     ) -> Negatives:
-        """Per-query kernel draws; rebuilds the tree every ``refresh_steps`` calls.
+        """Per-query kernel draws; refreshes the tree every ``refresh_steps`` calls.
 
         Args:
           positive_ids: int64 ``[batch_size]``.
