@@ -374,8 +374,8 @@ class KernelSampler(Sampler):
         self.refreshes = 0  # refresh() calls
         self.rebuilds = 0  # ... that built a new tree
         self.rows_updated = 0  # rows updated incrementally, by refresh() or update_rows()
-        self._built_from: np.ndarray | None = None  # the item rows the tree holds (float32)
-        self._oov = None  # the OOV row's embedding at the last refresh (a positive may be OOV)
+        self._built_from: np.ndarray | None = None  # the item rows the tree holds, as refresh() got them
+        self._oov: np.ndarray | None = None  # the OOV row's embedding at the last refresh (a positive may be OOV)
         self._rng = np.random.default_rng(seed)
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
 
@@ -387,25 +387,28 @@ class KernelSampler(Sampler):
         Builds it on the first call; afterwards updates the rows that changed since the
         last refresh (``QuadraticKernelTree.update``).
         """
-        item_embeddings = np.asarray(item_embeddings, dtype=np.float64)
+        item_embeddings = np.asarray(item_embeddings)  # no float64 copy of the whole catalogue
         if item_embeddings.ndim != 2 or len(item_embeddings) != self.num_items + 1:
             raise ValueError(
                 f"item_embeddings must be [num_items + 1 = {self.num_items + 1}, dim], "
                 f"got {item_embeddings.shape}"
             )
         items = item_embeddings[1:]
-        if self.tree is None or self._built_from is None or self._built_from.shape != items.shape:
+        built_from = self._built_from
+        same_rows = built_from is not None and (built_from.shape, built_from.dtype) == (items.shape, items.dtype)
+        if self.tree is None or built_from is None or not same_rows:
             self.tree = QuadraticKernelTree(items, alpha=self.alpha, leaf_size=self.leaf_size)
+            self._built_from = np.array(items)
             self.rebuilds += 1
         else:
             # Rows that differ from what the tree holds (exact comparison: a row any update
             # touched differs, one no update touched is bit-identical). When every row moved
             # (dense Adam, a normalising tower) this is a rebuild at the same cost.
-            changed = np.flatnonzero(np.any(items != self._built_from, axis=1))
+            changed = np.flatnonzero(np.any(items != built_from, axis=1))
             self.tree.update(changed, items[changed])
+            built_from[changed] = items[changed]
             self.rows_updated += len(changed)
-        self._built_from = np.array(items, dtype=np.float32)
-        self._oov = item_embeddings[0]
+        self._oov = np.asarray(item_embeddings[0], dtype=np.float64)
         self.refreshes += 1
 
     def update_rows(self, ids: np.ndarray, embeddings: np.ndarray) -> None:
