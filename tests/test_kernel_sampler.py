@@ -125,13 +125,15 @@ def test_update_of_many_rows_equals_a_fresh_tree(num_items, leaf_size):
     np.testing.assert_allclose(tree.log_prob(queries, ids), expected, rtol=1e-10)
 
 
-@pytest.mark.parametrize("grid_factor", [0.0, 1e9])
+@pytest.mark.parametrize("grid_factor,bucket_grid", [(0.0, 1), (1e9, 10**9), (0.0, 10**9)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_both_level_paths_draw_from_the_kernel_distribution(monkeypatch, grid_factor, seed):
+def test_both_level_paths_draw_from_the_kernel_distribution(monkeypatch, grid_factor, bucket_grid, seed):
     # grid_factor 0: every level's masses per (query, node) pair; 1e9: one matrix product per level.
+    # bucket_grid 1: leaf buckets multiplied with their queries a few buckets at a time; 1e9: per pair.
     from retrieval.samplers import kernel
 
     monkeypatch.setattr(kernel, "_GRID_FACTOR", grid_factor)
+    monkeypatch.setattr(kernel, "_BUCKET_GRID_PAIRS", bucket_grid)
     rng = np.random.default_rng(seed)
     num_items = 45  # 12 buckets of 4 padded to 16 leaves: depth 4, padding subtrees on the right
     items, queries = rng.normal(size=(num_items, 3)) / 2, rng.normal(size=(3, 3))

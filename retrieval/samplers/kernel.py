@@ -37,6 +37,9 @@ from retrieval.samplers.base import Negatives, Sampler, replicas_in_step
 # while that grid has at most this many entries per distinct pair the draws need (measured:
 # benchmarks/bench_kernel.py --part curve; a per-pair gather is memory-bound, BLAS is not).
 _GRID_FACTOR = 16
+# In the leaf buckets, multiply whole buckets with the queries that reached them when the draws reach
+# each bucket from at least this many distinct queries on average; else gather one bucket per pair.
+_BUCKET_GRID_PAIRS = 16
 
 
 @dataclass(frozen=True)
@@ -279,10 +282,24 @@ class QuadraticKernelTree:
         buckets = self._items32.reshape(width, bucket, self.dim)
         queries32 = queries.astype(np.float32)
         cumulative = np.empty((len(pairs), bucket))
-        for start in range(0, len(pairs), self.max_chunk):
-            part = slice(start, start + self.max_chunk)
-            dots = np.matmul(buckets[pair_index[part]], queries32[pair_owner[part], :, None])[:, :, 0]
-            cumulative[part] = self.alpha * dots.astype(np.float64) ** 2 + 1.0
+        if len(pairs) >= _BUCKET_GRID_PAIRS * width:
+            # Many queries per bucket: take the pairs bucket by bucket, and multiply the few buckets
+            # of a chunk with the chunk's queries in one product (a little extra arithmetic, but
+            # each bucket's items are read once per chunk instead of once per pair).
+            order = np.argsort(pair_index, kind="stable")
+            chunk = max(1, 4 * _BUCKET_GRID_PAIRS)
+            for start in range(0, len(pairs), chunk):
+                part = order[start : start + chunk]
+                bucket_ids, bucket_slot = np.unique(pair_index[part], return_inverse=True)
+                query_ids, query_slot = np.unique(pair_owner[part], return_inverse=True)
+                grid = buckets[bucket_ids].reshape(-1, self.dim) @ queries32[query_ids].T
+                dots = grid.reshape(len(bucket_ids), bucket, len(query_ids))[bucket_slot, :, query_slot]
+                cumulative[part] = self.alpha * dots.astype(np.float64) ** 2 + 1.0
+        else:
+            for start in range(0, len(pairs), self.max_chunk):
+                part_ = slice(start, start + self.max_chunk)
+                dots = np.matmul(buckets[pair_index[part_]], queries32[pair_owner[part_], :, None])[:, :, 0]
+                cumulative[part_] = self.alpha * dots.astype(np.float64) ** 2 + 1.0
         valid = np.minimum(self.num_items - pair_index * bucket, bucket)  # padding rows weigh nothing
         cumulative[np.arange(bucket) >= valid[:, None]] = 0.0
         np.cumsum(cumulative, axis=1, out=cumulative)
