@@ -360,9 +360,9 @@ CURVE_NOTES = [
     "- Rows are measured side by side, interleaved (full, uniform, kernel, full, ...): median of the timed "
     "steps after one warm-up step each. The kernel's draw step runs off the refresh schedule; the tree "
     "refresh is timed apart, after one kernel step whose sparse update changed the rows it touched: "
-    "'diff' = KernelSampler.refresh (reads the whole table, compares, updates the changed rows' ancestors "
-    "or rebuilds when more than a quarter changed), 'ids' = KernelSampler.update_rows with the step's ids "
-    "(no scan), 'rebuild' = a full QuadraticKernelTree.refresh. kernel step @ k = draw step + diff / k; "
+    "'diff' = KernelSampler.refresh (reads the whole table, compares, recomputes the changed rows' "
+    "ancestors), 'ids' = KernelSampler.update_rows with the step's ids (no scan), 'rebuild' = a full "
+    "QuadraticKernelTree.refresh. kernel step @ k = draw step + diff / k; "
     "k = 100 is the library default (model.loss.kernel.refresh_steps). With m = 64 draws per query a step "
     "touches up to batch x 65 rows, half of a 100k catalogue, so a refresh there costs about a rebuild.",
     "- The dataset tables above (recall, loss, sampling ms, training seconds) were measured before the "

@@ -148,11 +148,20 @@ class QuadraticKernelTree:
         block = 2 * self.leaf_size  # items under one lowest internal node
         buckets = self.items.reshape(-1, block, self.dim)
         first = self.num_leaves // 2 - 1
-        upper_i, upper_j = self._upper
-        for start in range(0, len(lowest), 1024):  # a [nodes, D, D] temporary at 1M items would not fit
-            nodes = lowest[start : start + 1024]
-            rows = buckets[nodes - first]
-            self._stats[nodes] = np.matmul(rows.transpose(0, 2, 1), rows)[:, upper_i, upper_j]
+        packed = self._upper[0] * self.dim + self._upper[1]
+        # Small blocks into reused buffers (a [nodes, D, D] temporary at 1M items would not fit, and
+        # fresh large temporaries cost page faults): measured 2-4x faster than 1024-node blocks.
+        chunk = 128
+        rows = np.empty((chunk, block, self.dim))
+        squares = np.empty((chunk, self.dim, self.dim))
+        values = np.empty((chunk, len(packed)))
+        for start in range(0, len(lowest), chunk):
+            nodes = lowest[start : start + chunk]
+            size = len(nodes)
+            np.take(buckets, nodes - first, axis=0, out=rows[:size])
+            np.matmul(rows[:size].transpose(0, 2, 1), rows[:size], out=squares[:size])
+            np.take(squares[:size].reshape(size, -1), packed, axis=1, out=values[:size])
+            self._stats[nodes] = values[:size]
         self._stats32[lowest] = self._stats[lowest]
         nodes = lowest
         while len(nodes) and nodes[0] > 0:
