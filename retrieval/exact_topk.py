@@ -149,13 +149,7 @@ class ExactTopK:
           (scores, rows): [num_queries, k] float32 and int64, best first;
           -inf and -1 past the last item a query can get.
         """
-        queries = np.ascontiguousarray(queries, dtype=np.float32)
-        if queries.ndim != 2 or queries.shape[1] != self.dim:
-            raise ValueError(f"queries must be [num_queries, {self.dim}], got {queries.shape}")
-        if k <= 0:
-            raise ValueError(f"k must be positive, got {k}")
-        if exclude is not None and len(exclude) != len(queries):
-            raise ValueError(f"exclude has {len(exclude)} entries for {len(queries)} queries")
+        queries = checked_search_args(queries, self.dim, k, exclude)
         if not np.all(np.isfinite(queries)):
             raise ValueError("queries contain NaN or inf")
         num_queries = len(queries)
@@ -199,6 +193,22 @@ class ExactTopK:
             scores[start:stop, :depth] = top_scores
             rows[start:stop, :depth] = np.where(np.isneginf(top_scores), -1, top_rows)
         return scores, rows
+
+
+def checked_search_args(queries, dim: int, k: int, exclude: Sequence | None) -> np.ndarray:
+    """``queries`` as a C-contiguous float32 ``[num_queries, dim]`` array, after checking ``k`` and ``exclude``.
+
+    Raises:
+      ValueError: naming the argument whose shape or value does not fit.
+    """
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    if queries.ndim != 2 or queries.shape[1] != dim:
+        raise ValueError(f"queries must be [num_queries, {dim}], got {queries.shape}")
+    if k <= 0:
+        raise ValueError(f"k must be positive, got {k}")
+    if exclude is not None and len(exclude) != len(queries):
+        raise ValueError(f"exclude has {len(exclude)} entries for {len(queries)} queries")
+    return queries
 
 
 def _pairs(exclude: Sequence[np.ndarray] | None, num_items: int) -> tuple[np.ndarray, np.ndarray]:

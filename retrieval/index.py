@@ -34,7 +34,7 @@ import pandas as pd
 
 from retrieval.arrays import drop_members
 from retrieval.config import IndexConfig
-from retrieval.exact_topk import ExactTopK
+from retrieval.exact_topk import ExactTopK, checked_search_args
 
 INDEX_FILE = "index.faiss"
 ITEM_IDS_FILE = "item_ids.parquet"
@@ -221,13 +221,7 @@ class ItemIndex:
         it is faster (it masks ``exclude`` in place instead of over-fetching),
         with FAISS otherwise; both return the exact top-k.
         """
-        queries = np.ascontiguousarray(queries, dtype=np.float32)
-        if queries.ndim != 2 or queries.shape[1] != self.dim:
-            raise ValueError(f"queries must be [num_queries, {self.dim}], got {queries.shape}")
-        if k <= 0:
-            raise ValueError(f"k must be positive, got {k}")
-        if exclude is not None and len(exclude) != len(queries):
-            raise ValueError(f"exclude has {len(exclude)} entries for {len(queries)} queries")
+        queries = checked_search_args(queries, self.dim, k, exclude)
         if isinstance(self.index, faiss.IndexFlat) and self.index.metric_type == faiss.METRIC_INNER_PRODUCT:
             if use_exact_top_k(len(queries), len(self)) and np.all(np.isfinite(queries)):
                 scores, rows = ExactTopK(flat_vectors(self.index)).search(queries, k, exclude)

@@ -188,17 +188,16 @@ def test_admin_can_be_switched_off(world):
     assert call(app, "POST", "/admin/reload", json={"bundle": str(world["bundle-b"])}).status_code == 404
 
 
-def _free_port():
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
 
-@pytest.fixture
-def loopback(world):
-    """A uvicorn server on 127.0.0.1 in a thread, serving bundle-a."""
-    port = _free_port()
-    server = uvicorn.Server(server_config(create_app(world["bundle-a"]), host="127.0.0.1", port=port,
+def serve_in_thread(app, limits: ServiceLimits | None = None, http: str = "auto"):
+    """(server, thread, port): a uvicorn server on 127.0.0.1 in a thread, ``limits`` at the connection level too."""
+    port = free_port()
+    server = uvicorn.Server(server_config(app, limits, http=http, host="127.0.0.1", port=port,
                                           log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -206,6 +205,13 @@ def loopback(world):
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.05)
+    return server, thread, port
+
+
+@pytest.fixture
+def loopback(world):
+    """A uvicorn server on 127.0.0.1 in a thread, serving bundle-a."""
+    server, thread, port = serve_in_thread(create_app(world["bundle-a"]))
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(timeout=10)
@@ -266,7 +272,7 @@ def test_topk_savedmodel_equals_faiss_top_k(world):
 
 
 def test_console_script_serves_and_reloads(world):
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "retrieval.cli"]
     server = subprocess.Popen(command + ["serve", "--bundle", str(world["bundle-a"]), "--port", str(port)],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

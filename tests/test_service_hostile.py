@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 import uvicorn
-from test_service import ROOT, call, world  # noqa: F401  (the module fixture: two small bundles)
+from test_service import ROOT, call, free_port, serve_in_thread, world  # noqa: F401  (the module fixture: two small bundles)
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
 from retrieval import cli
@@ -28,7 +28,6 @@ from retrieval.service import (
     check_admin_exposure,
     create_app,
     is_loopback,
-    server_config,
 )
 from retrieval.serving import Bundle, BundleError
 
@@ -38,30 +37,10 @@ TF_STARTUP_LOG = re.compile(r"^(WARNING: All log messages before absl::Initializ
 FAST = ServiceLimits(request_read_timeout=1.0, keep_alive_timeout=1.0, max_header_bytes=2048, max_headers=20)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _serve(app, limits: ServiceLimits, http: str):
-    """A uvicorn server on 127.0.0.1 in a thread, with the limits at the connection level too."""
-    port = _free_port()
-    server = uvicorn.Server(server_config(app, limits, http=http, host="127.0.0.1", port=port,
-                                          log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    return server, thread, port
-
-
 @pytest.fixture(scope="module", params=["httptools", "h11"])
 def bounded(request, world):  # noqa: F811
     """(port, limits) of a server with short bounds, under each HTTP parser."""
-    server, thread, port = _serve(create_app(world["bundle-a"], limits=FAST), FAST, request.param)
+    server, thread, port = serve_in_thread(create_app(world["bundle-a"], limits=FAST), FAST, request.param)
     yield port, FAST
     server.should_exit = True
     thread.join(timeout=10)
@@ -287,7 +266,7 @@ def broken(world, tmp_path, request):  # noqa: F811
 
 @pytest.mark.parametrize("broken", BREAKS, indirect=True)
 def test_every_broken_bundle_is_one_clean_line_and_exit_2(broken, capsys):
-    code = cli.main(["serve", "--bundle", str(broken), "--port", str(_free_port())])
+    code = cli.main(["serve", "--bundle", str(broken), "--port", str(free_port())])
     captured = capsys.readouterr()
     assert code == 2
     lines = captured.err.strip().splitlines()
@@ -302,7 +281,7 @@ def test_retrieval_serve_on_a_truncated_index_exits_2_with_one_line(broken):
     """The issue's case, as a user runs it: one line from us, after only TensorFlow's C++ start-up log
     (its import prints those on a machine without a GPU, whatever the bundle)."""
     result = subprocess.run([sys.executable, "-m", "retrieval.cli", "serve", "--bundle", str(broken),
-                             "--port", str(_free_port())], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                             "--port", str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
     ours = [line for line in result.stderr.strip().splitlines() if not TF_STARTUP_LOG.match(line)]
     assert ours == [
