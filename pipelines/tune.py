@@ -4,6 +4,11 @@ Optuna TPE over the config keys of a search space file (configs/tune_space.yaml)
 the median rule on each epoch's validation recall; the same command again continues the study
 (``--trials`` is the total). Writes trials.csv, best.yaml (a full config for ``make train``) and
 best.json into the study folder. Details: retrieval/tuning.py.
+
+Trials are scored on a validation part, never on the test part: with a temporal, random or
+leave_last_k split each trial sets split.evaluate_on=validation (the training part split again the
+same way; the test part is not read); with split.kind: none on the given data.test_clicks, so pass
+a validation file there.
 """
 
 from __future__ import annotations
@@ -17,7 +22,13 @@ from pipelines.common import config_arguments, load_or_exit, setup_logging
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Trials are scored on a validation part, never on the test part: with split.kind temporal, random "
+        "or leave_last_k each trial sets split.evaluate_on=validation (the training part split again the same "
+        "way, the test part not read); with split.kind none on the given data.test_clicks, so pass a validation "
+        "file there. best.yaml keeps the base config's split.evaluate_on.",
+    )
     config_arguments(parser, default_config="configs/default.yaml")
     parser.add_argument("--trials", type=int, required=True, help="finished trials wanted in the study, in total")
     parser.add_argument("--space", default="configs/tune_space.yaml", help="search space YAML (default: %(default)s)")

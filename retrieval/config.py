@@ -184,6 +184,10 @@ class SplitConfig(_Section):
     of clicks is test); ``leave_last_k`` holds out each user's last ``k``
     clicks; ``random`` holds out a random ``test_fraction``; ``none`` uses
     ``data.test_clicks`` as the test set.
+
+    ``evaluate_on: validation`` (what ``pipelines.tune`` sets for its trials) drops the test part
+    and splits the training part again the same way, so the job trains on the inner training part
+    and is scored on a validation part; the test part is never read.
     """
 
     kind: Literal["temporal", "leave_last_k", "random", "none"] = Field(
@@ -199,6 +203,23 @@ class SplitConfig(_Section):
         description="Cold-start evaluation: a random share (seeded by split.seed) of the logged items "
         "loses every training click; their test clicks stay.",
     )
+    evaluate_on: Literal["test", "validation"] = Field(
+        "test",
+        description="What the job is scored on: test = the test part; validation = the training part split "
+        "again with the same kind, test_fraction, k and seed (train on the rest), the test part never read "
+        "(hyper-parameter tuning sets it; not with kind: none, whose data.test_clicks is already the "
+        "chosen evaluation file).",
+    )
+
+    @model_validator(mode="after")
+    def _validation_needs_a_split_of_the_log(self) -> SplitConfig:
+        if self.evaluate_on == "validation" and self.kind == "none":
+            raise ValueError(
+                "split.evaluate_on: validation splits the training part again, but split.kind: none has no "
+                "split to repeat: data.test_clicks is already the evaluation part, so give a validation file "
+                "there (e.g. valid.txt) and keep evaluate_on: test"
+            )
+        return self
 
 
 class StreamingFrequencyConfig(_Section):
@@ -750,6 +771,7 @@ class Config(_Section):
             "feature towers (towers: must be the default ID towers)": not self.towers.is_id_only,
             f"split.kind: {self.split.kind} (temporal and random are)": self.split.kind not in ("temporal", "random"),
             "split.hold_out_items > 0": self.split.hold_out_items > 0,
+            "split.evaluate_on: validation": self.split.evaluate_on == "validation",
             "early stopping (train.validation_fraction > 0)": self.train.validation_fraction > 0,
             "model.loss.hard_negatives: mined": self.model.loss.hard_negatives == "mined",
             "the als baseline (set evaluation.baselines.rankers: [popularity])": "als"

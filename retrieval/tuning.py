@@ -2,9 +2,12 @@
 
 ``python -m pipelines.tune --config configs/default.yaml --trials 20`` (``make tune``). Each trial
 is the main job (``jobs.train_evaluate_export``) on the base config with the trial's values; its
-value is the job's ``model`` metric (``recall@20`` by default) on the evaluation part: the given
-test file with ``split.kind: none`` (tune on a validation file there, never on the test part), the
-config's own split otherwise. Trials are sampled by TPE (Bergstra et al., NeurIPS 2011) and
+value is the job's ``model`` metric (``recall@20`` by default) on a validation part, never on the
+test part: with a temporal, random or leave_last_k split every trial sets
+``split.evaluate_on: validation``, so it drops the test part, splits the training part again the
+same way and trains on the rest (``retrieval.data.splits.split_validation``); with
+``split.kind: none`` the given ``data.test_clicks`` is scored, so give a validation file there
+(``make bench-public`` gives ``valid.txt``). Trials are sampled by TPE (Bergstra et al., NeurIPS 2011) and
 stopped early by the median rule (Golovin et al., KDD 2017: Google Vizier) on the validation recall
 that early stopping computes after each epoch (``train.validation_fraction > 0``).
 
@@ -16,7 +19,9 @@ The study folder holds:
 - ``trials.csv``: every trial (number, state, value: the metric of a complete trial, seconds,
   per-epoch validation recall, the searched values).
 - ``best.yaml``: the base config with the best trial's values, a complete config for
-  ``make train CONFIG=<study>/best.yaml``; ``best.json`` its trial, value and values.
+  ``make train CONFIG=<study>/best.yaml`` (its ``split.evaluate_on`` is the base config's own, so
+  that run trains on the whole training part and is scored on the test part); ``best.json`` its
+  trial, value and values.
 - ``runs/``: each trial's run directory, deleted once its metrics are read (``keep_bundles``
   keeps them).
 """
@@ -49,16 +54,39 @@ STUDY_NAME = "tune"
 STUDY_FILE = "study.db"
 RUNS_DIR = "runs"
 
-# What every trial sets on top of the base config: they change what a trial costs and where it
-# writes, not what it trains, so best.yaml leaves them out (the base config's values stay there).
-# The baselines are scored once by `make train`, not per trial; a killed trial is tried again from
-# the start, so it writes no checkpoints.
+# What every trial sets on top of the base config: they change what a trial costs, where it writes
+# and which part scores it, not the settings searched, so best.yaml leaves them out (the base
+# config's values stay there). The baselines are scored once by `make train`, not per trial; a
+# killed trial is tried again from the start, so it writes no checkpoints. `trial_settings` adds
+# split.evaluate_on: validation where the config splits the log itself.
 TRIAL_SETTINGS: dict[str, Any] = {
     "evaluation.baselines.rankers": [],
     "evaluation.plots": False,
     "train.checkpoint_every_steps": 0,
     "run.overwrite": True,
 }
+
+
+def trial_settings(base: Config) -> dict[str, Any]:
+    """``TRIAL_SETTINGS``, plus ``split.evaluate_on: validation`` unless ``base.split.kind`` is ``none``.
+
+    Selecting settings by their score on the test part would overfit them to it (the test figure of
+    the best config would be biased upwards), so a trial is scored on a validation part carved from
+    the training part. With ``split.kind: none`` the given ``data.test_clicks`` is what the user
+    chose to score on (a validation file when tuning), and there is no split to repeat.
+    """
+    settings = dict(TRIAL_SETTINGS)
+    if base.split.kind != "none":
+        settings["split.evaluate_on"] = "validation"
+    return settings
+
+
+def scored_on(base: Config) -> str:
+    """In words, which clicks score the trials of ``base`` (for logs and the CLI)."""
+    if base.split.kind == "none":
+        return "the given data.test_clicks (split.kind: none): pass a validation file there, not the test file"
+    return (f"a validation part: the training part of the {base.split.kind} split, split again the same way "
+            "(split.evaluate_on: validation); the test part is never read")
 
 
 class TuneError(ValueError):
@@ -191,8 +219,13 @@ def load_space(path: str | Path, base: Config) -> list[Param]:
     space = [_param(str(path), str(key), spec) for key, spec in raw.items()]
     base_raw = base.to_dict()
     for param in space:
-        if param.key.startswith("run.") or param.key in TRIAL_SETTINGS:
+        if param.key.startswith("run.") or param.key in trial_settings(base):
             raise SearchSpaceError(f"search space {path}: {param.key} is set by every trial and cannot be searched")
+        if param.key.startswith("split."):
+            raise SearchSpaceError(
+                f"search space {path}: {param.key} cannot be searched: the split decides which clicks score a "
+                "trial, so trials with different values would not be compared on the same clicks"
+            )
         for value in param.endpoints():
             try:
                 Config.from_dict(with_values(base_raw, {param.key: value}), source=f"{param.key}={value!r}")
@@ -350,7 +383,7 @@ def _objective(
         values = {param.key: param.suggest(trial) for param in space}
         run = {"run.output_dir": str(study_dir / RUNS_DIR), "run.name": f"trial-{trial.number:04d}"}
         config = Config.from_dict(
-            with_values(base_raw, {**TRIAL_SETTINGS, **run, **values}), source=f"trial {trial.number}: {values}"
+            with_values(base_raw, {**trial_settings(base), **run, **values}), source=f"trial {trial.number}: {values}"
         )
 
         def report(epoch: int, logs: dict) -> None:
@@ -456,7 +489,8 @@ def run_study(
         remaining = trials - done
         started = time.perf_counter()
         if remaining > 0:
-            log.info("study %s: %d finished trials, running %d more", study_dir, done, remaining)
+            log.info("study %s: %d finished trials, running %d more, each scored on %s",
+                     study_dir, done, remaining, scored_on(base))
             study.optimize(
                 _objective(base, space, study_dir, settings),
                 n_trials=remaining,

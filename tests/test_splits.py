@@ -3,9 +3,11 @@
 import numpy as np
 import pandas as pd
 import pytest
+from pydantic import ValidationError
 
-from retrieval.config import SplitConfig
-from retrieval.data import ITEM, TIME, USER, WEIGHT, DataError, split_clicks, temporal_cut
+from retrieval.config import ConfigError, DataConfig, SplitConfig, load_config
+from retrieval.data import ITEM, TIME, USER, WEIGHT, DataError, load_dataset, split_clicks, temporal_cut
+from retrieval.data.splits import split_validation
 
 
 def make_log(rows):
@@ -125,3 +127,132 @@ def test_time_based_splits_need_a_timestamp(kind):
         split_clicks(LOG.drop(columns=[TIME]), SplitConfig(kind=kind))
     train, test = split_clicks(LOG.drop(columns=[TIME]), SplitConfig(kind="random"))
     assert len(train) + len(test) == len(LOG)
+
+
+# --- split.evaluate_on: validation: the training part split again, the test part never read ---
+
+
+def _timed_log(seed):
+    """~300 clicks of 12 users with many tied timestamps; ``row`` names each click."""
+    rng = np.random.default_rng(seed)
+    n = 300
+    return pd.DataFrame({
+        USER: rng.choice([f"u{i}" for i in range(12)], n),
+        ITEM: rng.choice([f"i{i}" for i in range(40)], n),
+        TIME: rng.integers(0, 120, n).astype(np.int64),
+        WEIGHT: np.float32(1),
+        "row": np.arange(n),
+    })
+
+
+NESTED = [
+    SplitConfig(kind="temporal", test_fraction=0.25, evaluate_on="validation"),
+    SplitConfig(kind="random", test_fraction=0.3, seed=4, evaluate_on="validation"),
+    SplitConfig(kind="leave_last_k", k=2, evaluate_on="validation"),
+]
+
+
+@pytest.mark.parametrize("cfg", NESTED, ids=lambda cfg: cfg.kind)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_validation_part_partitions_the_training_part_and_avoids_the_test_part(cfg, seed):
+    log = _timed_log(seed)
+    train, test = split_clicks(log, cfg)
+    inner, validation = split_validation(train, cfg)
+    rows = {name: set(part["row"]) for name, part in
+            (("train", train), ("test", test), ("inner", inner), ("validation", validation))}
+    assert rows["validation"] and rows["inner"]
+    assert not rows["validation"] & rows["test"] and not rows["inner"] & rows["test"]
+    assert not rows["validation"] & rows["inner"]
+    assert len(inner) + len(validation) == len(train) and rows["inner"] | rows["validation"] == rows["train"]
+    # Whole rows, in the training part's order, with a fresh index.
+    pd.testing.assert_frame_equal(
+        pd.concat([inner, validation]).sort_values("row").reset_index(drop=True), train.reset_index(drop=True)
+    )
+    assert inner["row"].is_monotonic_increasing and validation["row"].is_monotonic_increasing
+    assert validation.index.tolist() == list(range(len(validation)))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_temporal_validation_lies_between_the_inner_training_part_and_the_test_part(seed):
+    cfg = NESTED[0]
+    log = _timed_log(seed)
+    train, test = split_clicks(log, cfg)
+    inner, validation = split_validation(train, cfg)
+    assert inner[TIME].max() < validation[TIME].min()
+    assert validation[TIME].max() < test[TIME].min()
+    # The latest test_fraction of the training clicks, cut at their own lower quantile (ties to train).
+    cut = np.sort(train[TIME].to_numpy())[int(np.floor((1 - cfg.test_fraction) * (len(train) - 1)))]
+    assert set(validation["row"]) == set(train.loc[train[TIME] > cut, "row"])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_leave_last_k_validation_is_each_users_last_k_training_clicks(seed):
+    cfg = NESTED[2]
+    train, _ = split_clicks(_timed_log(seed), cfg)
+    _, validation = split_validation(train, cfg)
+    expected = set()
+    for _, clicks in train.groupby(USER):
+        if len(clicks) > cfg.k:
+            ordered = sorted(zip(clicks[TIME], clicks["row"]))  # by time, ties by file order
+            expected |= {row for _, row in ordered[-cfg.k:]}
+    assert set(validation["row"]) == expected
+
+
+def test_random_validation_is_a_seeded_share_of_the_training_rows():
+    cfg = NESTED[1]
+    train, _ = split_clicks(_timed_log(0), cfg)
+    _, validation = split_validation(train, cfg)
+    assert len(validation) == round(cfg.test_fraction * len(train))
+    assert split_validation(train, cfg)[1]["row"].tolist() == validation["row"].tolist()
+    other = split_validation(train, cfg.model_copy(update={"seed": 5}))[1]
+    assert other["row"].tolist() != validation["row"].tolist()
+
+
+def test_an_empty_validation_part_says_it_is_the_nested_split():
+    train = make_log([("a", "x", 10), ("a", "y", 20), ("b", "x", 30), ("b", "y", 30), ("c", "z", 30)])
+    with pytest.raises(DataError, match=r"evaluate_on: validation splits the training part \(5 clicks\).*"
+                                        r"test part empty: no click is later than the cut at 30"):
+        split_validation(train, SplitConfig(kind="temporal", test_fraction=0.2, evaluate_on="validation"))
+
+
+def test_validation_is_refused_for_a_given_test_log_and_out_of_core():
+    with pytest.raises(ValidationError, match=r"split\.kind: none has no split to repeat.*validation file"):
+        SplitConfig(kind="none", evaluate_on="validation")
+    with pytest.raises(ValueError, match="data.test_clicks is already the evaluation part"):
+        split_validation(LOG, SplitConfig(kind="none"))
+    with pytest.raises(ConfigError, match=r"evaluate_on"):
+        load_config(None, ["split.evaluate_on=sometimes"])
+    shards = ["data.source=files", "data.clicks={path: c.parquet}", "data.out_of_core=true",
+              "train.validation_fraction=0", "evaluation.baselines.rankers=[popularity]"]
+    load_config(None, shards)  # out of core is fine otherwise
+    with pytest.raises(ConfigError, match=r"not yet supported with data.out_of_core: split.evaluate_on: validation"):
+        load_config(None, [*shards, "split.evaluate_on=validation"])
+
+
+def test_load_dataset_evaluates_on_the_validation_part_and_never_reads_the_test_part():
+    data = DataConfig(synthetic={"n_users": 150, "n_items": 120, "mean_clicks_per_user": 12})
+    outer = SplitConfig(kind="temporal", test_fraction=0.2)
+    nested = outer.model_copy(update={"evaluate_on": "validation"})
+    full = load_dataset(data, outer)
+    tuned = load_dataset(data, nested)
+    inner, validation = split_validation(full.train, nested)
+    pd.testing.assert_frame_equal(tuned.train, inner)
+    pd.testing.assert_frame_equal(tuned.test, validation)
+    assert tuned.test[TIME].max() < full.test[TIME].min()
+    summary = tuned.summary()
+    assert summary["evaluated_on"] == "validation" and full.summary()["evaluated_on"] == "test"
+    assert summary["test_clicks"] == len(validation) != len(full.test)
+
+
+def test_ids_known_only_from_the_test_part_stay_out_of_the_catalogues(tmp_path):
+    rows = [*((u, i, t) for u, i, t in zip(LOG[USER], LOG[ITEM], LOG[TIME])), ("late", "new", 200)]
+    path = tmp_path / "clicks.csv"
+    make_log(rows).drop(columns=[WEIGHT]).to_csv(path, index=False)
+    data = DataConfig(source="files", clicks={"path": str(path)})
+    nested = SplitConfig(kind="temporal", test_fraction=0.3, evaluate_on="validation")
+    full = load_dataset(data, nested.model_copy(update={"evaluate_on": "test"}))
+    assert items(full.test) == ["r9", "new"]
+    tuned = load_dataset(data, nested)
+    assert items(tuned.train) == ["r0", "r1", "r2", "r3", "r4", "r5"] and items(tuned.test) == ["r6", "r7", "r8"]
+    assert set(tuned.items[ITEM]) == {f"r{i}" for i in range(9)}
+    assert "late" not in set(tuned.users[USER]) and "late" in set(full.users[USER])

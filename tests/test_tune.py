@@ -5,12 +5,16 @@ import csv
 import json
 from pathlib import Path
 
+import numpy as np
 import optuna
 import pytest
 
 import retrieval  # noqa: F401
+import retrieval.tuning
 from pipelines import tune as tune_cli
 from retrieval.config import load_config
+from retrieval.data import TIME, load_dataset
+from retrieval.jobs import train_evaluate_export
 from retrieval.tuning import (
     STUDY_NAME,
     Param,
@@ -21,6 +25,7 @@ from retrieval.tuning import (
     load_space,
     run_study,
     storage_url,
+    trial_settings,
     value_at,
 )
 
@@ -143,6 +148,9 @@ def test_a_space_with_an_unknown_key_fails_naming_it_before_any_training(tmp_pat
         ("model.temperature: {type: normal, low: 0, high: 1}", "type must be one of"),
         ("model.temperature: {type: float, low: 0.1, high: 1, spread: 2}", "unknown field.*spread"),
         ("run.name: {type: categorical, choices: [a, b]}", "run.name is set by every trial"),
+        ("split.evaluate_on: {type: categorical, choices: [test, validation]}",
+         "split.evaluate_on is set by every trial"),
+        ("split.test_fraction: {type: float, low: 0.1, high: 0.3}", "split.test_fraction cannot be searched"),
         ("[1, 2]", "expected a non-empty mapping"),
     ],
 )
@@ -181,3 +189,44 @@ def test_metric_must_be_computed_by_the_job(tmp_path):
     space = load_space(_space_file(tmp_path), _base())
     with pytest.raises(TuneError, match="needs 25 in evaluation.ks"):
         run_study(_base(), space, tmp_path / "s", 1, TuneSettings(metric="recall@25"))
+
+
+GIVEN_FILES = ["data.source=files", "data.clicks={path: train.txt}", "data.test_clicks={path: valid.txt}"]
+
+
+def test_trials_evaluate_on_validation_unless_the_test_log_is_given():
+    for kind in ("temporal", "random", "leave_last_k"):
+        assert trial_settings(_base(f"split.kind={kind}"))["split.evaluate_on"] == "validation"
+    given = trial_settings(_base(*GIVEN_FILES, "split.kind=none"))
+    assert "split.evaluate_on" not in given  # the given file is what the user chose to score on
+
+
+@pytest.mark.slow
+def test_trials_are_scored_on_the_validation_part_of_the_training_part(tmp_path, monkeypatch):
+    base = _base()
+    assert base.split.kind == "temporal" and base.split.evaluate_on == "test"
+    # The parts, computed here from the outer split: the latest test_fraction of the training clicks.
+    outer = load_dataset(base.data, base.split)
+    times = outer.train[TIME].to_numpy()
+    cut = np.quantile(times, 1 - base.split.test_fraction, method="lower")
+    validation = outer.train[times > cut]
+    assert 0 < len(validation) != len(outer.test)
+
+    seen = []
+
+    def recording(config, **kwargs):
+        result = train_evaluate_export(config, **kwargs)
+        seen.append((config, result.metrics))
+        return result
+
+    monkeypatch.setattr(retrieval.tuning, "train_evaluate_export", recording)
+    study_dir = tmp_path / "study"
+    run_study(base, load_space(_space_file(tmp_path), base), study_dir, 1)
+    (config, metrics), = seen
+    assert config.split.evaluate_on == "validation"
+    assert metrics["data"]["evaluated_on"] == "validation"
+    assert metrics["data"]["test_clicks"] == len(validation)
+    assert metrics["data"]["test_users"] == validation["user_id"].nunique()
+    assert metrics["data"]["train_clicks"] == len(outer.train) - len(validation)
+    # best.yaml is for `make train`: the base config's own evaluation part.
+    assert load_config(study_dir / "best.yaml").split.evaluate_on == "test"

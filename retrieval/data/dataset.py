@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import pandas as pd
 
@@ -11,7 +11,7 @@ from retrieval.config import DataConfig, SplitConfig, TableConfig
 from retrieval.data.loaders import apply_duplicates, read_clicks, read_feature_table
 from retrieval.data.movielens import load_movielens_100k, locate_movielens_100k
 from retrieval.data.schema import ITEM, USER, DataError
-from retrieval.data.splits import hold_out_items, split_clicks
+from retrieval.data.splits import hold_out_items, split_clicks, split_validation
 from retrieval.data.synthetic import generate_clicks
 
 
@@ -33,6 +33,9 @@ class Dataset:
         source: Where the data came from, for logs and reports.
         held_out_items: Items whose training clicks ``split.hold_out_items``
             removed (cold-start evaluation), sorted; empty by default.
+        evaluated_on: ``split.evaluate_on``: ``test``, or ``validation`` when
+            ``train`` and ``test`` are the inner training and validation parts
+            of the training part (the real test part is then dropped).
     """
 
     train: pd.DataFrame
@@ -41,6 +44,7 @@ class Dataset:
     users: pd.DataFrame | None
     source: str
     held_out_items: tuple[str, ...] = ()
+    evaluated_on: Literal["test", "validation"] = "test"
 
     def summary(self) -> dict[str, Any]:
         """Counts for logs and run reports (plain ints and strings)."""
@@ -61,6 +65,7 @@ class Dataset:
             "catalogue_items_without_train_clicks": int((~self.items[ITEM].isin(train_items)).sum()),
             "catalogue_users": None if self.users is None else len(self.users),
             "held_out_items": len(self.held_out_items),
+            "evaluated_on": self.evaluated_on,
         }
 
 
@@ -77,6 +82,12 @@ def load_dataset(data: DataConfig, split: SplitConfig) -> Dataset:
 
     The duplicates policy applies to each log before splitting, so a re-click
     in the test period of an item clicked in training is kept.
+
+    With ``split.evaluate_on: validation`` the test part is dropped right after
+    the split and the training part is split again (``split_validation``):
+    ``train`` and ``test`` are then the inner training and validation parts,
+    and the catalogues hold no id seen only in the test part (unless a
+    feature table lists it).
 
     Args:
         data: The data section of the config.
@@ -113,6 +124,9 @@ def load_dataset(data: DataConfig, split: SplitConfig) -> Dataset:
         raise ValueError(f"unknown data.source {data.source!r}; valid: synthetic, movielens-100k, files")
     clicks = apply_duplicates(clicks, data.duplicates)
     train, test = split_clicks(clicks, split, test_log)
+    if split.evaluate_on == "validation":
+        # Tuning: the test part goes here, before anything (catalogue, hold-out draw) reads it.
+        train, test = split_validation(train, split)
     held_out: tuple[str, ...] = ()
     if split.hold_out_items > 0:
         train, held_out = hold_out_items(train, test, split.hold_out_items, split.seed)
@@ -123,6 +137,7 @@ def load_dataset(data: DataConfig, split: SplitConfig) -> Dataset:
         users=_catalogue(USER, user_features, train, test),
         source=source,
         held_out_items=held_out,
+        evaluated_on=split.evaluate_on,
     )
 
 

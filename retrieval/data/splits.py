@@ -9,6 +9,11 @@ which question:
 - ``random``: a seeded random share of clicks; leaks the future into training,
   use it only for logs without time.
 - ``none``: the test log is given separately.
+
+``split.evaluate_on: validation`` (hyper-parameter tuning) splits the training
+part once more with the same split (``split_validation``): the model trains on
+the inner training part and is scored on the validation part, and the test part
+is never read, so choosing settings does not select on the test set.
 """
 
 from __future__ import annotations
@@ -87,6 +92,44 @@ def split_clicks(
         if part.empty:
             raise DataError(f"the {name} part of the {cfg.kind!r} split is empty")
     return train, test
+
+
+def split_validation(train: pd.DataFrame, cfg: SplitConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Split the training part of ``split_clicks`` again, as ``cfg`` split the log.
+
+    The nested split of ``split.evaluate_on: validation``: ``temporal`` holds
+    out the latest ``test_fraction`` of the training clicks (cut at their own
+    quantile, so every validation click is later than every inner training
+    click and no later than the outer cut), ``leave_last_k`` each user's last
+    ``k`` training clicks, ``random`` a seeded ``test_fraction`` of the training
+    rows. The test part plays no role.
+
+    Args:
+        train: The training part of ``split_clicks(clicks, cfg)``.
+        cfg: The same split; its ``kind`` must not be ``none`` (a given test
+            log has no split to repeat).
+
+    Returns:
+        ``(inner train, validation)``: a partition of ``train``'s rows, each in
+        ``train``'s order with a fresh index, neither empty.
+
+    Raises:
+        ValueError: ``cfg.kind`` is ``none``.
+        DataError: The nested split would leave a part empty (the message
+            says it is the validation split).
+    """
+    if cfg.kind == "none":
+        raise ValueError(
+            "split.evaluate_on: validation cannot split again a split.kind: none log; "
+            "data.test_clicks is already the evaluation part"
+        )
+    try:
+        return split_clicks(train, cfg)
+    except DataError as error:
+        raise DataError(
+            f"split.evaluate_on: validation splits the training part ({len(train)} clicks) again, "
+            f"and there: {error}"
+        ) from None
 
 
 def hold_out_items(
