@@ -78,6 +78,8 @@ VARIANTS: dict[str, list[str]] = {
     "temp0.07": ["model.temperature=0.07"],
     "temp0.1": ["model.temperature=0.1"],
     "temp0.5": ["model.temperature=0.5"],
+    # The issue-17 probe: a low temperature, a fixed 12 epochs, no early stopping (so no refit).
+    "temp0.07-12ep": ["model.temperature=0.07", "train.epochs=12", "train.validation_fraction=0"],
 }
 BASELINES = ["popularity", "als"]
 ROWS = [*BASELINES, *VARIANTS]
