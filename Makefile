@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 SET    ?=
 
-.PHONY: install test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-losses bench-kernel bench-scale bench-synthetic notebooks bench-public tune
+.PHONY: install test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-losses bench-kernel bench-scale bench-synthetic notebooks bench-public tune bench-steps
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -74,6 +74,10 @@ bench-kernel:
 # ARGS="--clicks 1000000 --items 100000" for a small run; ARGS="--set data.stream.max_train_batches=1500" caps training.
 bench-scale:
 	nice -n 10 $(BIN)/python benchmarks/bench_scale.py $(ARGS)
+
+# Keras fit step time at 10k/100k/1M users x items (adam, lazy_adam) and checkpoint overhead (~15 min on 2 cores).
+bench-steps:
+	nice -n 10 $(BIN)/python benchmarks/bench_steps.py $(ARGS)
 
 # The default config, its variants, popularity, ALS (a grid tuned on valid) and the TFRS tutorial recipe on
 # every ../shared/datasets/<name>/{train,valid}.txt (LightGCN format); rows append to bench_public.json as
