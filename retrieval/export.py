@@ -89,7 +89,8 @@ def atomic_directory(final: str | Path, *, overwrite: bool = False) -> Iterator[
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
-        _check_replaceable(final, overwrite)  # the lock makes this hold; checked again before deleting anything
+        # Again before deleting anything: the lock binds jobs, not a person or tool that created it meanwhile.
+        _check_replaceable(final, overwrite)
         if final.exists():
             # Swap: move the old one aside first so a crash here still leaves one
             # complete bundle under some name.
