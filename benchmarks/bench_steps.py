@@ -1,4 +1,4 @@
-"""Step time of today's training loop (Keras ``fit``) vs ID-table size, and checkpoint overhead (issue 15).
+"""Step time of the training loop (``retrieval.training.loop``) vs ID-table size, and checkpoint overhead.
 
     python benchmarks/bench_steps.py                      # or: make bench-steps (~15 min on 2 busy cores)
     python benchmarks/bench_steps.py --part tables --sizes 10000 100000 --rounds 1   # quick
@@ -18,11 +18,12 @@ towers, dim 64, normalised, in-batch softmax with log-Q correction) with a
 The vocabularies (``FeatureStatistics``) come from a frame holding every id once,
 so the tables have exactly n rows whatever the number of steps; the training
 clicks are ``steps * 1024`` rows of uniformly drawn (user, item) pairs, the same
-for every run of a size. A Keras callback appended to ``fit``'s own callbacks
-(after the checkpoint callback, so a save is timed within the step that makes
-it) stamps the end of each batch and of training: a step's time is the
-interval between consecutive batch ends; the first ``--warmup`` steps (tracing,
-caches) are dropped. Per run: the median step and the span from the end of the
+for every run of a size. The loop's step function is wrapped to stamp the end
+of each step (a step returns once its ops ran: eager CPU execution is
+synchronous), and the end of ``fit`` is stamped too: a step's time is the
+interval between consecutive step ends, so a checkpoint save lands in the step
+after the one that made it due; the first ``--warmup`` steps (tracing, caches)
+are dropped. Per run: the median step and the span from the end of the
 warm-up to the end of training (periodic and end-of-epoch saves included);
 also the wall time of the whole ``fit`` call. Configurations are interleaved
 (round-robin, order rotated each round) so background load hits them alike;
@@ -54,7 +55,7 @@ from retrieval.config import ModelConfig, TrainConfig
 from retrieval.data import ITEM, USER
 from retrieval.features import FeatureStatistics
 from retrieval.model import build_model
-from retrieval.training import fit, seed_everything
+from retrieval.training import fit, loop, seed_everything
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 1024
@@ -62,20 +63,30 @@ TARGET_RATIO = 1.5  # issue 15: step(1M) <= 1.5 x step(10k)
 TARGET_CHECKPOINT_FRACTION = 0.05  # issue 15: checkpoints <= 5 % of training time
 
 
-class StepTimer(tf.keras.callbacks.Callback):
-    """Stamps ``time.perf_counter()`` at the end of every training batch and of training."""
+class StepTimer:
+    """Stamps ``time.perf_counter()`` at the end of every training step of ``retrieval.training.loop``."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self._supports_tf_logs = True  # no per-batch conversion of the logs to numpy (no host sync added)
         self.batch_ends: list[float] = []
-        self.train_end = float("nan")
 
-    def on_train_batch_end(self, batch, logs=None):
-        self.batch_ends.append(time.perf_counter())
+    def __enter__(self) -> StepTimer:
+        self._original = loop.step_function
 
-    def on_train_end(self, logs=None):
-        self.train_end = time.perf_counter()
+        def timed_step_function(model):
+            step = self._original(model)
+
+            def stamped(batch):
+                values = step(batch)
+                self.batch_ends.append(time.perf_counter())
+                return values
+
+            return stamped
+
+        loop.step_function = timed_step_function
+        return self
+
+    def __exit__(self, *exc) -> None:
+        loop.step_function = self._original
 
 
 def vocabulary_frame(n: int) -> pd.DataFrame:
@@ -101,22 +112,17 @@ def timed_run(
     began = time.perf_counter()
     model = build_model(ModelConfig(), stats)
     build = time.perf_counter() - began
-    timer = StepTimer()
-    keras_fit = model.fit
-
-    def fit_with_timer(*args, callbacks=None, **kwargs):
-        return keras_fit(*args, callbacks=[*(callbacks or []), timer], **kwargs)
-
-    object.__setattr__(model, "fit", fit_with_timer)  # an instance attribute, outside Keras' tracking
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
-    history = fit(model, train, config, checkpoint_dir=checkpoint_dir)
-    wall = time.perf_counter() - start
+    with StepTimer() as timer:
+        history = fit(model, train, config, checkpoint_dir=checkpoint_dir)
+    train_end = time.perf_counter()
+    wall = train_end - start
     ends = np.asarray(timer.batch_ends)
     steps = np.diff(ends)[warmup:]  # steps[i] = step warmup+2 .. : the first step (tracing) has no start stamp
     if len(steps) == 0:
         raise ValueError(f"--steps must exceed --warmup + 1, got {len(ends)} steps and warmup {warmup}")
-    span = timer.train_end - ends[warmup]  # from the end of the warm-up to the end of training
+    span = train_end - ends[warmup]  # from the end of the warm-up to the end of training
     result = {
         "median_ms": 1000 * float(np.median(steps)),
         "p90_ms": 1000 * float(np.percentile(steps, 90)),
@@ -208,7 +214,7 @@ def run_checkpoints(args, log) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [
-        "# Step time of the training loop (Keras fit) vs ID-table size, and checkpoint overhead",
+        "# Step time of the training loop (retrieval.training.loop) vs ID-table size, and checkpoint overhead",
         "",
         f"`{result['command']}` on {result['machine']['cpus']} CPUs ({result['machine']['platform']}, "
         f"TensorFlow {result['machine']['tensorflow']}), {result['date']}. 1-min load average during the "

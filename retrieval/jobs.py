@@ -26,7 +26,6 @@ from retrieval.data.fingerprint import FileFingerprint, changed_inputs, fingerpr
 # The out-of-core path (data.out_of_core):
 from retrieval.data.streaming import (
     ClickShards,
-    click_stream_dataset,
     collect_users,
     plan_split,
     sample_test_users,
@@ -49,7 +48,7 @@ from retrieval.index import ItemIndex, build_index
 from retrieval.model import build_model
 from retrieval.serving import Bundle
 from retrieval.towers import build_towers
-from retrieval.training import distribution_strategy, embed, embed_frame, fit, fit_dataset, seed_everything
+from retrieval.training import StreamedClicks, distribution_strategy, embed, embed_frame, fit, seed_everything
 
 log = logging.getLogger("retrieval")
 
@@ -77,8 +76,6 @@ def train_evaluate_export(
     """
     started = time.perf_counter()
     if config.data.out_of_core:  # click shards streamed through tf.data, never loaded whole
-        if config.train.checkpoint_every_steps:  # on by default: say so, without a warning
-            log.info("checkpoint/resume is not yet supported with data.out_of_core: training is not checkpointed")
         return _train_evaluate_export_out_of_core(config, config_name, started)
     # First: MultiWorkerMirroredStrategy must exist before other TensorFlow work.
     strategy = distribution_strategy(config.train)
@@ -426,7 +423,8 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         raise ValueError("data.out_of_core needs data.clicks (the click shards)")
     name = config.run.name or default_run_name(config_name)
     final = Path(config.run.output_dir) / name
-    with atomic_directory(final, overwrite=config.run.overwrite) as scratch:
+    with ExitStack() as cleanup, atomic_directory(final, overwrite=config.run.overwrite) as scratch:
+        checkpoint_dir = training_checkpoints(config, name, cleanup)
         save_config(config, scratch / "config.yaml")
         seconds: dict[str, float] = {}
         clock = time.perf_counter()
@@ -458,13 +456,15 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
 
         seed_everything(config.train.seed)  # before the towers are built: their init is random
         model = build_model(config.model, stats, use_weights=config.train.use_weights)
-        dataset = click_stream_dataset(
+        source = StreamedClicks(
             shards, plan, config.train.batch_size, shuffle_buffer=stream.shuffle_buffer, seed=stream.seed,
             train_rows=counts.train_rows, max_batches=stream.max_train_batches,
         )
         log.info("training: %d clicks streamed, %d epochs", counts.train_rows, config.train.epochs)
         clock = time.perf_counter()
-        history = fit_dataset(model, dataset, config.train, log_dir=scratch, progress=log.info)
+        timing: dict[str, list[float]] = {}
+        history = fit(model, source, config.train, log_dir=scratch, checkpoint_dir=checkpoint_dir, say=log.info,
+                      timing=timing)
         seconds["training"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
@@ -489,8 +489,8 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         metrics["final_train_loss"] = history["loss"][-1]
         metrics["out_of_core"] = {
             "seconds": {k: round(v, 2) for k, v in seconds.items()},
-            "epoch_seconds": history.get("epoch_seconds"),
-            "clicks_per_second": history.get("clicks_per_second"),
+            "epoch_seconds": timing.get("epoch_seconds"),
+            "clicks_per_second": timing.get("clicks_per_second"),
         }
         write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, stats)
     return RunResult(final, metrics, time.perf_counter() - started)

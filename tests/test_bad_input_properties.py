@@ -602,7 +602,7 @@ def test_the_out_of_core_job_stops_before_training_when_no_test_user_can_be_eval
     # The latest 20% of the clicks (the temporal test part) are all by users without earlier clicks.
     rows = [f"u{i % 5},i{i % 7},{i}\n" for i in range(40)] + [f"new{i},i{i % 7},{100 + i}\n" for i in range(10)]
     (shards / "part-0.csv").write_text("user_id,item_id,timestamp\n" + "".join(rows))
-    monkeypatch.setattr(jobs, "fit_dataset", _no_training)
+    monkeypatch.setattr(jobs, "fit", _no_training)
     config = load_config(None, [
         "data.source=files", f"data.clicks.path={shards}", "data.out_of_core=true", "split.kind=temporal",
         "evaluation.baselines.rankers=[popularity]", f"run.output_dir={tmp_path / 'runs'}", "run.name=r",

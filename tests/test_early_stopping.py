@@ -44,8 +44,8 @@ def test_validation_recall_equals_brute_force():
     stats = FeatureStatistics.from_training_clicks(train)
     seed_everything(1)
     model = build_model(ModelConfig(embedding_dim=8), stats)
-    watch = ValidationRecall(validation, fit_part, k=5, patience=1)
-    recall = watch.recall(model, batch_size=37)  # several batches
+    watch = ValidationRecall(model, validation, fit_part, k=5, patience=1)
+    recall = watch.recall(batch_size=37)  # several batches
     # Brute force: score every vocabulary item, mask the user's fit-part clicks.
     items = list(stats.items.ids)
     item_vectors = model.doc_tower({"item_id": tf.constant(items)}).numpy()
@@ -95,5 +95,5 @@ def test_without_refit_the_best_weights_are_kept():
     model = build_model(ModelConfig(embedding_dim=8), stats)
     history = fit(model, train, config)
     fit_part, validation = validation_split(train, 0.2, None)
-    again = ValidationRecall(validation, fit_part, k=20, patience=1).recall(model)
+    again = ValidationRecall(model, validation, fit_part, k=20, patience=1).recall()
     assert again == pytest.approx(max(history["val_recall@20"]))

@@ -17,7 +17,6 @@ from retrieval.config import ColumnsConfig, ConfigError, SplitConfig, SyntheticC
 from retrieval.data import DataError, generate_clicks, read_clicks, split_clicks, temporal_cut
 from retrieval.data.streaming import (
     ClickShards,
-    click_stream_dataset,
     collect_users,
     plan_split,
     random_test_mask,
@@ -25,6 +24,7 @@ from retrieval.data.streaming import (
     train_batches,
 )
 from retrieval.features import FeatureStatistics
+from retrieval.training import StreamedClicks
 
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ColumnsConfig(user="user_id", item="item_id", timestamp="timestamp", weight="weight")
@@ -113,12 +113,12 @@ def test_tf_data_yields_every_training_click_once_per_epoch(logs):
     plan = plan_split(shards, TEMPORAL)
     ref_train, _ = split_clicks(clicks, TEMPORAL)
     expected = _multiset(ref_train["user_id"], ref_train["item_id"], ref_train["weight"])
-    dataset = click_stream_dataset(shards, plan, 64, shuffle_buffer=700, seed=5, train_rows=len(ref_train))
-    assert int(dataset.cardinality()) == -(-len(ref_train) // 64)
+    source = StreamedClicks(shards, plan, 64, shuffle_buffer=700, seed=5, train_rows=len(ref_train))
+    assert source.steps_per_epoch == -(-len(ref_train) // 64)
     orders = []
-    for _ in range(2):  # two epochs: each complete, in a different order
+    for epoch in range(2):  # two epochs: each complete, in a different order
         users, items, weights, sizes = [], [], [], []
-        for batch in dataset:
+        for batch in source.epoch(epoch):
             users += [u.decode() for u in batch["user_id"].numpy()]
             items += [i.decode() for i in batch["item_id"].numpy()]
             weights += batch["weight"].numpy().tolist()

@@ -271,15 +271,15 @@ def test_fit_resumed_in_process_equals_uninterrupted_fit(tmp_path, monkeypatch):
     reference = fresh()
     expected = fit(reference, clicks, config.model_copy(update={"checkpoint_every_steps": 0}))
 
-    save_and_count = TrainingCheckpoint.on_train_batch_end
+    due = TrainingCheckpoint.due
 
-    def killed_after_step_23(self, batch, logs=None):  # epoch 2, batch 7 of 16
-        save_and_count(self, batch, logs)
-        if self.steps_done == 23:
+    def killed_after_step_23(self, state):  # epoch 2, batch 7 of 16
+        if state.steps == 23:
             raise Killed
+        return due(self, state)
 
     with monkeypatch.context() as patch, pytest.raises(Killed):
-        patch.setattr(TrainingCheckpoint, "on_train_batch_end", killed_after_step_23)
+        patch.setattr(TrainingCheckpoint, "due", killed_after_step_23)
         fit(fresh(), clicks, config, checkpoint_dir=tmp_path)
     assert sorted(p.name for p in tmp_path.glob("ckpt-*.index")) == ["ckpt-18.index", "ckpt-21.index"]
 

@@ -19,7 +19,7 @@ a time) and makes a few passes over them:
    evaluation, training part for masking and activity), as small frames.
 
 ``train_batches`` then yields the training side of the split, shuffled through
-a bounded buffer, and ``click_stream_dataset`` wraps it in ``tf.data``.
+a bounded buffer (``retrieval.training.StreamedClicks`` turns it into ``tf.data`` epochs).
 
 Splits: ``temporal`` (clicks after the cut are test; ties at the cut go to
 train, as in memory) and ``random`` by a seeded hash of (user, item,
@@ -29,8 +29,7 @@ split draws exactly ``round(test_fraction * n)`` rows instead, so the two
 random splits hold different rows. ``leave_last_k`` needs every user's clicks
 in time order and is not supported here.
 
-Importing this module does not import TensorFlow (``click_stream_dataset``
-imports it when called), like the rest of ``retrieval.data``.
+Importing this module does not import TensorFlow, like the rest of ``retrieval.data``.
 """
 
 from __future__ import annotations
@@ -677,48 +676,3 @@ def _interleaved(shards: ClickShards, files: Sequence[str], cycle: int) -> Itera
             file = next(pending, None)
             if file is not None:
                 active.append(shards.batches(file))
-
-
-def click_stream_dataset(
-    shards: ClickShards,
-    plan: SplitPlan,
-    batch_size: int,
-    *,
-    shuffle_buffer: int,
-    seed: int,
-    train_rows: int | None = None,
-    max_batches: int | None = None,
-):
-    """``tf.data.Dataset`` of ``train_batches``, a new shuffle every epoch (every iteration).
-
-    Args:
-      train_rows: training clicks (``StreamCounts.train_rows``); when given the
-        dataset knows its number of batches, so Keras shows a progress bar.
-      max_batches: end each epoch after this many batches (None = all).
-
-    Returns:
-      A dataset of ``{"user_id": tf.string [batch], "item_id": tf.string [batch],
-      "weight": tf.float32 [batch]}``, the batches ``training.click_dataset`` makes.
-    """
-    import tensorflow as tf  # here, so that importing retrieval.data stays free of TensorFlow
-
-    epochs = itertools.count()
-
-    def generate():
-        yield from train_batches(
-            shards, plan, batch_size, shuffle_buffer=shuffle_buffer, seed=seed, epoch=next(epochs)
-        )
-
-    dataset = tf.data.Dataset.from_generator(
-        generate,
-        output_signature={
-            USER: tf.TensorSpec([None], tf.string),
-            ITEM: tf.TensorSpec([None], tf.string),
-            WEIGHT: tf.TensorSpec([None], tf.float32),
-        },
-    )
-    if train_rows is not None:
-        dataset = dataset.apply(tf.data.experimental.assert_cardinality(-(-train_rows // batch_size)))
-    if max_batches is not None:
-        dataset = dataset.take(max_batches)
-    return dataset.prefetch(2)

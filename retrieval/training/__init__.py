@@ -1,0 +1,39 @@
+"""Training: click sources, one tf.function step loop, checkpoints, early stopping, embeddings.
+
+Modules, in the order they build on each other: ``optimizers``, ``runtime``
+(seeds, tf.distribute), ``sources`` (click frame or streamed shards, one epoch
+at a time), ``checkpoints``, ``loop`` (the step loop every run uses),
+``early_stopping``, ``fit`` (selection + final run), ``embeddings``.
+"""
+
+from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState
+from retrieval.training.early_stopping import ValidationRecall, validation_split
+from retrieval.training.embeddings import embed, embed_frame
+from retrieval.training.fit import fit, select_epochs
+from retrieval.training.loop import RunLogs, train_epochs
+from retrieval.training.optimizers import OPTIMIZERS, LazyAdam, make_optimizer
+from retrieval.training.runtime import distribution_strategy, seed_everything
+from retrieval.training.sources import ClickSource, FrameClicks, StreamedClicks, click_dataset, steps_per_epoch
+
+__all__ = [
+    "OPTIMIZERS",
+    "ClickSource",
+    "FrameClicks",
+    "LazyAdam",
+    "RunLogs",
+    "StreamedClicks",
+    "TrainingCheckpoint",
+    "TrainingState",
+    "ValidationRecall",
+    "click_dataset",
+    "distribution_strategy",
+    "embed",
+    "embed_frame",
+    "fit",
+    "make_optimizer",
+    "seed_everything",
+    "select_epochs",
+    "steps_per_epoch",
+    "train_epochs",
+    "validation_split",
+]

@@ -1,0 +1,125 @@
+"""Checkpoints of a training run: every variable, the data position and the logs so far."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import faiss
+import tensorflow as tf
+
+from retrieval.model import TwoTowerModel
+
+
+@dataclass
+class TrainingState:
+    """Where a training run is, in numbers a checkpoint can hold exactly.
+
+    Attributes:
+      epoch: the epoch being trained (0-based); ``batch`` of its batches are done.
+      steps: training steps done in all epochs.
+      history: per finished epoch, the mean over its batches of each value the
+        model's ``train_step`` logs, plus what epoch-end hooks add (validation recall).
+      epoch_sums: the sums of those values over the current epoch's batches so far.
+      selection: the early-stopping selection's result (``fit``), kept so a resumed
+        run does not repeat it.
+      timing: per finished epoch, ``epoch_seconds`` and ``clicks_per_second`` (wall
+        time, input included): kept apart from ``history``, which is a pure
+        function of the seed.
+    """
+
+    epoch: int = 0
+    batch: int = 0
+    steps: int = 0
+    history: dict[str, list[float]] = field(default_factory=dict)
+    epoch_sums: dict[str, float] = field(default_factory=dict)
+    selection: dict[str, list[float]] = field(default_factory=dict)
+    timing: dict[str, list[float]] = field(default_factory=dict)
+
+
+def _quiet_checkpoint_saves(record: logging.LogRecord) -> bool:
+    """Drops TensorFlow's INFO line of every checkpoint save ("Sharding callback duration")."""
+    return not record.getMessage().startswith("Sharding callback duration")
+
+
+class TrainingCheckpoint:
+    """Saves a training run every ``every_steps`` steps; restores it on a resume.
+
+    ``ckpt-<step>``, a ``tf.train.Checkpoint``, holds every variable training
+    changes: the model (towers, loss variables, the sampler with its log-Q
+    estimator's variables (``StreamingFrequency``) and a corpus sampler's
+    ``tf.random.Generator`` state, the hard-negative miner's step) and the
+    optimizer with its slots and iteration count. ``state-<step>.json`` beside
+    it holds the ``TrainingState`` (data position, logs so far, running sums of
+    the current epoch), and ``miner-<step>.faiss`` the hard-negative miner's
+    FAISS index (numpy state). Both are written (and renamed into place) before
+    the checkpoint, and ``tf.train.CheckpointManager`` (the last two kept)
+    points at a checkpoint only once it is completely written, so a kill at any
+    moment leaves the previous one usable.
+
+    Args:
+      directory: the checkpoint directory (created).
+      every_steps: save every this many training steps (the loop asks ``due``).
+      model, optimizer: what is trained; the optimizer must be built.
+    """
+
+    def __init__(self, directory: str | Path, every_steps: int, model: TwoTowerModel, optimizer):
+        if every_steps <= 0:
+            raise ValueError(f"every_steps must be positive, got {every_steps}")
+        self.directory = Path(directory)
+        self.every_steps = int(every_steps)
+        self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        self._miner = getattr(model, "miner", None)
+        self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=self._step)
+        self._manager = tf.train.CheckpointManager(self._checkpoint, str(self.directory), max_to_keep=2)
+        logging.getLogger("absl").addFilter(_quiet_checkpoint_saves)
+        self._saved_step = -1
+
+    @property
+    def latest(self) -> str | None:
+        """Path prefix of the newest checkpoint, or None."""
+        return self._manager.latest_checkpoint
+
+    def due(self, state: TrainingState) -> bool:
+        """Whether ``state`` (just after a step) is one to save."""
+        return state.steps % self.every_steps == 0 and state.steps != self._saved_step
+
+    def restore(self) -> TrainingState | None:
+        """Restore the newest checkpoint's variables and return its state; None without one."""
+        path = self._manager.latest_checkpoint
+        if path is None:
+            return None
+        self._checkpoint.restore(path).assert_existing_objects_matched()
+        step = int(self._step.numpy())
+        saved = json.loads((self.directory / f"state-{step}.json").read_text())
+        if self._miner is not None and saved.pop("miner_index"):
+            self._miner.index = faiss.read_index(str(self.directory / f"miner-{step}.faiss"))
+        saved.pop("miner_index", None)
+        self._saved_step = step
+        return TrainingState(**saved)
+
+    def save(self, state: TrainingState) -> None:
+        """Write a checkpoint of the variables now and ``state`` (numbered by its step), unless
+        that step has one."""
+        step = state.steps
+        if step == self._saved_step:
+            return
+        self._step.assign(step)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        miner_index = self._miner is not None and self._miner.index is not None
+        if self._miner is not None and miner_index:
+            faiss.write_index(self._miner.index, str(self.directory / f".miner-{step}.tmp"))
+            os.replace(self.directory / f".miner-{step}.tmp", self.directory / f"miner-{step}.faiss")
+        saved = {**dataclasses.asdict(state), "miner_index": miner_index}
+        (self.directory / f".state-{step}.tmp").write_text(json.dumps(saved))
+        os.replace(self.directory / f".state-{step}.tmp", self.directory / f"state-{step}.json")
+        self._manager.save(checkpoint_number=step)
+        self._saved_step = step
+        kept = {path.rsplit("-", 1)[1] for path in self._manager.checkpoints}
+        for side in [*self.directory.glob("state-*.json"), *self.directory.glob("miner-*.faiss")]:
+            if side.stem.split("-", 1)[1] not in kept:
+                side.unlink()

@@ -1,0 +1,106 @@
+"""Early stopping: a validation part carved from the training clicks, recall@k on it after each epoch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import tensorflow as tf
+
+from retrieval.config import SplitConfig
+from retrieval.data import ITEM, TIME, USER, split_clicks
+from retrieval.features import feature_arrays
+from retrieval.model import TwoTowerModel
+
+
+def validation_split(
+    train: pd.DataFrame, fraction: float, split: SplitConfig | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Carve ``(fit_part, validation)`` from the training part like ``split`` carved the test part.
+
+    ``temporal`` (the default when there are timestamps) holds out the latest
+    ``fraction`` of the training clicks, ``leave_last_k`` each user's last
+    ``split.k``, ``random`` a random ``fraction``; ``none`` (a given test log)
+    behaves as temporal, or random without timestamps.
+    """
+    kind = split.kind if split is not None else "temporal"
+    if kind in ("temporal", "none"):
+        kind = "temporal" if TIME in train else "random"
+    carve = SplitConfig(
+        kind=kind,
+        test_fraction=fraction,
+        k=split.k if split is not None else 1,
+        seed=split.seed if split is not None else 0,
+    )
+    return split_clicks(train, carve)
+
+
+class ValidationRecall:
+    """Recall@k of held-out clicks after each epoch, with early stopping on it.
+
+    An epoch hook of ``retrieval.training.loop.train_epochs``. Each validation
+    click is a query (the tower inputs of its own row, as in a training
+    batch); it is a hit when its item is in the top k of every item the model
+    scores (``TwoTowerModel.item_scores``), the user's clicks in the fit part
+    excluded. Clicks repeating a fit-part click are dropped, as in the test
+    protocol. The metric is the share of hits (recall over clicks).
+
+    Attributes:
+      recalls: the value after each epoch.
+      best_epoch: 1-based epoch of the best value; best_weights its weights.
+    """
+
+    def __init__(self, model: TwoTowerModel, validation: pd.DataFrame, fit_part: pd.DataFrame, k: int,
+                 patience: int):
+        pairs = pd.MultiIndex.from_frame(fit_part[[USER, ITEM]].astype(str))
+        repeat = pd.MultiIndex.from_frame(validation[[USER, ITEM]].astype(str)).isin(pairs)
+        self.model = model
+        self.validation = validation[~repeat].reset_index(drop=True)
+        self.fit_pairs = fit_part[[USER, ITEM]].astype(str).drop_duplicates()
+        self.k, self.patience = int(k), int(patience)
+        self.recalls: list[float] = []
+        self.best_epoch, self.best_weights = 0, None
+        self._masks: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def key(self) -> str:
+        return f"val_recall@{self.k}"
+
+    def _exclusions(self) -> tuple[np.ndarray, np.ndarray]:
+        """(validation row, tower index) of every fit-part click of each row's user."""
+        if self._masks is None:
+            rows = self.validation[[USER]].astype(str).reset_index().rename(columns={"index": "row"})
+            pairs = rows.merge(self.fit_pairs, on=USER)
+            items = self.model.item_index(tf.constant(pairs[ITEM].to_numpy(dtype=object))).numpy()
+            self._masks = (pairs["row"].to_numpy(np.int64), items)
+        return self._masks
+
+    def recall(self, batch_size: int = 1024) -> float:
+        """Recall@k of the validation clicks under the model now."""
+        if self.validation.empty:
+            return 0.0
+        model = self.model
+        mask_rows, mask_items = self._exclusions()
+        hits = []
+        for start in range(0, len(self.validation), batch_size):
+            rows = self.validation.iloc[start : start + batch_size]
+            arrays = feature_arrays(rows, model.query_tower.input_names)
+            queries = model.query_tower({name: tf.constant(v) for name, v in arrays.items()}, training=False)
+            scores = model.item_scores(queries).numpy()
+            scores[:, 0] = -np.inf  # the OOV row is no recommendation
+            chosen = (mask_rows >= start) & (mask_rows < start + len(rows))
+            scores[mask_rows[chosen] - start, mask_items[chosen]] = -np.inf
+            target = model.item_index(tf.constant(rows[ITEM].astype(str).to_numpy(dtype=object))).numpy()
+            target_scores = scores[np.arange(len(rows)), target]
+            rank = np.sum(scores > target_scores[:, None], axis=1)
+            hits.append((rank < self.k) & (target > 0) & np.isfinite(target_scores))
+        return float(np.mean(np.concatenate(hits)))
+
+    def __call__(self, epoch: int, logs: dict) -> bool:
+        """Record epoch ``epoch``'s recall in ``logs``; True once ``patience`` epochs passed without a gain."""
+        value = self.recall()
+        self.recalls.append(value)
+        logs[self.key] = value
+        if self.best_weights is None or value > self.recalls[self.best_epoch - 1]:
+            self.best_epoch, self.best_weights = epoch + 1, self.model.get_weights()
+            return False
+        return epoch + 1 - self.best_epoch >= self.patience

@@ -1,0 +1,166 @@
+"""A whole training run: the early-stopping selection, then the final run, checkpointed."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+import tensorflow as tf
+
+from retrieval.config import SplitConfig, TrainConfig
+from retrieval.model import TwoTowerModel
+from retrieval.towers import IdDropout
+from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState
+from retrieval.training.early_stopping import ValidationRecall, validation_split
+from retrieval.training.loop import RunLogs, train_epochs
+from retrieval.training.optimizers import make_optimizer
+from retrieval.training.runtime import seed_everything
+from retrieval.training.sources import ClickSource, FrameClicks
+
+log = logging.getLogger("retrieval")
+
+
+def fit(
+    model: TwoTowerModel,
+    train: pd.DataFrame | ClickSource,
+    config: TrainConfig,
+    *,
+    log_dir: Path | None = None,
+    split: SplitConfig | None = None,
+    checkpoint_dir: Path | None = None,
+    on_epoch_end: Callable[[int, dict], None] | None = None,
+    say: Callable[[str], None] = print,
+    timing: dict[str, list[float]] | None = None,
+) -> dict[str, list[float]]:
+    """Train ``model`` on the training clicks; return the per-epoch history.
+
+    With ``config.validation_fraction > 0`` the number of epochs is chosen by
+    early stopping on a validation part carved from ``train`` the way ``split``
+    carves the test part (``validation_split``); see ``select_epochs``.
+
+    With ``checkpoint_dir`` and ``config.checkpoint_every_steps`` the training
+    state is saved there as it goes (``TrainingCheckpoint``), and a call that
+    finds a checkpoint (the same job started again after being killed)
+    resumes from it: weights, optimizer slots, sampler state, data position
+    and the logs so far, so it ends with the weights an uninterrupted run
+    ends with. Only the final training run is checkpointed: an interrupted
+    early-stopping selection starts again from the beginning (with
+    ``config.refit``; without it the selection run is the training run and is
+    not checkpointed).
+
+    Args:
+      model: a built two-tower model; call under the strategy scope it was built in.
+      train: training click frame (canonical columns), training examples
+        holding every tower input (``retrieval.features.training_examples``),
+        or a ``ClickSource`` (``StreamedClicks``: no early stopping yet).
+      config: optimiser, epochs, batch size, seed, checkpoint interval.
+      log_dir: if given, each epoch's values go to ``train_log.csv`` there and to
+        TensorBoard event files under ``tensorboard/train``.
+      split: how the test part was split (the validation part is carved alike);
+        None = temporal when the clicks have timestamps, else random.
+      checkpoint_dir: where to save and look for checkpoints; None = none.
+      on_epoch_end: called as ``on_epoch_end(epoch, logs)`` (0-based epoch) after each epoch of the
+        early-stopping selection run, ``logs`` holding ``val_recall@<validation_k>``; it may raise to
+        stop training (pipelines/tune.py prunes trials this way). Not called without early stopping.
+      say: prints progress lines (``config.verbose`` says how many).
+      timing: if given, filled with the final run's ``epoch_seconds`` and
+        ``clicks_per_second`` per epoch (kept out of the history, which is a
+        pure function of the seed).
+    """
+    seed_everything(config.seed)
+    source = FrameClicks(train, config.batch_size, seed=config.seed) if isinstance(train, pd.DataFrame) else train
+    optimizer = make_optimizer(config)
+    checkpoint, state = None, None
+    if checkpoint_dir is not None and config.checkpoint_every_steps:
+        if config.validation_fraction > 0 and not config.refit:
+            log.info("train.refit=false: the early-stopping run is the training run and is not checkpointed")
+        else:
+            optimizer.build(model.trainable_variables)  # slots exist before a restore fills them
+            checkpoint = TrainingCheckpoint(checkpoint_dir, config.checkpoint_every_steps, model, optimizer)
+            state = checkpoint.restore()
+    logs = RunLogs(log_dir) if log_dir is not None else None
+    epochs, selection = config.epochs, dict[str, list[float]]()
+    if checkpoint is not None and state is not None:
+        if state.selection:
+            epochs = int(state.selection["best_epoch"][0])
+            log.info("early-stopping selection was done before the checkpoint (best epoch %d): not repeated", epochs)
+        log.info("resuming from step %d (epoch %d/%d, batch %d/%d) of %s",
+                 state.steps, state.epoch + 1, epochs, state.batch, source.steps_per_epoch, checkpoint.latest)
+        if _has_dropout(model):
+            log.warning(
+                "the towers use dropout, whose random masks are not checkpointed (TF stateful random ops): "
+                "the resumed run is statistically, not bit for bit, the uninterrupted one"
+            )
+    elif config.validation_fraction > 0:
+        if not isinstance(train, pd.DataFrame):
+            raise ValueError(
+                f"train.validation_fraction={config.validation_fraction} (early stopping) is not yet supported "
+                "when training on streamed click shards; set it to 0"
+            )
+        if checkpoint is not None:
+            log.info("early-stopping selection (not checkpointed: a killed selection starts over) ...")
+        hooks = [] if on_epoch_end is None else [on_epoch_end]
+        # Without a refit the selection run is the training run: it gets the logs.
+        epochs, selection = select_epochs(model, train, config, split, hooks, None if config.refit else logs, say)
+        if not config.refit:
+            return selection
+        state = TrainingState(selection=selection)
+        if checkpoint is not None:
+            checkpoint.save(state)  # the state the final run starts from: a resume need not repeat the selection
+    model.compile(optimizer=optimizer)
+    state = train_epochs(model, source, epochs, state=state, checkpoint=checkpoint, logs=logs,
+                         verbose=config.verbose, say=say)
+    if checkpoint is not None:
+        checkpoint.save(state)  # the end state: a job killed after training does not train again
+    if logs is not None:
+        logs.close()
+    if timing is not None:
+        timing.update(state.timing)
+    return {**state.selection, **state.history}
+
+
+def select_epochs(
+    model: TwoTowerModel,
+    train: pd.DataFrame,
+    config: TrainConfig,
+    split: SplitConfig | None = None,
+    hooks: list | None = None,
+    logs: RunLogs | None = None,
+    say: Callable[[str], None] = print,
+) -> tuple[int, dict[str, list[float]]]:
+    """Early stopping: train on the fit part, watch ``ValidationRecall``, pick the best epoch.
+
+    With ``config.refit`` the model is put back to its initial weights (the
+    caller retrains on all of ``train`` for the returned number of epochs);
+    otherwise it keeps the best epoch's weights.
+
+    Returns:
+      ``(best_epoch, history)``, the history holding the selection run's
+      ``selection_loss`` and ``val_recall@k`` per epoch and ``best_epoch``
+      (without a refit, also everything the selection run logged).
+    """
+    fit_part, validation = validation_split(train, config.validation_fraction, split)
+    initial = model.get_weights()
+    watch = ValidationRecall(model, validation, fit_part, config.validation_k, config.early_stopping_patience)
+    model.compile(optimizer=make_optimizer(config))
+    source = FrameClicks(fit_part, config.batch_size, seed=config.seed)
+    state = train_epochs(model, source, config.epochs, logs=logs, hooks=[watch, *(hooks or [])],
+                         verbose=config.verbose, say=say)
+    model.set_weights(initial if config.refit else watch.best_weights)
+    seed_everything(config.seed)
+    return watch.best_epoch, {
+        **({} if config.refit else state.history),
+        "selection_loss": state.history["loss"],
+        watch.key: watch.recalls,
+        "best_epoch": [float(watch.best_epoch)],
+    }
+
+
+def _has_dropout(model: tf.keras.Model) -> bool:
+    return any(
+        isinstance(layer, (tf.keras.layers.Dropout, IdDropout)) and float(layer.rate) > 0
+        for layer in model.submodules
+        if isinstance(layer, tf.keras.layers.Layer)
+    )

@@ -1,0 +1,211 @@
+"""The training loop: one ``tf.function`` step over a click source's batches, for every run.
+
+Every training run of the project (in memory or streamed, the early-stopping
+selection and the final run, one device or a ``tf.distribute`` strategy) goes
+through ``train_epochs``. It is a plain loop rather than Keras ``fit``: the
+cost of a step is the model's own (with ``lazy_adam`` or ``adagrad`` it does
+not grow with the ID tables), checkpoints land at any step with the exact data
+position, and the logs are the mean of each epoch's steps.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import tensorflow as tf
+
+from retrieval.model import TwoTowerModel
+from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState
+from retrieval.training.sources import ClickSource
+
+log = logging.getLogger("retrieval")
+
+EpochHook = Callable[[int, dict], "bool | None"]
+
+
+def verbosity(setting: int | str) -> int:
+    """``train.verbose`` as a level: 0 silent, 1 a progress line every few seconds, 2 a line an epoch."""
+    if setting == "auto":
+        return 1 if sys.stdout.isatty() else 2
+    return int(setting)
+
+
+class RunLogs:
+    """A run's per-epoch logs: ``train_log.csv`` (``epoch`` then every logged key, sorted) and
+    TensorBoard scalars ``epoch_<key>`` at step = epoch under ``tensorboard/train``."""
+
+    def __init__(self, log_dir: str | Path):
+        self.csv_path = Path(log_dir) / "train_log.csv"
+        self._writer = tf.summary.create_file_writer(str(Path(log_dir) / "tensorboard" / "train"))
+
+    def write(self, history: dict[str, list[float]], new_epochs: range) -> None:
+        """Rewrite ``train_log.csv`` from ``history``; add the scalars of ``new_epochs``."""
+        keys = sorted(history)
+        epochs = max((len(values) for values in history.values()), default=0)
+        with open(self.csv_path, "w", newline="") as file:
+            writer = csv.writer(file)
+            writer.writerow(["epoch", *keys])
+            for epoch in range(epochs):
+                writer.writerow([epoch, *(_cell(history[key], epoch) for key in keys)])
+        with self._writer.as_default():
+            for key in keys:
+                for epoch in new_epochs:
+                    if epoch < len(history[key]):
+                        tf.summary.scalar(f"epoch_{key}", history[key][epoch], step=epoch)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def _cell(values: list[float], epoch: int) -> float | str:
+    return values[epoch] if epoch < len(values) else "NA"
+
+
+class _Progress:
+    """Progress lines: clicks/s, mean loss so far and an ETA for the run."""
+
+    EVERY_SECONDS = 15.0
+
+    def __init__(self, level: int, source: ClickSource, epochs: int, start: TrainingState, say=print):
+        self.level, self.source, self.epochs, self.say = level, source, epochs, say
+        self.remaining = max(epochs * source.steps_per_epoch - start.steps, 0)
+        self.done = 0
+        self.started = self.last = time.perf_counter()
+
+    def step(self, state: TrainingState) -> None:
+        self.done += 1
+        if self.level != 1:
+            return
+        now = time.perf_counter()
+        if now - self.last < self.EVERY_SECONDS:
+            return
+        self.last = now
+        rate = self.done / (now - self.started)
+        clicks = rate * self.source.batch_size
+        loss = state.epoch_sums.get("loss", 0.0) / max(state.batch, 1)
+        self.say(
+            f"epoch {state.epoch + 1}/{self.epochs} step {state.batch}/{self.source.steps_per_epoch}: "
+            f"{clicks:,.0f} clicks/s, loss {loss:.4f}, ETA {_duration((self.remaining - self.done) / rate)}"
+        )
+
+    def epoch(self, epoch: int, logs: dict[str, float], timing: dict[str, float]) -> None:
+        if self.level == 0:
+            return
+        shown = ", ".join(f"{key} {value:.4f}" for key, value in logs.items())
+        elapsed = time.perf_counter() - self.started
+        eta = (self.remaining - self.done) * elapsed / max(self.done, 1)
+        self.say(
+            f"epoch {epoch + 1}/{self.epochs}: {timing['epoch_seconds']:.0f}s, "
+            f"{timing['clicks_per_second']:,.0f} clicks/s, {shown}"
+            + (f", ETA {_duration(eta)}" if self.done < self.remaining else "")
+        )
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(int(seconds), 0)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def step_function(model: TwoTowerModel) -> Callable[[dict], dict]:
+    """One training step of ``model`` (compiled with its optimizer) under the current strategy.
+
+    Each replica runs ``model.train_step`` on its share of the global batch;
+    their logged values are shares of the global ones and are summed, as
+    tf-keras does off TPU.
+    """
+    strategy = tf.distribute.get_strategy()
+
+    @tf.function
+    def step(batch):
+        logs = strategy.run(model.train_step, args=(batch,))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, logs, axis=None)
+
+    return step
+
+
+def train_epochs(
+    model: TwoTowerModel,
+    source: ClickSource,
+    epochs: int,
+    *,
+    state: TrainingState | None = None,
+    checkpoint: TrainingCheckpoint | None = None,
+    logs: RunLogs | None = None,
+    hooks: Sequence[EpochHook] = (),
+    verbose: int | str = 2,
+    say: Callable[[str], None] = print,
+) -> TrainingState:
+    """Train ``model`` (compiled with its optimizer) on ``source`` up to the end of epoch ``epochs``.
+
+    Args:
+      model: the model; run under the strategy scope it was built in.
+      source: the training batches (``FrameClicks`` or ``StreamedClicks``).
+      epochs: the last epoch (1-based) to train.
+      state: where to start (a restored checkpoint's state); None = the beginning.
+      checkpoint: saves the variables and the state every ``every_steps`` steps
+        (a save due on an epoch's last step waits for that epoch's logs).
+      logs: where each finished epoch's values go (``train_log.csv``, TensorBoard).
+      hooks: called as ``hook(epoch, logs)`` (0-based epoch) after each epoch,
+        in order, on one dict they may add to (early stopping adds its
+        validation recall); a hook returning True stops training after that
+        epoch, and one that raises abandons it.
+      verbose: ``train.verbose``; ``say`` prints the lines.
+
+    Returns:
+      The final state; its ``history`` holds, per epoch, the mean over the
+      epoch's batches of every value ``train_step`` logs (``loss``,
+      ``regularization_loss``, ``total_loss``) and what the hooks added; its
+      ``timing`` the wall time of each epoch.
+    """
+    state = state if state is not None else TrainingState()
+    strategy = tf.distribute.get_strategy()
+    step = step_function(model)
+    progress = _Progress(verbosity(verbose), source, epochs, state, say)
+    if logs is not None and state.history:
+        logs.write(state.history, range(state.epoch))  # a resumed run's directory starts with the epochs before it
+    while state.epoch < epochs:
+        started, first_batch = time.perf_counter(), state.batch
+        save_at_epoch_end = False
+        model.reset_metrics()
+        batches = source.epoch(state.epoch, skip_batches=state.batch)
+        if tf.distribute.has_strategy():  # each replica gets its share of every global batch
+            batches = strategy.experimental_distribute_dataset(batches)
+        for batch in batches:
+            values = step(batch)
+            state.batch += 1
+            state.steps += 1
+            for key, value in values.items():
+                state.epoch_sums[key] = state.epoch_sums.get(key, 0.0) + float(value)
+            progress.step(state)
+            if checkpoint is not None and checkpoint.due(state):
+                if state.batch == source.steps_per_epoch:
+                    save_at_epoch_end = True
+                else:
+                    checkpoint.save(state)
+        if state.batch == 0:
+            raise ValueError("the training data yielded no batch")
+        seconds = time.perf_counter() - started
+        clicks = min(state.batch * source.batch_size, source.rows) - first_batch * source.batch_size
+        epoch_logs = {key: total / state.batch for key, total in state.epoch_sums.items()}
+        stop = False
+        for hook in hooks:
+            stop = bool(hook(state.epoch, epoch_logs)) or stop
+        timing = {"epoch_seconds": seconds, "clicks_per_second": clicks / max(seconds, 1e-9)}
+        for record, values in ((state.history, epoch_logs), (state.timing, timing)):
+            for key, value in values.items():
+                record.setdefault(key, []).append(float(value))
+        progress.epoch(state.epoch, epoch_logs, timing)
+        state.epoch, state.batch, state.epoch_sums = state.epoch + 1, 0, {}
+        if logs is not None:
+            logs.write(state.history, range(state.epoch - 1, state.epoch))
+        if save_at_epoch_end and checkpoint is not None:
+            checkpoint.save(state)
+        if stop:
+            break
+    return state

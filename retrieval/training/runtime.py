@@ -1,0 +1,57 @@
+"""Process-wide training setup: seeds, op determinism and the tf.distribute strategy."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import tensorflow as tf
+
+from retrieval.config import TrainConfig
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and TensorFlow and make TF ops deterministic."""
+    tf.keras.utils.set_random_seed(seed)
+    tf.config.experimental.enable_op_determinism()
+
+
+def distribution_strategy(config: TrainConfig) -> tf.distribute.Strategy:
+    """The ``tf.distribute`` strategy of ``config.distribute``.
+
+    Build the model under its ``scope()`` (its variables, the optimizer's
+    slots and the samplers' state are created there); the training loop
+    (``retrieval.training.loop``) then splits each batch of
+    ``config.batch_size`` rows (the *global* batch) over the replicas, and the
+    model gathers in-batch negatives across them.
+
+    - ``none``: the default strategy (one device; its scope does nothing);
+    - ``mirrored``: ``MirroredStrategy`` over every local GPU, or else every
+      logical CPU device (one on a plain machine);
+    - ``multi_worker``: ``MultiWorkerMirroredStrategy``, the cluster and this
+      process's task read from the ``TF_CONFIG`` environment variable. Create it
+      at the start of the program, before other TensorFlow work.
+
+    A process gets one strategy of each kind, reused by later calls: a second
+    MirroredStrategy over the same devices reuses the first one's collective
+    instance keys, and its all-gathers then fail with a shape mismatch.
+    """
+    if config.distribute == "none":
+        return tf.distribute.get_strategy()
+    if config.distribute == "multi_worker" and not os.environ.get("TF_CONFIG"):
+        raise ValueError(
+            "train.distribute='multi_worker' reads the cluster from the TF_CONFIG environment variable, "
+            'which is not set; e.g. TF_CONFIG=\'{"cluster": {"worker": ["host1:12345", "host2:12345"]}, '
+            '"task": {"type": "worker", "index": 0}}\' on the first worker'
+        )
+    return _process_strategy(config.distribute)
+
+
+@functools.cache
+def _process_strategy(kind: str) -> tf.distribute.Strategy:
+    if kind == "mirrored":
+        devices = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+        return tf.distribute.MirroredStrategy([device.name for device in devices])
+    if kind == "multi_worker":
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    raise ValueError(f"unknown train.distribute {kind!r}; valid: none, mirrored, multi_worker")

@@ -1,0 +1,167 @@
+"""Click sources: where the training loop's batches come from, one epoch at a time.
+
+Two implementations of one interface (``ClickSource``): ``FrameClicks``, a
+click frame (or feature-tower training examples) held in memory, and
+``StreamedClicks``, Parquet/CSV shards read with pyarrow
+(``retrieval.data.streaming``). Either way epoch ``e`` visits every training
+example once in an order fixed by ``(seed, e)``: two runs with the same seed
+see the same batches, and a run resumed at (epoch e, batch b) continues with
+exactly the batches an uninterrupted run trains on there.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Protocol
+
+import numpy as np
+import pandas as pd
+import tensorflow as tf
+
+from retrieval.data import ITEM, USER, WEIGHT
+from retrieval.data.streaming import ClickShards, SplitPlan, train_batches
+from retrieval.features import feature_arrays
+
+
+class ClickSource(Protocol):
+    """Training batches by epoch.
+
+    Attributes:
+      batch_size: rows a batch (the last batch of an epoch may hold fewer).
+      steps_per_epoch: batches in one epoch (an upper bound for a capped stream).
+      rows: training examples in one epoch.
+    """
+
+    batch_size: int
+    steps_per_epoch: int
+    rows: int
+
+    def epoch(self, epoch: int, skip_batches: int = 0) -> tf.data.Dataset:
+        """Epoch ``epoch``'s batches less its first ``skip_batches``: dicts of ``[batch]`` tensors
+        (``user_id``, ``item_id`` tf.string, ``weight`` tf.float32, and every other column's feature)."""
+        ...
+
+
+def steps_per_epoch(num_examples: int, batch_size: int) -> int:
+    """Batches in one epoch of ``num_examples`` rows (the last one may be smaller)."""
+    return -(-int(num_examples) // int(batch_size))
+
+
+class FrameClicks:
+    """A click frame in memory as a ``ClickSource``.
+
+    ``clicks`` is a click log or the training examples of feature towers
+    (``retrieval.features.training_examples``): other columns become batch
+    features as ``feature_arrays`` converts them (strings, numbers, tuples of
+    strings -> [batch, width]). Epoch ``e`` visits the rows in the order
+    ``tf.random.experimental.stateless_shuffle(range(n), seed=(seed, e))``, so
+    in-batch negatives differ between epochs.
+    """
+
+    def __init__(self, clicks: pd.DataFrame, batch_size: int, *, seed: int, shuffle: bool = True):
+        if clicks.empty:
+            raise ValueError("cannot train on an empty click log")
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.batch_size, self.seed, self.shuffle = int(batch_size), int(seed), shuffle
+        self.rows = len(clicks)
+        self.steps_per_epoch = steps_per_epoch(self.rows, self.batch_size)
+        columns = {
+            **feature_arrays(clicks, [name for name in clicks.columns if name not in (USER, ITEM, WEIGHT)]),
+            USER: clicks[USER].astype(str).to_numpy(dtype=object),
+            ITEM: clicks[ITEM].astype(str).to_numpy(dtype=object),
+            WEIGHT: (clicks[WEIGHT] if WEIGHT in clicks else pd.Series(1.0, index=clicks.index))
+            .to_numpy(dtype=np.float32),
+        }
+        self._columns = {name: tf.constant(values) for name, values in columns.items()}
+
+    def epochs(self, start_epoch: int, epochs: int, skip_batches: int = 0) -> tf.data.Dataset:
+        """Epochs ``start_epoch .. start_epoch + epochs - 1`` back to back, less the first ``skip_batches``."""
+        if epochs <= 0 or start_epoch < 0 or skip_batches < 0:
+            raise ValueError(
+                "need epochs > 0, start_epoch >= 0, skip_batches >= 0; "
+                f"got {epochs}, {start_epoch}, {skip_batches}"
+            )
+        rows = tf.range(self.rows, dtype=tf.int64)
+        seed, batch_size, shuffle, columns = self.seed, self.batch_size, self.shuffle, self._columns
+
+        def epoch_rows(epoch):
+            epoch_seed = tf.stack([tf.constant(seed, tf.int64), epoch])
+            order = tf.random.experimental.stateless_shuffle(rows, seed=epoch_seed)
+            return tf.data.Dataset.from_tensor_slices(order if shuffle else rows).batch(batch_size)
+
+        dataset = tf.data.Dataset.range(start_epoch, start_epoch + epochs).flat_map(epoch_rows).skip(skip_batches)
+        dataset = dataset.map(
+            lambda index: {name: tf.gather(values, index) for name, values in columns.items()},
+            num_parallel_calls=tf.data.AUTOTUNE,  # order is kept (deterministic by default)
+        )
+        return dataset.prefetch(tf.data.AUTOTUNE)
+
+    def epoch(self, epoch: int, skip_batches: int = 0) -> tf.data.Dataset:
+        return self.epochs(epoch, 1, skip_batches)
+
+
+def click_dataset(
+    clicks: pd.DataFrame,
+    batch_size: int,
+    *,
+    seed: int,
+    shuffle: bool = True,
+    epochs: int = 1,
+    start_epoch: int = 0,
+    skip_batches: int = 0,
+) -> tf.data.Dataset:
+    """``FrameClicks(clicks, ...)``'s epochs ``start_epoch ..`` as one dataset (for Keras ``fit`` and tests)."""
+    return FrameClicks(clicks, batch_size, seed=seed, shuffle=shuffle).epochs(start_epoch, epochs, skip_batches)
+
+
+class StreamedClicks:
+    """The training clicks of Parquet/CSV shards, streamed, as a ``ClickSource``.
+
+    Batches come from ``retrieval.data.streaming.train_batches`` (bounded
+    shuffle buffer, permutations drawn from ``(seed, epoch)``); skipped batches
+    are dropped before they become tensors.
+
+    Args:
+      shards, plan: the shards and the split that marks their test rows.
+      train_rows: training clicks (``StreamCounts.train_rows``).
+      max_batches: end each epoch after this many batches (None = all).
+    """
+
+    def __init__(
+        self,
+        shards: ClickShards,
+        plan: SplitPlan,
+        batch_size: int,
+        *,
+        shuffle_buffer: int,
+        seed: int,
+        train_rows: int,
+        max_batches: int | None = None,
+    ):
+        if train_rows <= 0:
+            raise ValueError("cannot train on an empty click log")
+        self.shards, self.plan = shards, plan
+        self.batch_size, self.shuffle_buffer, self.seed = int(batch_size), int(shuffle_buffer), int(seed)
+        self.rows = int(train_rows)
+        self.max_batches = max_batches
+        whole = steps_per_epoch(self.rows, self.batch_size)
+        self.steps_per_epoch = whole if max_batches is None else min(whole, int(max_batches))
+
+    def epoch(self, epoch: int, skip_batches: int = 0) -> tf.data.Dataset:
+        def generate():
+            batches = train_batches(
+                self.shards, self.plan, self.batch_size, shuffle_buffer=self.shuffle_buffer, seed=self.seed,
+                epoch=epoch,
+            )
+            yield from itertools.islice(batches, skip_batches, self.max_batches)
+
+        dataset = tf.data.Dataset.from_generator(
+            generate,
+            output_signature={
+                USER: tf.TensorSpec([None], tf.string),
+                ITEM: tf.TensorSpec([None], tf.string),
+                WEIGHT: tf.TensorSpec([None], tf.float32),
+            },
+        )
+        return dataset.prefetch(2)
