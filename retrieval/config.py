@@ -772,7 +772,6 @@ class Config(_Section):
             f"split.kind: {self.split.kind} (temporal and random are)": self.split.kind not in ("temporal", "random"),
             "split.hold_out_items > 0": self.split.hold_out_items > 0,
             "split.evaluate_on: validation": self.split.evaluate_on == "validation",
-            "early stopping (train.validation_fraction > 0)": self.train.validation_fraction > 0,
             "model.loss.hard_negatives: mined": self.model.loss.hard_negatives == "mined",
             "the als baseline (set evaluation.baselines.rankers: [popularity])": "als"
             in self.evaluation.baselines.rankers,

@@ -28,6 +28,7 @@ from retrieval.data.streaming import (
     ClickShards,
     collect_users,
     plan_split,
+    plan_validation,
     sample_test_users,
     scan_counts,
 )
@@ -48,7 +49,15 @@ from retrieval.index import ItemIndex, build_index
 from retrieval.model import build_model
 from retrieval.serving import Bundle
 from retrieval.towers import build_towers
-from retrieval.training import StreamedClicks, distribution_strategy, embed, embed_frame, fit, seed_everything
+from retrieval.training import (
+    StreamedClicks,
+    ValidationData,
+    distribution_strategy,
+    embed,
+    embed_frame,
+    fit,
+    seed_everything,
+)
 
 log = logging.getLogger("retrieval")
 
@@ -460,11 +469,16 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
             shards, plan, config.train.batch_size, shuffle_buffer=stream.shuffle_buffer, seed=stream.seed,
             train_rows=counts.train_rows, max_batches=stream.max_train_batches,
         )
+        clock = time.perf_counter()
+        validation = None
+        if config.train.validation_fraction > 0:
+            validation = _streamed_validation(shards, plan, config)
+            seconds["validation_split"] = time.perf_counter() - clock
         log.info("training: %d clicks streamed, %d epochs", counts.train_rows, config.train.epochs)
         clock = time.perf_counter()
         timing: dict[str, list[float]] = {}
         history = fit(model, source, config.train, log_dir=scratch, checkpoint_dir=checkpoint_dir, say=log.info,
-                      timing=timing)
+                      timing=timing, validation=validation)
         seconds["training"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
@@ -494,6 +508,24 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         }
         write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, stats)
     return RunResult(final, metrics, time.perf_counter() - started)
+
+
+def _streamed_validation(shards: ClickShards, plan, config: Config) -> ValidationData:
+    """Early stopping's data from the shards: the validation part carved from the training side
+    (``plan_validation``: temporal with timestamps, else a seeded hash), the fit part streamed,
+    and the validation clicks of up to ``data.stream.max_test_users`` sampled users in memory."""
+    stream, train = config.data.stream, config.train
+    carved = plan_validation(shards, plan, train.validation_fraction, config.split.seed)
+    counts = scan_counts(shards, carved)
+    users = sample_test_users(counts, stream.max_test_users, stream.seed)
+    fit_clicks, validation = collect_users(shards, carved, users)
+    log.info("early stopping: %d fit-part clicks streamed, validation on %d clicks of %d sampled users",
+             counts.train_rows, len(validation), len(users))
+    source = StreamedClicks(
+        shards, carved, train.batch_size, shuffle_buffer=stream.shuffle_buffer, seed=stream.seed,
+        train_rows=counts.train_rows, max_batches=stream.max_train_batches,
+    )
+    return ValidationData(source, validation, fit_clicks)
 
 
 def _streamed_eval_set(user_train, user_test, stats: FeatureStatistics, catalogue_ids, config) -> EvalSet:

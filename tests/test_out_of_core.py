@@ -19,12 +19,13 @@ from retrieval.data.streaming import (
     ClickShards,
     collect_users,
     plan_split,
+    plan_validation,
     random_test_mask,
     scan_counts,
     train_batches,
 )
 from retrieval.features import FeatureStatistics
-from retrieval.training import StreamedClicks
+from retrieval.training import StreamedClicks, validation_split
 
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ColumnsConfig(user="user_id", item="item_id", timestamp="timestamp", weight="weight")
@@ -205,13 +206,52 @@ def test_a_bad_value_names_file_and_row(tmp_path):
         list(shards.scan())
 
 
+def _rows(frame: pd.DataFrame) -> Counter:
+    return Counter(zip(frame["user_id"].astype(str), frame["item_id"].astype(str), frame["timestamp"]))
+
+
+def test_streamed_validation_part_is_the_in_memory_one(logs):
+    """Early stopping's validation part carved from the shards holds the rows ``validation_split``
+    holds out in memory (the latest 10 % of training clicks), and the fit part streams the rest."""
+    shards, clicks = logs
+    plan = plan_split(shards, TEMPORAL)
+    train, _ = split_clicks(clicks, TEMPORAL)
+    fit_part, validation = validation_split(train, 0.1, TEMPORAL)
+    carved = plan_validation(shards, plan, 0.1, seed=0)
+    counts = scan_counts(shards, carved)
+    assert (counts.train_rows, counts.test_rows) == (len(fit_part), len(validation))
+    users = np.sort(counts.test_user_ids)
+    streamed_fit, streamed_validation = collect_users(shards, carved, users)
+    assert _rows(streamed_validation) == _rows(validation)
+    assert _rows(streamed_fit) == _rows(fit_part[fit_part["user_id"].isin(users)])
+    source = StreamedClicks(shards, carved, 64, shuffle_buffer=500, seed=1, train_rows=counts.train_rows)
+    streamed = Counter()
+    for batch in source.epoch(0):
+        streamed.update(zip(batch["user_id"].numpy().astype(str), batch["item_id"].numpy().astype(str)))
+    assert streamed == Counter(zip(fit_part["user_id"].astype(str), fit_part["item_id"].astype(str)))
+
+
+def test_streamed_validation_without_timestamps_is_a_seeded_hash(tmp_path):
+    clicks = _log(seed=4).drop(columns=["timestamp"])
+    folder = tmp_path / "shards"
+    _write(clicks, folder, "parquet")
+    columns = ColumnsConfig(user="user_id", item="item_id", timestamp=None, weight="weight")
+    shards = ClickShards.open(TableConfig(path=str(folder)), columns)
+    plan = plan_split(shards, SplitConfig(kind="random", test_fraction=0.2, seed=3))
+    carved = plan_validation(shards, plan, 0.25, seed=3)
+    counts = scan_counts(shards, carved)
+    train_rows = scan_counts(shards, plan).train_rows
+    assert counts.train_rows + counts.test_rows == train_rows
+    assert counts.test_rows == pytest.approx(0.25 * train_rows, rel=0.15)
+    assert scan_counts(shards, plan_validation(shards, plan, 0.25, seed=3)).test_rows == counts.test_rows
+
+
 def test_unsupported_settings_are_refused_by_the_config():
     base = ["data.source=files", "data.clicks.path=x/*.parquet", "data.out_of_core=true",
             "evaluation.baselines.rankers=[popularity]"]
     load_config(None, base)  # supported
     for override, reason in [
         ("split.kind=leave_last_k", "split.kind: leave_last_k"),
-        ("train.validation_fraction=0.1", "early stopping"),
         ("evaluation.baselines.rankers=[popularity, als]", "als baseline"),
         ("data.duplicates=first", "duplicates"),
         ("towers.query.features=[{name: user_id, kind: id}, {name: age, kind: numeric}]", "feature towers"),
@@ -270,7 +310,7 @@ def test_job_out_of_core_matches_the_in_memory_job(tmp_path, monkeypatch):
         "train.batch_size=256",
         "train.optimizer=lazy_adam",
         "train.verbose=0",
-        "train.validation_fraction=0",
+        "train.validation_fraction=0.1",  # early stopping + refit, checkpointed (the default), on both
         "model.loss.log_q_source=static",
         "evaluation.baselines.rankers=[popularity]",
         "evaluation.plots=false",

@@ -24,12 +24,20 @@ import pytest
 import tensorflow as tf
 
 import retrieval  # noqa: F401
-from retrieval.config import ModelConfig, TrainConfig, load_config
+from retrieval.config import ColumnsConfig, ModelConfig, TableConfig, TrainConfig, load_config
 from retrieval.data import load_dataset
+from retrieval.data.streaming import ClickShards, SplitPlan
 from retrieval.features import FeatureStatistics
 from retrieval.jobs import UnfinishedRunError, train_evaluate_export, training_checkpoints
 from retrieval.model import build_model
-from retrieval.training import TrainingCheckpoint, click_dataset, fit, seed_everything, steps_per_epoch
+from retrieval.training import (
+    StreamedClicks,
+    TrainingCheckpoint,
+    click_dataset,
+    fit,
+    seed_everything,
+    steps_per_epoch,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "resumed"
@@ -257,12 +265,28 @@ def test_epoch_order_is_a_pure_function_of_seed_and_epoch():
     assert not np.array_equal(whole[0], whole[8])  # reshuffled between epochs
 
 
-def test_fit_resumed_in_process_equals_uninterrupted_fit(tmp_path, monkeypatch):
-    """fit() killed (by an exception) mid-epoch and called again on a fresh model resumes exactly."""
+def _streamed(clicks: pd.DataFrame, folder: Path, batch_size: int) -> StreamedClicks:
+    """``clicks`` as two Parquet shards, every click a training click, streamed."""
+    folder.mkdir()
+    frame = clicks.assign(timestamp=np.arange(len(clicks)))
+    frame.iloc[::2].to_parquet(folder / "part-0.parquet", index=False)
+    frame.iloc[1::2].to_parquet(folder / "part-1.parquet", index=False)
+    shards = ClickShards.open(TableConfig(path=str(folder)), ColumnsConfig(weight=None))
+    plan = SplitPlan("temporal", len(frame), cut=len(frame))  # nothing after the cut: no test click
+    return StreamedClicks(shards, plan, batch_size, shuffle_buffer=100, seed=5, train_rows=len(frame))
+
+
+@pytest.mark.parametrize("source", ["frame", "stream"])
+def test_fit_resumed_in_process_equals_uninterrupted_fit(tmp_path, monkeypatch, source):
+    """fit() killed (by an exception) mid-epoch and called again on a fresh model resumes exactly,
+    whichever click source it trains on."""
     clicks = _clicks(1)
     stats = FeatureStatistics.from_training_clicks(clicks)
     model_config = ModelConfig(embedding_dim=8, loss=dict(negatives="uniform", num_negatives=4))
-    config = TrainConfig(epochs=3, batch_size=32, verbose=0, checkpoint_every_steps=3)
+    config = TrainConfig(epochs=3, batch_size=32, verbose=0, checkpoint_every_steps=3, validation_fraction=0)
+    if source == "stream":
+        clicks = _streamed(clicks, tmp_path / "shards", config.batch_size)
+        assert clicks.steps_per_epoch == 16
 
     def fresh():
         seed_everything(0)
@@ -278,13 +302,14 @@ def test_fit_resumed_in_process_equals_uninterrupted_fit(tmp_path, monkeypatch):
             raise Killed
         return due(self, state)
 
+    checkpoints = tmp_path / "checkpoints"
     with monkeypatch.context() as patch, pytest.raises(Killed):
         patch.setattr(TrainingCheckpoint, "due", killed_after_step_23)
-        fit(fresh(), clicks, config, checkpoint_dir=tmp_path)
-    assert sorted(p.name for p in tmp_path.glob("ckpt-*.index")) == ["ckpt-18.index", "ckpt-21.index"]
+        fit(fresh(), clicks, config, checkpoint_dir=checkpoints)
+    assert sorted(p.name for p in checkpoints.glob("ckpt-*.index")) == ["ckpt-18.index", "ckpt-21.index"]
 
     resumed = fresh()
-    history = fit(resumed, clicks, config, checkpoint_dir=tmp_path)
+    history = fit(resumed, clicks, config, checkpoint_dir=checkpoints)
     assert history == expected
     for got, want in zip(resumed.get_weights(), reference.get_weights()):
         np.testing.assert_array_equal(got, want)

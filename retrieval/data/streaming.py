@@ -395,6 +395,10 @@ class SplitPlan:
     seed: int = 0
     time_range: tuple[int, int] | None = None
 
+    def drops(self, batch: ClickBatch) -> np.ndarray:
+        """[len(batch)] bool: clicks on neither side (none: every click is train or test)."""
+        return np.zeros(len(batch), bool)
+
     def is_test(self, batch: ClickBatch) -> np.ndarray:
         """[len(batch)] bool: the batch's test clicks."""
         if self.kind == "temporal":
@@ -466,6 +470,60 @@ def plan_split(shards: ClickShards, split: SplitConfig) -> SplitPlan:
     return SplitPlan("temporal", rows, cut=cut, time_range=time_range)
 
 
+@dataclass(frozen=True)
+class CarvedPlan:
+    """The training side of ``outer`` split again by ``inner`` (the early-stopping validation part).
+
+    Its test clicks are ``inner``'s test clicks among ``outer``'s training
+    clicks; ``outer``'s test clicks are on neither side (``drops``). Every
+    function taking a ``SplitPlan`` takes it.
+    """
+
+    outer: SplitPlan
+    inner: SplitPlan
+
+    @property
+    def kind(self) -> str:
+        return self.inner.kind
+
+    def drops(self, batch: ClickBatch) -> np.ndarray:
+        return self.outer.is_test(batch) | self.outer.drops(batch)
+
+    def is_test(self, batch: ClickBatch) -> np.ndarray:
+        return ~self.drops(batch) & self.inner.is_test(batch)
+
+
+def plan_validation(shards: ClickShards, plan: SplitPlan, fraction: float, seed: int) -> CarvedPlan:
+    """The validation part carved from ``plan``'s training side as ``training.validation_split``
+    carves it in memory: with timestamps the latest ``fraction`` of the training clicks (the
+    exact cut of ``splits.timestamp_cut``, one more pass), else a random ``fraction`` by the
+    hash of ``random_test_mask`` keyed by ``seed + 1`` (independent of a test split keyed by ``seed``).
+
+    Raises:
+      DataError: the cut leaves the validation part empty.
+    """
+    if shards.columns.timestamp is None:
+        # Another hash key than the test split's: with the same one the validation part would be the
+        # clicks whose hash falls between the two fractions, not a random share of the training side.
+        inner = SplitPlan("random", plan.rows, test_fraction=fraction, seed=seed + 1, time_range=plan.time_range)
+        return CarvedPlan(plan, inner)
+    stamps = [batch.timestamps[~plan.is_test(batch)] for batch in shards.scan()]
+    everything = np.concatenate(stamps)
+    del stamps
+    cut = timestamp_cut(everything, fraction)
+    if not (everything > cut).any():
+        raise DataError(
+            f"the early-stopping validation part is empty: no training click is later than the cut at {cut} "
+            f"(quantile {1 - fraction:g} of {len(everything)} training clicks); lower train.validation_fraction "
+            "or set it to 0"
+        )
+    return CarvedPlan(plan, SplitPlan("temporal", len(everything), cut=cut, time_range=plan.time_range))
+
+
+# A split of the log, or of its training side again (early stopping).
+Plan = SplitPlan | CarvedPlan
+
+
 # --- Pass 2: counts. ---
 
 
@@ -534,7 +592,7 @@ class StreamCounts:
         return train + [i for i in self.test_item_ids.tolist() if i not in known]
 
 
-def scan_counts(shards: ClickShards, plan: SplitPlan) -> StreamCounts:
+def scan_counts(shards: ClickShards, plan: Plan) -> StreamCounts:
     """Pass 2: per-id training counts and the test side's users and items.
 
     Raises:
@@ -544,6 +602,7 @@ def scan_counts(shards: ClickShards, plan: SplitPlan) -> StreamCounts:
     train_rows = test_rows = 0
     has_weights = False
     for batch in shards.scan():
+        batch = batch.take(~plan.drops(batch))
         is_test = plan.is_test(batch)
         train, test = batch.take(~is_test), batch.take(is_test)
         users.add(train.users, train_rows)
@@ -579,7 +638,7 @@ def sample_test_users(counts: StreamCounts, max_users: int | None, seed: int) ->
 
 
 def collect_users(
-    shards: ClickShards, plan: SplitPlan, user_ids: Sequence[str] | np.ndarray
+    shards: ClickShards, plan: Plan, user_ids: Sequence[str] | np.ndarray
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Pass 3: ``(train, test)`` canonical click frames of ``user_ids`` only, in log order."""
     wanted = pa.array(list(user_ids), pa.string())
@@ -588,7 +647,7 @@ def collect_users(
         mine = pc.is_in(batch.users, value_set=wanted).to_numpy(zero_copy_only=False)
         if not mine.any():
             continue
-        batch = batch.take(mine)
+        batch = batch.take(mine & ~plan.drops(batch))
         is_test = plan.is_test(batch)
         for side in (False, True):
             part = batch.take(is_test == side)
@@ -606,7 +665,7 @@ def collect_users(
 
 def train_batches(
     shards: ClickShards,
-    plan: SplitPlan,
+    plan: Plan,
     batch_size: int,
     *,
     shuffle_buffer: int,
@@ -650,7 +709,7 @@ def train_batches(
         count = len(rest)
 
     for batch in _interleaved(shards, files, interleave):
-        train = batch.take(~plan.is_test(batch))
+        train = batch.take(~plan.is_test(batch) & ~plan.drops(batch))
         if not len(train):
             continue
         held.append((_strings(train.users), _strings(train.items), train.weights))

@@ -7,7 +7,7 @@ at a time), ``checkpoints``, ``loop`` (the step loop every run uses),
 """
 
 from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState
-from retrieval.training.early_stopping import ValidationRecall, validation_split
+from retrieval.training.early_stopping import ValidationData, ValidationRecall, validation_split
 from retrieval.training.embeddings import embed, embed_frame
 from retrieval.training.fit import fit, select_epochs
 from retrieval.training.loop import RunLogs, train_epochs
@@ -24,6 +24,7 @@ __all__ = [
     "StreamedClicks",
     "TrainingCheckpoint",
     "TrainingState",
+    "ValidationData",
     "ValidationRecall",
     "click_dataset",
     "distribution_strategy",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pandas as pd
 import tensorflow as tf
@@ -10,6 +12,7 @@ from retrieval.config import SplitConfig
 from retrieval.data import ITEM, TIME, USER, split_clicks
 from retrieval.features import feature_arrays
 from retrieval.model import TwoTowerModel
+from retrieval.training.sources import ClickSource, FrameClicks
 
 
 def validation_split(
@@ -32,6 +35,31 @@ def validation_split(
         seed=split.seed if split is not None else 0,
     )
     return split_clicks(train, carve)
+
+
+@dataclass(frozen=True)
+class ValidationData:
+    """What early stopping trains on and watches, from either click source.
+
+    Attributes:
+      fit_source: the training clicks less the validation part.
+      validation: the validation clicks (all, or a sample of users' when streamed),
+        each row holding the query tower's inputs.
+      fit_clicks: the fit-part clicks of (at least) the validation users: masked
+        from their rankings.
+    """
+
+    fit_source: ClickSource
+    validation: pd.DataFrame
+    fit_clicks: pd.DataFrame
+
+    @classmethod
+    def from_frame(
+        cls, train: pd.DataFrame, fraction: float, batch_size: int, seed: int, split: SplitConfig | None = None
+    ) -> ValidationData:
+        """``validation_split`` of an in-memory training frame."""
+        fit_part, validation = validation_split(train, fraction, split)
+        return cls(FrameClicks(fit_part, batch_size, seed=seed), validation, fit_part)
 
 
 class ValidationRecall:

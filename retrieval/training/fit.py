@@ -13,7 +13,7 @@ from retrieval.config import SplitConfig, TrainConfig
 from retrieval.model import TwoTowerModel
 from retrieval.towers import IdDropout
 from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState
-from retrieval.training.early_stopping import ValidationRecall, validation_split
+from retrieval.training.early_stopping import ValidationData, ValidationRecall
 from retrieval.training.loop import RunLogs, train_epochs
 from retrieval.training.optimizers import make_optimizer
 from retrieval.training.runtime import seed_everything
@@ -33,6 +33,7 @@ def fit(
     on_epoch_end: Callable[[int, dict], None] | None = None,
     say: Callable[[str], None] = print,
     timing: dict[str, list[float]] | None = None,
+    validation: ValidationData | None = None,
 ) -> dict[str, list[float]]:
     """Train ``model`` on the training clicks; return the per-epoch history.
 
@@ -54,7 +55,7 @@ def fit(
       model: a built two-tower model; call under the strategy scope it was built in.
       train: training click frame (canonical columns), training examples
         holding every tower input (``retrieval.features.training_examples``),
-        or a ``ClickSource`` (``StreamedClicks``: no early stopping yet).
+        or a ``ClickSource`` (``StreamedClicks``; early stopping then needs ``validation``).
       config: optimiser, epochs, batch size, seed, checkpoint interval.
       log_dir: if given, each epoch's values go to ``train_log.csv`` there and to
         TensorBoard event files under ``tensorboard/train``.
@@ -68,6 +69,8 @@ def fit(
       timing: if given, filled with the final run's ``epoch_seconds`` and
         ``clicks_per_second`` per epoch (kept out of the history, which is a
         pure function of the seed).
+      validation: the early-stopping data; None = carved from ``train`` (a frame) by
+        ``validation_split``.
     """
     seed_everything(config.seed)
     source = FrameClicks(train, config.batch_size, seed=config.seed) if isinstance(train, pd.DataFrame) else train
@@ -94,16 +97,20 @@ def fit(
                 "the resumed run is statistically, not bit for bit, the uninterrupted one"
             )
     elif config.validation_fraction > 0:
-        if not isinstance(train, pd.DataFrame):
-            raise ValueError(
-                f"train.validation_fraction={config.validation_fraction} (early stopping) is not yet supported "
-                "when training on streamed click shards; set it to 0"
+        if validation is None:
+            if not isinstance(train, pd.DataFrame):
+                raise ValueError(
+                    f"train.validation_fraction={config.validation_fraction} (early stopping) on a ClickSource "
+                    "needs its ValidationData (the job carves it from the shards with plan_validation)"
+                )
+            validation = ValidationData.from_frame(
+                train, config.validation_fraction, config.batch_size, config.seed, split
             )
         if checkpoint is not None:
             log.info("early-stopping selection (not checkpointed: a killed selection starts over) ...")
         hooks = [] if on_epoch_end is None else [on_epoch_end]
         # Without a refit the selection run is the training run: it gets the logs.
-        epochs, selection = select_epochs(model, train, config, split, hooks, None if config.refit else logs, say)
+        epochs, selection = select_epochs(model, validation, config, hooks, None if config.refit else logs, say)
         if not config.refit:
             return selection
         state = TrainingState(selection=selection)
@@ -123,9 +130,8 @@ def fit(
 
 def select_epochs(
     model: TwoTowerModel,
-    train: pd.DataFrame,
+    validation: ValidationData,
     config: TrainConfig,
-    split: SplitConfig | None = None,
     hooks: list | None = None,
     logs: RunLogs | None = None,
     say: Callable[[str], None] = print,
@@ -141,12 +147,11 @@ def select_epochs(
       ``selection_loss`` and ``val_recall@k`` per epoch and ``best_epoch``
       (without a refit, also everything the selection run logged).
     """
-    fit_part, validation = validation_split(train, config.validation_fraction, split)
     initial = model.get_weights()
-    watch = ValidationRecall(model, validation, fit_part, config.validation_k, config.early_stopping_patience)
+    watch = ValidationRecall(model, validation.validation, validation.fit_clicks, config.validation_k,
+                             config.early_stopping_patience)
     model.compile(optimizer=make_optimizer(config))
-    source = FrameClicks(fit_part, config.batch_size, seed=config.seed)
-    state = train_epochs(model, source, config.epochs, logs=logs, hooks=[watch, *(hooks or [])],
+    state = train_epochs(model, validation.fit_source, config.epochs, logs=logs, hooks=[watch, *(hooks or [])],
                          verbose=config.verbose, say=say)
     model.set_weights(initial if config.refit else watch.best_weights)
     seed_everything(config.seed)

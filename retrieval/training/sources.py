@@ -19,7 +19,7 @@ import pandas as pd
 import tensorflow as tf
 
 from retrieval.data import ITEM, USER, WEIGHT
-from retrieval.data.streaming import ClickShards, SplitPlan, train_batches
+from retrieval.data.streaming import ClickShards, Plan, train_batches
 from retrieval.features import feature_arrays
 
 
@@ -131,7 +131,7 @@ class StreamedClicks:
     def __init__(
         self,
         shards: ClickShards,
-        plan: SplitPlan,
+        plan: Plan,
         batch_size: int,
         *,
         shuffle_buffer: int,
