@@ -507,7 +507,11 @@ def plan_validation(shards: ClickShards, plan: SplitPlan, fraction: float, seed:
         # clicks whose hash falls between the two fractions, not a random share of the training side.
         inner = SplitPlan("random", plan.rows, test_fraction=fraction, seed=seed + 1, time_range=plan.time_range)
         return CarvedPlan(plan, inner)
-    stamps = [batch.timestamps[~plan.is_test(batch)] for batch in shards.scan()]
+    stamps = []
+    for batch in shards.scan():
+        if batch.timestamps is None:
+            raise DataError("a temporal validation part needs every batch's timestamps", file=shards.files[0])
+        stamps.append(batch.timestamps[~plan.is_test(batch)])
     everything = np.concatenate(stamps)
     del stamps
     cut = timestamp_cut(everything, fraction)
