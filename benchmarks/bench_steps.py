@@ -11,9 +11,13 @@ towers, dim 64, normalised, in-batch softmax with log-Q correction) with a
 - ``tables``: n users x n items for n in ``--sizes``, for each optimizer in
   ``--optimizers`` (``adam``, the default, updates every row of both tables at
   every step; ``lazy_adam`` only the rows a batch touches). No checkpoints.
-- ``checkpoints``: n = ``--checkpoint-size``, the default optimizer, with
-  ``train.checkpoint_every_steps`` in ``--every`` (0 = none) into a fresh
-  temporary directory per run (a run finding an old checkpoint would resume).
+- ``checkpoints``: n = ``--checkpoint-size``, the default optimizer, with each
+  checkpoint policy of ``--every`` (``0`` = none, ``200`` = every 200 steps,
+  ``30s`` = ``train.checkpoint_every_seconds: 30``) into a fresh temporary
+  directory per run (a run finding an old checkpoint would resume). Each save
+  (``TrainingCheckpoint.save``) is timed too: the overhead of the default
+  policy (every ``checkpoint_every_seconds``) on a long run is the save time
+  over that interval.
 
 The vocabularies (``FeatureStatistics``) come from a frame holding every id once,
 so the tables have exactly n rows whatever the number of steps; the training
@@ -55,7 +59,7 @@ from retrieval.config import ModelConfig, TrainConfig
 from retrieval.data import ITEM, USER
 from retrieval.features import FeatureStatistics
 from retrieval.model import build_model
-from retrieval.training import fit, loop, seed_everything
+from retrieval.training import TrainingCheckpoint, fit, loop, seed_everything
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 1024
@@ -114,8 +118,20 @@ def timed_run(
     build = time.perf_counter() - began
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
-    with StepTimer() as timer:
-        history = fit(model, train, config, checkpoint_dir=checkpoint_dir)
+    saves: list[float] = []
+    save = TrainingCheckpoint.save
+
+    def timed_save(self, state):
+        began = time.perf_counter()
+        save(self, state)
+        saves.append(time.perf_counter() - began)
+
+    TrainingCheckpoint.save = timed_save  # type: ignore[method-assign]
+    try:
+        with StepTimer() as timer:
+            history = fit(model, train, config, checkpoint_dir=checkpoint_dir)
+    finally:
+        TrainingCheckpoint.save = save  # type: ignore[method-assign]
     train_end = time.perf_counter()
     wall = train_end - start
     ends = np.asarray(timer.batch_ends)
@@ -132,6 +148,7 @@ def timed_run(
         "build_model_s": float(build),
         "to_first_step_end_s": float(ends[0] - start),  # dataset, compile, tracing, optimizer slots
         "loss": float(history["loss"][-1]),
+        "save_seconds": saves,  # every call, the final one (often of an already saved step: ~0 s) included
         "load_1min": [load_before, os.getloadavg()[0]],
     }
     del model
@@ -184,9 +201,12 @@ def run_checkpoints(args, log) -> dict[str, Any]:
     runs: dict[str, list[dict]] = {str(every): [] for every in args.every}
     for round_ in range(args.checkpoint_rounds):
         for every in rotated(list(args.every), round_):
-            config = TrainConfig(epochs=1, batch_size=BATCH, verbose=0, checkpoint_every_steps=every)
+            seconds = float(every[:-1]) if every.endswith("s") else 0.0
+            steps = 0 if every.endswith("s") else int(every)
+            config = TrainConfig(epochs=1, batch_size=BATCH, verbose=0, checkpoint_every_seconds=seconds,
+                                 checkpoint_every_steps=steps)
             with tempfile.TemporaryDirectory(prefix="bench_steps_") as directory:
-                where = Path(directory) / "checkpoints" if every else None
+                where = Path(directory) / "checkpoints" if config.checkpoints else None
                 result = timed_run(stats, train, config, args.warmup, where)
                 # Files left at the end (tf.train.CheckpointManager keeps 2), not the number of saves.
                 result["checkpoints_kept"] = len(list(Path(directory).glob("checkpoints/state-*.json")))
@@ -208,8 +228,14 @@ def run_checkpoints(args, log) -> dict[str, Any]:
             "overhead_span": statistics.median(spans) / base_span - 1,
             "overhead_fit_wall": statistics.median(walls) / base_wall - 1,
             "runs_span_s": spans,
+            "saves_per_run": statistics.median(sum(1 for t in r["save_seconds"] if t > 1e-3)
+                                               for r in runs[str(every)]),
+            "seconds_per_save": statistics.median(
+                [t for r in runs[str(every)] for t in r["save_seconds"] if t > 1e-3] or [0.0]
+            ),
         })
-    return {"n": n, "steps_per_run": args.checkpoint_steps, "summary": summary, "runs": runs}
+    return {"n": n, "optimizer": TrainConfig().optimizer, "steps_per_run": args.checkpoint_steps,
+            "summary": summary, "runs": runs}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -249,18 +275,28 @@ def markdown(result: dict[str, Any]) -> str:
         ckpt = result["checkpoints"]
         lines += [
             "",
-            f"## Checkpoint overhead (n = {ckpt['n']:,}, adam, {ckpt['steps_per_run']} steps per run)",
+            f"## Checkpoint overhead (n = {ckpt['n']:,}, {ckpt['optimizer']}, {ckpt['steps_per_run']} steps per run)",
             "",
-            "| checkpoint_every_steps | timed span (s) | overhead | fit wall (s) | overhead (fit wall) "
-            "| ms/step | runs span (s) |",
-            "|---:|---:|---:|---:|---:|---:|---|",
+            "| checkpoints every | timed span (s) | overhead | fit wall (s) | overhead (fit wall) "
+            "| ms/step | saves a run | s per save | runs span (s) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for row in ckpt["summary"]:
             runs = ", ".join(f"{v:.2f}" for v in row["runs_span_s"])
             lines.append(
                 f"| {row['every']} | {row['span_s']:.2f} | {100 * row['overhead_span']:+.1f} % | "
-                f"{row['fit_wall_s']:.2f} | {100 * row['overhead_fit_wall']:+.1f} % | {row['median_ms']:.1f} | {runs} |"
+                f"{row['fit_wall_s']:.2f} | {100 * row['overhead_fit_wall']:+.1f} % | {row['median_ms']:.1f} | "
+                f"{row['saves_per_run']:g} | {row['seconds_per_save']:.2f} | {runs} |"
             )
+        per_save = max(row["seconds_per_save"] for row in ckpt["summary"])
+        default = TrainConfig().checkpoint_every_seconds or float("nan")
+        lines += [
+            "",
+            f"At the default `train.checkpoint_every_seconds: {default:g}` a long run spends at most "
+            f"{per_save:.2f} s / {default:g} s = {100 * per_save / default:.2f} % of its time saving at this "
+            "table size (the slowest save above over the interval); a save costs a pass over the tables "
+            "and optimizer slots, so it grows with n while a lazy step does not.",
+        ]
         lines += [
             "",
             "Timed span: from the end of the warm-up steps to the end of training (saves included); "
@@ -278,7 +314,8 @@ def main() -> None:
                         choices=["adam", "adagrad", "sgd", "lazy_adam"])
     parser.add_argument("--steps", type=int, default=100, help="steps per run of the tables part")
     parser.add_argument("--checkpoint-size", type=int, default=100_000)
-    parser.add_argument("--every", type=int, nargs="+", default=[0, 200, 50])
+    parser.add_argument("--every", nargs="+", default=["0", "200", "50", "5s"],
+                        help="checkpoint policies: 0 = none, N = every N steps, Ns = every N seconds")
     parser.add_argument("--checkpoint-steps", type=int, default=200, help="steps per run of the checkpoints part")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the tables part")
     parser.add_argument("--checkpoint-rounds", type=int, default=3)

@@ -585,13 +585,20 @@ class TrainConfig(_Section):
         "for the best number of epochs (the held-out latest clicks matter on a temporal split); false "
         "keeps the best weights of the run on the reduced part.",
     )
-    checkpoint_every_steps: int | None = Field(
-        200,
+    checkpoint_every_seconds: float | None = Field(
+        300.0,
         ge=0,
         description="Save the training state (weights, optimizer slots, sampler / log-Q estimator state and "
-        "RNG, data position, logs) every this many steps and at the end of training, so a run killed "
-        "mid-epoch resumes where it stopped when started again with the same run.name and config. "
-        "None or 0 = no checkpoints.",
+        "RNG, data position, logs) once this many seconds of training passed since the last save, and at "
+        "the end of training, so a run killed mid-epoch resumes where it stopped when started again with "
+        "the same run.name and config. By time, not steps: a save costs a pass over the ID tables and a "
+        "step does not, so only a time interval bounds the share of training spent saving. "
+        "None or 0 (and no checkpoint_every_steps) = no checkpoints.",
+    )
+    checkpoint_every_steps: int | None = Field(
+        None,
+        ge=0,
+        description="Also save every this many steps (None or 0 = by time only).",
     )
     checkpoint_dir: str | None = Field(
         None,
@@ -610,6 +617,11 @@ class TrainConfig(_Section):
         "environment variable). batch_size is the global batch, split over the replicas, and in-batch "
         "negatives are gathered across replicas, so every query still sees batch_size candidates.",
     )
+
+    @property
+    def checkpoints(self) -> bool:
+        """Whether training is checkpointed (by time, by steps or both)."""
+        return bool(self.checkpoint_every_seconds) or bool(self.checkpoint_every_steps)
 
 
 class IndexConfig(_Section):

@@ -169,7 +169,7 @@ _RESUME_IGNORES = {
     "index": None,
     "evaluation": None,
     "export": None,
-    "train": {"verbose", "resume", "checkpoint_every_steps", "checkpoint_dir"},
+    "train": {"verbose", "resume", "checkpoint_every_seconds", "checkpoint_every_steps", "checkpoint_dir"},
 }
 
 
@@ -221,10 +221,10 @@ def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path 
         over), or another live process is training this run.
     """
     train = config.train
-    if not train.checkpoint_every_steps:
+    if not train.checkpoints:
         return None
     if train.distribute == "multi_worker":
-        log.warning("train.checkpoint_every_steps: not yet supported with train.distribute=multi_worker "
+        log.warning("train.checkpoint_every_seconds/steps: not yet supported with train.distribute=multi_worker "
                     "(no checkpoints)")
         return None
     directory = Path(train.checkpoint_dir or config.run.output_dir) / f".{name}.checkpoints"
@@ -259,10 +259,14 @@ def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path 
             log.info("found checkpoints of an unfinished run %r in %s: resuming it", name, directory)
     _write_json(saved, current)
     _write_json(saved_inputs, inputs)
-    log.info(
-        "checkpoints every %d steps in %s (a killed run resumes when started again with run.name=%s)",
-        train.checkpoint_every_steps, directory, name,
+    every = " or ".join(
+        part for part in (
+            f"{train.checkpoint_every_seconds:g} s" if train.checkpoint_every_seconds else "",
+            f"{train.checkpoint_every_steps} steps" if train.checkpoint_every_steps else "",
+        ) if part
     )
+    log.info("checkpoints every %s in %s (a killed run resumes when started again with run.name=%s)",
+             every, directory, name)
     cleanup.push(lambda failed, *_: _after_training_job(directory, failed is not None))
     return directory
 

@@ -62,6 +62,7 @@ RUNS_DIR = "runs"
 TRIAL_SETTINGS: dict[str, Any] = {
     "evaluation.baselines.rankers": [],
     "evaluation.plots": False,
+    "train.checkpoint_every_seconds": 0,
     "train.checkpoint_every_steps": 0,
     "run.overwrite": True,
 }

@@ -587,6 +587,7 @@ def test_the_job_stops_before_training_when_no_test_user_can_be_evaluated(tmp_pa
     config = load_config(None, [
         "data.source=files", f"data.clicks.path={train}", f"data.test_clicks.path={test}", "split.kind=none",
         f"run.output_dir={tmp_path / 'runs'}", "run.name=r", "train.checkpoint_every_steps=0",
+        "train.checkpoint_every_seconds=0",
     ])
     with pytest.raises(DataError, match=r"no test user can be evaluated.*2 of the 2 test users have no training"):
         jobs.train_evaluate_export(config)

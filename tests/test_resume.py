@@ -115,7 +115,8 @@ def reference(config_file, tmp_path_factory) -> Path:
     """An uninterrupted in-process run (no checkpoints, train.verbose=0): what every resumed run must equal."""
     out = tmp_path_factory.mktemp("reference")
     return train_evaluate_export(
-        load_config(config_file, [f"run.output_dir={out}", f"run.name={NAME}", "train.checkpoint_every_steps=0"])
+        load_config(config_file, [f"run.output_dir={out}", f"run.name={NAME}", "train.checkpoint_every_steps=0",
+                                  "train.checkpoint_every_seconds=0"])
     ).directory
 
 
@@ -293,7 +294,8 @@ def test_fit_resumed_in_process_equals_uninterrupted_fit(tmp_path, monkeypatch, 
         return build_model(model_config, stats)
 
     reference = fresh()
-    expected = fit(reference, clicks, config.model_copy(update={"checkpoint_every_steps": 0}))
+    unsaved = config.model_copy(update={"checkpoint_every_steps": 0, "checkpoint_every_seconds": 0})
+    expected = fit(reference, clicks, unsaved)
 
     due = TrainingCheckpoint.due
 

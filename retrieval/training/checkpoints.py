@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,15 +64,28 @@ class TrainingCheckpoint:
 
     Args:
       directory: the checkpoint directory (created).
-      every_steps: save every this many training steps (the loop asks ``due``).
       model, optimizer: what is trained; the optimizer must be built.
+      every_seconds: a save is due once this many seconds passed since the last
+        save (or since this object was made); None = not by time.
+      every_steps: a save is due every this many steps; None = not by steps.
     """
 
-    def __init__(self, directory: str | Path, every_steps: int, model: TwoTowerModel, optimizer):
-        if every_steps <= 0:
-            raise ValueError(f"every_steps must be positive, got {every_steps}")
+    def __init__(
+        self,
+        directory: str | Path,
+        model: TwoTowerModel,
+        optimizer,
+        *,
+        every_seconds: float | None = None,
+        every_steps: int | None = None,
+    ):
+        if not every_seconds and not every_steps:
+            raise ValueError("a checkpoint needs every_seconds or every_steps")
+        if (every_seconds or 0) < 0 or (every_steps or 0) < 0:
+            raise ValueError(f"intervals must be positive, got {every_seconds} s and {every_steps} steps")
         self.directory = Path(directory)
-        self.every_steps = int(every_steps)
+        self.every_seconds, self.every_steps = every_seconds or None, every_steps or None
+        self._last_save = time.monotonic()
         self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         self._miner = getattr(model, "miner", None)
         self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=self._step)
@@ -86,7 +100,12 @@ class TrainingCheckpoint:
 
     def due(self, state: TrainingState) -> bool:
         """Whether ``state`` (just after a step) is one to save."""
-        return state.steps % self.every_steps == 0 and state.steps != self._saved_step
+        if state.steps == self._saved_step:
+            return False
+        by_steps = self.every_steps is not None and state.steps % self.every_steps == 0
+        return by_steps or (
+            self.every_seconds is not None and time.monotonic() - self._last_save >= self.every_seconds
+        )
 
     def restore(self) -> TrainingState | None:
         """Restore the newest checkpoint's variables and return its state; None without one."""
@@ -118,7 +137,7 @@ class TrainingCheckpoint:
         (self.directory / f".state-{step}.tmp").write_text(json.dumps(saved))
         os.replace(self.directory / f".state-{step}.tmp", self.directory / f"state-{step}.json")
         self._manager.save(checkpoint_number=step)
-        self._saved_step = step
+        self._saved_step, self._last_save = step, time.monotonic()
         kept = {path.rsplit("-", 1)[1] for path in self._manager.checkpoints}
         for side in [*self.directory.glob("state-*.json"), *self.directory.glob("miner-*.faiss")]:
             if side.stem.split("-", 1)[1] not in kept:

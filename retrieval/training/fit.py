@@ -41,8 +41,8 @@ def fit(
     early stopping on a validation part carved from ``train`` the way ``split``
     carves the test part (``validation_split``); see ``select_epochs``.
 
-    With ``checkpoint_dir`` and ``config.checkpoint_every_steps`` the training
-    state is saved there as it goes (``TrainingCheckpoint``), and a call that
+    With ``checkpoint_dir`` and ``config.checkpoint_every_seconds`` (or
+    ``checkpoint_every_steps``) the training state is saved there as it goes (``TrainingCheckpoint``), and a call that
     finds a checkpoint (the same job started again after being killed)
     resumes from it: weights, optimizer slots, sampler state, data position
     and the logs so far, so it ends with the weights an uninterrupted run
@@ -76,12 +76,15 @@ def fit(
     source = FrameClicks(train, config.batch_size, seed=config.seed) if isinstance(train, pd.DataFrame) else train
     optimizer = make_optimizer(config)
     checkpoint, state = None, None
-    if checkpoint_dir is not None and config.checkpoint_every_steps:
+    if checkpoint_dir is not None and config.checkpoints:
         if config.validation_fraction > 0 and not config.refit:
             log.info("train.refit=false: the early-stopping run is the training run and is not checkpointed")
         else:
             optimizer.build(model.trainable_variables)  # slots exist before a restore fills them
-            checkpoint = TrainingCheckpoint(checkpoint_dir, config.checkpoint_every_steps, model, optimizer)
+            checkpoint = TrainingCheckpoint(
+                checkpoint_dir, model, optimizer,
+                every_seconds=config.checkpoint_every_seconds, every_steps=config.checkpoint_every_steps,
+            )
             state = checkpoint.restore()
     logs = RunLogs(log_dir) if log_dir is not None else None
     epochs, selection = config.epochs, dict[str, list[float]]()
