@@ -1,0 +1,99 @@
+"""HTTP JSON service over a bundle: an ASGI app (Starlette) that uvicorn runs.
+
+``retrieval serve --bundle artifacts/<run>`` starts it (``retrieval/cli.py``).
+Endpoints (request and response bodies are JSON):
+
+``POST /recommend``
+    One query::
+
+        {"query": {"user_id": "196"}, "k": 10, "exclude_item_ids": ["242"]}
+        -> {"bundle": "<run>", "item_ids": [...], "scores": [...], "fallback": null}
+
+    or a batch (``exclude_item_ids`` then holds one list per query)::
+
+        {"queries": [{"user_id": "196"}, {"user_id": "nobody"}], "k": 10,
+         "exclude_item_ids": [["242"], []]}
+        -> {"bundle": "<run>", "results": [{"item_ids", "scores", "fallback"}, ...]}
+
+    A query carries the bundle's ``query_features`` (``GET /metadata``).
+    ``fallback`` is ``"popular"`` when the towers know nothing about the
+    query (an ID-only tower and an unseen user id): the most popular items,
+    scores null; ``"features"`` when a feature tower embedded an unseen user id
+    from the query's other features; null otherwise.
+    Excluded ids the catalogue does not hold are ignored.
+``GET /healthz``
+    ``{"status": "ok", "bundle": "<run>", "num_items": n}``.
+``GET /metadata``
+    Bundle version, query features, index factory, tuned search parameters
+    and their measured recall, library versions (no server paths).
+``POST /admin/reload`` (unless the app was made with ``admin=False``)
+    ``{"bundle": "artifacts/<new run>"}``: loads the new bundle completely,
+    then swaps it in with one reference assignment. Requests already running
+    finish on the bundle they started with; none is dropped. If loading
+    fails, the old bundle keeps serving and the reply says why (without
+    quoting the files). With an admin token, the request must carry
+    ``Authorization: Bearer <token>`` (401 otherwise); ``retrieval serve``
+    requires one whenever it binds a non-loopback address with admin on
+    (``check_admin_exposure``).
+
+Bad requests get a 4xx and ``{"error": "<reason>"}``: 400 for a body that is
+not a JSON object (nested too deeply to parse included), 401 for a missing or
+wrong admin token, 408 for a request not received within
+``request_read_timeout``, 413 for a body over ``max_body_bytes``, 422 for a
+well-formed body with wrong fields or values, 431 for too many or too large
+headers, 404/405 for unknown paths and methods.
+
+Hostile clients are bounded by ``ServiceLimits`` (one ``retrieval serve``
+flag per field): header bytes and count, the time from a request's first
+byte to its last body byte, idle keep-alive (also before the first request),
+open connections. uvicorn has settings for some of these; the rest live in
+``BoundedHttpToolsProtocol`` / ``BoundedH11Protocol`` (uvicorn's protocols
+plus a read deadline) that ``server_config`` wires in.
+
+Small requests stay fast while large batches run: a batch of more than
+``bulk_queries`` queries (or a body too large to parse on the event loop) is
+answered in a separate lane of ``bulk_workers`` threads, ``bulk_chunk``
+queries at a time, yielding the interpreter between chunks; single queries
+never queue behind it. Its reply is the same JSON.
+
+The package's modules: ``limits`` (request bounds, ``ServiceLimits``, admin
+exposure), ``inputs`` (request models, body reading and parsing), ``connection``
+(uvicorn protocols with a read deadline, ``server_config``), ``app``
+(``create_app``, the bundle holder and the bulk lane).
+"""
+
+from retrieval.service.app import BundleHolder, create_app
+from retrieval.service.connection import BoundedH11Protocol, BoundedHttpToolsProtocol, server_config
+from retrieval.service.inputs import RecommendRequest, ReloadRequest
+from retrieval.service.limits import (
+    ADMIN_TOKEN_ENV,
+    INLINE_PARSE_BYTES,
+    MAX_BATCH,
+    MAX_BODY_BYTES,
+    MAX_EXCLUDED,
+    MAX_K,
+    MIN_ADMIN_TOKEN_CHARS,
+    ServiceLimits,
+    check_admin_exposure,
+    is_loopback,
+)
+
+__all__ = [
+    "ADMIN_TOKEN_ENV",
+    "INLINE_PARSE_BYTES",
+    "MAX_BATCH",
+    "MAX_BODY_BYTES",
+    "MAX_EXCLUDED",
+    "MAX_K",
+    "MIN_ADMIN_TOKEN_CHARS",
+    "BoundedH11Protocol",
+    "BoundedHttpToolsProtocol",
+    "BundleHolder",
+    "RecommendRequest",
+    "ReloadRequest",
+    "ServiceLimits",
+    "check_admin_exposure",
+    "create_app",
+    "is_loopback",
+    "server_config",
+]

@@ -1,0 +1,238 @@
+"""The ASGI app of the HTTP service: routes, the bundle being served, the bulk lane.
+
+``create_app`` builds the Starlette app (``/recommend``, ``/healthz``,
+``/metadata``, ``/admin/reload``) over a ``BundleHolder``, whose ``reload``
+swaps a new bundle in with one reference assignment; large batches run in
+the bulk lane (``_bulk_executor``) in chunks, apart from small requests; the
+exception handlers turn errors into ``{"error": ...}`` replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import faiss
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from retrieval.service.inputs import (
+    ReloadRequest,
+    _describe,
+    _error,
+    _HeaderCount,
+    _parse_object,
+    _query_count,
+    _read_body,
+    _validated,
+)
+from retrieval.service.limits import INLINE_PARSE_BYTES, ServiceLimits
+
+if TYPE_CHECKING:  # retrieval.serving loads TensorFlow: imported where a bundle is loaded, so that
+    # `retrieval reload` and `retrieval serve --help` (which read ServiceLimits) start fast.
+    from retrieval.serving import Bundle, Recommendations
+
+log = logging.getLogger("retrieval.service")
+
+
+class BundleHolder:
+    """The bundle being served; ``reload`` replaces it with one reference assignment.
+
+    A request reads ``current`` once and uses that object to the end, so a
+    swap never changes the bundle under a running request, and the old bundle
+    is freed when the last request using it finishes.
+    """
+
+    def __init__(self, bundle: Bundle):
+        self.current = bundle
+        self._reload_lock = asyncio.Lock()
+
+    async def reload(self, directory: str | Path) -> tuple[Bundle, Bundle]:
+        """Load ``directory`` off the event loop, then swap; return (old, new)."""
+        from retrieval.serving import Bundle
+
+        async with self._reload_lock:  # one reload at a time; requests are never blocked
+            new = await run_in_threadpool(Bundle.load, directory)
+            old, self.current = self.current, new
+            return old, new
+
+
+def create_app(
+    bundle: str | Path | Bundle,
+    *,
+    admin: bool = True,
+    admin_token: str | None = None,
+    limits: ServiceLimits | None = None,
+    search_threads: int | None = 1,
+) -> Starlette:
+    """The ASGI app serving ``bundle`` (a directory or a loaded Bundle).
+
+    Args:
+      bundle: bundle directory, e.g. ``artifacts/<run>``, or a loaded Bundle.
+      admin: expose ``POST /admin/reload``. It loads any directory the
+        server can read: keep it on loopback, give a token, or turn it off
+        (``check_admin_exposure`` says which host needs what).
+      admin_token: when set, ``/admin/reload`` requires
+        ``Authorization: Bearer <admin_token>``.
+      limits: body, header and bulk-lane bounds (the connection-level ones
+        apply when uvicorn runs the app through ``server_config``).
+      search_threads: OpenMP threads one request's FAISS search may use
+        (None = FAISS's default, every core). 1 suits single-query traffic:
+        concurrent requests already spread over the cores, and a parallel
+        region stalls at its barrier whenever another process holds a core.
+    """
+    from retrieval.serving import Bundle, BundleError
+
+    limits = limits or ServiceLimits()
+    holder = BundleHolder(bundle if isinstance(bundle, Bundle) else Bundle.load(bundle))
+    bulk_lane = _bulk_executor(limits)
+    expected_authorization = None if admin_token is None else f"Bearer {admin_token}".encode()
+
+    def answer(current: Bundle, payload: dict[str, Any] | bytes, chunk: int | None) -> bytes:
+        """The JSON reply to one /recommend body, computed in a worker thread."""
+        parsed = _validated(_parse_object(payload) if isinstance(payload, bytes) else payload)
+        queries, excluded = parsed.batch()
+        if search_threads:
+            # OpenMP thread counts are per calling thread: set it in the worker thread itself.
+            faiss.omp_set_num_threads(search_threads)
+        step = chunk or len(queries)
+        pieces = []
+        try:
+            for position, query in enumerate(queries):
+                current.check_query(query, position)
+            # One query-tower call for the whole batch (mostly outside the interpreter lock), then the
+            # search and the JSON in slices, yielding the interpreter between them.
+            embeddings, known = current.embed_with_known(queries)
+            for start in range(0, len(queries), step):
+                if start:
+                    time.sleep(0)  # let the small requests' threads take the interpreter between chunks
+                window = slice(start, start + step)
+                results = current.recommend_embedded(embeddings[window], known[window], parsed.k, excluded[window])
+                pieces.append(_dumps([_result(r) for r in results])[1:-1])
+        except ValueError as error:
+            raise HTTPException(422, str(error)) from None
+        if parsed.query is not None:
+            return _dumps({"bundle": current.version})[:-1] + b"," + pieces[0][1:-1] + b"}"
+        return _dumps({"bundle": current.version})[:-1] + b',"results":[' + b",".join(pieces) + b"]}"
+
+    async def recommend(request: Request) -> Response:
+        current = holder.current  # read once: a reload mid-request does not affect this request
+        body = await _read_body(request, limits.max_body_bytes)
+        payload = _parse_object(body) if len(body) <= INLINE_PARSE_BYTES else None
+        if payload is not None and _query_count(payload) <= limits.bulk_queries:
+            content = await run_in_threadpool(answer, current, payload, None)
+        else:  # a large batch: its own bounded lane, in chunks, so small requests never wait behind it
+            work = functools.partial(answer, current, body if payload is None else payload, limits.bulk_chunk)
+            content = await asyncio.get_running_loop().run_in_executor(bulk_lane, work)
+        return Response(content, media_type="application/json")
+
+    async def healthz(request: Request) -> JSONResponse:
+        current = holder.current
+        return JSONResponse({"status": "ok", "bundle": current.version, "num_items": len(current.index)})
+
+    async def metadata(request: Request) -> JSONResponse:
+        return JSONResponse(holder.current.metadata())
+
+    async def reload(request: Request) -> JSONResponse:
+        if expected_authorization is not None and not hmac.compare_digest(
+            request.headers.get("authorization", "").encode(), expected_authorization
+        ):
+            return JSONResponse(
+                {"error": "admin token missing or wrong: send 'Authorization: Bearer <token>'"},
+                status_code=401,
+                headers={"www-authenticate": "Bearer"},
+            )
+        body = _parse_object(await _read_body(request, limits.max_body_bytes))
+        try:
+            parsed = ReloadRequest.model_validate(body)
+        except ValidationError as error:
+            return _error(422, _describe(error))
+        started = time.perf_counter()
+        try:
+            old, new = await holder.reload(parsed.bundle)
+        except Exception as error:  # whatever failed, the old bundle keeps serving
+            log.warning("reload of %r failed: %r", parsed.bundle, error)
+            # BundleError messages name the part and never quote its bytes; other errors by type only.
+            reason = str(error) if isinstance(error, BundleError) else type(error).__name__
+            still = holder.current.version
+            return _error(422, f"bundle {parsed.bundle!r} not loaded, still serving {still!r}: {reason}")
+        log.info("reloaded: %s -> %s", old.version, new.version)
+        return JSONResponse(
+            {"bundle": new.version, "previous": old.version, "seconds": round(time.perf_counter() - started, 3)}
+        )
+
+    routes = [
+        Route("/recommend", recommend, methods=["POST"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/metadata", metadata, methods=["GET"]),
+    ]
+    if admin:
+        routes.append(Route("/admin/reload", reload, methods=["POST"]))
+    app = Starlette(
+        routes=routes,
+        # Starlette types every handler as taking a plain Exception, so a handler for a subclass
+        # (HTTPException here) does not match its Callable type although Starlette calls it correctly.
+        exception_handlers={
+            HTTPException: _http_error,  # type: ignore[dict-item]
+            ClientDisconnect: _client_gone,  # type: ignore[dict-item]
+            Exception: _server_error,
+        },
+    )
+    app.add_middleware(_HeaderCount, max_headers=limits.max_headers)
+    app.state.holder = holder
+    app.state.limits = limits
+    return app
+
+
+def _bulk_executor(limits: ServiceLimits) -> ThreadPoolExecutor:
+    """The bulk lane: its own ``bulk_workers`` threads, each ``bulk_nice`` steps below the server.
+
+    A thread of its own (not the shared pool) because the lowered priority must stay with bulk work:
+    the OS then gives a core to a small request's thread first (Linux sets nice per thread).
+    """
+
+    def lower_priority() -> None:
+        if limits.bulk_nice and hasattr(os, "setpriority"):
+            try:
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + limits.bulk_nice)
+            except OSError as error:  # not permitted here: the lane still runs, at the server's priority
+                log.warning("bulk lane keeps the server's priority: %s", error)
+
+    return ThreadPoolExecutor(limits.bulk_workers, thread_name_prefix="bulk", initializer=lower_priority)
+
+
+def _dumps(value: Any) -> bytes:
+    """JSON as Starlette's JSONResponse writes it."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+
+
+def _result(result: Recommendations) -> dict[str, Any]:
+    return {"item_ids": result.item_ids, "scores": result.scores, "fallback": result.fallback}
+
+
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    return JSONResponse({"error": str(error.detail)}, status_code=error.status_code, headers=error.headers)
+
+
+async def _client_gone(request: Request, error: ClientDisconnect) -> Response:
+    return Response(status_code=400)  # never sent: the client is gone
+
+
+async def _server_error(request: Request, error: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return _error(500, f"internal error: {type(error).__name__}")
