@@ -8,6 +8,7 @@ path of the bad key in the message.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -337,7 +338,31 @@ class ModelConfig(_Section):
         64, gt=0, description="Output size of both towers (and default size of feature embeddings)."
     )
     normalize: bool = Field(True, description="L2-normalise tower outputs (cosine similarity).")
-    temperature: float = Field(0.2, ge=MIN_TEMPERATURE, description="Logits are divided by this.")
+    temperature: float | Literal["auto"] = Field(
+        "auto",
+        description="Logits are divided by this. auto = derived from the training log: "
+        "min(0.2, 1 / ln(items / clicks per user)), so that the logit gap a unit cosine gap makes (1 / "
+        "temperature) covers the log-odds of one of a user's items against the catalogue; 0.2 on logs "
+        "with fewer than ~150 items per click of a user (every small benchmark), lower on large sparse "
+        "catalogues. The value used is logged and written to metrics.json and the manifest (derived).",
+    )
+
+    @field_validator("temperature", mode="before")
+    @classmethod
+    def _auto_or_a_temperature(cls, value: Any) -> Any:
+        # One message for both kinds of wrong value, instead of one per member of the union.
+        if value == "auto":
+            return value
+        wrong = f"must be 'auto' or a number of at least {MIN_TEMPERATURE:g} (1 / temperature scales the logits)"
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError(f"{wrong}, got {value!r}")
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"{wrong}, got {value!r}") from None
+        if not math.isfinite(number) or number < MIN_TEMPERATURE:
+            raise ValueError(f"{wrong}, got {value!r}")
+        return number
     log_q_correction: bool = Field(
         True,
         description="Subtract log Q, each candidate's log expected count in the batch's candidates, from "

@@ -46,7 +46,7 @@ from retrieval.evaluation import (
 from retrieval.export import MANIFEST_FILE, RunExistsError, atomic_directory, read_manifest, write_bundle
 from retrieval.features import FeatureStatistics, TowerStatistics, TowerTables, feature_arrays
 from retrieval.index import ItemIndex, build_index
-from retrieval.model import build_model
+from retrieval.model import build_model, resolved
 from retrieval.serving import Bundle
 from retrieval.towers import build_towers
 from retrieval.training import (
@@ -100,6 +100,7 @@ def train_evaluate_export(
         catalogue_ids = dataset.items[ITEM].astype(str).tolist()
         eval_set = build_eval_set(dataset.train, dataset.test, catalogue_ids, config.evaluation)
         stats = FeatureStatistics.from_training_clicks(dataset.train)
+        derived = derived_settings(config, stats)
         tables = TowerTables.from_dataset(dataset, config.towers)
         examples = tables.examples()
         seed_everything(config.train.seed)  # before the towers are built: their init is random
@@ -153,6 +154,7 @@ def train_evaluate_export(
             config.evaluation,
         )
         metrics["data"] = dataset.summary()
+        metrics["derived"] = derived
         metrics["final_train_loss"] = history["loss"][-1]
         write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, stats)
     return RunResult(final, metrics, time.perf_counter() - started)
@@ -200,8 +202,22 @@ def write_run_outputs(
             "config": config.to_dict(),
             "metrics": {k: metrics[k] for k in [*ranker_names(metrics), "counts"]},
             "popular_item_ids": stats.item_popularity.ranked_item_ids(POPULAR_ITEMS_IN_MANIFEST),
+            "derived": metrics.get("derived", {}),
         },
     )
+
+
+def derived_settings(config: Config, stats: FeatureStatistics) -> dict[str, Any]:
+    """The settings the config leaves to the data (``auto``), as this run resolved them; logged."""
+    model = resolved(config.model, stats)
+    derived = {
+        f"model.{key}": getattr(model, key)
+        for key in ("temperature",)
+        if getattr(config.model, key) == "auto"
+    }
+    if derived:
+        log.info("derived from the training log: %s", json.dumps(derived))
+    return derived
 
 
 def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path | None:
@@ -446,6 +462,7 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         counts = scan_counts(shards, plan)
         stats = FeatureStatistics.from_counts(counts.user_ids, counts.item_ids, counts.item_counts, counts.has_weights)
         catalogue_ids = counts.catalogue()
+        derived = derived_settings(config, stats)
         seconds["streaming_stats"] = time.perf_counter() - clock
         summary = {
             "source": f"files:{config.data.clicks.path} ({len(shards.files)} {shards.format} shards, out of core)",
@@ -504,6 +521,7 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         )
         seconds["evaluation"] += time.perf_counter() - clock
         metrics["data"] = {**summary, "evaluation_users_sampled": len(users)}
+        metrics["derived"] = derived
         metrics["final_train_loss"] = history["loss"][-1]
         metrics["out_of_core"] = {
             "seconds": {k: round(v, 2) for k, v in seconds.items()},

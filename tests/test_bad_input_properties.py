@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime as dt
 import string
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -452,7 +453,7 @@ def _leaf_fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, An
 
 
 LEAVES = _leaf_fields(Config)
-FLOAT_KEYS = [key for key, annotation in LEAVES if annotation is float or annotation == float | None]
+FLOAT_KEYS = [key for key, annotation in LEAVES if annotation is float or float in typing.get_args(annotation)]
 SEED_KEYS = [key for key, _ in LEAVES if key.rsplit(".", 1)[-1] == "seed"]
 
 

@@ -96,7 +96,7 @@ def test_unknown_names_are_rejected_with_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown model.loss.negatives 'magic'; valid: in_batch, uniform"):
         build_sampler(bad, counts)
     bad = LossConfig.model_construct(**{**LossConfig().model_dump(), "kind": "nce"})
-    config = ModelConfig.model_construct(**{**ModelConfig().model_dump(), "loss": bad})
+    config = ModelConfig.model_construct(**{**ModelConfig(temperature=0.2).model_dump(), "loss": bad})
     with pytest.raises(ValueError, match=r"unknown model.loss.kind 'nce'; valid: softmax, full_softmax"):
         build_objective(config, counts, 4)
     with pytest.raises(ConfigError, match=r"model.loss.kind"):
