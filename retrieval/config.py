@@ -581,7 +581,7 @@ class TrainConfig(_Section):
         1024, gt=1, description="Global batch; in-batch softmax gives each query this many candidates."
     )
     optimizer: Literal["adam", "adagrad", "sgd", "lazy_adam"] = Field(
-        "adam",
+        "lazy_adam",
         description="adam (and tf-keras sgd, whose momentum slot is always updated densely) touch every "
         "embedding row at every step, slow for large tables; lazy_adam and adagrad update only the rows "
         "a batch touches.",

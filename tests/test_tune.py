@@ -40,6 +40,7 @@ TINY = [
     "train.batch_size=256",
     "train.verbose=0",
     "index.tune_queries=50",
+    "model.temperature=0.2",  # a number, so that the float space below holds the baseline trial's value
 ]
 SPACE = "model.temperature: {type: float, low: 0.05, high: 0.5, log: true}\n" \
         "train.learning_rate: {type: float, low: 0.002, high: 0.05, log: true}\n"
