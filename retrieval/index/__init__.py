@@ -1,0 +1,59 @@
+"""A FAISS inner-product index over every catalogue item, with the row -> id map.
+
+Retrieval is an argmax over logits: softmax is monotone, so
+``argmax_i softmax(z)_i == argmax_i z_i`` and the top-k by dot product is the
+top-k by model probability. Neither softmax nor the log-Q correction (a
+training-time fix for how negatives were sampled) is applied at inference.
+
+The metric is always inner product. When the towers L2-normalise their
+outputs (``model.normalize``) every non-zero embedding is a unit vector and
+inner product *is* cosine similarity; ``ItemIndex.normalized`` records whether
+that held for the indexed vectors.
+
+Approximate indexes (IVF, HNSW, PQ, ...) are tuned after building: over the
+settings FAISS's ``ParameterSpace`` knows for the index (nprobe, efSearch,
+...), recall@k against exact search is measured on a sample of queries, and
+the fastest setting that reaches the target recall is kept
+(``ItemIndex.search_params``) and saved with the index, so a loaded index
+searches exactly as measured.
+
+The package's modules: ``item_index`` (``ItemIndex``, ``build_index``, the
+saved files), ``search`` (``TopK``, exact search, ``recall_at_k``),
+``tuning`` (the ``Tuning`` record and the parameter search). The tunables
+below are read through this package at call time, so setting them here (as
+tests and ``benchmarks/bench_eval.py`` do) takes effect.
+"""
+
+from retrieval.index.item_index import (
+    INDEX_FILE,
+    INDEX_INFO_FILE,
+    ITEM_IDS_FILE,
+    ItemIndex,
+    build_index,
+)
+from retrieval.index.search import TopK, exact_search, flat_vectors, recall_at_k, use_exact_top_k
+from retrieval.index.tuning import MAX_EF_SEARCH, Tuning
+
+ADD_BATCH_SIZE = 100_000  # vectors per index.add call: bounds the progress interval
+# Exact search runs on ``ExactTopK`` (blocked sgemm + threshold selection) from this many
+# queries and items on, FAISS's IndexFlatIP below (see ``use_exact_top_k``).
+EXACT_MIN_QUERIES = 64
+EXACT_MIN_ITEMS = 50_000
+
+__all__ = [
+    "ADD_BATCH_SIZE",
+    "EXACT_MIN_ITEMS",
+    "EXACT_MIN_QUERIES",
+    "INDEX_FILE",
+    "INDEX_INFO_FILE",
+    "ITEM_IDS_FILE",
+    "MAX_EF_SEARCH",
+    "ItemIndex",
+    "TopK",
+    "Tuning",
+    "build_index",
+    "exact_search",
+    "flat_vectors",
+    "recall_at_k",
+    "use_exact_top_k",
+]

@@ -1,0 +1,354 @@
+"""The ItemIndex wrapper: a FAISS index over the catalogue with its row -> id map.
+
+``ItemIndex`` builds a FAISS index from a factory string (training it on a
+sample when it needs training), searches it with exclusions, tunes its search
+parameters, and saves and loads it with its ids and tuning record;
+``build_index`` builds and tunes the index an ``IndexConfig`` describes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+import pandas as pd
+
+import retrieval.index
+from retrieval.arrays import drop_members
+from retrieval.config import IndexConfig
+from retrieval.exact_topk import ExactTopK, checked_search_args
+from retrieval.index.search import TopK, _pad, exact_search, flat_vectors, recall_at_k, use_exact_top_k
+from retrieval.index.tuning import Tuning, _explore
+
+INDEX_FILE = "index.faiss"
+ITEM_IDS_FILE = "item_ids.parquet"
+INDEX_INFO_FILE = "index.json"
+
+log = logging.getLogger("retrieval.index")
+
+
+class ItemIndex:
+    """FAISS index + item ids; row r of the index is ``item_ids[r]``."""
+
+    def __init__(
+        self,
+        index: faiss.Index,
+        item_ids: Sequence[str],
+        factory: str,
+        *,
+        normalized: bool = False,
+        search_params: str = "",
+        tuning: Tuning | None = None,
+    ):
+        if index.ntotal != len(item_ids):
+            raise ValueError(f"index holds {index.ntotal} vectors but {len(item_ids)} item ids were given")
+        self.index = index
+        self.item_ids = np.asarray(item_ids, dtype=object)
+        self.factory = factory
+        self.normalized = normalized
+        self.tuning = tuning
+        self.search_params = ""
+        self.set_search_params(search_params)
+
+    @classmethod
+    def build(
+        cls,
+        item_ids: Sequence[str],
+        embeddings: np.ndarray,
+        factory: str = "Flat",
+        *,
+        train_sample_size: int | None = None,
+        seed: int = 0,
+    ) -> ItemIndex:
+        """Index ``embeddings`` [num_items, dim] for inner-product search.
+
+        Args:
+          item_ids: [num_items] unique string ids, in embedding row order.
+          embeddings: [num_items, dim] float32.
+          factory: a FAISS index factory string ("Flat", "IVF256,Flat", "HNSW32",
+            "OPQ16,IVF1024,PQ16", ...).
+          train_sample_size: indexes that need training (IVF, PQ, OPQ) are
+            trained on at most this many rows drawn at random (None = all rows).
+          seed: seed of that sample.
+        """
+        embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
+        if embeddings.ndim != 2 or embeddings.shape[0] == 0:
+            raise ValueError(f"embeddings must be [num_items, dim] with num_items > 0, got {embeddings.shape}")
+        if len(item_ids) != embeddings.shape[0]:
+            raise ValueError(f"{len(item_ids)} item ids for {embeddings.shape[0]} embeddings")
+        if len(set(item_ids)) != len(item_ids):
+            raise ValueError("item ids must be unique")
+        if not np.all(np.isfinite(embeddings)):
+            raise ValueError("embeddings contain NaN or inf")
+        if train_sample_size is not None and train_sample_size <= 0:
+            raise ValueError(f"train_sample_size must be positive, got {train_sample_size}")
+        try:
+            index = faiss.index_factory(embeddings.shape[1], factory, faiss.METRIC_INNER_PRODUCT)
+        except RuntimeError as error:
+            raise ValueError(f"index.factory {factory!r} is not a valid FAISS factory string: {error}") from None
+        if not index.is_trained:
+            sample = embeddings
+            if train_sample_size is not None and len(embeddings) > train_sample_size:
+                rows = np.random.default_rng(seed).choice(len(embeddings), train_sample_size, replace=False)
+                sample = embeddings[np.sort(rows)]
+            started = time.perf_counter()
+            try:
+                index.train(sample)
+            except RuntimeError as error:
+                raise ValueError(
+                    f"index.factory {factory!r} cannot be trained on {len(sample)} vectors: {error}"
+                ) from None
+            log.info("trained %s on %d vectors in %.1f s", factory, len(sample), time.perf_counter() - started)
+        _add_with_progress(index, embeddings)
+        return cls(index, list(item_ids), factory, normalized=_is_normalized(embeddings))
+
+    @property
+    def dim(self) -> int:
+        return self.index.d
+
+    def __len__(self) -> int:
+        return self.index.ntotal
+
+    @property
+    def is_exact(self) -> bool:
+        """True when search is brute force (results equal a full argsort)."""
+        return isinstance(self.index, (faiss.IndexFlatIP, faiss.IndexFlat))
+
+    def set_search_params(self, params: str) -> None:
+        """Apply a FAISS parameter string such as ``"nprobe=16"`` or ``"efSearch=128"``."""
+        if params:
+            try:
+                # faiss's stub lists the (cno: int) and (param_string: str) overloads without @overload.
+                faiss.ParameterSpace().set_index_parameters(self.index, params)  # type: ignore[arg-type]
+            except RuntimeError as error:
+                raise ValueError(f"search params {params!r} do not apply to {self.factory!r}: {error}") from None
+        self.search_params = params
+
+    def search(
+        self,
+        queries: np.ndarray,
+        k: int,
+        exclude: Sequence[np.ndarray] | None = None,
+    ) -> TopK:
+        """Top-k rows by inner product for each query.
+
+        Args:
+          queries: [num_queries, dim] float32.
+          k: results per query.
+          exclude: optional per-query arrays of index rows that must not be
+            returned (e.g. items the user already clicked).
+
+        Returns:
+          TopK with [num_queries, k] scores and rows.
+
+        A Flat index searches with ``ExactTopK`` when ``use_exact_top_k`` says
+        it is faster (it masks ``exclude`` in place instead of over-fetching),
+        with FAISS otherwise; both return the exact top-k.
+        """
+        queries = checked_search_args(queries, self.dim, k, exclude)
+        if isinstance(self.index, faiss.IndexFlat) and self.index.metric_type == faiss.METRIC_INNER_PRODUCT:
+            if use_exact_top_k(len(queries), len(self)) and np.all(np.isfinite(queries)):
+                scores, rows = ExactTopK(flat_vectors(self.index)).search(queries, k, exclude)
+                return TopK(scores=scores, rows=rows)
+        extra = 0 if exclude is None else max((len(rows) for rows in exclude), default=0)
+        depth = min(k + extra, len(self))
+        scores, rows = self.index.search(queries, depth)
+        if exclude is not None and extra:
+            rows, scores = drop_members(rows, scores, exclude)
+        return _pad(scores[:, :k], rows[:, :k], k)
+
+    def tune(
+        self,
+        embeddings: np.ndarray,
+        queries: np.ndarray,
+        *,
+        k: int = 100,
+        target_recall: float = 0.95,
+        query_source: str = "queries",
+        params: str | None = None,
+        exact: TopK | None = None,
+    ) -> Tuning:
+        """Choose search parameters reaching ``target_recall`` recall@k against exact search.
+
+        The queries are shuffled (seeded) and split in two halves. On the
+        first, settings from FAISS's ``ParameterSpace`` are measured (recall =
+        the share of the exact top-k found in the approximate top-k, FAISS's
+        ``IntersectionCriterion``) and the fastest that reaches the target is
+        chosen (see ``_explore``); its recall is then measured on the second
+        half, which took no part in the choice.
+        When no setting reaches the target, the most accurate one is kept and
+        ``reached_target`` is False.
+
+        Args:
+          embeddings: [num_items, dim] the indexed vectors, for the exact reference.
+          queries: [num_queries, dim] query embeddings (>= 2); all-zero rows
+            (out-of-vocabulary queries, which tie with every item) are dropped.
+          k: the k of recall@k (capped at the index size).
+          target_recall: recall to reach, in (0, 1].
+          query_source: where ``queries`` come from, recorded in the result.
+          params: if given, apply these instead of exploring, and only measure.
+          exact: ``exact_search(embeddings, queries, k)`` if already computed
+            (e.g. to tune several indexes on the same queries); else computed here.
+
+        Returns:
+          The Tuning, also kept in ``self.tuning``; ``self.search_params`` is set.
+        """
+        embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
+        queries = np.ascontiguousarray(queries, dtype=np.float32)
+        if embeddings.shape != (len(self), self.dim):
+            raise ValueError(f"embeddings must be [{len(self)}, {self.dim}], got {embeddings.shape}")
+        if queries.ndim != 2 or queries.shape[1] != self.dim:
+            raise ValueError(f"queries must be [num_queries, {self.dim}], got {queries.shape}")
+        if not 0 < target_recall <= 1:
+            raise ValueError(f"target_recall must be in (0, 1], got {target_recall}")
+        known = np.any(queries != 0, axis=1)
+        queries = queries[known]
+        if len(queries) < 2:
+            raise ValueError(f"tuning needs at least 2 non-zero queries, got {len(queries)}")
+        k = min(k, len(self))
+        half = len(queries) // 2
+        if exact is None:
+            exact = exact_search(embeddings, queries, k)
+        else:
+            if exact.rows.shape != (len(known), k):
+                raise ValueError(f"exact must be [{len(known)}, {k}] results for these queries, got {exact.rows.shape}")
+            exact = TopK(scores=exact.scores[known], rows=exact.rows[known])
+        # Shuffle so that both halves follow the same distribution whatever the input order.
+        order = np.random.default_rng(0).permutation(len(queries))
+        queries, exact = queries[order], TopK(scores=exact.scores[order], rows=exact.rows[order])
+        operating_points: list[dict[str, Any]] = []
+        if params is None:
+            params, operating_points = _explore(self.index, queries[:half], exact.scores[:half], exact.rows[:half],
+                                                k, target_recall)
+            method = "faiss.ParameterSpace"
+        else:
+            method = "config"
+        self.set_search_params(params)
+        recall = recall_at_k(self.index.search(queries[half:], k)[1], exact.rows[half:])
+        self.tuning = Tuning(
+            params=params,
+            recall=recall,
+            k=k,
+            target_recall=target_recall,
+            reached_target=recall >= target_recall,
+            query_source=query_source,
+            tuning_queries=half if method != "config" else 0,
+            validation_queries=len(queries) - half,
+            method=method,
+            operating_points=operating_points,
+        )
+        log.info("tuned %s: %s -> recall@%d %.4f (target %.2f)", self.factory, params or "defaults", k, recall,
+                 target_recall)
+        return self.tuning
+
+    def info(self) -> dict[str, Any]:
+        """What ``index.json`` holds: factory, sizes, metric, search params and tuning."""
+        return {
+            "factory": self.factory,
+            "dim": self.dim,
+            "ntotal": len(self),
+            "metric": "inner_product",
+            "normalized": self.normalized,
+            "exact": self.is_exact,
+            "search_params": self.search_params,
+            "tuning": self.tuning.to_dict() if self.tuning else None,
+        }
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        faiss.write_index(self.index, str(directory / INDEX_FILE))
+        pd.DataFrame({"row": np.arange(len(self)), "item_id": self.item_ids.astype(str)}).to_parquet(
+            directory / ITEM_IDS_FILE, index=False
+        )
+        (directory / INDEX_INFO_FILE).write_text(json.dumps(self.info(), indent=2))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> ItemIndex:
+        """Load a saved index and apply its saved search parameters."""
+        directory = Path(directory)
+        info = json.loads((directory / INDEX_INFO_FILE).read_text())
+        item_ids = pd.read_parquet(directory / ITEM_IDS_FILE).sort_values("row")["item_id"].tolist()
+        tuning = Tuning(**info["tuning"]) if info.get("tuning") else None
+        return cls(
+            faiss.read_index(str(directory / INDEX_FILE)),
+            item_ids,
+            info["factory"],
+            normalized=bool(info.get("normalized", False)),
+            search_params=info.get("search_params", ""),
+            tuning=tuning,
+        )
+
+
+def build_index(
+    item_ids: Sequence[str],
+    embeddings: np.ndarray,
+    config: IndexConfig,
+    queries: np.ndarray | None = None,
+    query_source: str = "queries",
+) -> ItemIndex:
+    """Build the index ``config`` describes and, unless it is exact, tune it.
+
+    Args:
+      item_ids: [num_items] unique string ids.
+      embeddings: [num_items, dim] float32 item embeddings.
+      config: factory string, training sample, tuning target.
+      queries: [num_queries, dim] real query embeddings to tune on; when
+        None (or fewer than 2 non-zero rows), a sample of the item embeddings
+        stands in for queries and the tuning record says so.
+      query_source: what ``queries`` are, recorded in the tuning record.
+    """
+    index = ItemIndex.build(
+        item_ids, embeddings, config.factory, train_sample_size=config.train_sample_size, seed=config.seed
+    )
+    if index.is_exact:
+        return index
+    rng = np.random.default_rng(config.seed)
+    source = query_source
+    if queries is not None:
+        queries = np.asarray(queries, dtype=np.float32)
+        queries = queries[np.any(queries != 0, axis=1)]
+    if queries is None or len(queries) < 2:
+        source, queries = "items", np.asarray(embeddings, dtype=np.float32)
+        queries = queries[np.any(queries != 0, axis=1)]
+    if len(queries) > config.tune_queries:
+        queries = queries[rng.choice(len(queries), config.tune_queries, replace=False)]
+    if len(queries) < 2:
+        log.warning("index %s left untuned: fewer than 2 non-zero embeddings to tune on", config.factory)
+        if config.search_params:
+            index.set_search_params(config.search_params)
+        return index
+    index.tune(
+        embeddings,
+        queries,
+        k=config.tune_k,
+        target_recall=config.target_recall,
+        query_source=source,
+        params=config.search_params,
+    )
+    return index
+
+
+def _add_with_progress(index: faiss.Index, embeddings: np.ndarray) -> None:
+    total = len(embeddings)
+    # Read through the package (retrieval/index/__init__.py), where tests set it.
+    batch_size = retrieval.index.ADD_BATCH_SIZE
+    started = time.perf_counter()
+    for start in range(0, total, batch_size):
+        index.add(embeddings[start : start + batch_size])
+        if total > batch_size:
+            done = min(start + batch_size, total)
+            log.info("index add: %d / %d vectors (%.0f%%), %.1f s", done, total, 100 * done / total,
+                     time.perf_counter() - started)
+
+
+def _is_normalized(embeddings: np.ndarray, tolerance: float = 1e-3) -> bool:
+    """True when every non-zero row is a unit vector (inner product == cosine)."""
+    norms = np.linalg.norm(embeddings, axis=1)
+    norms = norms[norms > 0]
+    return bool(len(norms)) and bool(np.all(np.abs(norms - 1) <= tolerance))
