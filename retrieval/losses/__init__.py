@@ -1,0 +1,62 @@
+"""Losses and logit transforms.
+
+Every sampled loss here scores a batch of queries against candidates and
+corrects the logits for how the candidates were sampled:
+``logit / temperature - log Q``. That correction (Bengio & Senecal 2008; Jean
+et al. 2015; Yi et al., RecSys 2019) removes the popularity bias that in-batch
+or sampled negatives would otherwise bake into the model: popular items appear
+as negatives more often, so without it they are pushed down too hard. ``log Q``
+is the log expected count of the candidate in the batch's candidate set, as
+the samplers (``retrieval.samplers``) return it.
+
+Pure functions first (logits first, as ``tf.nn``):
+  ``correct_log_q``, ``remove_accidental_hits``, ``mine_hard_negatives``,
+  ``candidate_scores``, ``softmax_cross_entropy``, ``weighted_mean``,
+  ``HuffmanTree`` and ``hierarchical_log_probability``; ``gather_across_replicas``
+  (in-batch negatives over every ``tf.distribute`` replica).
+Then the loss classes, one method each (``per_example``) on a base that
+validates and reduces:
+  ``SampledSoftmax`` (in-batch, corpus-sampled, mixed, full: the sampler decides),
+  ``NegativeSampling`` (word2vec SGNS; NCE when log Q is subtracted),
+  ``HierarchicalSoftmax`` (Huffman tree over items; Morin & Bengio 2005, Mikolov et al. 2013).
+
+The package's modules: ``functions`` (the pure functions), ``inputs``
+(``LossInputs``, ``BatchCandidates``, ``gather_across_replicas``),
+``sampled`` (``RetrievalLoss``, ``SampledSoftmax``, ``NegativeSampling``),
+``hierarchical`` (``HuffmanTree``, ``hierarchical_log_probability``,
+``HierarchicalSoftmax``).
+"""
+
+from retrieval.losses.functions import (
+    MAX_FLOAT,
+    MIN_FLOAT,
+    candidate_scores,
+    correct_log_q,
+    mine_hard_negatives,
+    remove_accidental_hits,
+    softmax_cross_entropy,
+    weighted_mean,
+)
+from retrieval.losses.hierarchical import HierarchicalSoftmax, HuffmanTree, hierarchical_log_probability
+from retrieval.losses.inputs import BatchCandidates, LossInputs, gather_across_replicas
+from retrieval.losses.sampled import NegativeSampling, RetrievalLoss, SampledSoftmax
+
+__all__ = [
+    "MAX_FLOAT",
+    "MIN_FLOAT",
+    "BatchCandidates",
+    "HierarchicalSoftmax",
+    "HuffmanTree",
+    "LossInputs",
+    "NegativeSampling",
+    "RetrievalLoss",
+    "SampledSoftmax",
+    "candidate_scores",
+    "correct_log_q",
+    "gather_across_replicas",
+    "hierarchical_log_probability",
+    "mine_hard_negatives",
+    "remove_accidental_hits",
+    "softmax_cross_entropy",
+    "weighted_mean",
+]

@@ -1,0 +1,113 @@
+"""Pure functions on logits (logits first, as ``tf.nn``): the building blocks every loss uses.
+
+``correct_log_q`` (the sampled-softmax correction), ``remove_accidental_hits``,
+``mine_hard_negatives``, ``candidate_scores``, ``softmax_cross_entropy`` and
+``weighted_mean`` (the reduction), with the ``MIN_FLOAT`` / ``MAX_FLOAT``
+constants that mask or force a column.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+# As TFRS: large enough to remove a column from a softmax, small enough that
+# adding a logit to it stays finite.
+MIN_FLOAT = float(np.finfo(np.float32).min / 100.0)
+MAX_FLOAT = float(np.finfo(np.float32).max / 100.0)
+
+
+def correct_log_q(logits: tf.Tensor, log_q: tf.Tensor) -> tf.Tensor:
+    """``logits - log_q``: the sampled-softmax correction.
+
+    Args:
+      logits: ``[batch_size, num_candidates]``.
+      log_q: log expected count of each candidate, broadcastable to ``logits``
+        (``[num_candidates]`` shared or ``[batch_size, num_candidates]``).
+    """
+    return logits - tf.cast(log_q, logits.dtype)
+
+
+def remove_accidental_hits(
+    logits: tf.Tensor, labels: tf.Tensor, candidate_ids: tf.Tensor, positive_ids: tf.Tensor | None = None
+) -> tf.Tensor:
+    """Push negatives that are the row's own positive item out of the softmax.
+
+    A candidate column whose id equals the row's positive id, and which is not
+    the label column itself, gets ``MIN_FLOAT`` added (as TFRS and
+    ``tf.nn.sampled_softmax_loss`` do), so it carries no probability and no gradient.
+
+    Args:
+      logits: ``[batch_size, num_candidates]``.
+      labels: ``[batch_size, num_candidates]`` one-hot (all zero for a block of
+        negatives only; then ``positive_ids`` is required).
+      candidate_ids: ``[num_candidates]`` shared or ``[batch_size, num_candidates]``.
+      positive_ids: ``[batch_size]``; None = the id at each row's label column.
+    """
+    labels = tf.cast(labels, logits.dtype)
+    candidate_ids = tf.cast(candidate_ids, tf.int64)
+    if positive_ids is None:
+        label_column = tf.math.argmax(labels, axis=1)
+        if candidate_ids.shape.rank == 1:
+            positive_ids = tf.gather(candidate_ids, label_column)
+        else:
+            positive_ids = tf.gather(candidate_ids, label_column, batch_dims=1)
+    positive_ids = tf.cast(positive_ids, tf.int64)
+    duplicate = tf.cast(tf.equal(candidate_ids, positive_ids[:, tf.newaxis]), logits.dtype) - labels
+    return logits + tf.maximum(duplicate, 0.0) * MIN_FLOAT
+
+
+def mine_hard_negatives(logits: tf.Tensor, labels: tf.Tensor, k: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """Keep each row's positive and its ``k`` highest-scoring negatives (TFRS ``num_hard_negatives``).
+
+    Args:
+      logits: ``[batch_size, num_candidates]`` (already corrected and hit-removed).
+      labels: ``[batch_size, num_candidates]`` one-hot.
+      k: negatives kept per row; all are kept when there are fewer.
+
+    Returns:
+      ``(logits, labels)``, each ``[batch_size, min(k + 1, num_candidates)]``.
+    """
+    if k <= 0:
+        raise ValueError(f"k must be positive, got {k}")
+    labels = tf.cast(labels, logits.dtype)
+    keep = tf.minimum(k + 1, tf.shape(logits)[1])
+    _, columns = tf.math.top_k(logits + labels * MAX_FLOAT, k=keep, sorted=False)
+    return tf.gather(logits, columns, batch_dims=1), tf.gather(labels, columns, batch_dims=1)
+
+
+def candidate_scores(queries: tf.Tensor, candidates: tf.Tensor) -> tf.Tensor:
+    """Dot products ``[batch_size, num_candidates]``.
+
+    Args:
+      queries: ``[batch_size, dim]``.
+      candidates: ``[num_candidates, dim]`` shared or ``[batch_size, num_candidates, dim]`` per query.
+    """
+    if candidates.shape.rank == 2:
+        return tf.linalg.matmul(queries, candidates, transpose_b=True)
+    if candidates.shape.rank == 3:
+        return tf.einsum("bd,bcd->bc", queries, candidates)
+    raise ValueError(f"candidates must be [num, dim] or [batch, num, dim], got shape {candidates.shape}")
+
+
+def softmax_cross_entropy(logits: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+    """Per-example cross-entropy ``[batch_size]`` of one-hot ``labels`` under ``softmax(logits)``."""
+    return tf.nn.softmax_cross_entropy_with_logits(labels=tf.cast(labels, logits.dtype), logits=logits)
+
+
+def weighted_mean(
+    per_example: tf.Tensor, sample_weight: tf.Tensor | None = None, global_batch_size=None
+) -> tf.Tensor:
+    """``sum(w * loss) / batch_size`` (Keras ``SUM_OVER_BATCH_SIZE``), so the
+    learning rate does not depend on the batch size.
+
+    With ``global_batch_size`` (rows over every replica of a ``tf.distribute``
+    strategy) it is this replica's share of the global mean,
+    ``tf.nn.compute_average_loss``: the replicas' shares, and their gradients
+    (which tf-keras optimizers sum), add up to the single-device values.
+    """
+    if sample_weight is not None:
+        per_example = per_example * tf.cast(sample_weight, per_example.dtype)
+    if global_batch_size is None:
+        global_batch_size = tf.shape(per_example)[0]
+    return tf.reduce_sum(per_example) / tf.cast(global_batch_size, per_example.dtype)

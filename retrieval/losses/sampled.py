@@ -1,0 +1,191 @@
+"""The loss base class and the losses over sampled candidates.
+
+``RetrievalLoss`` validates the inputs, builds the corrected, hit-removed
+(and hard-mined) logits with their labels, and reduces ``per_example``;
+``SampledSoftmax`` (in-batch, corpus-sampled, mixed, full: the sampler
+decides) and ``NegativeSampling`` (word2vec SGNS; NCE when log Q is
+subtracted) implement ``per_example`` on those logits.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from retrieval.losses.functions import (
+    candidate_scores,
+    correct_log_q,
+    mine_hard_negatives,
+    remove_accidental_hits,
+    softmax_cross_entropy,
+    weighted_mean,
+)
+from retrieval.losses.inputs import LossInputs
+from retrieval.samplers import MASKED_LOG_Q
+
+
+class RetrievalLoss(tf.keras.layers.Layer):
+    """Base class: validates the inputs, asks ``per_example`` for ``[batch_size]`` losses, reduces.
+
+    Args:
+      temperature: logits are divided by it.
+      log_q_weight: the correction subtracts ``log_q_weight * log Q``: 1 is the
+        unbiased correction, 0 none.
+      remove_accidental_hits: mask negatives that are the row's own positive.
+      num_hard_negatives: keep only the k highest-scoring negatives of each row
+        (after correction), as TFRS ``num_hard_negatives``; None keeps all.
+      reduction: "mean" divides the summed per-example losses by the batch
+        size (the learning rate does not depend on it); "sum" does not, as
+        ``tfrs.tasks.Retrieval`` (Keras ``SUM``): its gradients grow with the batch.
+    """
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        log_q_weight: float = 1.0,
+        remove_accidental_hits: bool = True,
+        num_hard_negatives: int | None = None,
+        reduction: str = "mean",
+        name: str | None = None,
+    ):
+        super().__init__(name=name)
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        if num_hard_negatives is not None and num_hard_negatives <= 0:
+            raise ValueError(f"num_hard_negatives must be positive or None, got {num_hard_negatives}")
+        self.temperature = float(temperature)
+        self.log_q_weight = float(log_q_weight)
+        self.remove_hits = bool(remove_accidental_hits)
+        self.num_hard_negatives = num_hard_negatives
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        self.reduction = reduction
+
+    def compute(self, inputs: LossInputs) -> tf.Tensor:
+        """The batch loss, ``sum(weight * per_example) / batch_size`` (``reduction="sum"``: not divided).
+
+        With ``inputs.global_batch_size`` the denominator is the global batch:
+        this replica's share of the global loss (see ``gather_across_replicas``);
+        summed, each replica's share is its own rows' sum.
+        """
+        _check_inputs(inputs)
+        per_example = self.per_example(inputs)
+        if self.reduction == "sum":
+            return weighted_mean(per_example, inputs.sample_weight, global_batch_size=1)
+        return weighted_mean(per_example, inputs.sample_weight, inputs.global_batch_size)
+
+    def per_example(self, inputs: LossInputs) -> tf.Tensor:
+        """``[batch_size]`` losses; subclasses implement it."""
+        raise NotImplementedError
+
+    def item_scores(self, queries: tf.Tensor, item_embeddings: tf.Tensor) -> tf.Tensor:
+        """Ranking scores of every tower index, ``[num_queries, num_items + 1]``.
+
+        A dot product for every loss but the hierarchical softmax, so the
+        FAISS index serves the trained model as it is.
+        """
+        return tf.linalg.matmul(queries, item_embeddings, transpose_b=True)
+
+    def logits_and_labels(self, inputs: LossInputs) -> tuple[tf.Tensor, tf.Tensor]:
+        """Corrected, hit-removed (and hard-mined) logits with one-hot labels.
+
+        Column layout: with ``includes_batch_positives`` the first ``batch_size``
+        columns are the batch's positives (labels on the diagonal, as TFRS
+        ``Retrieval``), or the global batch's (``inputs.batch_candidates``, row
+        i's label at column ``row_offset + i``); otherwise column 0 is the row's
+        own positive (as ``tf.nn.sampled_softmax_loss``). Then each negatives
+        block in order.
+
+        Returns:
+          ``(logits, labels)``, ``[batch_size, num_columns]`` each.
+        """
+        q, positive_ids = inputs.queries, tf.cast(inputs.positive_ids, tf.int64)
+        weight = self.log_q_weight
+        positive_log_q = inputs.negatives[0].positive_log_q
+        batch_size = tf.shape(q)[0]
+        if inputs.includes_batch_positives and inputs.batch_candidates is not None:
+            batch = inputs.batch_candidates
+            head = candidate_scores(q, batch.embeddings) / self.temperature
+            head = correct_log_q(head, weight * batch.log_q[tf.newaxis, :])
+            head_labels = tf.one_hot(
+                batch.row_offset + tf.range(batch_size), tf.shape(batch.ids)[0], dtype=head.dtype
+            )
+            if self.remove_hits:
+                head = remove_accidental_hits(head, head_labels, batch.ids, positive_ids)
+        elif inputs.includes_batch_positives:
+            head = candidate_scores(q, inputs.positives) / self.temperature
+            head = correct_log_q(head, weight * positive_log_q[tf.newaxis, :])
+            head_labels = tf.eye(batch_size, dtype=head.dtype)
+            if self.remove_hits:
+                head = remove_accidental_hits(head, head_labels, positive_ids)
+        else:
+            head = tf.reduce_sum(q * inputs.positives, axis=1, keepdims=True) / self.temperature
+            head = correct_log_q(head, weight * positive_log_q[:, tf.newaxis])
+            head_labels = tf.ones_like(head)
+        logits, labels = [head], [head_labels]
+        for negatives, embeddings in zip(inputs.negatives, inputs.negative_embeddings):
+            block = candidate_scores(q, embeddings) / self.temperature
+            # Masked columns (log_q = MASKED_LOG_Q, as the samplers write it in float32) stay masked
+            # whatever the weight; no real log expected count comes near it.
+            block = correct_log_q(
+                block, tf.where(negatives.log_q >= MASKED_LOG_Q, negatives.log_q, weight * negatives.log_q)
+            )
+            if self.remove_hits:
+                block = remove_accidental_hits(block, tf.zeros_like(block), negatives.ids, positive_ids)
+            logits.append(block)
+            labels.append(tf.zeros_like(block))
+        logits, labels = tf.concat(logits, axis=1), tf.concat(labels, axis=1)
+        if self.num_hard_negatives is not None:
+            logits, labels = mine_hard_negatives(logits, labels, self.num_hard_negatives)
+        return logits, labels
+
+
+class SampledSoftmax(RetrievalLoss):
+    """Softmax cross-entropy over the positive and the sampled candidates, log-Q corrected.
+
+    The sampler decides what this is: in-batch softmax (``InBatchSampler``),
+    sampled softmax (``CorpusSampler``; equals ``tf.nn.sampled_softmax_loss``
+    given the same draws), mixed negatives (``MixedSampler``), or the exact
+    full softmax (``AllItems`` with accidental hits removed).
+    """
+
+    def per_example(self, inputs: LossInputs) -> tf.Tensor:
+        logits, labels = self.logits_and_labels(inputs)
+        return softmax_cross_entropy(logits, labels)
+
+
+class NegativeSampling(RetrievalLoss):
+    """Binary logistic loss, word2vec skip-gram negative sampling (Mikolov et al., 2013).
+
+    ``-log sigmoid(s+) - sum_j log sigmoid(-s_j)`` over the positive and each
+    sampled negative (summed, as word2vec does for its k negatives). With
+    ``log_q_weight = 0`` (word2vec) it learns a shifted PMI; subtracting log Q
+    (the expected count, i.e. log(k Q)) makes it noise-contrastive estimation
+    (Gutmann & Hyvärinen 2010; Mnih & Teh 2012). Removed accidental hits and
+    padded columns have logits near -inf and so add nothing.
+    """
+
+    def per_example(self, inputs: LossInputs) -> tf.Tensor:
+        logits, labels = self.logits_and_labels(inputs)
+        signs = 2.0 * labels - 1.0  # +1 positive, -1 negative
+        return tf.reduce_sum(tf.nn.softplus(-signs * logits), axis=1)
+
+
+def _check_inputs(inputs: LossInputs) -> None:
+    if inputs.queries.shape.rank != 2 or inputs.positives.shape.rank != 2:
+        raise ValueError(
+            "queries and positives must be [batch_size, dim], got "
+            f"{inputs.queries.shape} and {inputs.positives.shape}"
+        )
+    if len(inputs.negatives) != len(inputs.negative_embeddings):
+        raise ValueError(
+            f"{len(inputs.negatives)} negatives blocks but {len(inputs.negative_embeddings)} embedding blocks"
+        )
+    if not inputs.negatives:
+        raise ValueError("at least one Negatives block is required (it carries positive_log_q)")
+    for negatives, embeddings in zip(inputs.negatives, inputs.negative_embeddings):
+        if embeddings.shape.rank != negatives.ids.shape.rank + 1:
+            raise ValueError(
+                f"negative embeddings {embeddings.shape} do not match negative ids {negatives.ids.shape}: "
+                "expected [num, dim] for [num] ids or [batch, num, dim] for [batch, num] ids"
+            )
