@@ -25,10 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging()
 
+    from retrieval.bundles import evaluate_bundle
     from retrieval.config import ConfigError
     from retrieval.data import DataError
     from retrieval.evaluation import format_table
-    from retrieval.jobs import evaluate_bundle
 
     out = Path(args.out) if args.out else Path(args.run) / "reevaluated"
     try:

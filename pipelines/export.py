@@ -22,9 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging()
 
+    from retrieval.bundles import reindex_bundle
     from retrieval.config import Config, ConfigError, apply_overrides
     from retrieval.export import RunExistsError, read_manifest
-    from retrieval.jobs import reindex_bundle
 
     try:
         manifest = read_manifest(args.run)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
-import shutil
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -19,9 +17,8 @@ import pandas as pd
 import tensorflow as tf
 
 from retrieval.arrays import seeded_subset
-from retrieval.config import Config, IndexConfig, apply_overrides, save_config
+from retrieval.config import Config, save_config
 from retrieval.data import ITEM, USER, load_dataset
-from retrieval.data.fingerprint import FileFingerprint, changed_inputs, fingerprint_inputs
 
 # The out-of-core path (data.out_of_core):
 from retrieval.data.streaming import (
@@ -43,11 +40,11 @@ from retrieval.evaluation import (
     ranker_names,
     write_report,
 )
-from retrieval.export import MANIFEST_FILE, RunExistsError, atomic_directory, read_manifest, write_bundle
-from retrieval.features import FeatureStatistics, TowerStatistics, TowerTables, feature_arrays
+from retrieval.export import atomic_directory, write_bundle
+from retrieval.features import FeatureStatistics, TowerStatistics, TowerTables
 from retrieval.index import ItemIndex, build_index
 from retrieval.model import build_model, resolved
-from retrieval.serving import Bundle
+from retrieval.run_checkpoints import training_checkpoints
 from retrieval.towers import build_towers
 from retrieval.training import (
     StreamedClicks,
@@ -160,21 +157,6 @@ def train_evaluate_export(
     return RunResult(final, metrics, time.perf_counter() - started)
 
 
-class UnfinishedRunError(RunExistsError):
-    """An unfinished run of the same name cannot be resumed (other config, or in use)."""
-
-
-# Config that may change between a killed run and its resume (None = the whole section): it
-# does not change what is trained (the index, evaluation and export come after training).
-_RESUME_IGNORES = {
-    "run": None,
-    "index": None,
-    "evaluation": None,
-    "export": None,
-    "train": {"verbose", "resume", "checkpoint_every_seconds", "checkpoint_every_steps", "checkpoint_dir"},
-}
-
-
 def write_run_outputs(
     directory: Path,
     name: str,
@@ -220,122 +202,6 @@ def derived_settings(config: Config, stats: FeatureStatistics) -> dict[str, Any]
     return derived
 
 
-def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path | None:
-    """The checkpoint directory of run ``name``, ready for ``fit``; None when checkpoints are off.
-
-    ``<train.checkpoint_dir or run.output_dir>/.<name>.checkpoints``. It is
-    locked (``flock``) while this process runs, checked against the config
-    and the input files (``retrieval.data.fingerprint``: size, mtime and
-    content hash of each file or shard) an earlier, killed attempt saved there
-    (a resume must train the same thing on the same data) and, through
-    ``cleanup``, deleted when the job succeeds. Hashing reads every input
-    once more (about a second per 0.3-1 GB).
-
-    Raises:
-      UnfinishedRunError: the checkpoints there were written for another
-        config or other input files (set ``train.resume=false`` to start
-        over), or another live process is training this run.
-    """
-    train = config.train
-    if not train.checkpoints:
-        return None
-    if train.distribute == "multi_worker":
-        log.warning("train.checkpoint_every_seconds/steps: not yet supported with train.distribute=multi_worker "
-                    "(no checkpoints)")
-        return None
-    directory = Path(train.checkpoint_dir or config.run.output_dir) / f".{name}.checkpoints"
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = cleanup.enter_context(open(directory / "lock", "w"))
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise UnfinishedRunError(f"another process is training run {name!r} ({directory} is locked)") \
-            from None
-    current = _resume_view(config.to_dict())
-    saved = directory / "config.json"
-    inputs, saved_inputs = fingerprint_inputs(config.data), directory / "inputs.json"
-    if (directory / "checkpoint").exists():  # tf.train.CheckpointManager's index: a checkpoint was written
-        if not train.resume:
-            log.info("train.resume=false: deleting the checkpoints of an unfinished run in %s", directory)
-            for path in directory.iterdir():
-                if path.is_dir():
-                    shutil.rmtree(path)
-                elif path.name != "lock":
-                    path.unlink()
-        else:
-            before = json.loads(saved.read_text()) if saved.exists() else {}
-            changed = sorted(key for key in {*before, *current} if before.get(key) != current.get(key))
-            if changed:
-                raise UnfinishedRunError(
-                    f"{directory} holds checkpoints of an unfinished run {name!r} with another config "
-                    f"(differs at {', '.join(changed[:5])}); rerun with that config to resume it, or set "
-                    "train.resume=false to start over, or choose another run.name"
-                )
-            _check_resumed_inputs(directory, name, saved_inputs, inputs)
-            log.info("found checkpoints of an unfinished run %r in %s: resuming it", name, directory)
-    _write_json(saved, current)
-    _write_json(saved_inputs, inputs)
-    every = " or ".join(
-        part for part in (
-            f"{train.checkpoint_every_seconds:g} s" if train.checkpoint_every_seconds else "",
-            f"{train.checkpoint_every_steps} steps" if train.checkpoint_every_steps else "",
-        ) if part
-    )
-    log.info("checkpoints every %s in %s (a killed run resumes when started again with run.name=%s)",
-             every, directory, name)
-    cleanup.push(lambda failed, *_: _after_training_job(directory, failed is not None))
-    return directory
-
-
-def _check_resumed_inputs(
-    directory: Path, name: str, saved: Path, inputs: dict[str, FileFingerprint | None]
-) -> None:
-    """Raise ``UnfinishedRunError`` naming each input file that differs from the one the checkpoints saw."""
-    if not saved.exists():  # written before inputs were recorded: refuse rather than guess
-        changes = [f"{saved.name} is missing: the inputs of the unfinished run are unknown"]
-    else:
-        changes = changed_inputs(json.loads(saved.read_text()), inputs)
-    if changes:
-        listed = "".join(f"\n  {change}" for change in changes[:10])
-        more = f"\n  ... and {len(changes) - 10} more" if len(changes) > 10 else ""
-        raise UnfinishedRunError(
-            f"{directory} holds checkpoints of an unfinished run {name!r} trained on other input files:"
-            f"{listed}{more}\nrestore the file(s) to resume it, or set train.resume=false to start over, "
-            "or choose another run.name"
-        )
-
-
-def _write_json(path: Path, value: Any) -> None:
-    """``path`` holds ``value`` as JSON, written whole or not at all (a kill mid-write leaves the old file)."""
-    partial = path.with_name(f".{path.name}.tmp")
-    partial.write_text(json.dumps(value, sort_keys=True))
-    partial.replace(path)
-
-
-def _after_training_job(checkpoint_dir: Path, failed: bool) -> None:
-    """Delete the checkpoints when the job succeeded or when there is nothing to resume from."""
-    if failed and (checkpoint_dir / "checkpoint").exists():
-        log.error(
-            "the run failed; its checkpoints are kept in %s: run the same command again to resume, "
-            "or set train.resume=false to start over", checkpoint_dir,
-        )
-        return
-    shutil.rmtree(checkpoint_dir, ignore_errors=True)
-
-
-def _resume_view(config: dict[str, Any]) -> dict[str, Any]:
-    """The config flattened to ``section.key`` -> value, less the keys a resume may change."""
-    flat = {}
-    for section, values in config.items():
-        ignored = _RESUME_IGNORES.get(section, set())
-        if ignored is None:
-            continue
-        for key, value in (values.items() if isinstance(values, dict) else [("", values)]):
-            if key not in ignored:
-                flat[f"{section}.{key}"] = json.loads(json.dumps(value))
-    return flat
-
-
 def write_metric_summaries(log_dir: str | Path, metrics: dict[str, Any], step: int) -> None:
     """Write every ranker's final metrics as TensorBoard scalars ``<ranker>/<metric@k>`` at ``step``."""
     writer = tf.summary.create_file_writer(str(log_dir))
@@ -348,92 +214,6 @@ def write_metric_summaries(log_dir: str | Path, metrics: dict[str, Any], step: i
 
 def _user_sample(train, size: int, seed: int) -> list[str]:
     return seeded_subset(np.sort(train[USER].astype(str).unique()), size, seed).tolist()
-
-
-def evaluate_bundle(
-    directory: str | Path, overrides: list[str] | None = None, *, out: str | Path | None = None
-) -> dict[str, Any]:
-    """Re-evaluate an exported bundle on the data and split its config names.
-
-    The query embeddings come from the bundle's SavedModel and the ranking from
-    its FAISS index, so this checks exactly what would be served. ``overrides``
-    (``section.key=value``) change e.g. ``evaluation.ks`` or the test data.
-    When ``out`` is given, ``metrics.json``, ``report.md`` and the plots are
-    written there (the folder is created).
-    """
-    bundle = Bundle.load(directory)
-    raw = apply_overrides(bundle.manifest["config"], overrides or [])
-    config = Config.from_dict(raw, source=f"{directory}/manifest.json config")
-    dataset = load_dataset(config.data, config.split)
-    eval_set = build_eval_set(dataset.train, dataset.test, list(bundle.index.item_ids), config.evaluation)
-    # Raw query features as a client would send them: user features and last training clicks.
-    queries = TowerTables.from_dataset(dataset, config.towers).queries(eval_set.user_ids).to_dict("records")
-    metrics = evaluate_against_baselines(
-        bundle.index,
-        bundle.embed(queries) if queries else np.zeros((0, bundle.index.dim), np.float32),
-        eval_set,
-        dataset.train,
-        config.evaluation,
-    )
-    metrics["data"] = dataset.summary()
-    if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        write_report(out, metrics, title=f"Re-evaluation of {Path(directory).name}", plots=config.evaluation.plots)
-    return metrics
-
-
-def reindex_bundle(
-    directory: str | Path, out: str | Path, index_config: IndexConfig | str, *, overwrite: bool = False
-) -> Path:
-    """Copy a bundle with its index rebuilt from the doc model under another FAISS factory.
-
-    Every catalogue item in ``item_ids.parquet`` is re-embedded by the bundle's
-    own doc SavedModel, so the new index holds exactly what the old one did.
-    ``index_config`` is an IndexConfig or just a factory string (other keys at
-    their defaults). No query log is at hand here, so an approximate index is
-    tuned with item embeddings standing in for queries (the manifest says so).
-    """
-    if isinstance(index_config, str):
-        index_config = IndexConfig(factory=index_config)
-    source = Path(directory)
-    manifest = read_manifest(source)
-    old_index = ItemIndex.load(source)
-    doc_model = tf.saved_model.load(str(source / manifest["files"]["doc_model"]))
-    serve = doc_model.signatures["serving_default"]
-    ids = np.asarray(old_index.item_ids, dtype=object)
-    inputs = _doc_inputs(manifest, ids)
-    embeddings = np.concatenate(
-        [
-            serve(**{name: tf.constant(values[i : i + 8192]) for name, values in inputs.items()})["embedding"].numpy()
-            for i in range(0, len(ids), 8192)
-        ]
-    )
-    index = build_index(list(ids), embeddings, index_config)
-    with atomic_directory(out, overwrite=overwrite) as scratch:
-        shutil.copytree(source, scratch, dirs_exist_ok=True)
-        index.save(scratch)
-        manifest["config"]["index"] = index_config.model_dump(mode="json")
-        manifest["index"] = index.info()
-        manifest["normalized"] = index.normalized
-        manifest["reindexed_from"] = str(source)
-        (scratch / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
-    return Path(out)
-
-
-def _doc_inputs(manifest: dict[str, Any], ids: np.ndarray) -> dict[str, np.ndarray]:
-    """The doc model's raw inputs for ``ids``: the ids alone for an ID tower; otherwise the
-    catalogue's features, re-read from the data the run's config names."""
-    if manifest["doc_features"] == [ITEM]:
-        return {ITEM: ids}
-    config = Config.from_dict(manifest["config"], source="manifest.json config")
-    dataset = load_dataset(config.data, config.split)
-    catalogue = TowerTables.from_dataset(dataset, config.towers).catalogue()
-    rows = pd.Index(catalogue[ITEM].astype(str), dtype=object).get_indexer(pd.Index(ids.astype(str), dtype=object))
-    if (rows < 0).any():
-        raise ValueError(f"{int((rows < 0).sum())} indexed items are no longer in the catalogue the config names")
-    return feature_arrays(catalogue.iloc[rows].reset_index(drop=True), manifest["doc_features"])
 
 
 # --- Out of core (data.out_of_core): click shards streamed through tf.data. ---

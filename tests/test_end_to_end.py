@@ -10,9 +10,10 @@ import pytest
 import tensorflow as tf
 
 import retrieval  # noqa: F401
+from retrieval.bundles import evaluate_bundle
 from retrieval.data import ITEM, load_dataset
 from retrieval.export import RunExistsError
-from retrieval.jobs import evaluate_bundle, train_evaluate_export
+from retrieval.jobs import train_evaluate_export
 from retrieval.serving import Bundle
 
 ROOT = Path(__file__).resolve().parents[1]

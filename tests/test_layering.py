@@ -21,6 +21,8 @@ STAGES = [
     "export",
     "serving",
     "service",
+    "bundles",  # re-evaluating and re-indexing an exported bundle
+    "run_checkpoints",  # a run's checkpoint directory: lock, resume checks, cleanup
     "jobs",
     "tuning",  # hyper-parameter search: runs the job per trial
     "cli",

@@ -28,8 +28,9 @@ from retrieval.config import ColumnsConfig, ModelConfig, TableConfig, TrainConfi
 from retrieval.data import load_dataset
 from retrieval.data.streaming import ClickShards, SplitPlan
 from retrieval.features import FeatureStatistics
-from retrieval.jobs import UnfinishedRunError, train_evaluate_export, training_checkpoints
+from retrieval.jobs import train_evaluate_export
 from retrieval.model import build_model
+from retrieval.run_checkpoints import UnfinishedRunError, training_checkpoints
 from retrieval.training import (
     StreamedClicks,
     TrainingCheckpoint,

@@ -97,7 +97,10 @@ class _Progress:
     def epoch(self, epoch: int, logs: dict[str, float], timing: dict[str, float]) -> None:
         if self.level == 0:
             return
-        shown = ", ".join(f"{key} {value:.4f}" for key, value in logs.items())
+        # The loss and what hooks add (validation recall); the regularization terms are in train_log.csv.
+        shown = ", ".join(
+            f"{key} {value:.4f}" for key, value in logs.items() if key not in ("regularization_loss", "total_loss")
+        )
         elapsed = time.perf_counter() - self.started
         eta = (self.remaining - self.done) * elapsed / max(self.done, 1)
         self.say(

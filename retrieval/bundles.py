@@ -1,0 +1,106 @@
+"""Work on an exported bundle: re-evaluate it on the data its config names, or rebuild its index."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import tensorflow as tf
+
+from retrieval.config import Config, IndexConfig, apply_overrides
+from retrieval.data import ITEM, load_dataset
+from retrieval.evaluation import build_eval_set, evaluate_against_baselines, write_report
+from retrieval.export import MANIFEST_FILE, atomic_directory, read_manifest
+from retrieval.features import TowerTables, feature_arrays
+from retrieval.index import ItemIndex, build_index
+from retrieval.serving import Bundle
+
+
+def evaluate_bundle(
+    directory: str | Path, overrides: list[str] | None = None, *, out: str | Path | None = None
+) -> dict[str, Any]:
+    """Re-evaluate an exported bundle on the data and split its config names.
+
+    The query embeddings come from the bundle's SavedModel and the ranking from
+    its FAISS index, so this checks exactly what would be served. ``overrides``
+    (``section.key=value``) change e.g. ``evaluation.ks`` or the test data.
+    When ``out`` is given, ``metrics.json``, ``report.md`` and the plots are
+    written there (the folder is created).
+    """
+    bundle = Bundle.load(directory)
+    raw = apply_overrides(bundle.manifest["config"], overrides or [])
+    config = Config.from_dict(raw, source=f"{directory}/manifest.json config")
+    dataset = load_dataset(config.data, config.split)
+    eval_set = build_eval_set(dataset.train, dataset.test, list(bundle.index.item_ids), config.evaluation)
+    # Raw query features as a client would send them: user features and last training clicks.
+    queries = TowerTables.from_dataset(dataset, config.towers).queries(eval_set.user_ids).to_dict("records")
+    metrics = evaluate_against_baselines(
+        bundle.index,
+        bundle.embed(queries) if queries else np.zeros((0, bundle.index.dim), np.float32),
+        eval_set,
+        dataset.train,
+        config.evaluation,
+    )
+    metrics["data"] = dataset.summary()
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        write_report(out, metrics, title=f"Re-evaluation of {Path(directory).name}", plots=config.evaluation.plots)
+    return metrics
+
+
+def reindex_bundle(
+    directory: str | Path, out: str | Path, index_config: IndexConfig | str, *, overwrite: bool = False
+) -> Path:
+    """Copy a bundle with its index rebuilt from the doc model under another FAISS factory.
+
+    Every catalogue item in ``item_ids.parquet`` is re-embedded by the bundle's
+    own doc SavedModel, so the new index holds exactly what the old one did.
+    ``index_config`` is an IndexConfig or just a factory string (other keys at
+    their defaults). No query log is at hand here, so an approximate index is
+    tuned with item embeddings standing in for queries (the manifest says so).
+    """
+    if isinstance(index_config, str):
+        index_config = IndexConfig(factory=index_config)
+    source = Path(directory)
+    manifest = read_manifest(source)
+    old_index = ItemIndex.load(source)
+    doc_model = tf.saved_model.load(str(source / manifest["files"]["doc_model"]))
+    serve = doc_model.signatures["serving_default"]
+    ids = np.asarray(old_index.item_ids, dtype=object)
+    inputs = _doc_inputs(manifest, ids)
+    embeddings = np.concatenate(
+        [
+            serve(**{name: tf.constant(values[i : i + 8192]) for name, values in inputs.items()})["embedding"].numpy()
+            for i in range(0, len(ids), 8192)
+        ]
+    )
+    index = build_index(list(ids), embeddings, index_config)
+    with atomic_directory(out, overwrite=overwrite) as scratch:
+        shutil.copytree(source, scratch, dirs_exist_ok=True)
+        index.save(scratch)
+        manifest["config"]["index"] = index_config.model_dump(mode="json")
+        manifest["index"] = index.info()
+        manifest["normalized"] = index.normalized
+        manifest["reindexed_from"] = str(source)
+        (scratch / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+    return Path(out)
+
+
+def _doc_inputs(manifest: dict[str, Any], ids: np.ndarray) -> dict[str, np.ndarray]:
+    """The doc model's raw inputs for ``ids``: the ids alone for an ID tower; otherwise the
+    catalogue's features, re-read from the data the run's config names."""
+    if manifest["doc_features"] == [ITEM]:
+        return {ITEM: ids}
+    config = Config.from_dict(manifest["config"], source="manifest.json config")
+    dataset = load_dataset(config.data, config.split)
+    catalogue = TowerTables.from_dataset(dataset, config.towers).catalogue()
+    rows = pd.Index(catalogue[ITEM].astype(str), dtype=object).get_indexer(pd.Index(ids.astype(str), dtype=object))
+    if (rows < 0).any():
+        raise ValueError(f"{int((rows < 0).sum())} indexed items are no longer in the catalogue the config names")
+    return feature_arrays(catalogue.iloc[rows].reset_index(drop=True), manifest["doc_features"])
