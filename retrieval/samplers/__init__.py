@@ -9,7 +9,8 @@ logits the same way: ``logit - log_q``.
 - ``in_batch``: in-batch and mixed (in-batch + corpus) negatives;
 - ``frequency``: log-Q sources for in-batch negatives, static and streaming;
 - ``hard``: hard negatives mined from a FAISS index of the current doc embeddings;
-- ``kernel``: per-query draws from a quadratic kernel of the current model (Blanc & Rendle 2018).
+- ``kernel``: per-query draws from a quadratic kernel of the current model (Blanc & Rendle 2018);
+  ``kernel_tree`` holds its tree's node statistics.
 """
 
 from retrieval.samplers.base import (
