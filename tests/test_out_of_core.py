@@ -231,6 +231,15 @@ def test_streamed_validation_part_is_the_in_memory_one(logs):
     assert streamed == Counter(zip(fit_part["user_id"].astype(str), fit_part["item_id"].astype(str)))
 
 
+def test_random_split_holds_out_the_rows_the_in_memory_split_holds_out(logs):
+    """One split per kind: a random split keeps a click on the same side whichever source reads it."""
+    shards, clicks = logs
+    split = SplitConfig(kind="random", test_fraction=0.25, seed=7)
+    train, test = split_clicks(clicks, split)
+    streamed_train, streamed_test = collect_users(shards, plan_split(shards, split), clicks["user_id"].unique())
+    assert _rows(streamed_test) == _rows(test) and _rows(streamed_train) == _rows(train)
+
+
 def test_streamed_validation_without_timestamps_is_a_seeded_hash(tmp_path):
     clicks = _log(seed=4).drop(columns=["timestamp"])
     folder = tmp_path / "shards"

@@ -6,8 +6,9 @@ which question:
 - ``temporal``: one global cut in time, as in production (train on the past,
   serve the future); test users without earlier clicks are cold users.
 - ``leave_last_k``: each user's last ``k`` clicks; every test user has history.
-- ``random``: a seeded random share of clicks; leaks the future into training,
-  use it only for logs without time.
+- ``random``: a seeded random share of clicks (by a hash of each click, so
+  in-memory and streamed logs hold out the same rows); leaks the future into
+  training, use it only for logs without time.
 - ``none``: the test log is given separately.
 
 ``split.evaluate_on: validation`` (hyper-parameter tuning) splits the training
@@ -21,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from retrieval.config import SplitConfig
+from retrieval.config import SEED_MAX, SplitConfig
 from retrieval.data.schema import ITEM, TIME, USER, DataError
 
 
@@ -36,9 +37,10 @@ def split_clicks(
             quantile ``1 - test_fraction`` in test (ties at the cut go to
             train); ``leave_last_k`` puts each user's last ``k`` clicks by
             timestamp in test (ties broken by row order), users with ``k`` or
-            fewer clicks staying entirely in train; ``random`` puts
-            ``round(test_fraction * len(clicks))`` rows drawn with ``seed``
-            in test; ``none`` returns ``clicks`` and ``test_clicks`` as they are.
+            fewer clicks staying entirely in train; ``random`` puts each click
+            in test with probability ``test_fraction`` by a hash of the click
+            keyed by ``seed`` (``hashed_test_mask``: the streamed split holds out
+            the same rows); ``none`` returns ``clicks`` and ``test_clicks`` as they are.
         test_clicks: The separately given test log; only with ``kind: none``.
 
     Returns:
@@ -76,15 +78,19 @@ def split_clicks(
                 f"split.k={cfg.k} clicks; lower split.k"
             )
     elif cfg.kind == "random":
-        n_test = int(round(cfg.test_fraction * len(clicks)))
+        is_test = hashed_test_mask(
+            clicks[USER].astype(str).to_numpy(dtype=object),
+            clicks[ITEM].astype(str).to_numpy(dtype=object),
+            clicks[TIME].to_numpy(np.int64) if TIME in clicks else None,
+            cfg.test_fraction,
+            cfg.seed,
+        )
+        n_test = int(is_test.sum())
         if not 0 < n_test < len(clicks):
             raise DataError(
                 f"random split of {len(clicks)} clicks with split.test_fraction="
                 f"{cfg.test_fraction:g} leaves {n_test} test clicks; a part would be empty"
             )
-        chosen = np.random.default_rng(cfg.seed).choice(len(clicks), n_test, replace=False)
-        is_test = np.zeros(len(clicks), dtype=bool)
-        is_test[chosen] = True
         train, test = _parts(clicks, is_test)
     else:
         raise ValueError(f"unknown split.kind {cfg.kind!r}; valid: temporal, leave_last_k, random, none")
@@ -101,8 +107,8 @@ def split_validation(train: pd.DataFrame, cfg: SplitConfig) -> tuple[pd.DataFram
     out the latest ``test_fraction`` of the training clicks (cut at their own
     quantile, so every validation click is later than every inner training
     click and no later than the outer cut), ``leave_last_k`` each user's last
-    ``k`` training clicks, ``random`` a seeded ``test_fraction`` of the training
-    rows. The test part plays no role.
+    ``k`` training clicks, ``random`` a ``test_fraction`` of the training rows
+    (hash keyed by ``nested_seed(seed)``). The test part plays no role.
 
     Args:
         train: The training part of ``split_clicks(clicks, cfg)``.
@@ -123,6 +129,8 @@ def split_validation(train: pd.DataFrame, cfg: SplitConfig) -> tuple[pd.DataFram
             "split.evaluate_on: validation cannot split again a split.kind: none log; "
             "data.test_clicks is already the evaluation part"
         )
+    if cfg.kind == "random":
+        cfg = cfg.model_copy(update={"seed": nested_seed(cfg.seed)})
     try:
         return split_clicks(train, cfg)
     except DataError as error:
@@ -171,6 +179,38 @@ def temporal_cut(clicks: pd.DataFrame, test_fraction: float) -> int:
     """
     _need_time(clicks, "temporal")
     return timestamp_cut(clicks[TIME].to_numpy(), test_fraction)
+
+
+def nested_seed(seed: int) -> int:
+    """The hash key of a random split nested in a random split keyed by ``seed``.
+
+    With the outer key the inner split would take the clicks whose hash falls
+    between the two fractions, not a random share of the outer training part.
+    """
+    return (seed + 1) % (SEED_MAX + 1)
+
+
+def hashed_test_mask(
+    users: np.ndarray, items: np.ndarray, timestamps: np.ndarray | None, fraction: float, seed: int
+) -> np.ndarray:
+    """The test clicks of a random split: a seeded hash of (user, item, timestamp) below ``fraction``.
+
+    The same click always gets the same side, wherever it is read (a frame in
+    memory or any record batch of a shard); a uniform 53-bit number from the
+    hash is compared with ``fraction``. Duplicate clicks (same user, item and
+    time) go to the same side.
+
+    Args:
+      users, items: [n] object arrays of id strings.
+      timestamps: [n] int64, or None for a log without time.
+    """
+    key = f"{seed:016d}"[-16:]
+    mixed = pd.util.hash_array(users, hash_key=key, categorize=False)
+    mixed = mixed * np.uint64(0x9E3779B97F4A7C15) ^ pd.util.hash_array(items, hash_key=key, categorize=False)
+    if timestamps is not None:
+        mixed = mixed * np.uint64(0x9E3779B97F4A7C15) ^ pd.util.hash_array(timestamps, hash_key=key)
+    mixed = pd.util.hash_array(mixed, hash_key=key)  # final mixing of the combined bits
+    return (mixed >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
 
 
 def timestamp_cut(timestamps: np.ndarray, test_fraction: float) -> int:

@@ -24,10 +24,9 @@ a bounded buffer (``retrieval.training.StreamedClicks`` turns it into ``tf.data`
 Splits: ``temporal`` (clicks after the cut are test; ties at the cut go to
 train, as in memory) and ``random`` by a seeded hash of (user, item,
 timestamp): each click is test with probability ``test_fraction``,
-independently of the others and of the shard it is in. The in-memory random
-split draws exactly ``round(test_fraction * n)`` rows instead, so the two
-random splits hold different rows. ``leave_last_k`` needs every user's clicks
-in time order and is not supported here.
+independently of the others and of the shard it is in: the rows the in-memory
+split holds out (``splits.hashed_test_mask``). ``leave_last_k`` needs every
+user's clicks in time order and is not supported here.
 
 Importing this module does not import TensorFlow, like the rest of ``retrieval.data``.
 """
@@ -53,7 +52,7 @@ import pyarrow.parquet as pq
 from retrieval.arrays import seeded_subset
 from retrieval.config import ColumnsConfig, SplitConfig, TableConfig
 from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
-from retrieval.data.splits import timestamp_cut
+from retrieval.data.splits import hashed_test_mask, nested_seed, timestamp_cut
 from retrieval.data.values import FLOAT32_MAX, BadValues, click_weights, id_strings, timestamp_seconds
 
 _SHARD_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "tsv", ".txt": "tsv"}
@@ -409,20 +408,9 @@ class SplitPlan:
 
 
 def random_test_mask(batch: ClickBatch, fraction: float, seed: int) -> np.ndarray:
-    """Test clicks of a random split by a seeded hash of (user, item, timestamp).
-
-    The same click always gets the same side, wherever it is read; a uniform
-    53-bit number from the hash is compared with ``fraction``.
-    """
-    key = f"{seed:016d}"[-16:]
-    mixed = pd.util.hash_array(_strings(batch.users), hash_key=key, categorize=False)
-    mixed = mixed * np.uint64(0x9E3779B97F4A7C15) ^ pd.util.hash_array(
-        _strings(batch.items), hash_key=key, categorize=False
-    )
-    if batch.timestamps is not None:
-        mixed = mixed * np.uint64(0x9E3779B97F4A7C15) ^ pd.util.hash_array(batch.timestamps, hash_key=key)
-    mixed = pd.util.hash_array(mixed, hash_key=key)  # final mixing of the combined bits
-    return (mixed >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
+    """Test clicks of a random split: ``splits.hashed_test_mask`` of the batch's clicks, so a
+    click gets the side it gets in memory."""
+    return hashed_test_mask(_strings(batch.users), _strings(batch.items), batch.timestamps, fraction, seed)
 
 
 def plan_split(shards: ClickShards, split: SplitConfig) -> SplitPlan:
@@ -497,15 +485,14 @@ def plan_validation(shards: ClickShards, plan: SplitPlan, fraction: float, seed:
     """The validation part carved from ``plan``'s training side as ``training.validation_split``
     carves it in memory: with timestamps the latest ``fraction`` of the training clicks (the
     exact cut of ``splits.timestamp_cut``, one more pass), else a random ``fraction`` by the
-    hash of ``random_test_mask`` keyed by ``seed + 1`` (independent of a test split keyed by ``seed``).
+    hash of ``random_test_mask`` keyed by ``splits.nested_seed(seed)`` (independent of the test split's).
 
     Raises:
       DataError: the cut leaves the validation part empty.
     """
     if shards.columns.timestamp is None:
-        # Another hash key than the test split's: with the same one the validation part would be the
-        # clicks whose hash falls between the two fractions, not a random share of the training side.
-        inner = SplitPlan("random", plan.rows, test_fraction=fraction, seed=seed + 1, time_range=plan.time_range)
+        inner = SplitPlan("random", plan.rows, test_fraction=fraction, seed=nested_seed(seed),
+                          time_range=plan.time_range)
         return CarvedPlan(plan, inner)
     stamps = []
     for batch in shards.scan():
