@@ -25,7 +25,7 @@ from typing import TypedDict
 from retrieval.config import DataConfig
 from retrieval.data.movielens import locate_movielens_100k
 from retrieval.data.schema import DataError
-from retrieval.data.streaming import list_shard_files
+from retrieval.data.shards import list_shard_files
 
 _CHUNK = 1 << 20  # bytes read per hash update
 # The files ``load_movielens_100k`` reads from the ml-100k folder.

@@ -2,8 +2,8 @@
 
 The in-memory path (``loaders.read_clicks`` -> ``splits.split_clicks``) holds
 the whole log as a pandas frame. This module never does: it reads the shards
-with ``pyarrow.dataset`` (only the needed columns, ``read_batch_size`` rows at
-a time) and makes a few passes over them:
+(``retrieval.data.shards``: only the needed columns, ``read_batch_size`` rows
+at a time) and makes a few passes over them:
 
 1. ``plan_split``: the time range and, for a temporal split, the cut. The cut
    is the *exact* quantile ``temporal_cut`` takes in memory, so it needs every
@@ -33,342 +33,39 @@ Importing this module does not import TensorFlow, like the rest of ``retrieval.d
 
 from __future__ import annotations
 
-import glob
 import itertools
-import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.csv as pacsv
-import pyarrow.dataset as pads
-import pyarrow.parquet as pq
 
 from retrieval.arrays import seeded_subset
-from retrieval.config import ColumnsConfig, SplitConfig, TableConfig
-from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
+from retrieval.config import SplitConfig
+from retrieval.data.schema import ITEM, USER, WEIGHT, DataError
+from retrieval.data.shards import ClickBatch, ClickShards, as_strings, list_shard_files
 from retrieval.data.splits import hashed_test_mask, nested_seed, timestamp_cut
-from retrieval.data.values import FLOAT32_MAX, BadValues, click_weights, id_strings, timestamp_seconds
 
-_SHARD_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "tsv", ".txt": "tsv"}
-_SEPARATORS = {"csv": ",", "tsv": "\t"}
+__all__ = [  # the shard readers too: callers stream through this module
+    "CarvedPlan",
+    "ClickBatch",
+    "ClickShards",
+    "Plan",
+    "SplitPlan",
+    "StreamCounts",
+    "collect_users",
+    "list_shard_files",
+    "plan_split",
+    "plan_validation",
+    "random_test_mask",
+    "sample_test_users",
+    "scan_counts",
+    "train_batches",
+]
+
 _MERGE_EVERY = 16  # record batches between merges of the partial value counts
-
-
-@dataclass(frozen=True)
-class ClickShards:
-    """The shards of one click log and how to read them.
-
-    Attributes:
-      files: shard paths, sorted.
-      format: ``"parquet"``, ``"csv"`` or ``"tsv"`` (one format for all shards).
-      columns: names of the user, item, timestamp and weight columns.
-      read_batch_size: rows per record batch.
-      separator, header, encoding: text shards only, as in ``TableConfig``.
-    """
-
-    files: tuple[str, ...]
-    format: str
-    columns: ColumnsConfig
-    read_batch_size: int = 65_536
-    separator: str | None = None
-    header: bool = True
-    encoding: str = "utf-8"
-
-    @classmethod
-    def open(cls, table: TableConfig, columns: ColumnsConfig, read_batch_size: int = 65_536) -> ClickShards:
-        """List the shards ``table.path`` names and check each one's columns.
-
-        ``table.path`` is a file, a directory (every ``.parquet``/``.pq``/
-        ``.csv``/``.tsv``/``.txt`` file in it, hidden files skipped) or a glob
-        (``logs/*.parquet``, ``logs/**/*.csv``).
-
-        Raises:
-          DataError: nothing matches; the shards mix formats; a format cannot be
-            streamed; a shard lacks a column (the message names the shard).
-        """
-        files = list_shard_files(table.path)
-        formats: dict[str, str] = {}
-        for file in files:
-            fmt = table.format if table.format != "auto" else _SHARD_FORMATS.get(Path(file).suffix.lower())
-            if fmt is None:
-                raise DataError(
-                    f"cannot tell the shard format from the extension {Path(file).suffix!r}; set the "
-                    "table's format to parquet, csv or tsv",
-                    file=file,
-                )
-            formats.setdefault(fmt, file)
-        if len(formats) > 1:
-            examples = ", ".join(f"{fmt} ({file})" for fmt, file in formats.items())
-            raise DataError(
-                f"the shards mix formats: {examples}; one click log has one format", file=table.path
-            )
-        (fmt,) = formats
-        if fmt not in ("parquet", "csv", "tsv"):
-            raise DataError(
-                f"format {fmt!r} cannot be streamed out of core; use parquet, csv or tsv shards",
-                file=table.path,
-            )
-        shards = cls(
-            tuple(files),
-            fmt,
-            columns,
-            read_batch_size,
-            table.separator,
-            table.header,
-            table.encoding,
-        )
-        for file in files:
-            shards._check_columns(file)
-        return shards
-
-    @property
-    def wanted(self) -> list[str]:
-        """The columns read from each shard."""
-        c = self.columns
-        return [name for name in (c.user, c.item, c.timestamp, c.weight) if name]
-
-    def _text_names(self, file: str) -> list[str]:
-        """Column names of a text shard: its header line, or positions ``"0"``, ``"1"``, ..."""
-        with open(file, encoding=self.encoding, newline="") as handle:
-            first = handle.readline().removeprefix("\ufeff").rstrip("\r\n")
-        if not first.strip():
-            raise DataError("the shard is empty or starts with a blank line", file=file)
-        fields = first.split(self.separator or _SEPARATORS[self.format])
-        return [f.strip() for f in fields] if self.header else [str(i) for i in range(len(fields))]
-
-    def _check_columns(self, file: str) -> None:
-        try:
-            found = pq.read_schema(file).names if self.format == "parquet" else self._text_names(file)
-        except DataError:
-            raise
-        except Exception as error:  # pyarrow raises several unrelated types for bad files
-            raise DataError(f"not a readable {self.format} shard: {error}", file=file) from None
-        missing = [c for c in self.wanted if c not in found]
-        if missing:
-            plural = "s" if len(missing) > 1 else ""
-            raise DataError(
-                f"missing column{plural} {', '.join(map(repr, missing))}; columns found: {found}", file=file
-            )
-
-    def _dataset(self, file: str) -> pads.Dataset:
-        if self.format == "parquet":
-            return pads.dataset(file, format="parquet")
-        names = self._text_names(file)
-        # Every column is read as text, so the cells are parsed by the rules read_clicks applies
-        # (retrieval.data.values), not by Arrow's per-block type inference.
-        ids = {name: pa.string() for name in self.wanted}
-        fmt = pads.CsvFileFormat(
-            parse_options=pacsv.ParseOptions(delimiter=self.separator or _SEPARATORS[self.format]),
-            read_options=pacsv.ReadOptions(
-                column_names=names, skip_rows=1 if self.header else 0, encoding=self.encoding
-            ),
-            convert_options=pacsv.ConvertOptions(column_types=ids, strings_can_be_null=False),
-        )
-        return pads.dataset(file, format=fmt)
-
-    def batches(self, file: str) -> Iterator[ClickBatch]:
-        """Canonical click batches of one shard, in file order."""
-        text = self.format != "parquet"
-        line_of = (lambda row: self._text_line(file, row)) if text else None
-        try:
-            scanner = self._dataset(file).to_batches(columns=self.wanted, batch_size=self.read_batch_size)
-            first_row = 1
-            for batch in scanner:
-                if batch.num_rows == 0:
-                    continue
-                yield _canonical(batch, self.columns, file, first_row, line_of)
-                first_row += batch.num_rows
-        except DataError:
-            raise
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as error:
-            found = re.search(r"CSV parse error: Row #(\d+): Expected (\d+) columns, got (\d+)", str(error))
-            if found is None or line_of is None:
-                raise DataError(f"cannot read the {self.format} shard: {error}", file=file) from None
-            row, expected, saw = map(int, found.groups())  # Arrow's row counts the header, not empty lines
-            separator = self.separator or _SEPARATORS[self.format]
-            raise DataError(
-                f"expected {expected} fields separated by {separator!r}, found {saw}",
-                file=file,
-                line=line_of(row - int(self.header)),
-            ) from None
-
-    def _text_line(self, file: str, data_row: int) -> int:
-        """The 1-based line of a text shard's 1-based data row ``data_row``.
-
-        Arrow skips empty lines and does not count them; an error names the line
-        a text editor shows, as ``read_clicks`` does, so they are counted here
-        (only when an error needs a line).
-        """
-        number = rows = 0
-        with open(file, encoding=self.encoding, errors="replace", newline="") as handle:
-            for number, line in enumerate(handle, start=1):
-                if (self.header and number == 1) or not line.rstrip("\r\n"):
-                    continue
-                rows += 1
-                if rows == data_row:
-                    return number
-        return number
-
-    def scan(self, files: Sequence[str] | None = None) -> Iterator[ClickBatch]:
-        """Canonical click batches of every shard (or of ``files``), shard by shard."""
-        for file in self.files if files is None else files:
-            yield from self.batches(file)
-
-
-def list_shard_files(path: str) -> list[str]:
-    """The files ``path`` names: itself, a directory's data files, or a glob's matches (sorted)."""
-    target = Path(path)
-    if target.is_dir():
-        files = [
-            str(p)
-            for p in sorted(target.iterdir())
-            if p.is_file() and not p.name.startswith((".", "_")) and p.suffix.lower() in _SHARD_FORMATS
-        ]
-    elif glob.has_magic(path):
-        files = sorted(p for p in glob.glob(path, recursive=True) if Path(p).is_file())
-    else:
-        files = [path] if target.is_file() else []
-    if not files:
-        what = "no files match the pattern" if glob.has_magic(path) else (
-            "the directory holds no .parquet/.csv/.tsv shards" if target.is_dir() else "file not found"
-        )
-        raise DataError(f"no click shards: {what}", file=path)
-    return files
-
-
-@dataclass(frozen=True)
-class ClickBatch:
-    """One record batch in canonical form (Arrow ids, numpy numbers)."""
-
-    users: pa.Array  # string
-    items: pa.Array  # string
-    timestamps: np.ndarray | None  # int64 seconds, or None without a time column
-    weights: np.ndarray  # float32
-
-    def __len__(self) -> int:
-        return len(self.users)
-
-    def take(self, mask: np.ndarray) -> ClickBatch:
-        keep = pa.array(mask)
-        return ClickBatch(
-            self.users.filter(keep),
-            self.items.filter(keep),
-            None if self.timestamps is None else self.timestamps[mask],
-            self.weights[mask],
-        )
-
-    def frame(self) -> pd.DataFrame:
-        """The canonical click frame of this batch (``read_clicks`` columns)."""
-        frame = pd.DataFrame({USER: _strings(self.users), ITEM: _strings(self.items)})
-        if self.timestamps is not None:
-            frame[TIME] = self.timestamps
-        frame[WEIGHT] = self.weights
-        return frame
-
-
-def _strings(values: pa.Array) -> np.ndarray:
-    return np.asarray(values.to_numpy(zero_copy_only=False), dtype=object)
-
-
-def _canonical(
-    batch: pa.RecordBatch,
-    columns: ColumnsConfig,
-    file: str,
-    first_row: int,
-    line_of: Callable[[int], int] | None = None,
-) -> ClickBatch:
-    """Ids as stripped strings, timestamps as int64 seconds, weights as float32; errors name file and row.
-
-    Cells follow ``retrieval.data.values``, the rules ``read_clicks`` applies:
-    each column is handed to them as pandas, except the common cases Arrow
-    converts identically and faster (string or integer ids, integer seconds).
-    ``first_row`` is the batch's first 1-based data row in the shard;
-    ``line_of(row)`` gives a text shard's line of a data row (None: Parquet,
-    errors name the row).
-    """
-
-    def fail(message: str, bad: np.ndarray, column: str) -> DataError:
-        position = first_row + int(np.argmax(bad))
-        count = int(bad.sum())
-        more = f" ({count} bad rows in this batch)" if count > 1 else ""
-        return DataError(
-            message + more,
-            file=file,
-            line=None if line_of is None else line_of(position),
-            row=position if line_of is None else None,
-            column=column,
-        )
-
-    def checked(column: str, convert: Callable[[pd.Series], Any]) -> Any:
-        try:
-            return convert(batch.column(column).to_pandas())
-        except BadValues as error:
-            position, count, message = error.first()
-            bad = np.zeros(batch.num_rows, bool)
-            bad[position] = True
-            more = f" ({count} bad rows in this batch)" if count > 1 else ""
-            raise fail(message + more, bad, column) from None
-
-    def ids(column: str, what: str) -> pa.Array:
-        values = batch.column(column)
-        if pa.types.is_dictionary(values.type):
-            values = values.dictionary_decode()
-        if pa.types.is_floating(values.type):
-            message = f"{what} ids are stored as floats; write them as integers or strings"
-            raise fail(message, np.ones(1, bool), column)
-        if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
-                or pa.types.is_integer(values.type)):
-            # Lists, structs, booleans, bytes, dates...: refused or converted as read_clicks does.
-            return pa.array(checked(column, lambda cells: id_strings(cells, what)).to_numpy(), pa.string())
-        values = pc.utf8_trim_whitespace(pc.cast(values, pa.string()))
-        empty = pc.fill_null(pc.equal(values, ""), True).to_numpy(zero_copy_only=False)
-        if empty.any():
-            raise fail(f"empty {what} id", empty, column)
-        return values
-
-    timestamps = None
-    if columns.timestamp is not None:
-        values = batch.column(columns.timestamp)
-        timestamps = None
-        if pa.types.is_integer(values.type) and values.null_count == 0:
-            if pa.types.is_signed_integer(values.type) or pc.max(values).as_py() <= np.iinfo(np.int64).max:
-                timestamps = pc.cast(values, pa.int64()).to_numpy(zero_copy_only=False)
-        elif _all_integers(values):  # text shards: integer seconds (Arrow alone would also take "0x10")
-            try:
-                timestamps = pc.cast(values, pa.int64()).to_numpy(zero_copy_only=False)
-            except pa.ArrowInvalid:
-                pass  # beyond int64: the shared rules name the cell
-        if timestamps is None:
-            timestamps = checked(columns.timestamp, timestamp_seconds)
-    weights = None
-    if columns.weight is not None:
-        values = batch.column(columns.weight)
-        if pa.types.is_string(values.type) and values.null_count == 0:
-            # Text shards: Arrow parses the numbers pandas does, to the same doubles, but faster.
-            try:
-                numbers = pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False)
-            except pa.ArrowInvalid:
-                numbers = None
-            if numbers is not None and bool(np.all((numbers >= 0) & (numbers <= FLOAT32_MAX))):
-                weights = numbers.astype(np.float32)
-        if weights is None:
-            weights = checked(columns.weight, click_weights)
-    else:
-        weights = np.ones(batch.num_rows, dtype=np.float32)
-    return ClickBatch(ids(columns.user, "user"), ids(columns.item, "item"), timestamps, weights)
-
-
-def _all_integers(values: pa.Array) -> bool:
-    """True when every cell is text holding an integer in ASCII digits."""
-    if not pa.types.is_string(values.type) or values.null_count:
-        return False
-    return bool(pc.all(pc.match_substring_regex(values, r"^[+-]?[0-9]+$")).as_py())
 
 
 # --- The split, decided one batch at a time. ---
@@ -410,7 +107,7 @@ class SplitPlan:
 def random_test_mask(batch: ClickBatch, fraction: float, seed: int) -> np.ndarray:
     """Test clicks of a random split: ``splits.hashed_test_mask`` of the batch's clicks, so a
     click gets the side it gets in memory."""
-    return hashed_test_mask(_strings(batch.users), _strings(batch.items), batch.timestamps, fraction, seed)
+    return hashed_test_mask(as_strings(batch.users), as_strings(batch.items), batch.timestamps, fraction, seed)
 
 
 def plan_split(shards: ClickShards, split: SplitConfig) -> SplitPlan:
@@ -546,7 +243,7 @@ class _Counter:
         """(ids [n] object str, counts [n] int64), ids in order of first appearance."""
         table = self._merged()
         order = np.argsort(table.column("pos_min").to_numpy(), kind="stable")
-        ids = _strings(table.column("id").combine_chunks())[order]
+        ids = as_strings(table.column("id").combine_chunks())[order]
         return ids, table.column("pos_count").to_numpy().astype(np.int64)[order]
 
 
@@ -703,7 +400,7 @@ def train_batches(
         train = batch.take(~plan.is_test(batch) & ~plan.drops(batch))
         if not len(train):
             continue
-        held.append((_strings(train.users), _strings(train.items), train.weights))
+        held.append((as_strings(train.users), as_strings(train.items), train.weights))
         count += len(train)
         if count >= max(shuffle_buffer, batch_size):
             yield from drain(final=False)
