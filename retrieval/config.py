@@ -167,7 +167,6 @@ class DataConfig(_Section):
             if self.source != "files":
                 raise ValueError(f"data.out_of_core needs data.source: files (click shards), got {self.source!r}")
             unsupported = {
-                "data.test_clicks": self.test_clicks is not None,
                 "data.item_features": self.item_features is not None,
                 "data.user_features": self.user_features is not None,
                 "data.duplicates: first (needs per-pair state)": self.duplicates != "keep",
@@ -806,7 +805,8 @@ class Config(_Section):
             return self
         unsupported = {
             "feature towers (towers: must be the default ID towers)": not self.towers.is_id_only,
-            f"split.kind: {self.split.kind} (temporal and random are)": self.split.kind not in ("temporal", "random"),
+            f"split.kind: {self.split.kind} (temporal, random and none are)": self.split.kind
+            not in ("temporal", "random", "none"),
             "split.hold_out_items > 0": self.split.hold_out_items > 0,
             "split.evaluate_on: validation": self.split.evaluate_on == "validation",
             "model.loss.hard_negatives: mined": self.model.loss.hard_negatives == "mined",

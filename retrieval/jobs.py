@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from retrieval.arrays import seeded_subset
 from retrieval.config import Config, save_config
-from retrieval.data import ITEM, USER, load_dataset
+from retrieval.data import ITEM, USER, load_dataset, read_clicks
 
 # The out-of-core path (data.out_of_core):
 from retrieval.data.streaming import (
@@ -240,6 +240,10 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         shards = ClickShards.open(config.data.clicks, config.data.columns, stream.read_batch_size)
         plan = plan_split(shards, config.split)
         counts = scan_counts(shards, plan)
+        given_test = None
+        if config.data.test_clicks is not None:  # split.kind: none; a test log is small: read whole
+            given_test = read_clicks(config.data.test_clicks, config.data.columns)
+            counts = counts.with_test(given_test)
         stats = FeatureStatistics.from_counts(counts.user_ids, counts.item_ids, counts.item_counts, counts.has_weights)
         catalogue_ids = counts.catalogue()
         derived = derived_settings(config, stats)
@@ -261,6 +265,8 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         clock = time.perf_counter()
         users = sample_test_users(counts, stream.max_test_users, stream.seed)
         user_train, user_test = collect_users(shards, plan, users)
+        if given_test is not None:
+            user_test = given_test[given_test[USER].astype(str).isin(set(users))].reset_index(drop=True)
         eval_set = _streamed_eval_set(user_train, user_test, stats, catalogue_ids, config.evaluation)
         seconds["evaluation"] = time.perf_counter() - clock
 

@@ -305,15 +305,24 @@ def test_lazy_adam_updates_only_the_touched_rows_as_adam_would():
 
 
 @pytest.mark.slow
-def test_job_out_of_core_matches_the_in_memory_job(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["temporal", "random", "none"])
+def test_job_out_of_core_matches_the_in_memory_job(tmp_path, monkeypatch, kind):
+    """The contract of the two click sources: the same job on the same clicks evaluates the same
+    users on the same held-out clicks, for every split kind both read."""
     from retrieval import jobs
 
     clicks, _, _ = generate_clicks(SyntheticConfig(n_users=500, n_items=300, mean_clicks_per_user=30, seed=0))
     folder = tmp_path / "shards"
+    split = [f"split.kind={kind}"]
+    if kind == "none":  # the log's later clicks as a given test file
+        clicks, test = split_clicks(clicks, TEMPORAL)
+        test_file = tmp_path / "test.parquet"
+        test.to_parquet(test_file, index=False)
+        split.append(f"data.test_clicks.path={test_file}")
     whole = _write(clicks, folder, "parquet")
     common = [
         "data.source=files",
-        "split.kind=temporal",
+        *split,
         "split.test_fraction=0.2",
         "train.epochs=6",
         "train.batch_size=256",
@@ -333,8 +342,10 @@ def test_job_out_of_core_matches_the_in_memory_job(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the out-of-core path must not load the log with pandas")
 
-    for target in ("retrieval.data.loaders.read_clicks", "retrieval.data.dataset.read_clicks",
-                   "retrieval.jobs.load_dataset", "pandas.read_parquet", "pandas.read_csv"):
+    refused = ["retrieval.data.dataset.read_clicks", "retrieval.jobs.load_dataset"]
+    if kind != "none":  # with none the (small) test file is read whole, by the in-memory reader
+        refused += ["retrieval.data.loaders.read_clicks", "pandas.read_parquet", "pandas.read_csv"]
+    for target in refused:
         monkeypatch.setattr(target, refuse)
     streamed = jobs.train_evaluate_export(
         load_config(

@@ -33,6 +33,7 @@ Importing this module does not import TensorFlow, like the rest of ``retrieval.d
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -76,7 +77,8 @@ class SplitPlan:
     """Which clicks are test, decidable from a single batch.
 
     Attributes:
-      kind: ``"temporal"`` or ``"random"``.
+      kind: ``"temporal"``, ``"random"`` or ``"none"`` (no click of the shards is
+        test: the test log is given as a file, ``StreamCounts.with_test``).
       cut: temporal: clicks with a timestamp above it are test.
       test_fraction, seed: random: a click is test when its seeded hash falls
         below ``test_fraction``.
@@ -97,6 +99,8 @@ class SplitPlan:
 
     def is_test(self, batch: ClickBatch) -> np.ndarray:
         """[len(batch)] bool: the batch's test clicks."""
+        if self.kind == "none":
+            return np.zeros(len(batch), bool)
         if self.kind == "temporal":
             if batch.timestamps is None or self.cut is None:
                 raise DataError("a temporal split needs the batch's timestamps and the plan's cut")
@@ -117,9 +121,9 @@ def plan_split(shards: ClickShards, split: SplitConfig) -> SplitPlan:
       DataError: an unsupported split kind, no timestamps for a temporal split,
         an empty log, or a cut that leaves the test part empty.
     """
-    if split.kind not in ("temporal", "random"):
+    if split.kind not in ("temporal", "random", "none"):
         raise DataError(
-            f"split.kind {split.kind!r} is not yet supported out of core (temporal and random are): "
+            f"split.kind {split.kind!r} is not yet supported out of core (temporal, random and none are): "
             "it needs every user's clicks in time order"
         )
     if split.kind == "temporal" and shards.columns.timestamp is None:
@@ -140,6 +144,8 @@ def plan_split(shards: ClickShards, split: SplitConfig) -> SplitPlan:
     if rows == 0:
         raise DataError("no clicks: every shard is empty", file=shards.files[0])
     time_range = None if first is None or last is None else (first, last)
+    if split.kind == "none":  # every click of the shards trains; the test log is a file of its own
+        return SplitPlan("none", rows, time_range=time_range)
     if split.kind == "random":
         return SplitPlan(
             "random", rows, test_fraction=split.test_fraction, seed=split.seed, time_range=time_range
@@ -272,6 +278,26 @@ class StreamCounts:
     test_rows: int
     has_weights: bool
 
+    def with_test(self, test: pd.DataFrame) -> StreamCounts:
+        """These counts with the test side taken from a given test log (``split.kind: none``).
+
+        Raises:
+          DataError: the test log is empty.
+        """
+        if test.empty:
+            raise DataError("the given test log (data.test_clicks) is empty")
+        users = test[USER].astype(str)
+        first = ~users.duplicated()
+        user_counts = users.value_counts(sort=False).reindex(users[first]).to_numpy(np.int64)
+        items = test[ITEM].astype(str)
+        return dataclasses.replace(
+            self,
+            test_user_ids=users[first].to_numpy(dtype=object),
+            test_user_counts=user_counts,
+            test_item_ids=items[~items.duplicated()].to_numpy(dtype=object),
+            test_rows=len(test),
+        )
+
     def catalogue(self) -> list[str]:
         """Every logged item, in the in-memory catalogue's order (``Dataset.items`` without
         feature tables): training items by first click, then items only in the test part."""
@@ -301,7 +327,7 @@ def scan_counts(shards: ClickShards, plan: Plan) -> StreamCounts:
         test_rows += len(test)
         has_weights = has_weights or bool(np.any(train.weights != 1.0))
     for name, rows in (("train", train_rows), ("test", test_rows)):
-        if rows == 0:
+        if rows == 0 and not (name == "test" and plan.kind == "none"):
             raise DataError(f"the {name} part of the {plan.kind!r} split is empty")
     user_ids, user_counts = users.result()
     item_ids, item_counts = items.result()
