@@ -3,7 +3,7 @@
 Optuna TPE over the config keys of a search space file (configs/tune_space.yaml), trials pruned by
 the median rule on each epoch's validation recall; the same command again continues the study
 (``--trials`` is the total). Writes trials.csv, best.yaml (a full config for ``make train``) and
-best.json into the study folder. Details: retrieval/tuning.py.
+best.json into the study folder. Details: retrieval/tuning/.
 
 Trials are scored on a validation part, never on the test part: with a temporal, random or
 leave_last_k split each trial sets split.evaluate_on=validation (the training part split again the

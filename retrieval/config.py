@@ -691,6 +691,13 @@ class ALSConfig(_Section):
     iterations: int = Field(15, gt=0, description="Alternating least-squares sweeps.")
     seed: Seed = Field(0, description="Seed of the ALS initialisation.")
     num_threads: int = Field(0, ge=0, description="Threads for the fit; 0 = every core.")
+    max_train_clicks: int | None = Field(
+        100_000_000,
+        gt=0,
+        description="Skip ALS, saying why in the log and metrics.json (skipped_baselines), when the training "
+        "part holds more clicks; None = never skip. Its click matrix takes ~12 bytes a distinct (user, item) "
+        "pair and is built from streamed counts out of core.",
+    )
 
 
 class BaselinesConfig(_Section):
@@ -810,8 +817,6 @@ class Config(_Section):
             "split.hold_out_items > 0": self.split.hold_out_items > 0,
             "split.evaluate_on: validation": self.split.evaluate_on == "validation",
             "model.loss.hard_negatives: mined": self.model.loss.hard_negatives == "mined",
-            "the als baseline (set evaluation.baselines.rankers: [popularity])": "als"
-            in self.evaluation.baselines.rankers,
         }
         named = [key for key, used in unsupported.items() if used]
         if named:

@@ -28,16 +28,20 @@ from retrieval.data.streaming import (
     plan_validation,
     sample_test_users,
     scan_counts,
+    scan_pairs,
 )
 from retrieval.evaluation import (
     EvalSet,
+    als_factors_ranking,
     build_eval_set,
     compare_rankers,
     evaluate_against_baselines,
+    fit_als_pairs,
     format_table,
     index_ranking,
     popularity_ranking_from_counts,
     ranker_names,
+    skipped_baselines,
     write_report,
 )
 from retrieval.export import atomic_directory, write_bundle
@@ -303,7 +307,8 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         clock = time.perf_counter()
         log.info("evaluating %d sampled test users over the full corpus", len(eval_set.user_ids))
         metrics = _evaluate_streamed(
-            index, embed(model.query_tower, USER, eval_set.user_ids), eval_set, user_train, stats, config.evaluation
+            index, embed(model.query_tower, USER, eval_set.user_ids), eval_set, user_train, stats, config.evaluation,
+            shards, plan,
         )
         seconds["evaluation"] += time.perf_counter() - clock
         metrics["data"] = {**summary, "evaluation_users_sampled": len(users)}
@@ -355,8 +360,11 @@ def _streamed_eval_set(user_train, user_test, stats: FeatureStatistics, catalogu
     return eval_set
 
 
-def _evaluate_streamed(index, query_embeddings, eval_set: EvalSet, user_train, stats, config) -> dict[str, Any]:
-    """``evaluate_against_baselines`` with training popularity from the streamed counts (popularity only)."""
+def _evaluate_streamed(
+    index, query_embeddings, eval_set: EvalSet, user_train, stats, config, shards: ClickShards, plan
+) -> dict[str, Any]:
+    """``evaluate_against_baselines`` with popularity from the streamed counts and ALS from a click
+    matrix coded while streaming (``scan_pairs``)."""
     depth = max(config.ks)
     catalogue = pd.Index(index.item_ids, dtype=object)
     item_counts = np.zeros(len(catalogue), np.int64)
@@ -365,4 +373,16 @@ def _evaluate_streamed(index, query_embeddings, eval_set: EvalSet, user_train, s
     rankers = {"model": lambda: index_ranking(index, query_embeddings, eval_set, depth, config.query_batch_size)}
     if "popularity" in config.baselines.rankers:
         rankers["popularity"] = lambda: popularity_ranking_from_counts(item_counts, eval_set, depth)
-    return compare_rankers(rankers, eval_set, item_counts, activity.to_numpy(), config)
+    skipped = skipped_baselines(int(stats.item_popularity.counts.sum()), config)
+    if "als" in config.baselines.rankers and "als" not in skipped:
+        rankers["als"] = lambda: _streamed_als(shards, plan, stats, catalogue, eval_set, depth, config)
+    results = compare_rankers(rankers, eval_set, item_counts, activity.to_numpy(), config)
+    return {**results, "skipped_baselines": skipped} if skipped else results
+
+
+def _streamed_als(shards, plan, stats, catalogue: pd.Index, eval_set: EvalSet, depth: int, config) -> np.ndarray:
+    """The ALS baseline fitted on the click matrix coded while streaming the training clicks."""
+    users = pd.Index(np.sort(np.asarray(stats.users.ids, dtype=object)), dtype=object)  # fit_als's order
+    user_rows, item_rows = scan_pairs(shards, plan, users, catalogue)
+    factors = fit_als_pairs(user_rows, item_rows, users, len(catalogue), config.baselines.als)
+    return als_factors_ranking(factors, list(catalogue), eval_set, depth, config.query_batch_size)

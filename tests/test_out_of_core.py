@@ -261,7 +261,6 @@ def test_unsupported_settings_are_refused_by_the_config():
     load_config(None, base)  # supported
     for override, reason in [
         ("split.kind=leave_last_k", "split.kind: leave_last_k"),
-        ("evaluation.baselines.rankers=[popularity, als]", "als baseline"),
         ("data.duplicates=first", "duplicates"),
         ("towers.query.features=[{name: user_id, kind: id}, {name: age, kind: numeric}]", "feature towers"),
     ]:
@@ -330,7 +329,8 @@ def test_job_out_of_core_matches_the_in_memory_job(tmp_path, monkeypatch, kind):
         "train.verbose=0",
         "train.validation_fraction=0.1",  # early stopping + refit, checkpointed (the default), on both
         "model.loss.log_q_source=static",
-        "evaluation.baselines.rankers=[popularity]",
+        "evaluation.baselines.rankers=[popularity, als]",
+        "evaluation.baselines.als.num_threads=1",
         "evaluation.plots=false",
         "export.topk_model=false",
         f"run.output_dir={tmp_path / 'runs'}",
@@ -357,6 +357,8 @@ def test_job_out_of_core_matches_the_in_memory_job(tmp_path, monkeypatch, kind):
     # Same evaluated users, relevant pairs and masks; popularity is deterministic, so exactly equal.
     assert streamed["counts"] == in_memory["counts"]
     assert streamed["popularity"] == pytest.approx(in_memory["popularity"])
+    # ALS: the same click matrix (streamed pair codes vs the frame), the same seed.
+    assert streamed["als"] == pytest.approx(in_memory["als"], abs=1e-6)
     assert streamed["reference"].pop("segment_users") == in_memory["reference"].pop("segment_users")
     assert streamed["reference"] == pytest.approx(in_memory["reference"])
     # The model differs only in its shuffle: its metric is close, and it has learnt the tastes.

@@ -1,4 +1,4 @@
-"""Tuning (retrieval/tuning.py, pipelines/tune.py): a checked search space, a study that resumes
+"""Tuning (retrieval/tuning/, pipelines/tune.py): a checked search space, a study that resumes
 without redoing trials, pruning on the per-epoch validation recall, and a best config that loads."""
 
 import csv

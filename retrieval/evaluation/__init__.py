@@ -9,13 +9,15 @@
 
 from retrieval.evaluation.baselines import (
     BASELINES,
+    als_factors_ranking,
     als_ranking,
     baseline_ranking,
     fit_als,
+    fit_als_pairs,
     popularity_ranking,
     popularity_ranking_from_counts,
 )
-from retrieval.evaluation.compare import compare_rankers, evaluate_against_baselines, score_ranking
+from retrieval.evaluation.compare import compare_rankers, evaluate_against_baselines, score_ranking, skipped_baselines
 from retrieval.evaluation.metrics import (
     activity_segments,
     coverage_at_k,
@@ -33,6 +35,7 @@ __all__ = [
     "BASELINES",
     "EvalSet",
     "activity_segments",
+    "als_factors_ranking",
     "als_ranking",
     "baseline_ranking",
     "build_eval_set",
@@ -40,6 +43,7 @@ __all__ = [
     "compare_rankers",
     "evaluate_against_baselines",
     "fit_als",
+    "fit_als_pairs",
     "format_table",
     "index_ranking",
     "item_click_counts",
@@ -51,6 +55,7 @@ __all__ = [
     "ranker_names",
     "ranking_metrics",
     "score_ranking",
+    "skipped_baselines",
     "summary_table",
     "tail_items",
     "tail_recall",

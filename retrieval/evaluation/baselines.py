@@ -93,18 +93,36 @@ def fit_als(train: pd.DataFrame, catalogue_ids: Sequence[str], config: ALSConfig
       catalogue_ids: [num_items] item ids; matrix columns follow this order.
       config: factors, regularisation, alpha, iterations, seed, threads.
     """
-    # Imported here: implicit (and its BLAS probing) is only needed when ALS is asked for.
-    from implicit.cpu.als import AlternatingLeastSquares
-    from scipy.sparse import csr_matrix
-    from threadpoolctl import threadpool_limits
-
     item_rows = pd.Index(catalogue_ids, dtype=object).get_indexer(train[ITEM])
     if (item_rows < 0).any():
         missing = train[ITEM].to_numpy()[item_rows < 0][0]
         raise ValueError(f"training item {missing!r} is missing from the catalogue")
     user_codes, user_ids = pd.factorize(train[USER], sort=True)
+    return fit_als_pairs(user_codes, item_rows, pd.Index(user_ids, dtype=object), len(catalogue_ids), config)
+
+
+def fit_als_pairs(
+    user_rows: np.ndarray, item_rows: np.ndarray, user_ids: pd.Index, num_items: int, config: ALSConfig
+) -> ALSFactors:
+    """Fit implicit ALS on training clicks given as (user row, catalogue row) pairs, one per click.
+
+    What ``fit_als`` does once it has coded a click frame, and what the
+    out-of-core job calls with pairs coded while streaming the shards
+    (``retrieval.data.streaming.scan_pairs``): the sparse matrix is the only
+    copy of the log, 12 bytes a distinct pair.
+
+    Args:
+      user_rows, item_rows: [num_clicks] int rows of ``user_ids`` and of the catalogue.
+      user_ids: the users, in row order.
+      num_items: catalogue size (matrix columns).
+    """
+    # Imported here: implicit (and its BLAS probing) is only needed when ALS is asked for.
+    from implicit.cpu.als import AlternatingLeastSquares
+    from scipy.sparse import csr_matrix
+    from threadpoolctl import threadpool_limits
+
     clicks = csr_matrix(
-        (np.ones(len(train), np.float32), (user_codes, item_rows)), shape=(len(user_ids), len(catalogue_ids))
+        (np.ones(len(user_rows), np.float32), (user_rows, item_rows)), shape=(len(user_ids), num_items)
     )
     clicks.sum_duplicates()  # a pair clicked n times has confidence alpha * n
     # implicit parallelises over users/items itself; a multi-threaded BLAS underneath
@@ -121,7 +139,7 @@ def fit_als(train: pd.DataFrame, catalogue_ids: Sequence[str], config: ALSConfig
         model.fit(clicks, show_progress=False)
     item_factors = np.array(model.item_factors, dtype=np.float32)
     item_factors[np.asarray(clicks.sum(axis=0)).ravel() == 0] = 0.0
-    return ALSFactors(pd.Index(user_ids, dtype=object), np.array(model.user_factors, dtype=np.float32), item_factors)
+    return ALSFactors(user_ids, np.array(model.user_factors, dtype=np.float32), item_factors)
 
 
 def als_ranking(
@@ -138,9 +156,26 @@ def als_ranking(
     ``index_ranking``, the function that ranks the model.
     """
     config = config or BaselinesConfig()
-    factors = fit_als(train, catalogue_ids, config.als)
+    return als_factors_ranking(fit_als(train, catalogue_ids, config.als), catalogue_ids, eval_set, depth, batch_size)
+
+
+def als_factors_ranking(
+    factors: ALSFactors, catalogue_ids: Sequence[str], eval_set: EvalSet, depth: int, batch_size: int = 4096
+) -> np.ndarray:
+    """Top-``depth`` rows of fitted ALS factors, ranked by ``index_ranking`` as the model is."""
     index = ItemIndex.build(list(catalogue_ids), factors.item_factors, "Flat")
     return index_ranking(index, factors.users(eval_set.user_ids), eval_set, depth, batch_size)
+
+
+def als_skip_reason(train_clicks: int, config: ALSConfig) -> str | None:
+    """Why ALS is not fitted on a training part of ``train_clicks`` clicks, or None when it is."""
+    if config.max_train_clicks is not None and train_clicks > config.max_train_clicks:
+        return (
+            f"the training part holds {train_clicks:,} clicks, more than evaluation.baselines.als."
+            f"max_train_clicks={config.max_train_clicks:,} (raise it to fit ALS: its sparse matrix takes "
+            "~12 bytes a distinct (user, item) pair)"
+        )
+    return None
 
 
 Baseline = Callable[[pd.DataFrame, Sequence[str], EvalSet, int, BaselinesConfig], np.ndarray]

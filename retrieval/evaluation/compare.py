@@ -6,6 +6,7 @@ catalogue, so the table's columns differ only in the scorer.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -15,7 +16,7 @@ import pandas as pd
 
 from retrieval.config import EvaluationConfig
 from retrieval.data import USER
-from retrieval.evaluation.baselines import baseline_ranking
+from retrieval.evaluation.baselines import als_skip_reason, baseline_ranking
 from retrieval.evaluation.metrics import (
     activity_segments,
     coverage_at_k,
@@ -29,6 +30,8 @@ from retrieval.evaluation.metrics import (
 )
 from retrieval.evaluation.protocol import EvalSet, index_ranking, item_click_counts
 from retrieval.index import ItemIndex
+
+log = logging.getLogger("retrieval")
 
 MODEL = "model"
 
@@ -88,9 +91,23 @@ def evaluate_against_baselines(
     catalogue_ids = list(index.item_ids)
     activity = train[USER].value_counts().reindex(pd.Index(eval_set.user_ids, dtype=object), fill_value=0)
     rankers = {MODEL: lambda: index_ranking(index, query_embeddings, eval_set, depth, config.query_batch_size)}
+    skipped = skipped_baselines(len(train), config)
     for name in config.baselines.rankers:
-        rankers[name] = partial(baseline_ranking, name, train, catalogue_ids, eval_set, depth, config.baselines)
-    return compare_rankers(rankers, eval_set, item_click_counts(train, catalogue_ids), activity.to_numpy(), config)
+        if name not in skipped:
+            rankers[name] = partial(baseline_ranking, name, train, catalogue_ids, eval_set, depth, config.baselines)
+    results = compare_rankers(rankers, eval_set, item_click_counts(train, catalogue_ids), activity.to_numpy(), config)
+    return {**results, "skipped_baselines": skipped} if skipped else results
+
+
+def skipped_baselines(train_clicks: int, config: EvaluationConfig) -> dict[str, str]:
+    """The configured baselines not run on a training part of ``train_clicks`` clicks, with why (logged)."""
+    skipped = {}
+    if "als" in config.baselines.rankers:
+        reason = als_skip_reason(train_clicks, config.baselines.als)
+        if reason is not None:
+            skipped["als"] = reason
+            log.warning("ALS baseline skipped: %s", reason)
+    return skipped
 
 
 def compare_rankers(
