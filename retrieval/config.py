@@ -206,7 +206,8 @@ class SplitConfig(_Section):
     evaluate_on: Literal["test", "validation"] = Field(
         "test",
         description="What the job is scored on: test = the test part; validation = the training part split "
-        "again with the same kind, test_fraction, k and seed (train on the rest), the test part never read "
+        "again with the same kind, test_fraction and k (random: a hash keyed by the next seed, independent of "
+        "the outer split's) (train on the rest), the test part never read; in memory and out of core alike "
         "(hyper-parameter tuning sets it; not with kind: none, whose data.test_clicks is already the "
         "chosen evaluation file).",
     )
@@ -815,7 +816,6 @@ class Config(_Section):
             f"split.kind: {self.split.kind} (temporal, random and none are)": self.split.kind
             not in ("temporal", "random", "none"),
             "split.hold_out_items > 0": self.split.hold_out_items > 0,
-            "split.evaluate_on: validation": self.split.evaluate_on == "validation",
             "model.loss.hard_negatives: mined": self.model.loss.hard_negatives == "mined",
         }
         named = [key for key, used in unsupported.items() if used]

@@ -23,6 +23,7 @@ from retrieval.data import ITEM, USER, load_dataset, read_clicks
 # The out-of-core path (data.out_of_core):
 from retrieval.data.streaming import (
     ClickShards,
+    Plan,
     collect_users,
     plan_split,
     plan_validation,
@@ -242,7 +243,9 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         seconds: dict[str, float] = {}
         clock = time.perf_counter()
         shards = ClickShards.open(config.data.clicks, config.data.columns, stream.read_batch_size)
-        plan = plan_split(shards, config.split)
+        plan: Plan = plan_split(shards, config.split)
+        if config.split.evaluate_on == "validation":  # as splits.split_validation carves it in memory
+            plan = plan_validation(shards, plan, config.split.test_fraction, config.split.seed)
         counts = scan_counts(shards, plan)
         given_test = None
         if config.data.test_clicks is not None:  # split.kind: none; a test log is small: read whole

@@ -171,12 +171,25 @@ class CarvedPlan:
     function taking a ``SplitPlan`` takes it.
     """
 
-    outer: SplitPlan
+    outer: SplitPlan | CarvedPlan
     inner: SplitPlan
 
     @property
     def kind(self) -> str:
         return self.inner.kind
+
+    @property
+    def rows(self) -> int:
+        return self.outer.rows
+
+    @property
+    def time_range(self) -> tuple[int, int] | None:
+        return self.outer.time_range
+
+    @property
+    def cut(self) -> int | None:
+        """The inner (validation) cut of a temporal carve."""
+        return self.inner.cut
 
     def drops(self, batch: ClickBatch) -> np.ndarray:
         return self.outer.is_test(batch) | self.outer.drops(batch)
@@ -185,7 +198,7 @@ class CarvedPlan:
         return ~self.drops(batch) & self.inner.is_test(batch)
 
 
-def plan_validation(shards: ClickShards, plan: SplitPlan, fraction: float, seed: int) -> CarvedPlan:
+def plan_validation(shards: ClickShards, plan: SplitPlan | CarvedPlan, fraction: float, seed: int) -> CarvedPlan:
     """The validation part carved from ``plan``'s training side as ``training.validation_split``
     carves it in memory: with timestamps the latest ``fraction`` of the training clicks (the
     exact cut of ``splits.timestamp_cut``, one more pass), else a random ``fraction`` by the
@@ -202,7 +215,7 @@ def plan_validation(shards: ClickShards, plan: SplitPlan, fraction: float, seed:
     for batch in shards.scan():
         if batch.timestamps is None:
             raise DataError("a temporal validation part needs every batch's timestamps", file=shards.files[0])
-        stamps.append(batch.timestamps[~plan.is_test(batch)])
+        stamps.append(batch.timestamps[~plan.is_test(batch) & ~plan.drops(batch)])
     everything = np.concatenate(stamps)
     del stamps
     cut = timestamp_cut(everything, fraction)
