@@ -215,7 +215,7 @@ def test_an_empty_validation_part_says_it_is_the_nested_split():
         split_validation(train, SplitConfig(kind="temporal", test_fraction=0.2, evaluate_on="validation"))
 
 
-def test_validation_is_refused_for_a_given_test_log_and_out_of_core():
+def test_validation_is_refused_for_a_given_test_log():
     with pytest.raises(ValidationError, match=r"split\.kind: none has no split to repeat.*validation file"):
         SplitConfig(kind="none", evaluate_on="validation")
     with pytest.raises(ValueError, match="data.test_clicks is already the evaluation part"):
@@ -224,9 +224,7 @@ def test_validation_is_refused_for_a_given_test_log_and_out_of_core():
         load_config(None, ["split.evaluate_on=sometimes"])
     shards = ["data.source=files", "data.clicks={path: c.parquet}", "data.out_of_core=true",
               "train.validation_fraction=0", "evaluation.baselines.rankers=[popularity]"]
-    load_config(None, shards)  # out of core is fine otherwise
-    with pytest.raises(ConfigError, match=r"not yet supported with data.out_of_core: split.evaluate_on: validation"):
-        load_config(None, [*shards, "split.evaluate_on=validation"])
+    load_config(None, [*shards, "split.evaluate_on=validation"])  # out of core carves it too
 
 
 def test_load_dataset_evaluates_on_the_validation_part_and_never_reads_the_test_part():
