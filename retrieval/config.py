@@ -155,7 +155,9 @@ class DataConfig(_Section):
         False,
         description="Stream data.clicks (a Parquet or CSV file, a directory of them or a glob such as "
         "'logs/*.parquet') through tf.data instead of loading it: vocabularies and counts come from "
-        "streaming passes, and only the sampled test users' clicks are held in memory. ID towers only.",
+        "streaming passes, and only the sampled test users' clicks are held in memory. The same job, training "
+        "loop, checkpoints and early stopping as in memory; ID towers only (docs/operations.md lists what "
+        "cannot stream and why).",
     )
     stream: StreamConfig = Field(StreamConfig(), description="Out-of-core reading (data.out_of_core).")
 
