@@ -72,3 +72,22 @@ def test_evaluation_does_not_import_tensorflow():
     for path in (PACKAGE / "evaluation").rglob("*.py"):
         source = path.read_text()
         assert "import tensorflow" not in source, f"{path.name} imports TensorFlow"
+
+
+# Inside the training stage, in the order its modules build on each other (retrieval/training/__init__.py).
+TRAINING_MODULES = ["optimizers", "runtime", "sources", "checkpoints", "loop", "early_stopping", "fit", "embeddings"]
+
+
+def test_training_modules_build_on_earlier_ones_only():
+    problems = []
+    for path in (PACKAGE / "training").glob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        assert path.stem in TRAINING_MODULES, f"training/{path.name} is not in TRAINING_MODULES; add it in order"
+        own = TRAINING_MODULES.index(path.stem)
+        for module in _imports(path):
+            parts = module.split(".")
+            if parts[:2] == ["retrieval", "training"] and len(parts) > 2:
+                if TRAINING_MODULES.index(parts[2]) >= own:
+                    problems.append(f"training/{path.name} imports {module} (not an earlier module)")
+    assert not problems, "\n".join(problems)
