@@ -130,7 +130,7 @@ def train_evaluate_export(
         with strategy.scope():  # fit compiles: the optimizer's variables too
             history = fit(
                 model, examples, config.train, log_dir=scratch, split=config.split, checkpoint_dir=checkpoint_dir,
-                on_epoch_end=on_epoch_end,
+                on_epoch_end=on_epoch_end, say=log.info,
             )
 
         log.info("indexing %d catalogue items (%s)", len(catalogue_ids), config.index.factory)
