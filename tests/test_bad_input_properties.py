@@ -211,6 +211,14 @@ bad_floats = st.one_of(
 )
 
 
+# Bad as a float32 weight: not finite, beyond float32 or negative (2**63 is a fine weight, a bad timestamp).
+bad_float_weights = st.one_of(
+    st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+    st.floats(FLOAT32_MAX * 1.0001, 1e300),
+    st.floats(-1e300, -1e-10),
+)
+
+
 @st.composite
 def one_bad_cell(draw, fmt: str) -> tuple[dict[str, Any], str | None, int]:
     """A valid log with one cell (or, for a stored type no id may have, one column; or, in text,
@@ -257,7 +265,7 @@ def one_bad_cell(draw, fmt: str) -> tuple[dict[str, Any], str | None, int]:
     if kind.endswith("_null"):
         values[row] = None
     else:
-        values[row] = draw(bad_floats if name == "ts" else st.one_of(bad_floats, st.floats(-1e10, -1e-10)))
+        values[row] = draw(bad_floats if name == "ts" else bad_float_weights)
     columns[name] = pa.array(values, pa.float64())
     return columns, name, row
 
