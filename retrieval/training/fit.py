@@ -115,6 +115,8 @@ def fit(
         # Without a refit the selection run is the training run: it gets the logs.
         epochs, selection = select_epochs(model, validation, config, hooks, None if config.refit else logs, say)
         if not config.refit:
+            if logs is not None:
+                logs.close()
             return selection
         state = TrainingState(selection=selection)
         if checkpoint is not None:
