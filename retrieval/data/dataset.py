@@ -115,10 +115,7 @@ def load_dataset(data: DataConfig, split: SplitConfig) -> Dataset:
         clicks = read_clicks(data.clicks, data.columns)
         if data.test_clicks is not None:
             test_log = apply_duplicates(read_clicks(data.test_clicks, data.columns), data.duplicates)
-        if data.item_features is not None:
-            item_features = _features(data.item_features, data.item_id_column, ITEM)
-        if data.user_features is not None:
-            user_features = _features(data.user_features, data.user_id_column, USER)
+        item_features, user_features = feature_tables(data)
         source = f"files:{data.clicks.path}"
     else:
         raise ValueError(f"unknown data.source {data.source!r}; valid: synthetic, movielens-100k, files")
@@ -133,12 +130,20 @@ def load_dataset(data: DataConfig, split: SplitConfig) -> Dataset:
     return Dataset(
         train=train,
         test=test,
-        items=_catalogue(ITEM, item_features, train, test),
-        users=_catalogue(USER, user_features, train, test),
+        items=catalogue_table(ITEM, item_features, train, test),
+        users=catalogue_table(USER, user_features, train, test),
         source=source,
         held_out_items=held_out,
         evaluated_on=split.evaluate_on,
     )
+
+
+def feature_tables(data: DataConfig) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
+    """``(items, users)``: ``data.item_features`` and ``data.user_features`` with their id columns
+    renamed to ``item_id`` and ``user_id``; None where not given."""
+    items = None if data.item_features is None else _features(data.item_features, data.item_id_column, ITEM)
+    users = None if data.user_features is None else _features(data.user_features, data.user_id_column, USER)
+    return items, users
 
 
 def _features(table: TableConfig, id_column: str, key: str) -> pd.DataFrame:
@@ -153,8 +158,9 @@ def _features(table: TableConfig, id_column: str, key: str) -> pd.DataFrame:
     return features.rename(columns={id_column: key})
 
 
-def _catalogue(key: str, features: pd.DataFrame | None, *logs: pd.DataFrame) -> pd.DataFrame:
-    """Feature rows in table order, then ids only seen in the logs, first seen first."""
+def catalogue_table(key: str, features: pd.DataFrame | None, *logs: pd.DataFrame) -> pd.DataFrame:
+    """Feature rows in table order, then ids only seen in the logs (frames with a ``key``
+    column), first seen first; features are NaN for those."""
     known = pd.Series([], dtype="str") if features is None else features[key]
     ids = pd.concat([known, *(log[key] for log in logs)], ignore_index=True).drop_duplicates()
     catalogue = pd.DataFrame({key: ids.to_numpy()})

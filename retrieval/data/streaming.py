@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from retrieval.arrays import seeded_subset
-from retrieval.data.schema import ITEM, USER, WEIGHT, DataError
+from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
 from retrieval.data.shards import ClickBatch, ClickShards, as_strings, list_shard_files
 from retrieval.data.stream_splits import CarvedPlan, Plan, SplitPlan, plan_split, plan_validation, random_test_mask
 
@@ -64,6 +64,7 @@ __all__ = [  # the shard readers too: callers stream through this module
     "sample_test_users",
     "scan_counts",
     "scan_pairs",
+    "scan_train_column",
     "train_batches",
 ]
 
@@ -117,6 +118,8 @@ class StreamCounts:
       (Ids are in order of first appearance in the log.)
       train_rows, test_rows: clicks on each side.
       has_weights: some training click has a weight other than 1.
+      last_train_time: the latest training click's timestamp (the end of training), or None
+        without timestamps.
     """
 
     user_ids: np.ndarray
@@ -129,6 +132,7 @@ class StreamCounts:
     train_rows: int
     test_rows: int
     has_weights: bool
+    last_train_time: int | None = None
 
     def with_test(self, test: pd.DataFrame) -> StreamCounts:
         """These counts with the test side taken from a given test log (``split.kind: none``).
@@ -167,6 +171,7 @@ def scan_counts(shards: ClickShards, plan: Plan) -> StreamCounts:
     users, items, test_users, test_items = _Counter(), _Counter(), _Counter(), _Counter()
     train_rows = test_rows = 0
     has_weights = False
+    last_time: int | None = None
     for batch in shards.scan():
         batch = batch.take(~plan.drops(batch))
         is_test = plan.is_test(batch)
@@ -178,6 +183,9 @@ def scan_counts(shards: ClickShards, plan: Plan) -> StreamCounts:
         train_rows += len(train)
         test_rows += len(test)
         has_weights = has_weights or bool(np.any(train.weights != 1.0))
+        if train.timestamps is not None and len(train):
+            latest = int(train.timestamps.max())
+            last_time = latest if last_time is None else max(last_time, latest)
     for name, rows in (("train", train_rows), ("test", test_rows)):
         if rows == 0 and not (name == "test" and plan.kind == "none"):
             raise DataError(f"the {name} part of the {plan.kind!r} split is empty")
@@ -195,7 +203,23 @@ def scan_counts(shards: ClickShards, plan: Plan) -> StreamCounts:
         train_rows,
         test_rows,
         has_weights,
+        last_time,
     )
+
+
+def scan_train_column(shards: ClickShards, plan: Plan, column: str) -> np.ndarray:
+    """One column of every training click, in log order: ``timestamp`` (int64) or ``weight``
+    (float32), 8 (4) bytes a click (feature statistics of a click column, ``ExampleJoin``)."""
+    if column not in (TIME, WEIGHT):
+        raise ValueError(f"only the timestamp and weight columns are scanned, got {column!r}")
+    parts = []
+    for batch in shards.scan():
+        train = batch.take(~plan.is_test(batch) & ~plan.drops(batch))
+        values = train.weights if column == WEIGHT else train.timestamps
+        if values is None:
+            raise DataError("the click log has no timestamp column (data.columns.timestamp)")
+        parts.append(values)
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32 if column == WEIGHT else np.int64)
 
 
 def scan_pairs(
@@ -265,8 +289,10 @@ def train_batches(
     seed: int,
     epoch: int = 0,
     interleave: int = 4,
+    with_time: bool = False,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Batches ``{"user_id", "item_id", "weight"}`` of every training click, each exactly once.
+    """Batches ``{"user_id", "item_id", "weight"}`` (and ``"timestamp"`` with ``with_time``) of every
+    training click, each exactly once.
 
     Shuffling in bounded memory: the shard order is permuted, ``interleave``
     shards are read at once (a record batch from each in turn, so a buffer
@@ -278,7 +304,7 @@ def train_batches(
 
     Yields:
       ``user_id`` [batch] object str, ``item_id`` [batch] object str,
-      ``weight`` [batch] float32.
+      ``weight`` [batch] float32 (``timestamp`` [batch] int64).
     """
     if batch_size <= 0 or shuffle_buffer <= 0:
         raise ValueError(
@@ -286,26 +312,31 @@ def train_batches(
         )
     rng = np.random.default_rng([seed, epoch])
     files = [shards.files[i] for i in rng.permutation(len(shards.files))]
-    held: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    if with_time and shards.columns.timestamp is None:
+        raise DataError("the click log has no timestamp column (data.columns.timestamp)")
+    held: list[dict[str, np.ndarray]] = []
     count = 0
 
     def drain(final: bool) -> Iterator[dict[str, np.ndarray]]:
         nonlocal held, count
-        users, items, weights = (np.concatenate(parts) for parts in zip(*held))
-        order = rng.permutation(len(users))
+        columns = {name: np.concatenate([part[name] for part in held]) for name in held[0]}
+        order = rng.permutation(len(columns[USER]))
         full = len(order) if final else len(order) - len(order) % batch_size
         for start in range(0, full, batch_size):
             rows = order[start : start + batch_size]
-            yield {USER: users[rows], ITEM: items[rows], WEIGHT: weights[rows]}
+            yield {name: values[rows] for name, values in columns.items()}
         rest = order[full:]
-        held = [(users[rest], items[rest], weights[rest])] if len(rest) else []
+        held = [{name: values[rest] for name, values in columns.items()}] if len(rest) else []
         count = len(rest)
 
     for batch in _interleaved(shards, files, interleave):
         train = batch.take(~plan.is_test(batch) & ~plan.drops(batch))
         if not len(train):
             continue
-        held.append((as_strings(train.users), as_strings(train.items), train.weights))
+        part = {USER: as_strings(train.users), ITEM: as_strings(train.items), WEIGHT: train.weights}
+        if with_time:
+            part[TIME] = np.asarray(train.timestamps)
+        held.append(part)
         count += len(train)
         if count >= max(shuffle_buffer, batch_size):
             yield from drain(final=False)

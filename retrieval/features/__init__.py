@@ -4,11 +4,14 @@
 - ``tables``: raw tower inputs per training example, catalogue item and query
   (user/item features joined on, click histories without leakage);
 - ``preprocessing``: per-feature vocabularies and normalisation statistics the
-  feature towers bake in.
+  feature towers bake in;
+- ``joins``: the same tower inputs joined onto streamed click batches, and their
+  statistics from per-id counts (``data.out_of_core``).
 
 Plain numpy/pandas; importing it does not import TensorFlow.
 """
 
+from retrieval.features.joins import ExampleJoin
 from retrieval.features.preprocessing import (
     NumericStatistics,
     TimestampStatistics,
@@ -37,6 +40,7 @@ from retrieval.features.tables import (
 
 __all__ = [
     "PAD",
+    "ExampleJoin",
     "FeatureStatistics",
     "InputSpec",
     "ItemPopularity",

@@ -37,12 +37,22 @@ class NumericStatistics:
     count: int
 
     @classmethod
-    def from_values(cls, values) -> NumericStatistics:
+    def from_values(cls, values, weights=None) -> NumericStatistics:
+        """From values, each standing for ``weights`` examples (None = one each; streamed per-id rows
+        stand for their training clicks)."""
         values = np.asarray(values, dtype=np.float64)
-        values = values[~np.isnan(values)]
-        if values.size == 0:
+        present = ~np.isnan(values)
+        values = values[present]
+        if weights is None:
+            if values.size == 0:
+                return cls(0.0, 1.0, 0)
+            return cls(float(values.mean()), float(values.var()), int(values.size))
+        weights = np.asarray(weights, dtype=np.float64)[present]
+        total = float(weights.sum())
+        if total <= 0:
             return cls(0.0, 1.0, 0)
-        return cls(float(values.mean()), float(values.var()), int(values.size))
+        mean = float(np.sum(weights * values) / total)
+        return cls(mean, float(np.sum(weights * (values - mean) ** 2) / total), int(round(total)))
 
     @property
     def std(self) -> float:
@@ -84,35 +94,53 @@ def age_days(values, unit: str, reference: float) -> np.ndarray:
 
 
 def category_values(feature: FeatureConfig, column: pd.Series) -> pd.Series:
-    """The strings a categorical feature looks up, one per value (padding dropped), from a tables column."""
+    """The strings a categorical feature looks up, one per value (padding dropped), from a tables column.
+
+    The index is the position of each value's row in ``column`` (repeated for multi-valued rows).
+    """
     if feature.kind == "multi_categorical":
         if feature.separator is None:
-            flat = [value for row in column for value in row]
+            lists = [list(row) for row in column]
         else:
-            flat = [value for text in column for value in text.split(feature.separator)[: feature.max_values]]
-        values = pd.Series(flat, dtype=object)
+            lists = [text.split(feature.separator)[: feature.max_values] for text in column]
+        rows = np.repeat(np.arange(len(lists)), [len(values) for values in lists])
+        values = pd.Series([value for values in lists for value in values], index=rows, dtype=object)
     else:
-        values = column.astype(str)
+        values = pd.Series(column.astype(str).to_numpy(dtype=object), index=np.arange(len(column)))
         prefix = getattr(feature, "prefix", None)  # only some kinds have one
         if prefix:
             values = values.str.slice(0, prefix)
     return values[values != PAD]
 
 
-def fit_statistic(feature: FeatureConfig, column: pd.Series, reference: float | None) -> Statistic:
-    """The statistic of one feature from its training-examples column (see ``training_examples``)."""
+def fit_statistic(
+    feature: FeatureConfig, column: pd.Series, reference: float | None, weights: np.ndarray | None = None
+) -> Statistic:
+    """The statistic of one feature from its training-examples column (see ``training_examples``).
+
+    ``weights`` ([len(column)] positive integers): row i stands for ``weights[i]`` training
+    examples, as if repeated that often (the streamed job fits one row per training user or item,
+    weighted by its training clicks); None = one example a row.
+    """
     if feature.kind in ("id", "categorical", "multi_categorical"):
         if getattr(feature, "hash_buckets", None) is not None:
             return None
-        return Vocabulary.from_series(category_values(feature, column), getattr(feature, "min_count", 1))
+        values = category_values(feature, column)
+        min_count = getattr(feature, "min_count", 1)
+        if weights is None:
+            return Vocabulary.from_series(values, min_count)
+        counts = pd.Series(np.asarray(weights)[values.index.to_numpy()], index=values.to_numpy()).groupby(level=0).sum()
+        return Vocabulary(tuple(sorted(counts.index[counts.to_numpy() >= max(min_count, 1)])))
     if feature.kind == "numeric":
-        return NumericStatistics.from_values(numeric_values(column.to_numpy(), feature.log))
+        return NumericStatistics.from_values(numeric_values(column.to_numpy(), feature.log), weights)
     if feature.kind == "timestamp":
         if reference is None:
             raise ValueError(f"timestamp feature {feature.name!r} needs a log with timestamps (the end of training)")
         age = age_days(column.to_numpy(), feature.unit, reference)
         return TimestampStatistics(
-            reference, NumericStatistics.from_values(age), NumericStatistics.from_values(numeric_values(age, True))
+            reference,
+            NumericStatistics.from_values(age, weights),
+            NumericStatistics.from_values(numeric_values(age, True), weights),
         )
     if feature.kind == "text":
         return None
@@ -143,6 +171,29 @@ class TowerStatistics:
             for feature in towers.query.features + towers.doc.features
         }
         return cls(features, Vocabulary.from_series(examples[ITEM]), reference_time)
+
+    @classmethod
+    def fit_weighted(
+        cls,
+        towers: TowersConfig,
+        columns: Mapping[str, tuple[pd.Series, np.ndarray | None]],
+        items: Vocabulary,
+        reference_time: float | None,
+    ) -> TowerStatistics:
+        """``fit`` from weighted rows instead of one row per training example (the streamed job).
+
+        Args:
+          columns: feature name -> (its raw values, the training examples each value stands for,
+            or None for one each): e.g. a user feature's value per training user weighted by the
+            user's training clicks, which is what ``fit`` sees after the join onto every click.
+          items: training item ids (the history vocabulary).
+          reference_time: end of training in seconds, or None.
+        """
+        features: dict[str, Statistic] = {}
+        for feature in towers.query.features + towers.doc.features:
+            column, weights = columns[feature.name]
+            features[feature.name] = fit_statistic(feature, column, reference_time, weights)
+        return cls(features, items, reference_time)
 
     def __getitem__(self, name: str) -> Statistic:
         return self.features[name]

@@ -218,14 +218,15 @@ def catalogue_inputs(items: pd.DataFrame, towers: TowersConfig) -> pd.DataFrame:
 def query_inputs(
     user_ids: Sequence[str] | np.ndarray,
     users: pd.DataFrame | None,
-    train: pd.DataFrame,
+    train: pd.DataFrame | None,
     towers: TowersConfig,
     reference_time: float | None,
 ) -> pd.DataFrame:
     """Query-tower inputs for users queried after training, plus ``user_id``.
 
-    Their history is their last training clicks; a click-log ``timestamp`` read
-    by a query feature is ``reference_time`` (the end of training).
+    Their history is their last training clicks (``train``; None when the clicks are
+    streamed, which only a tower without a history allows); a click-log ``timestamp``
+    read by a query feature is ``reference_time`` (the end of training).
     """
     ids = np.asarray(user_ids, dtype=object).astype(str).astype(object)
     rows = pd.DataFrame({USER: ids})
@@ -233,6 +234,8 @@ def query_inputs(
         rows[TIME] = np.full(len(ids), reference_time, dtype=np.float64)
     history = None
     if towers.query.history is not None:
+        if train is None:
+            raise ValueError("towers.query.history needs the training clicks (a streamed log holds none in memory)")
         history = latest_history(train, ids, towers.query.history.length)
     query = tower_frame(towers.query, rows, users, USER, "query", history)
     if USER not in query:
@@ -310,15 +313,18 @@ class TowerTables:
 
     Attributes:
       towers: the towers' features.
-      train: canonical training clicks.
+      train: canonical training clicks; None when they are streamed (``data.out_of_core``: the
+        training examples are then joined batch by batch, ``retrieval.features.ExampleJoin``).
       users: user feature table (``Dataset.users``), or None.
       items: the catalogue with item features (``Dataset.items``).
+      end_time: the latest training click's time when ``train`` is None (else read from ``train``).
     """
 
     towers: TowersConfig
-    train: pd.DataFrame
+    train: pd.DataFrame | None
     users: pd.DataFrame | None
     items: pd.DataFrame
+    end_time: float | None = None
 
     @classmethod
     def from_dataset(cls, dataset: Any, towers: TowersConfig) -> TowerTables:
@@ -327,10 +333,12 @@ class TowerTables:
 
     @property
     def reference_time(self) -> float | None:
-        return reference_time(self.train)
+        return self.end_time if self.train is None else reference_time(self.train)
 
     def examples(self) -> pd.DataFrame:
         """``training_examples``: one row per training click."""
+        if self.train is None:
+            raise ValueError("the training clicks are streamed: join them batch by batch (ExampleJoin)")
         return training_examples(self.train, self.users, self.items, self.towers)
 
     def catalogue(self) -> pd.DataFrame:
