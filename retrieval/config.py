@@ -156,8 +156,9 @@ class DataConfig(_Section):
         description="Stream data.clicks (a Parquet or CSV file, a directory of them or a glob such as "
         "'logs/*.parquet') through tf.data instead of loading it: vocabularies and counts come from "
         "streaming passes, and only the sampled test users' clicks are held in memory. The same job, training "
-        "loop, checkpoints and early stopping as in memory; ID towers only (docs/operations.md lists what "
-        "cannot stream and why).",
+        "loop, checkpoints and early stopping as in memory, ID or feature towers: data.item_features and "
+        "data.user_features are read whole and joined onto each streamed batch (towers.query.history cannot "
+        "stream; docs/operations.md lists what cannot and why).",
     )
     stream: StreamConfig = Field(StreamConfig(), description="Out-of-core reading (data.out_of_core).")
 
@@ -168,14 +169,10 @@ class DataConfig(_Section):
         if self.out_of_core:
             if self.source != "files":
                 raise ValueError(f"data.out_of_core needs data.source: files (click shards), got {self.source!r}")
-            unsupported = {
-                "data.item_features": self.item_features is not None,
-                "data.user_features": self.user_features is not None,
-                "data.duplicates: first (needs per-pair state)": self.duplicates != "keep",
-            }
-            named = [key for key, used in unsupported.items() if used]
-            if named:
-                raise ValueError(f"not yet supported with data.out_of_core: {', '.join(named)}")
+            if self.duplicates != "keep":
+                raise ValueError(
+                    "not yet supported with data.out_of_core: data.duplicates: first (needs per-pair state)"
+                )
         return self
 
 
@@ -815,7 +812,8 @@ class Config(_Section):
         if not self.data.out_of_core:
             return self
         unsupported = {
-            "feature towers (towers: must be the default ID towers)": not self.towers.is_id_only,
+            "towers.query.history (each click's history is its user's earlier clicks, which shuffled shards "
+            "do not carry: it needs the log sorted by user and time first)": self.towers.query.history is not None,
             f"split.kind: {self.split.kind} (temporal, random and none are)": self.split.kind
             not in ("temporal", "random", "none"),
             "split.hold_out_items > 0": self.split.hold_out_items > 0,

@@ -19,6 +19,7 @@ import tensorflow as tf
 from retrieval.arrays import seeded_subset
 from retrieval.config import Config, save_config
 from retrieval.data import ITEM, USER, load_dataset, read_clicks
+from retrieval.data.dataset import catalogue_table, feature_tables
 
 # The out-of-core path (data.out_of_core):
 from retrieval.data.streaming import (
@@ -30,6 +31,7 @@ from retrieval.data.streaming import (
     sample_test_users,
     scan_counts,
     scan_pairs,
+    scan_train_column,
 )
 from retrieval.evaluation import (
     EvalSet,
@@ -46,7 +48,7 @@ from retrieval.evaluation import (
     write_report,
 )
 from retrieval.export import atomic_directory, write_bundle
-from retrieval.features import FeatureStatistics, TowerStatistics, TowerTables
+from retrieval.features import ExampleJoin, FeatureStatistics, TowerStatistics, TowerTables
 from retrieval.index import ItemIndex, build_index
 from retrieval.model import build_model, resolved
 from retrieval.run_checkpoints import training_checkpoints
@@ -55,7 +57,6 @@ from retrieval.training import (
     StreamedClicks,
     ValidationData,
     distribution_strategy,
-    embed,
     embed_frame,
     fit,
     seed_everything,
@@ -225,12 +226,14 @@ def _user_sample(train, size: int, seed: int) -> list[str]:
 
 
 def _train_evaluate_export_out_of_core(config: Config, config_name: str, started: float) -> RunResult:
-    """The main job on a click log streamed from shards (``retrieval.data.streaming``), ID towers only.
+    """The main job on a click log streamed from shards (``retrieval.data.streaming``).
 
     No click frame of the whole log is ever built: vocabularies and popularity
     come from streaming passes, training reads the shards through ``tf.data``,
     and evaluation holds only the clicks of ``data.stream.max_test_users``
-    sampled test users. The run directory is the in-memory job's.
+    sampled test users. Feature tables are read whole and joined onto each
+    batch (``ExampleJoin``); the catalogue and the queries are embedded from
+    them as in memory (``TowerTables``). The run directory is the in-memory job's.
     """
     stream = config.data.stream
     if config.data.clicks is None:
@@ -252,7 +255,8 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
             given_test = read_clicks(config.data.test_clicks, config.data.columns)
             counts = counts.with_test(given_test)
         stats = FeatureStatistics.from_counts(counts.user_ids, counts.item_ids, counts.item_counts, counts.has_weights)
-        catalogue_ids = counts.catalogue()
+        tables, join = _streamed_tables(config, counts, shards.columns.timestamp is not None)
+        catalogue_ids = tables.items[ITEM].tolist()  # the feature table's items first, as Dataset.items
         derived = derived_settings(config, stats)
         seconds["streaming_stats"] = time.perf_counter() - clock
         summary = {
@@ -278,15 +282,24 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         seconds["evaluation"] = time.perf_counter() - clock
 
         seed_everything(config.train.seed)  # before the towers are built: their init is random
-        model = build_model(config.model, stats, use_weights=config.train.use_weights)
+        towers = catalogue = None  # None: build_model makes the ID towers
+        if join is not None:
+            clicks = {column: scan_train_column(shards, plan, column) for column in join.scanned_columns}
+            statistics = join.statistics((counts.user_ids, counts.user_counts), (counts.item_ids, counts.item_counts),
+                                         clicks, stats.items, tables.reference_time)
+            del clicks
+            towers = build_towers(config.towers, config.model, statistics)
+            catalogue = tables.catalogue()
+        model = build_model(config.model, stats, use_weights=config.train.use_weights, towers=towers,
+                            catalogue_features=catalogue)
         source = StreamedClicks(
             shards, plan, config.train.batch_size, shuffle_buffer=stream.shuffle_buffer, seed=stream.seed,
-            train_rows=counts.train_rows, max_batches=stream.max_train_batches,
+            train_rows=counts.train_rows, max_batches=stream.max_train_batches, join=join,
         )
         clock = time.perf_counter()
         validation = None
         if config.train.validation_fraction > 0:
-            validation = _streamed_validation(shards, plan, config)
+            validation = _streamed_validation(shards, plan, config, join)
             seconds["validation_split"] = time.perf_counter() - clock
         log.info("training: %d clicks streamed, %d epochs", counts.train_rows, config.train.epochs)
         clock = time.perf_counter()
@@ -297,20 +310,18 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
 
         clock = time.perf_counter()
         log.info("indexing %d catalogue items (%s)", len(catalogue_ids), config.index.factory)
-        item_embeddings = embed(model.doc_tower, ITEM, catalogue_ids)
-        tuning_users = [
-            str(user) for user in seeded_subset(np.asarray(stats.users.ids, dtype=object), config.index.tune_queries,
-                                                config.index.seed)
-        ]
-        index = build_index(
-            catalogue_ids, item_embeddings, config.index, embed(model.query_tower, USER, tuning_users), "training users"
-        )
+        item_embeddings = embed_frame(model.doc_tower, tables.catalogue())
+        tuning_users = seeded_subset(np.asarray(stats.users.ids, dtype=object), config.index.tune_queries,
+                                     config.index.seed)
+        index = build_index(catalogue_ids, item_embeddings, config.index,
+                            embed_frame(model.query_tower, tables.queries(tuning_users)), "training users")
         seconds["indexing"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
         log.info("evaluating %d sampled test users over the full corpus", len(eval_set.user_ids))
         metrics = _evaluate_streamed(
-            index, embed(model.query_tower, USER, eval_set.user_ids), eval_set, user_train, stats, config.evaluation,
+            index, embed_frame(model.query_tower, tables.queries(eval_set.user_ids)), eval_set, user_train, stats,
+            config.evaluation,
             shards, plan,
         )
         seconds["evaluation"] += time.perf_counter() - clock
@@ -326,10 +337,26 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
     return RunResult(final, metrics, time.perf_counter() - started)
 
 
-def _streamed_validation(shards: ClickShards, plan, config: Config) -> ValidationData:
+def _streamed_tables(config: Config, counts, has_time: bool) -> tuple[TowerTables, ExampleJoin | None]:
+    """The catalogue and user tables of a streamed log as ``load_dataset`` builds them (feature
+    rows first, then ids only in the log), and their join onto click batches (None: ID towers)."""
+    item_table, user_table = feature_tables(config.data)
+    items = catalogue_table(ITEM, item_table, pd.DataFrame({ITEM: counts.catalogue()}))
+    users = None
+    if user_table is not None:
+        users = catalogue_table(USER, user_table, pd.DataFrame({USER: counts.user_ids}),
+                                pd.DataFrame({USER: counts.test_user_ids}))
+    end = None if counts.last_train_time is None else float(counts.last_train_time)
+    tables = TowerTables(config.towers, None, users, items, end_time=end)
+    join = None if config.towers.is_id_only else ExampleJoin(config.towers, users, items, has_time=has_time)
+    return tables, join
+
+
+def _streamed_validation(shards: ClickShards, plan, config: Config, join: ExampleJoin | None) -> ValidationData:
     """Early stopping's data from the shards: the validation part carved from the training side
     (``plan_validation``: temporal with timestamps, else a seeded hash), the fit part streamed,
-    and the validation clicks of up to ``data.stream.max_test_users`` sampled users in memory."""
+    and the validation clicks of up to ``data.stream.max_test_users`` sampled users in memory
+    (with the query tower's inputs joined on)."""
     stream, train = config.data.stream, config.train
     carved = plan_validation(shards, plan, train.validation_fraction, config.split.seed)
     counts = scan_counts(shards, carved)
@@ -339,9 +366,9 @@ def _streamed_validation(shards: ClickShards, plan, config: Config) -> Validatio
              counts.train_rows, len(validation), len(users))
     source = StreamedClicks(
         shards, carved, train.batch_size, shuffle_buffer=stream.shuffle_buffer, seed=stream.seed,
-        train_rows=counts.train_rows, max_batches=stream.max_train_batches,
+        train_rows=counts.train_rows, max_batches=stream.max_train_batches, join=join,
     )
-    return ValidationData(source, validation, fit_clicks)
+    return ValidationData(source, validation if join is None else join.examples(validation), fit_clicks)
 
 
 def _streamed_eval_set(user_train, user_test, stats: FeatureStatistics, catalogue_ids, config) -> EvalSet:

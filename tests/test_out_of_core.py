@@ -259,10 +259,12 @@ def test_unsupported_settings_are_refused_by_the_config():
     base = ["data.source=files", "data.clicks.path=x/*.parquet", "data.out_of_core=true",
             "evaluation.baselines.rankers=[popularity]"]
     load_config(None, base)  # supported
+    load_config(None, base + ["data.item_features.path=items.csv", "data.user_features.path=users.csv",
+                              *FEATURE_TOWERS])  # feature towers and tables too
     for override, reason in [
         ("split.kind=leave_last_k", "split.kind: leave_last_k"),
         ("data.duplicates=first", "duplicates"),
-        ("towers.query.features=[{name: user_id, kind: id}, {name: age, kind: numeric}]", "feature towers"),
+        ("towers.query.history={length: 5}", "towers.query.history .*earlier clicks.*sorted by user and time"),
     ]:
         with pytest.raises(ConfigError, match=f"not yet supported with data.out_of_core: .*{reason}"):
             load_config(None, base + [override])
@@ -308,9 +310,46 @@ def test_lazy_adam_updates_only_the_touched_rows_as_adam_would():
 def test_job_out_of_core_matches_the_in_memory_job(tmp_path, monkeypatch, kind):
     """The contract of the two click sources: the same job on the same clicks evaluates the same
     users on the same held-out clicks, for every split kind both read."""
+    clicks, _, _ = generate_clicks(SyntheticConfig(n_users=500, n_items=300, mean_clicks_per_user=30, seed=0))
+    in_memory, streamed = _job_both_ways(tmp_path, monkeypatch, kind, clicks, [])
+    # ALS: the same click matrix (streamed pair codes vs the frame), the same seed.
+    assert streamed["als"] == pytest.approx(in_memory["als"], abs=1e-6)
+
+
+# Feature towers on tables and click columns: a user table (categorical, numeric), an item table
+# (categorical, text, numeric) and the click's own timestamp, as configs/synthetic_features.yaml.
+FEATURE_TOWERS = [
+    "towers.query.features=[{name: user_id, kind: id}, {name: country, kind: categorical, embedding_dim: 8},"
+    " {name: age, kind: numeric}, {name: clicked, kind: timestamp, source: timestamp}]",
+    "towers.doc.features=[{name: item_id, kind: id}, {name: category, kind: categorical, embedding_dim: 8},"
+    " {name: title, kind: text, embedding_dim: 16, text: {buckets: 2000}}, {name: price, kind: numeric, log: true}]",
+    "evaluation.unseen_users=keep",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["temporal-validation", "random"])
+def test_job_with_feature_towers_out_of_core_matches_the_in_memory_job(tmp_path, monkeypatch, kind):
+    """The same contract with feature towers: the tables are read whole and joined onto each
+    streamed batch, the catalogue (every item of the item table, clicked or not) and the queries are
+    embedded from them; some users and items are missing from the tables (missing features)."""
+    clicks, items, users = generate_clicks(
+        SyntheticConfig(n_users=500, n_items=300, mean_clicks_per_user=30, seed=0)
+    )
+    assert len(items) > clicks["item_id"].nunique()  # items without clicks are in the catalogue
+    items_file, users_file = tmp_path / "items.parquet", tmp_path / "users.csv"
+    items.iloc[5:].to_parquet(items_file, index=False)
+    users.iloc[10:].to_csv(users_file, index=False)
+    tables = [f"data.item_features.path={items_file}", f"data.user_features.path={users_file}", *FEATURE_TOWERS]
+    in_memory, streamed = _job_both_ways(tmp_path, monkeypatch, kind, clicks, tables)
+    assert in_memory["reference"]["catalogue_items"] == streamed["reference"]["catalogue_items"] == len(items)
+
+
+def _job_both_ways(tmp_path, monkeypatch, kind: str, clicks: pd.DataFrame, extra: list[str]):
+    """The job's metrics in memory and out of core on the same clicks (split ``kind``, with
+    ``-validation``: ``split.evaluate_on: validation``), after the checks both must pass."""
     from retrieval import jobs
 
-    clicks, _, _ = generate_clicks(SyntheticConfig(n_users=500, n_items=300, mean_clicks_per_user=30, seed=0))
     folder = tmp_path / "shards"
     split = [f"split.kind={kind.split('-')[0]}"]
     if kind.endswith("-validation"):  # tuning's nested split: scored on a validation part of the training part
@@ -336,6 +375,7 @@ def test_job_out_of_core_matches_the_in_memory_job(tmp_path, monkeypatch, kind):
         "evaluation.plots=false",
         "export.topk_model=false",
         f"run.output_dir={tmp_path / 'runs'}",
+        *extra,
     ]
     in_memory = jobs.train_evaluate_export(
         load_config(ROOT / "configs/default.yaml", common + [f"data.clicks.path={whole}", "run.name=mem"])
@@ -345,7 +385,7 @@ def test_job_out_of_core_matches_the_in_memory_job(tmp_path, monkeypatch, kind):
         raise AssertionError("the out-of-core path must not load the log with pandas")
 
     refused = ["retrieval.data.dataset.read_clicks", "retrieval.jobs.load_dataset"]
-    if kind != "none":  # with none the (small) test file is read whole, by the in-memory reader
+    if kind != "none" and not extra:  # the (small) test file and feature tables are read whole, by pandas
         refused += ["retrieval.data.loaders.read_clicks", "pandas.read_parquet", "pandas.read_csv"]
     for target in refused:
         monkeypatch.setattr(target, refuse)
@@ -359,10 +399,9 @@ def test_job_out_of_core_matches_the_in_memory_job(tmp_path, monkeypatch, kind):
     # Same evaluated users, relevant pairs and masks; popularity is deterministic, so exactly equal.
     assert streamed["counts"] == in_memory["counts"]
     assert streamed["popularity"] == pytest.approx(in_memory["popularity"])
-    # ALS: the same click matrix (streamed pair codes vs the frame), the same seed.
-    assert streamed["als"] == pytest.approx(in_memory["als"], abs=1e-6)
     assert streamed["reference"].pop("segment_users") == in_memory["reference"].pop("segment_users")
     assert streamed["reference"] == pytest.approx(in_memory["reference"])
     # The model differs only in its shuffle: its metric is close, and it has learnt the tastes.
     assert abs(streamed["model"]["recall@20"] - in_memory["model"]["recall@20"]) < 0.05
     assert streamed["model"]["recall@20"] > 1.2 * streamed["popularity"]["recall@20"]
+    return in_memory, streamed

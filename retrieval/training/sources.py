@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from retrieval.data import ITEM, USER, WEIGHT
 from retrieval.data.streaming import ClickShards, Plan, train_batches
-from retrieval.features import feature_arrays
+from retrieval.features import ExampleJoin, feature_arrays
 
 
 class ClickSource(Protocol):
@@ -120,12 +120,14 @@ class StreamedClicks:
 
     Batches come from ``retrieval.data.streaming.train_batches`` (bounded
     shuffle buffer, permutations drawn from ``(seed, epoch)``); skipped batches
-    are dropped before they become tensors.
+    are dropped before they become tensors, or are joined.
 
     Args:
       shards, plan: the shards and the split that marks their test rows.
       train_rows: training clicks (``StreamCounts.train_rows``).
       max_batches: end each epoch after this many batches (None = all).
+      join: feature towers' inputs joined onto each batch (``retrieval.features.ExampleJoin``);
+        None = the clicks' ids and weights only (ID towers).
     """
 
     def __init__(
@@ -138,30 +140,34 @@ class StreamedClicks:
         seed: int,
         train_rows: int,
         max_batches: int | None = None,
+        join: ExampleJoin | None = None,
     ):
         if train_rows <= 0:
             raise ValueError("cannot train on an empty click log")
         self.shards, self.plan = shards, plan
         self.batch_size, self.shuffle_buffer, self.seed = int(batch_size), int(shuffle_buffer), int(seed)
         self.rows = int(train_rows)
-        self.max_batches = max_batches
+        self.max_batches, self.join = max_batches, join
         whole = steps_per_epoch(self.rows, self.batch_size)
         self.steps_per_epoch = whole if max_batches is None else min(whole, int(max_batches))
 
     def epoch(self, epoch: int, skip_batches: int = 0) -> tf.data.Dataset:
+        join = self.join
+
         def generate():
             batches = train_batches(
                 self.shards, self.plan, self.batch_size, shuffle_buffer=self.shuffle_buffer, seed=self.seed,
-                epoch=epoch,
+                epoch=epoch, with_time=join is not None and join.needs_time,
             )
-            yield from itertools.islice(batches, skip_batches, self.max_batches)
+            batches = itertools.islice(batches, skip_batches, self.max_batches)
+            yield from (batches if join is None else map(join.batch, batches))
 
-        dataset = tf.data.Dataset.from_generator(
-            generate,
-            output_signature={
+        if join is None:
+            signature = {
                 USER: tf.TensorSpec([None], tf.string),
                 ITEM: tf.TensorSpec([None], tf.string),
                 WEIGHT: tf.TensorSpec([None], tf.float32),
-            },
-        )
-        return dataset.prefetch(2)
+            }
+        else:
+            signature = {name: tf.TensorSpec(spec.shape, spec.dtype) for name, spec in join.specs.items()}
+        return tf.data.Dataset.from_generator(generate, output_signature=signature).prefetch(2)
