@@ -20,6 +20,7 @@ from retrieval.arrays import seeded_subset
 from retrieval.config import Config, save_config
 from retrieval.data import ITEM, USER, load_dataset, read_clicks
 from retrieval.data.dataset import catalogue_table, feature_tables
+from retrieval.data.splits import training_split
 
 # The out-of-core path (data.out_of_core):
 from retrieval.data.streaming import (
@@ -130,7 +131,8 @@ def train_evaluate_export(
         log.info("training: %d clicks, %d epochs", len(dataset.train), config.train.epochs)
         with strategy.scope():  # fit compiles: the optimizer's variables too
             history = fit(
-                model, examples, config.train, log_dir=scratch, split=config.split, checkpoint_dir=checkpoint_dir,
+                model, examples, config.train, log_dir=scratch, split=training_split(config.split),
+                checkpoint_dir=checkpoint_dir,
                 on_epoch_end=on_epoch_end, say=log.info,
             )
 
@@ -248,7 +250,7 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         shards = ClickShards.open(config.data.clicks, config.data.columns, stream.read_batch_size)
         plan: Plan = plan_split(shards, config.split)
         if config.split.evaluate_on == "validation":  # as splits.split_validation carves it in memory
-            plan = plan_validation(shards, plan, config.split.test_fraction, config.split.seed)
+            plan = plan_validation(shards, plan, config.split.test_fraction, config.split)
         counts = scan_counts(shards, plan)
         given_test = None
         if config.data.test_clicks is not None:  # split.kind: none; a test log is small: read whole
@@ -358,7 +360,7 @@ def _streamed_validation(shards: ClickShards, plan, config: Config, join: Exampl
     and the validation clicks of up to ``data.stream.max_test_users`` sampled users in memory
     (with the query tower's inputs joined on)."""
     stream, train = config.data.stream, config.train
-    carved = plan_validation(shards, plan, train.validation_fraction, config.split.seed)
+    carved = plan_validation(shards, plan, train.validation_fraction, training_split(config.split))
     counts = scan_counts(shards, carved)
     users = sample_test_users(counts, stream.max_test_users, stream.seed)
     fit_clicks, validation = collect_users(shards, carved, users)

@@ -15,6 +15,7 @@ import tensorflow as tf
 import retrieval  # noqa: F401
 from retrieval.config import ColumnsConfig, ConfigError, SplitConfig, SyntheticConfig, TableConfig, load_config
 from retrieval.data import DataError, generate_clicks, read_clicks, split_clicks, temporal_cut
+from retrieval.data.splits import split_validation, training_split
 from retrieval.data.streaming import (
     ClickShards,
     collect_users,
@@ -217,7 +218,7 @@ def test_streamed_validation_part_is_the_in_memory_one(logs):
     plan = plan_split(shards, TEMPORAL)
     train, _ = split_clicks(clicks, TEMPORAL)
     fit_part, validation = validation_split(train, 0.1, TEMPORAL)
-    carved = plan_validation(shards, plan, 0.1, seed=0)
+    carved = plan_validation(shards, plan, 0.1, TEMPORAL)
     counts = scan_counts(shards, carved)
     assert (counts.train_rows, counts.test_rows) == (len(fit_part), len(validation))
     users = np.sort(counts.test_user_ids)
@@ -240,19 +241,42 @@ def test_random_split_holds_out_the_rows_the_in_memory_split_holds_out(logs):
     assert _rows(streamed_test) == _rows(test) and _rows(streamed_train) == _rows(train)
 
 
+def test_early_stopping_nested_in_a_random_validation_split_takes_its_share_in_both_sources(logs):
+    """A random split, evaluated on its validation part, with early stopping: three nested hashes.
+
+    With the evaluated split's key reused, the early-stopping carve would take the clicks whose hash
+    falls between the two fractions (none here: the same fraction); each level keys one deeper, so
+    each takes its own share, and the streamed carve holds out the same rows as the in-memory one,
+    timestamps or not (a random split is carved at random, not at a time quantile).
+    """
+    shards, clicks = logs
+    split = SplitConfig(kind="random", test_fraction=0.2, seed=5, evaluate_on="validation")
+    train, _ = split_clicks(clicks, split)
+    inner_train, _ = split_validation(train, split)
+    fit_part, validation = validation_split(inner_train, 0.2, training_split(split))
+    assert len(validation) == pytest.approx(0.2 * len(inner_train), rel=0.2)
+
+    evaluated = plan_validation(shards, plan_split(shards, split), split.test_fraction, split)
+    carved = plan_validation(shards, evaluated, 0.2, training_split(split))
+    users = clicks["user_id"].unique()
+    streamed_fit, streamed_validation = collect_users(shards, carved, users)
+    assert _rows(streamed_validation) == _rows(validation) and _rows(streamed_fit) == _rows(fit_part)
+
+
 def test_streamed_validation_without_timestamps_is_a_seeded_hash(tmp_path):
     clicks = _log(seed=4).drop(columns=["timestamp"])
     folder = tmp_path / "shards"
     _write(clicks, folder, "parquet")
     columns = ColumnsConfig(user="user_id", item="item_id", timestamp=None, weight="weight")
     shards = ClickShards.open(TableConfig(path=str(folder)), columns)
-    plan = plan_split(shards, SplitConfig(kind="random", test_fraction=0.2, seed=3))
-    carved = plan_validation(shards, plan, 0.25, seed=3)
+    split = SplitConfig(kind="random", test_fraction=0.2, seed=3)
+    plan = plan_split(shards, split)
+    carved = plan_validation(shards, plan, 0.25, split)
     counts = scan_counts(shards, carved)
     train_rows = scan_counts(shards, plan).train_rows
     assert counts.train_rows + counts.test_rows == train_rows
     assert counts.test_rows == pytest.approx(0.25 * train_rows, rel=0.15)
-    assert scan_counts(shards, plan_validation(shards, plan, 0.25, seed=3)).test_rows == counts.test_rows
+    assert scan_counts(shards, plan_validation(shards, plan, 0.25, split)).test_rows == counts.test_rows
 
 
 def test_unsupported_settings_are_refused_by_the_config():
@@ -306,7 +330,7 @@ def test_lazy_adam_updates_only_the_touched_rows_as_adam_would():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["temporal", "random", "none", "temporal-validation"])
+@pytest.mark.parametrize("kind", ["temporal", "random", "none", "temporal-validation", "random-validation"])
 def test_job_out_of_core_matches_the_in_memory_job(tmp_path, monkeypatch, kind):
     """The contract of the two click sources: the same job on the same clicks evaluates the same
     users on the same held-out clicks, for every split kind both read."""

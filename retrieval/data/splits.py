@@ -190,6 +190,39 @@ def nested_seed(seed: int) -> int:
     return (seed + 1) % (SEED_MAX + 1)
 
 
+def validation_carve(split: SplitConfig | None, fraction: float, has_time: bool) -> SplitConfig:
+    """The split that carves a validation ``fraction`` from the training part ``split`` left.
+
+    It cuts as ``split`` did: ``temporal`` and ``none`` (a given test log) at a
+    time quantile (by a seeded hash without timestamps), ``leave_last_k`` each
+    user's last ``k``, ``random`` by a hash keyed by ``nested_seed(split.seed)``
+    (with ``split``'s own key it would take the clicks between the two fractions).
+    In memory (``training.validation_split``) and streamed (``plan_validation``) alike.
+    """
+    kind = split.kind if split is not None else "temporal"
+    if kind in ("temporal", "none"):
+        kind = "temporal" if has_time else "random"
+    seed = split.seed if split is not None else 0
+    return SplitConfig(
+        kind=kind,
+        test_fraction=fraction,
+        k=split.k if split is not None else 1,
+        seed=nested_seed(seed) if kind == "random" else seed,
+    )
+
+
+def training_split(split: SplitConfig) -> SplitConfig:
+    """The split whose training part a model trains on.
+
+    ``split`` itself, or under ``evaluate_on: validation`` its nested copy
+    (``split_validation``), so that early stopping's carve nests one level deeper
+    again instead of repeating the evaluated split's hash key.
+    """
+    if split.evaluate_on == "validation" and split.kind == "random":
+        return split.model_copy(update={"seed": nested_seed(split.seed)})
+    return split
+
+
 def hashed_test_mask(
     users: np.ndarray, items: np.ndarray, timestamps: np.ndarray | None, fraction: float, seed: int
 ) -> np.ndarray:

@@ -17,7 +17,7 @@ import numpy as np
 from retrieval.config import SplitConfig
 from retrieval.data.schema import DataError
 from retrieval.data.shards import ClickBatch, ClickShards, as_strings
-from retrieval.data.splits import hashed_test_mask, nested_seed, timestamp_cut
+from retrieval.data.splits import hashed_test_mask, timestamp_cut, validation_carve
 
 
 @dataclass(frozen=True)
@@ -145,19 +145,23 @@ class CarvedPlan:
         return ~self.drops(batch) & self.inner.is_test(batch)
 
 
-def plan_validation(shards: ClickShards, plan: SplitPlan | CarvedPlan, fraction: float, seed: int) -> CarvedPlan:
+def plan_validation(shards: ClickShards, plan: SplitPlan | CarvedPlan, fraction: float,
+                    split: SplitConfig | None) -> CarvedPlan:
     """The validation part carved from ``plan``'s training side as ``training.validation_split``
-    carves it in memory: with timestamps the latest ``fraction`` of the training clicks (the
-    exact cut of ``splits.timestamp_cut``, one more pass), else a random ``fraction`` by the
-    hash of ``random_test_mask`` keyed by ``splits.nested_seed(seed)`` (independent of the test split's).
+    carves it in memory (``splits.validation_carve``): the latest ``fraction`` of the training
+    clicks (the exact cut of ``splits.timestamp_cut``, one more pass) when ``split`` is temporal or
+    none and the shards have timestamps, else a random ``fraction`` by the hash of
+    ``random_test_mask`` keyed by ``splits.nested_seed(split.seed)`` (independent of the test split's).
 
     Raises:
       DataError: the cut leaves the validation part empty.
     """
-    if shards.columns.timestamp is None:
-        inner = SplitPlan("random", plan.rows, test_fraction=fraction, seed=nested_seed(seed),
-                          time_range=plan.time_range)
+    carve = validation_carve(split, fraction, has_time=shards.columns.timestamp is not None)
+    if carve.kind == "random":
+        inner = SplitPlan("random", plan.rows, test_fraction=fraction, seed=carve.seed, time_range=plan.time_range)
         return CarvedPlan(plan, inner)
+    if carve.kind != "temporal":
+        raise ValueError(f"a streamed validation part is carved temporally or at random, not by {carve.kind}")
     stamps = []
     for batch in shards.scan():
         if batch.timestamps is None:

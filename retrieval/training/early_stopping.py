@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from retrieval.config import SplitConfig
 from retrieval.data import ITEM, TIME, USER, split_clicks
-from retrieval.data.splits import nested_seed
+from retrieval.data.splits import validation_carve
 from retrieval.features import feature_arrays
 from retrieval.model import TwoTowerModel
 from retrieval.training.sources import ClickSource, FrameClicks
@@ -26,16 +26,7 @@ def validation_split(
     ``split.k``, ``random`` a random ``fraction`` (hash keyed by ``nested_seed(split.seed)``);
     ``none`` (a given test log) behaves as temporal, or random without timestamps.
     """
-    kind = split.kind if split is not None else "temporal"
-    if kind in ("temporal", "none"):
-        kind = "temporal" if TIME in train else "random"
-    seed = split.seed if split is not None else 0
-    carve = SplitConfig(
-        kind=kind,
-        test_fraction=fraction,
-        k=split.k if split is not None else 1,
-        seed=nested_seed(seed) if kind == "random" else seed,  # as streaming.plan_validation keys it
-    )
+    carve = validation_carve(split, fraction, has_time=TIME in train)
     return split_clicks(train, carve)
 
 
