@@ -12,9 +12,16 @@
    (``ru_maxrss`` and an RSS sampled every second from /proc/self/status, with
    the phase it was in) and the bundle size, to
    ``benchmarks/results/bench_scale.{json,md}``.
+4. Saves the trained model's embeddings for ``benchmarks/bench_serving.py
+   --embeddings`` (ANN measured on real embeddings): every catalogue item's
+   (the bundle's doc SavedModel over ``item_ids.parquet``, in index-row order)
+   and those of ``--query-users`` training users drawn at random (the query
+   SavedModel; users it does not know are skipped), with a manifest, to
+   ``$RETRIEVAL_SCALE_DIR/embeddings`` (``--embeddings-dir``).
 
     python benchmarks/bench_scale.py                                  # 20M clicks / 1M items, 1 epoch
     python benchmarks/bench_scale.py --clicks 1000000 --items 100000  # a couple of minutes
+    python benchmarks/bench_scale.py --from-bundle /tmp/retrieval-scale/runs/<run>   # step 4 only, no training
 
 The data goes to ``$RETRIEVAL_SCALE_DIR`` (default /tmp/retrieval-scale), never
 into the repository; an existing log with the same parameters is reused.
@@ -23,6 +30,7 @@ into the repository; an existing log with the same parameters is reused.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import logging
 import os
@@ -32,6 +40,7 @@ import shutil
 import sys
 import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
@@ -175,6 +184,118 @@ class PhaseFromLog(logging.Handler):
                 self.sampler.phase = phase
 
 
+# --- Embeddings of the trained model, for bench_serving.py --embeddings. ---
+
+EMBEDDINGS_MANIFEST = "manifest.json"
+
+
+def _batched(signature, name: str, values: np.ndarray, batch: int = 8192) -> tuple[np.ndarray, np.ndarray]:
+    """Run a tower's serving signature over string ``values`` in batches: (embeddings, known_ids)."""
+    import tensorflow as tf
+
+    embeddings, known = [], []
+    for start in range(0, len(values), batch):
+        outputs = signature(**{name: tf.constant(values[start : start + batch].astype(str))})
+        embeddings.append(outputs["embedding"].numpy().astype(np.float32))
+        if "known_ids" in outputs:
+            known.append(outputs["known_ids"].numpy())
+        else:
+            known.append(np.any(embeddings[-1] != 0, axis=1))
+    return np.concatenate(embeddings), np.concatenate(known)
+
+
+def save_embeddings(bundle_dir: Path, out: Path, *, query_users: int, seed: int) -> dict:
+    """Write the bundle's item embeddings and a sample of training users' query embeddings to ``out``.
+
+    ``items.npy`` [num_items, dim] float32 in index-row order, ``item_ids.txt``
+    (one id a line, same order), ``queries.npy`` [query_users, dim] float32 and
+    ``query_user_ids.txt``, and ``manifest.json`` (run, config, date, shapes,
+    model metrics). The users are drawn (seeded) from the user ids of the log
+    the run's config names and kept when the query tower knows them (they have
+    training clicks); the item embeddings are checked against the vectors the
+    bundle's index holds when the index can give them back.
+    """
+    import faiss
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+    import tensorflow as tf
+
+    from retrieval.config import Config
+    from retrieval.export import read_manifest
+
+    started = time.perf_counter()
+    manifest = read_manifest(bundle_dir)
+    if manifest["doc_features"] != [ITEM] or manifest["query_features"] != [USER]:
+        raise SystemExit(
+            f"{bundle_dir}: embeddings are extracted from ID towers only (doc {manifest['doc_features']}, "
+            f"query {manifest['query_features']})"
+        )
+    config = Config.from_dict(manifest["config"], source=f"{bundle_dir}/manifest.json config")
+    item_ids = pq.read_table(bundle_dir / "item_ids.parquet").to_pandas().sort_values("row")["item_id"].to_numpy()
+    doc = tf.saved_model.load(str(bundle_dir / manifest["files"]["doc_model"])).signatures["serving_default"]
+    items, _ = _batched(doc, ITEM, item_ids)
+    log.info("embedded %d items in %.1f s", len(items), time.perf_counter() - started)
+    check: dict = {}
+    index = faiss.read_index(str(bundle_dir / "index.faiss"))
+    try:
+        ivf = faiss.extract_index_ivf(index)
+        ivf.make_direct_map()
+    except RuntimeError:
+        ivf = None
+    source = ivf if ivf is not None else index
+    try:
+        rows = np.random.default_rng(seed).choice(len(items), min(1000, len(items)), replace=False)
+        stored = np.stack([source.reconstruct(int(r)) for r in rows])
+        check = {"rows_compared": len(rows), "max_abs_difference": float(np.abs(stored - items[rows]).max())}
+    except RuntimeError as error:
+        check = {"skipped": str(error).splitlines()[0][:200]}
+    del index, ivf, source
+    log.info("index vectors vs doc model: %s", check)
+
+    if config.data.clicks is None:
+        raise SystemExit(f"{bundle_dir}: the run's config names no click files to draw users from")
+    path = config.data.clicks.path
+    clicks = ds.dataset(sorted(glob.glob(path)) if glob.has_magic(path) else path, format="parquet")
+    users = pc.unique(clicks.to_table(columns=[config.data.columns.user]).column(0).combine_chunks())
+    users = np.sort(np.asarray(users.to_pylist(), dtype=object))
+    rng = np.random.default_rng(seed)
+    query = tf.saved_model.load(str(bundle_dir / manifest["files"]["query_model"])).signatures["serving_default"]
+    drawn = users[rng.choice(len(users), min(len(users), 2 * query_users), replace=False)]
+    embeddings, known = _batched(query, USER, drawn)
+    keep = np.flatnonzero(known & np.any(embeddings != 0, axis=1))[:query_users]
+    queries, query_ids = embeddings[keep], drawn[keep]
+
+    scratch = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    np.save(scratch / "items.npy", items)
+    np.save(scratch / "queries.npy", queries)
+    (scratch / "item_ids.txt").write_text("\n".join(map(str, item_ids)) + "\n")
+    (scratch / "query_user_ids.txt").write_text("\n".join(map(str, query_ids)) + "\n")
+    norms = np.linalg.norm(items, axis=1)
+    info = {
+        "run": manifest.get("run"),
+        "bundle": str(bundle_dir),
+        "bundle_created_at": manifest.get("created_at"),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": manifest["config"],
+        "model_metrics": manifest.get("metrics", {}).get("model"),
+        "index": manifest.get("index", {}).get("factory") if isinstance(manifest.get("index"), dict) else None,
+        "items": {"file": "items.npy", "ids": "item_ids.txt", "shape": list(items.shape),
+                  "norm_min": float(norms.min()), "norm_max": float(norms.max())},
+        "queries": {"file": "queries.npy", "ids": "query_user_ids.txt", "shape": list(queries.shape),
+                    "source": f"training users (known to the query tower) drawn from {len(users):,} log users, "
+                              f"seed {seed}", "drawn": int(len(drawn)), "known": int(known.sum())},
+        "index_check": check,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    (scratch / EMBEDDINGS_MANIFEST).write_text(json.dumps(info, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    scratch.rename(out)
+    log.info("embeddings: %s items, %s queries -> %s (%.1f s)", items.shape, queries.shape, out, info["seconds"])
+    return {"dir": str(out), "items": list(items.shape), "queries": list(queries.shape), "seconds": info["seconds"]}
+
+
 def directory_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -194,10 +315,22 @@ def main() -> None:
     parser.add_argument("--keep-run", action="store_true", help="keep the run directory (bundle)")
     parser.add_argument("--generate-only", action="store_true", help="write the shards and stop")
     parser.add_argument("--out", default=str(RESULTS / "bench_scale"), help="results path without extension")
+    parser.add_argument("--embeddings-dir", default=None,
+                        help="where the trained model's embeddings go (default <--dir>/embeddings)")
+    parser.add_argument("--query-users", type=int, default=20_000, help="training users whose embeddings are saved")
+    parser.add_argument("--no-embeddings", action="store_true", help="do not save the embeddings")
+    parser.add_argument("--from-bundle", default=None,
+                        help="only save the embeddings of this existing run directory (no generation, no training)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout)
     logging.getLogger("faiss").setLevel(logging.WARNING)
+    embeddings_dir = Path(args.embeddings_dir or Path(args.dir) / "embeddings")
+    if args.from_bundle:
+        print(json.dumps(save_embeddings(Path(args.from_bundle), embeddings_dir, query_users=args.query_users,
+                                         seed=args.seed)))
+        return
 
+    load_average_start = os.getloadavg()
     sampler = RssSampler()
     sampler.start()
     base = Path(args.dir)
@@ -263,7 +396,8 @@ def main() -> None:
     }
     report = {
         "command": " ".join(["python", *sys.argv]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "load_average_start": load_average_start, "load_average_end": os.getloadavg()},
         "generation": generation,
         "config": args.config,
         "overrides": overrides,
@@ -293,6 +427,9 @@ def main() -> None:
     }
     manifest = json.loads((result.directory / "manifest.json").read_text())
     report["index"] = manifest.get("index")
+    if not args.no_embeddings:  # after the memory figures: loading the SavedModels again is not the job's
+        report["embeddings"] = save_embeddings(result.directory, embeddings_dir, query_users=args.query_users,
+                                               seed=args.seed)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.out}.json").write_text(json.dumps(report, indent=2))
     Path(f"{args.out}.md").write_text(markdown(report) + "\n")
@@ -311,7 +448,11 @@ def markdown(r: dict) -> str:
     rows = [
         "# Out-of-core scale benchmark",
         "",
-        f"`{r['command']}` on {r['machine']['cpus']} CPUs ({r['machine']['platform']}).",
+        f"`{r['command']}` on {r['machine']['cpus']} CPUs ({r['machine']['platform']})"
+        + (f", load average {r['machine']['load_average_start'][0]:.1f} at start and "
+           f"{r['machine']['load_average_end'][0]:.1f} at end (a shared machine)"
+           if "load_average_start" in r["machine"] else "")
+        + ".",
         "",
         "| step | figure |",
         "|---|---|",
@@ -333,6 +474,12 @@ def markdown(r: dict) -> str:
         + ", ".join(f"{k} {_gib(v)}" for k, v in m["peak_rss_bytes_by_phase"].items())
         + " |",
         f"| bundle | {r['bundle']['bytes'] / 2**20:.0f} MiB |",
+        *(
+            [f"| embeddings saved for bench_serving.py --embeddings (after the job) | items {e['items']}, queries "
+             f"{e['queries']} in {e['seconds']:.1f} s |"]
+            if (e := r.get("embeddings"))
+            else []
+        ),
         "",
         "| ranker | " + " | ".join(k for k in next(iter(r["evaluation"].values()))) + " |",
         "|---|" + "---|" * len(next(iter(r["evaluation"].values()))),
