@@ -71,7 +71,7 @@ def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path 
     current = _resume_view(config.to_dict())
     saved = directory / "config.json"
     inputs, saved_inputs = fingerprint_inputs(config.data), directory / "inputs.json"
-    if (directory / "checkpoint").exists():  # tf.train.CheckpointManager's index: a checkpoint was written
+    if _holds_checkpoints(directory):
         if not train.resume:
             log.info("train.resume=false: deleting the checkpoints of an unfinished run in %s", directory)
             for path in directory.iterdir():
@@ -129,9 +129,17 @@ def _write_json(path: Path, value: Any) -> None:
     partial.replace(path)
 
 
+def _holds_checkpoints(directory: Path) -> bool:
+    """A checkpoint was written: the final run's or the early-stopping selection's (a subdirectory).
+
+    ``checkpoint`` is tf.train.CheckpointManager's index file.
+    """
+    return (directory / "checkpoint").exists() or any(directory.glob("*/checkpoint"))
+
+
 def _after_training_job(checkpoint_dir: Path, failed: bool) -> None:
     """Delete the checkpoints when the job succeeded or when there is nothing to resume from."""
-    if failed and (checkpoint_dir / "checkpoint").exists():
+    if failed and _holds_checkpoints(checkpoint_dir):
         log.error(
             "the run failed; its checkpoints are kept in %s: run the same command again to resume, "
             "or set train.resume=false to start over", checkpoint_dir,

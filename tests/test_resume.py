@@ -317,3 +317,54 @@ def test_fit_resumed_in_process_equals_uninterrupted_fit(tmp_path, monkeypatch, 
     for got, want in zip(resumed.get_weights(), reference.get_weights()):
         np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(resumed.sampler._generator.state, reference.sampler._generator.state)
+
+
+@pytest.mark.parametrize("refit", [True, False], ids=["refit", "no-refit"])
+def test_fit_killed_in_the_early_stopping_selection_resumes_it_exactly(tmp_path, monkeypatch, refit):
+    """The selection run is checkpointed too: killed mid-epoch, the call again resumes it (its
+    validation recalls so far come back with the state; without a refit the best epoch's weights
+    come back from ``selection/best``) and ends as the uninterrupted fit does."""
+    clicks = _clicks(3)
+    stats = FeatureStatistics.from_training_clicks(clicks)
+    model_config = ModelConfig(embedding_dim=8, loss=dict(negatives="uniform", num_negatives=4))
+    config = TrainConfig(epochs=4, batch_size=32, verbose=0, checkpoint_every_steps=3, validation_fraction=0.2,
+                         early_stopping_patience=4, refit=refit)
+
+    def fresh():
+        seed_everything(0)
+        return build_model(model_config, stats)
+
+    reference = fresh()
+    expected = fit(reference, clicks, config.model_copy(update={"checkpoint_every_steps": 0,
+                                                                "checkpoint_every_seconds": 0}))
+    # The best epoch is not the last: without a refit the weights come back from selection/best.
+    assert len(expected["val_recall@20"]) == 4 and expected["best_epoch"] == [3.0]
+
+    due = TrainingCheckpoint.due
+
+    def killed_after_step_20(self, state):  # in the selection's second epoch
+        if state.steps == 20 and self.directory.name == "selection":
+            raise Killed
+        return due(self, state)
+
+    checkpoints = tmp_path / "checkpoints"
+    with monkeypatch.context() as patch, pytest.raises(Killed):
+        patch.setattr(TrainingCheckpoint, "due", killed_after_step_20)
+        fit(fresh(), clicks, config, checkpoint_dir=checkpoints)
+    assert (checkpoints / "selection" / "checkpoint").exists() and not (checkpoints / "checkpoint").exists()
+
+    selection_steps = []
+
+    def watched(self, state):
+        if self.directory.name == "selection":
+            selection_steps.append(state.steps)
+        return due(self, state)
+
+    resumed = fresh()
+    with monkeypatch.context() as patch:
+        patch.setattr(TrainingCheckpoint, "due", watched)
+        history = fit(resumed, clicks, config, checkpoint_dir=checkpoints)
+    assert selection_steps[0] == 19  # resumed after the last save (step 18), not started over
+    assert history == expected
+    for got, want in zip(resumed.get_weights(), reference.get_weights()):
+        np.testing.assert_array_equal(got, want)

@@ -67,11 +67,12 @@ class ValidationRecall:
 
     Attributes:
       recalls: the value after each epoch.
-      best_epoch: 1-based epoch of the best value; best_weights its weights.
+      best_epoch: 1-based epoch of the best value; best_weights its weights
+        (kept only with ``keep_weights``: a refit starts from the initial ones).
     """
 
     def __init__(self, model: TwoTowerModel, validation: pd.DataFrame, fit_part: pd.DataFrame, k: int,
-                 patience: int):
+                 patience: int, keep_weights: bool = True):
         pairs = pd.MultiIndex.from_frame(fit_part[[USER, ITEM]].astype(str))
         repeat = pd.MultiIndex.from_frame(validation[[USER, ITEM]].astype(str)).isin(pairs)
         self.model = model
@@ -80,6 +81,7 @@ class ValidationRecall:
         self.k, self.patience = int(k), int(patience)
         self.recalls: list[float] = []
         self.best_epoch, self.best_weights = 0, None
+        self.keep_weights = keep_weights
         self._masks: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
@@ -121,7 +123,19 @@ class ValidationRecall:
         value = self.recall()
         self.recalls.append(value)
         logs[self.key] = value
-        if self.best_weights is None or value > self.recalls[self.best_epoch - 1]:
-            self.best_epoch, self.best_weights = epoch + 1, self.model.get_weights()
+        if self.best_epoch == 0 or value > self.recalls[self.best_epoch - 1]:
+            self.best_epoch = epoch + 1
+            self.best_weights = self.model.get_weights() if self.keep_weights else None
             return False
-        return epoch + 1 - self.best_epoch >= self.patience
+        return self.stopped
+
+    @property
+    def stopped(self) -> bool:
+        """True once ``patience`` epochs passed without a gain."""
+        return bool(self.recalls) and len(self.recalls) - self.best_epoch >= self.patience
+
+    def resume(self, recalls: list[float]) -> None:
+        """Take up the values of the epochs before a resume (the best epoch's weights are not among them)."""
+        self.recalls = [float(value) for value in recalls]
+        self.best_epoch = int(np.argmax(self.recalls)) + 1 if self.recalls else 0  # the first maximum, as __call__
+        self.best_weights = None

@@ -21,6 +21,8 @@ from retrieval.training.sources import ClickSource, FrameClicks
 
 log = logging.getLogger("retrieval")
 
+SELECTION = "selection"  # the early-stopping selection's checkpoints, under the run's checkpoint directory
+
 
 def fit(
     model: TwoTowerModel,
@@ -46,10 +48,9 @@ def fit(
     finds a checkpoint (the same job started again after being killed)
     resumes from it: weights, optimizer slots, sampler state, data position
     and the logs so far, so it ends with the weights an uninterrupted run
-    ends with. Only the final training run is checkpointed: an interrupted
-    early-stopping selection starts again from the beginning (with
-    ``config.refit``; without it the selection run is the training run and is
-    not checkpointed).
+    ends with. The early-stopping selection is checkpointed alike, in
+    ``checkpoint_dir/selection`` (``select_epochs``); once it is done its result
+    is in the final run's checkpoint and a resume does not repeat it.
 
     Args:
       model: a built two-tower model; call under the strategy scope it was built in.
@@ -75,11 +76,11 @@ def fit(
     seed_everything(config.seed)
     source = FrameClicks(train, config.batch_size, seed=config.seed) if isinstance(train, pd.DataFrame) else train
     optimizer = make_optimizer(config)
-    checkpoint, state = None, None
+    checkpoint, state, selection_dir = None, None, None
     if checkpoint_dir is not None and config.checkpoints:
-        if config.validation_fraction > 0 and not config.refit:
-            log.info("train.refit=false: the early-stopping run is the training run and is not checkpointed")
-        else:
+        if config.validation_fraction > 0:
+            selection_dir = Path(checkpoint_dir) / SELECTION
+        if config.validation_fraction == 0 or config.refit:  # without a refit the selection run is the training run
             optimizer.build(model.trainable_variables)  # slots exist before a restore fills them
             checkpoint = TrainingCheckpoint(
                 checkpoint_dir, model, optimizer,
@@ -109,11 +110,10 @@ def fit(
             validation = ValidationData.from_frame(
                 train, config.validation_fraction, config.batch_size, config.seed, split
             )
-        if checkpoint is not None:
-            log.info("early-stopping selection (not checkpointed: a killed selection starts over) ...")
         hooks = [] if on_epoch_end is None else [on_epoch_end]
         # Without a refit the selection run is the training run: it gets the logs.
-        epochs, selection = select_epochs(model, validation, config, hooks, None if config.refit else logs, say)
+        epochs, selection = select_epochs(model, validation, config, hooks, None if config.refit else logs, say,
+                                          checkpoint_dir=selection_dir)
         if not config.refit:
             if logs is not None:
                 logs.close()
@@ -140,6 +140,7 @@ def select_epochs(
     hooks: list | None = None,
     logs: RunLogs | None = None,
     say: Callable[[str], None] = print,
+    checkpoint_dir: Path | None = None,
 ) -> tuple[int, dict[str, list[float]]]:
     """Early stopping: train on the fit part, watch ``ValidationRecall``, pick the best epoch.
 
@@ -147,18 +148,52 @@ def select_epochs(
     caller retrains on all of ``train`` for the returned number of epochs);
     otherwise it keeps the best epoch's weights.
 
+    With ``checkpoint_dir`` the run is checkpointed there (``TrainingCheckpoint``,
+    the final run's interval) and a call that finds a checkpoint resumes it,
+    the validation recalls so far coming back with its state; without a refit
+    each new best epoch's weights are written to ``checkpoint_dir/best``.
+
     Returns:
       ``(best_epoch, history)``, the history holding the selection run's
       ``selection_loss`` and ``val_recall@k`` per epoch and ``best_epoch``
       (without a refit, also everything the selection run logged).
     """
-    initial = model.get_weights()
+    initial = model.get_weights()  # before a restore: the weights the seed built, where a refit starts
+    # Without checkpoints the best epoch's weights are copied in memory; with them, saved beside them.
     watch = ValidationRecall(model, validation.validation, validation.fit_clicks, config.validation_k,
-                             config.early_stopping_patience)
-    model.compile(optimizer=make_optimizer(config))
-    state = train_epochs(model, validation.fit_source, config.epochs, logs=logs, hooks=[watch, *(hooks or [])],
-                         verbose=config.verbose, say=say)
-    model.set_weights(initial if config.refit else watch.best_weights)
+                             config.early_stopping_patience, keep_weights=not config.refit and checkpoint_dir is None)
+    all_hooks: list = [watch]
+    optimizer = make_optimizer(config)
+    checkpoint, state = None, None
+    best = tf.train.Checkpoint(model=model)
+    best_prefix = str(Path(checkpoint_dir or ".") / "best" / "weights")
+    if checkpoint_dir is not None:
+        optimizer.build(model.trainable_variables)  # slots exist before a restore fills them
+        checkpoint = TrainingCheckpoint(checkpoint_dir, model, optimizer, every_seconds=config.checkpoint_every_seconds,
+                                        every_steps=config.checkpoint_every_steps)
+        state = checkpoint.restore()
+        if state is not None:
+            watch.resume(state.history.get(watch.key, []))
+            log.info("early-stopping selection resumed (%d epochs done, best so far: epoch %d)",
+                     state.epoch, watch.best_epoch)
+        if not config.refit:
+
+            def save_best(epoch: int, logs: dict) -> None:
+                if watch.best_epoch == epoch + 1:
+                    best.write(best_prefix)
+
+            all_hooks.append(save_best)
+    all_hooks += hooks or []
+    model.compile(optimizer=optimizer)
+    if state is None or not watch.stopped:  # a selection killed after its last epoch is not trained again
+        state = train_epochs(model, validation.fit_source, config.epochs, state=state, checkpoint=checkpoint,
+                             logs=logs, hooks=all_hooks, verbose=config.verbose, say=say)
+    if config.refit:
+        model.set_weights(initial)
+    elif watch.best_weights is not None:
+        model.set_weights(watch.best_weights)
+    else:
+        best.read(best_prefix).assert_existing_objects_matched()
     seed_everything(config.seed)
     return watch.best_epoch, {
         **({} if config.refit else state.history),
