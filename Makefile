@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 SET    ?=
 
-.PHONY: install test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-synthetic notebooks bench-public tune bench-steps
+.PHONY: install test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-synthetic notebooks bench-public tune bench-steps
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -82,6 +82,11 @@ bench-kernel:
 # ARGS="--clicks 1000000 --items 100000" for a small run; ARGS="--set data.stream.max_train_batches=1500" caps training.
 bench-scale:
 	nice -n 10 $(BIN)/python benchmarks/bench_scale.py $(ARGS)
+
+# The same log with item and user feature tables and a feature tower (configs/scale_features.yaml:
+# early stopping and checkpoints on), into bench_scale_features.{json,md}.
+bench-scale-features:
+	nice -n 10 $(BIN)/python benchmarks/bench_scale.py --features --out benchmarks/results/bench_scale_features $(ARGS)
 
 # Keras fit step time at 10k/100k/1M users x items (adam, lazy_adam) and checkpoint overhead (~15 min on 2 cores).
 bench-steps:

@@ -21,6 +21,7 @@
 
     python benchmarks/bench_scale.py                                  # 20M clicks / 1M items, 1 epoch
     python benchmarks/bench_scale.py --clicks 1000000 --items 100000  # a couple of minutes
+    python benchmarks/bench_scale.py --features --out benchmarks/results/bench_scale_features  # feature tower
     python benchmarks/bench_scale.py --from-bundle /tmp/retrieval-scale/runs/<run>   # step 4 only, no training
 
 The data goes to ``$RETRIEVAL_SCALE_DIR`` (default /tmp/retrieval-scale), never
@@ -120,6 +121,31 @@ def generate_shards(
     for writer in writers:
         writer.close()
     return {"clicks": int(written), "users": users, "items": items, "shards": n_shards}
+
+
+def write_feature_tables(out: Path, clicks: int, items: int, *, clicks_per_user: float, clusters: int,
+                         seed: int) -> dict:
+    """The log's item table (``category``, ``price``, ``title``) and user table (``age``, ``country``) as Parquet.
+
+    Drawn by ``synthetic``'s own feature functions from the latent truth the
+    shards were drawn from (``synthetic_truth`` of the same config), so
+    categories and title words follow the items' taste clusters as in
+    ``generate_clicks``; every catalogue item and user has a row.
+    """
+    users = max(1, int(round(clicks / clicks_per_user)))
+    cfg = SyntheticConfig(
+        n_users=users, n_items=items, n_clusters=clusters, mean_clicks_per_user=clicks_per_user, seed=seed
+    )
+    truth = synthetic.synthetic_truth(cfg)
+    rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
+    out.mkdir(parents=True, exist_ok=True)
+    item_table = synthetic._item_features(truth, synthetic._ids("i", items), rng)
+    pq.write_table(pa.Table.from_pandas(item_table, preserve_index=False), out / "items.parquet")
+    # signup_day needs the shards' arrival times; the tower does not read it.
+    user_table = synthetic._user_features(truth, synthetic._ids("u", users), np.zeros(users, np.int64), rng)
+    user_table = user_table.drop(columns=["signup_day"])
+    pq.write_table(pa.Table.from_pandas(user_table, preserve_index=False), out / "users.parquet")
+    return {"items": len(item_table), "users": len(user_table), "bytes": directory_bytes(out)}
 
 
 # --- Memory sampling. ---
@@ -304,16 +330,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clicks", type=int, default=20_000_000)
     parser.add_argument("--items", type=int, default=1_000_000)
-    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=None, help="train.epochs (default: the config's)")
     parser.add_argument("--clicks-per-user", type=float, default=20.0)
     parser.add_argument("--clusters", type=int, default=200)
     parser.add_argument("--shard-clicks", type=int, default=1_000_000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--config", default=str(ROOT / "configs" / "scale.yaml"))
+    parser.add_argument("--config", default=None,
+                        help="default configs/scale.yaml, or configs/scale_features.yaml with --features")
     parser.add_argument("--set", action="append", default=[], help="extra config overrides")
     parser.add_argument("--dir", default=os.environ.get("RETRIEVAL_SCALE_DIR", "/tmp/retrieval-scale"))
     parser.add_argument("--keep-run", action="store_true", help="keep the run directory (bundle)")
     parser.add_argument("--generate-only", action="store_true", help="write the shards and stop")
+    parser.add_argument("--features", action="store_true",
+                        help="also write item and user feature tables beside the log and train with "
+                        "configs/scale_features.yaml (a feature tower; early stopping and checkpoints on)")
     parser.add_argument("--out", default=str(RESULTS / "bench_scale"), help="results path without extension")
     parser.add_argument("--embeddings-dir", default=None,
                         help="where the trained model's embeddings go (default <--dir>/embeddings)")
@@ -359,6 +389,20 @@ def main() -> None:
         generation["reused"] = False
     generation["bytes"] = directory_bytes(data_dir)
     log.info("log: %s", json.dumps(generation))
+    table_dir = base / "logs" / f"{name}-tables"
+    table_overrides: list[str] = []
+    if args.features:
+        tables_done = table_dir / "_DONE.json"
+        if not tables_done.exists():
+            clock = time.perf_counter()
+            written = write_feature_tables(table_dir, args.clicks, args.items, clicks_per_user=args.clicks_per_user,
+                                           clusters=args.clusters, seed=args.seed)
+            written["seconds"] = round(time.perf_counter() - clock, 1)
+            tables_done.write_text(json.dumps(written))
+        generation["tables"] = json.loads(tables_done.read_text())
+        log.info("feature tables: %s", json.dumps(generation["tables"]))
+        table_overrides = [f"data.item_features.path={table_dir}/items.parquet",
+                           f"data.user_features.path={table_dir}/users.parquet"]
     if args.generate_only:
         sampler.stop()
         return
@@ -370,11 +414,13 @@ def main() -> None:
     sampler.lines, sampler.partial_path = lines, Path(f"{args.out}.partial.json")
     logging.getLogger("retrieval").setLevel(logging.INFO)
     logging.getLogger("retrieval").addHandler(PhaseFromLog(sampler, lines))
+    args.config = args.config or str(ROOT / "configs" / ("scale_features.yaml" if args.features else "scale.yaml"))
     overrides = [
         f"data.clicks.path={data_dir}/*.parquet",
-        f"train.epochs={args.epochs}",
+        *table_overrides,
+        *([f"train.epochs={args.epochs}"] if args.epochs else []),
         f"run.output_dir={base / 'runs'}",
-        f"run.name={name}-e{args.epochs}",
+        f"run.name={name}{'-features' if args.features else ''}-e{args.epochs or 'config'}",
         "run.overwrite=true",
         *args.set,
     ]
@@ -427,7 +473,9 @@ def main() -> None:
     }
     manifest = json.loads((result.directory / "manifest.json").read_text())
     report["index"] = manifest.get("index")
-    if not args.no_embeddings:  # after the memory figures: loading the SavedModels again is not the job's
+    # After the memory figures: loading the SavedModels again is not the job's. The ANN benchmark reads
+    # the ID model's embeddings; a feature query tower needs more than user ids.
+    if not args.no_embeddings and not args.features:
         report["embeddings"] = save_embeddings(result.directory, embeddings_dir, query_users=args.query_users,
                                                seed=args.seed)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

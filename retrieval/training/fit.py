@@ -113,7 +113,7 @@ def fit(
         hooks = [] if on_epoch_end is None else [on_epoch_end]
         # Without a refit the selection run is the training run: it gets the logs.
         epochs, selection = select_epochs(model, validation, config, hooks, None if config.refit else logs, say,
-                                          checkpoint_dir=selection_dir)
+                                          checkpoint_dir=selection_dir, timing=None if config.refit else timing)
         if not config.refit:
             if logs is not None:
                 logs.close()
@@ -141,6 +141,7 @@ def select_epochs(
     logs: RunLogs | None = None,
     say: Callable[[str], None] = print,
     checkpoint_dir: Path | None = None,
+    timing: dict[str, list[float]] | None = None,
 ) -> tuple[int, dict[str, list[float]]]:
     """Early stopping: train on the fit part, watch ``ValidationRecall``, pick the best epoch.
 
@@ -152,6 +153,7 @@ def select_epochs(
     the final run's interval) and a call that finds a checkpoint resumes it,
     the validation recalls so far coming back with its state; without a refit
     each new best epoch's weights are written to ``checkpoint_dir/best``.
+    ``timing``, if given, gets the run's ``epoch_seconds`` and ``clicks_per_second``.
 
     Returns:
       ``(best_epoch, history)``, the history holding the selection run's
@@ -188,6 +190,8 @@ def select_epochs(
     if state is None or not watch.stopped:  # a selection killed after its last epoch is not trained again
         state = train_epochs(model, validation.fit_source, config.epochs, state=state, checkpoint=checkpoint,
                              logs=logs, hooks=all_hooks, verbose=config.verbose, say=say)
+    if timing is not None:
+        timing.update(state.timing)
     if config.refit:
         model.set_weights(initial)
     elif watch.best_weights is not None:
