@@ -61,8 +61,8 @@ bench-serving:
 
 # The same on the real embeddings of the model make bench-scale trained (it saves them to
 # $RETRIEVAL_SCALE_DIR/embeddings, default /tmp/retrieval-scale/embeddings), the synthetic clusters as a
-# labelled second row, and a 10M-item memory row (IVF-PQ + refine; ~40 min on 2 busy cores, ~6 GiB RAM).
-# Not niced: on a machine shared with niced-less jobs a niced server measures their load, not its latency.
+# labelled second row, and a 10M-item memory row (IVF-PQ + refine; ~15-20 min on 2 shared cores, ~6 GiB RAM).
+# Not niced: beside un-niced jobs on a shared machine, a niced server would measure their load, not its latency.
 RETRIEVAL_SCALE_DIR ?= /tmp/retrieval-scale
 bench-serving-real:
 	$(BIN)/python benchmarks/bench_serving.py --embeddings $(RETRIEVAL_SCALE_DIR)/embeddings $(ARGS)
