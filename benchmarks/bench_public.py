@@ -45,6 +45,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pandas as pd
 from bench_losses import VARIANTS as LOSS_VARIANTS  # benchmarks/ is on sys.path; it imports retrieval first
 
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
@@ -52,6 +54,8 @@ from retrieval.config import ALSConfig, BaselinesConfig, Config, ConfigError, lo
 from retrieval.data import ITEM, USER, load_dataset
 from retrieval.evaluation import EvalSet, build_eval_set, compare_rankers, item_click_counts
 from retrieval.evaluation.baselines import als_ranking, popularity_ranking
+from retrieval.evaluation.protocol import index_ranking
+from retrieval.index import ItemIndex
 from retrieval.jobs import train_evaluate_export
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,13 +93,19 @@ VARIANTS: dict[str, list[str]] = {
     "temp0.07-12ep": ["model.temperature=0.07", "train.epochs=12", "train.validation_fraction=0",
                       "train.optimizer=adam"],
 }
-BASELINES = ["popularity", "als"]
+BASELINES = ["popularity", "als", "ease"]
+GRIDS = ("als", "ease")  # baselines tuned on valid over a grid: the tables show each one's best point
 ROWS = [*BASELINES, *VARIANTS]
 
 # The ALS grid (every combination); alpha stays at the project's default.
 ALS_FACTORS = [32, 64, 128, 256]  # 32: the project's ALS default
 ALS_REGULARIZATION = [0.01, 1.0]
 ALS_ITERATIONS = [15, 30]
+
+# EASE (Steck, WWW 2019): a strong item-item reference on dense logs; its closed form inverts an
+# [items, items] Gram matrix, so it runs only on catalogues up to EASE_MAX_ITEMS (ML-1M, not Gowalla).
+EASE_L2 = [100.0, 300.0, 1000.0, 3000.0]
+EASE_MAX_ITEMS = 20_000
 
 # Set on every model row: the baselines are rows of their own, and no plots are needed.
 BENCH_SETTINGS = ["evaluation.baselines.rankers=[]", "evaluation.plots=false"]
@@ -185,6 +195,29 @@ class Baselines:
         return self.score("als", partial(als_ranking, config=BaselinesConfig(rankers=("als",), als=als)))
 
 
+def ease_ranking(train, catalogue_ids, eval_set: EvalSet, depth: int, l2: float) -> np.ndarray:
+    """Top-``depth`` rows by EASE score, masked and ranked by ``index_ranking`` as the model is.
+
+    B = I - P / diag(P) with P = (X'X + l2 I)^-1 (zero diagonal); a user's scores are
+    x_u B, so the index holds the columns of B and the query is the user's click row x_u.
+    """
+    items = pd.Index(catalogue_ids, dtype=object)
+    users = pd.Index(eval_set.user_ids, dtype=object)
+    columns = items.get_indexer(train[ITEM].astype(str))
+    clicks = np.zeros((train[USER].nunique(), len(items)), np.float32)
+    user_codes = pd.factorize(train[USER].astype(str))
+    clicks[user_codes[0], columns] = 1.0
+    gram = clicks.T @ clicks
+    gram[np.diag_indices_from(gram)] += l2
+    precision = np.linalg.inv(gram)
+    weights = -precision / np.diag(precision)
+    np.fill_diagonal(weights, 0.0)
+    rows = pd.Index(user_codes[1], dtype=object).get_indexer(users)
+    queries = np.where(rows[:, None] >= 0, clicks[np.maximum(rows, 0)], 0.0).astype(np.float32)
+    index = ItemIndex.build(list(catalogue_ids), np.ascontiguousarray(weights.T), "Flat")
+    return index_ranking(index, queries, eval_set, depth)
+
+
 @functools.lru_cache(maxsize=1)  # the rows of one dataset share it; the next dataset replaces it
 def baselines_of(folder: Path) -> Baselines:
     return Baselines(folder)
@@ -196,6 +229,11 @@ def popularity_row(folder: Path) -> dict:
 
 def als_row(folder: Path, factors: int, regularization: float, iterations: int, seed: int) -> dict:
     return baselines_of(folder).als(factors, regularization, iterations, seed)
+
+
+def ease_row(folder: Path, l2: float) -> dict:
+    baselines = baselines_of(folder)
+    return baselines.score("ease", partial(ease_ranking, l2=l2))
 
 
 def als_grid() -> list[tuple[int, float, int]]:
@@ -243,14 +281,15 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def table_rows(summary: list[dict], dataset: str) -> list[dict]:
-    """One dataset's rows in ROWS order; the ALS grid collapses to its best point (labelled)."""
+    """One dataset's rows in ROWS order; each baseline grid (ALS, EASE) collapses to its best point (labelled)."""
     mine = [s for s in summary if s["dataset"] == dataset]
-    grid = [s for s in mine if s["row"] == "als"]
-    shown = [s for s in mine if s["row"] != "als"]
-    if grid:
-        best = max(grid, key=lambda s: s[RECALL])
-        shown.append({**best, "short": "als (tuned on valid)",
-                      "label": f"als, tuned on valid ({', '.join(best['overrides'])}; best of {len(grid)})"})
+    shown = [s for s in mine if s["row"] not in GRIDS]
+    for name in GRIDS:
+        grid = [s for s in mine if s["row"] == name]
+        if grid:
+            best = max(grid, key=lambda s: s[RECALL])
+            shown.append({**best, "short": f"{name} (tuned on valid)",
+                          "label": f"{name}, tuned on valid ({', '.join(best['overrides'])}; best of {len(grid)})"})
     order = {name: i for i, name in enumerate(ROWS)}
     shown.sort(key=lambda s: (order.get(s["row"], len(order)), s["extra"]))
     for s in shown:
@@ -275,7 +314,9 @@ def markdown(report: dict) -> str:
         "rows are `make train` with configs/default.yaml plus the row's overrides (`VARIANTS` in "
         "benchmarks/bench_public.py); their seconds are the whole job's wall time (load, early stopping, "
         "training, index, evaluation, export) on the machine below. ALS is the best point of a grid "
-        "(factors x regularization x iterations) chosen on valid itself, an optimistic baseline. "
+        "(factors x regularization x iterations) chosen on valid itself, an optimistic baseline; EASE "
+        "(Steck 2019, the l2 grid chosen on valid too) is a second, item-item reference, on catalogues of at most "
+        f"{EASE_MAX_ITEMS:,} items. "
         "Mean ± std over seeds where a row has several. Rows whose JSON entry carries a `note` say which "
         "code ran them: `adam-T0.2` (the default until stop 18), the `T*-lazy` sweep and `temp0.07-12ep` "
         "ran on the stop-18 code (Keras `fit`) while other jobs shared the 2 cores, so their seconds are "
@@ -302,18 +343,19 @@ def markdown(report: dict) -> str:
             ratio_als = f"{s[RECALL] / als[RECALL]:.2f}" if als and als[RECALL] else ""
             ratio_tfrs = f"{s[RECALL] / tfrs[RECALL]:.2f}" if tfrs and tfrs[RECALL] else ""
             epochs = f"{s['epochs']:.1f}" if "epochs" in s else ""
-            overrides = " ".join(s["extra"] if s["row"] == "als" else [*s["overrides"], *s["extra"]])
+            overrides = " ".join(s["extra"] if s["row"] in GRIDS else [*s["overrides"], *s["extra"]])
             lines.append(
                 f"| {s['label']} | {_cell(s, RECALL)} | {_cell(s, NDCG)} | {ratio_als} | {ratio_tfrs} | {epochs} | "
                 f"{s.get('seconds', 0):.0f} | {s['seeds']} | {'`' + overrides + '`' if overrides else ''} |"
             )
-        grid = sorted((s for s in summarise(report["rows"]) if s["dataset"] == d and s["row"] == "als"),
-                      key=lambda s: -s[RECALL])
-        if grid:
-            lines += ["", f"ALS grid on {d} (best first):\n", f"| point | recall@{K} | NDCG@{K} | seconds |",
-                      "|---|---|---|---|"]
-            lines += [f"| {' '.join(s['overrides'])} | {_cell(s, RECALL)} | {_cell(s, NDCG)} | {s['seconds']:.0f} |"
-                      for s in grid]
+        for name in GRIDS:
+            grid = sorted((s for s in summarise(report["rows"]) if s["dataset"] == d and s["row"] == name),
+                          key=lambda s: -s[RECALL])
+            if grid:
+                lines += ["", f"{name.upper()} grid on {d} (best first):\n",
+                          f"| point | recall@{K} | NDCG@{K} | seconds |", "|---|---|---|---|"]
+                lines += [f"| {' '.join(s['overrides'])} | {_cell(s, RECALL)} | {_cell(s, NDCG)} | "
+                          f"{s['seconds']:.0f} |" for s in grid]
         lines.append("")
     commands = list(dict.fromkeys(r["command"] for r in report["rows"] if "command" in r))
     machine = report.get("machine", {})
@@ -426,6 +468,13 @@ def main(argv: list[str] | None = None) -> int:
             for row in rows:
                 if row == "popularity":
                     record(dataset, row, 0, [], [], partial(popularity_row, folder))
+                elif row == "ease":
+                    if len(baselines_of(folder).catalogue_ids) > EASE_MAX_ITEMS:
+                        print(f"{dataset} | ease: skipped, {len(baselines_of(folder).catalogue_ids):,} items is more "
+                              f"than EASE_MAX_ITEMS={EASE_MAX_ITEMS:,} (a dense [items, items] inverse)")
+                        continue
+                    for l2 in EASE_L2:
+                        record(dataset, row, 0, [f"l2={l2:g}"], [], partial(ease_row, folder, l2))
                 elif row == "als":
                     for (factors, reg, iterations), seed in itertools.product(als_grid(), range(args.seeds)):
                         point = [f"factors={factors}", f"regularization={reg}", f"iterations={iterations}"]
