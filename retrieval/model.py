@@ -175,6 +175,21 @@ class TwoTowerModel(tfrs.Model):
         """Doc embeddings of every tower index, ``[num_items + 1, dim]`` (row 0 = OOV)."""
         return self.doc_tower(self._doc_catalogue(), training=False)
 
+    def catalogue_embeddings(self, batch_size: int = 8192) -> tf.Tensor:
+        """``embed_catalogue`` run eagerly over ``batch_size`` tower indices at a time.
+
+        The same ``[num_items + 1, dim]`` values; a feature tower's intermediate
+        activations (a text encoder's ``[items, words, dim]``) then take memory
+        for one batch, not for the whole catalogue.
+        """
+        catalogue = self._doc_catalogue()
+        parts = [
+            self.doc_tower({name: values[start : start + batch_size] for name, values in catalogue.items()},
+                           training=False)
+            for start in range(0, self.num_items + 1, batch_size)
+        ]
+        return tf.concat(parts, axis=0)
+
     def _doc_catalogue(self) -> dict:
         missing = [name for name in self.doc_tower.input_names if name not in self._catalogue]
         if missing:
@@ -184,9 +199,14 @@ class TwoTowerModel(tfrs.Model):
             )
         return {name: self._catalogue[name] for name in self.doc_tower.input_names}
 
-    def item_scores(self, query_embeddings: tf.Tensor) -> tf.Tensor:
-        """The model's ranking scores of every tower index, ``[num_queries, num_items + 1]``."""
-        return self.objective.item_scores(query_embeddings, self.embed_catalogue())
+    def item_scores(self, query_embeddings: tf.Tensor, item_embeddings: tf.Tensor | None = None) -> tf.Tensor:
+        """The model's ranking scores of every tower index, ``[num_queries, num_items + 1]``.
+
+        ``item_embeddings``: ``catalogue_embeddings()`` computed once for many calls (default: embedded now).
+        """
+        if item_embeddings is None:
+            item_embeddings = self.embed_catalogue()
+        return self.objective.item_scores(query_embeddings, item_embeddings)
 
     def compute_loss(self, features, training: bool = False) -> tf.Tensor:
         queries = self.query_tower(tower_inputs(self.query_tower, features), training=training)

@@ -97,25 +97,40 @@ class ValidationRecall:
             self._masks = (pairs["row"].to_numpy(np.int64), items)
         return self._masks
 
-    def recall(self, batch_size: int = 1024) -> float:
-        """Recall@k of the validation clicks under the model now."""
+    def recall(self, batch_size: int = 1024, max_scores: int = 1 << 25) -> float:
+        """Recall@k of the validation clicks under the model now.
+
+        The catalogue is embedded once, in batches; the clicks are scored
+        ``batch_size`` at a time, fewer when the catalogue is so large that a
+        ``[batch, items]`` score block would pass ``max_scores`` floats (128 MiB
+        by default), so the memory stays bounded at a million items.
+        """
         if self.validation.empty:
             return 0.0
         model = self.model
         mask_rows, mask_items = self._exclusions()
+        catalogue = model.catalogue_embeddings()
+        columns = model.num_items + 1
+        batch_size = int(max(1, min(batch_size, max_scores // columns)))
         hits = []
         for start in range(0, len(self.validation), batch_size):
             rows = self.validation.iloc[start : start + batch_size]
             arrays = feature_arrays(rows, model.query_tower.input_names)
             queries = model.query_tower({name: tf.constant(v) for name, v in arrays.items()}, training=False)
-            scores = model.item_scores(queries).numpy()
-            scores[:, 0] = -np.inf  # the OOV row is no recommendation
+            scores = model.item_scores(queries, catalogue)
             chosen = (mask_rows >= start) & (mask_rows < start + len(rows))
-            scores[mask_rows[chosen] - start, mask_items[chosen]] = -np.inf
-            target = model.item_index(tf.constant(rows[ITEM].astype(str).to_numpy(dtype=object))).numpy()
-            target_scores = scores[np.arange(len(rows)), target]
-            rank = np.sum(scores > target_scores[:, None], axis=1)
-            hits.append((rank < self.k) & (target > 0) & np.isfinite(target_scores))
+            # Column 0 (OOV) is no recommendation; a row's fit-part items are not ranked.
+            masked = np.concatenate([
+                np.stack([np.arange(len(rows)), np.zeros(len(rows), np.int64)], axis=1),
+                np.stack([mask_rows[chosen] - start, mask_items[chosen]], axis=1),
+            ])
+            scores = tf.tensor_scatter_nd_update(
+                scores, tf.constant(masked, tf.int64), tf.fill([len(masked)], tf.constant(-np.inf, scores.dtype))
+            )
+            target = model.item_index(tf.constant(rows[ITEM].astype(str).to_numpy(dtype=object)))
+            target_scores = tf.gather(scores, target, axis=1, batch_dims=1)
+            rank = tf.reduce_sum(tf.cast(scores > target_scores[:, None], tf.int32), axis=1)
+            hits.append(((rank < self.k) & (target > 0) & tf.math.is_finite(target_scores)).numpy())
         return float(np.mean(np.concatenate(hits)))
 
     def __call__(self, epoch: int, logs: dict) -> bool:
