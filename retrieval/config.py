@@ -169,10 +169,6 @@ class DataConfig(_Section):
         if self.out_of_core:
             if self.source != "files":
                 raise ValueError(f"data.out_of_core needs data.source: files (click shards), got {self.source!r}")
-            if self.duplicates != "keep":
-                raise ValueError(
-                    "not yet supported with data.out_of_core: data.duplicates: first (needs per-pair state)"
-                )
         return self
 
 
@@ -814,9 +810,6 @@ class Config(_Section):
         unsupported = {
             "towers.query.history (each click's history is its user's earlier clicks, which shuffled shards "
             "do not carry: it needs the log sorted by user and time first)": self.towers.query.history is not None,
-            f"split.kind: {self.split.kind} (temporal, random and none are)": self.split.kind
-            not in ("temporal", "random", "none"),
-            "split.hold_out_items > 0": self.split.hold_out_items > 0,
             "model.loss.hard_negatives: mined": self.model.loss.hard_negatives == "mined",
         }
         named = [key for key, used in unsupported.items() if used]

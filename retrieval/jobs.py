@@ -27,6 +27,7 @@ from retrieval.data.streaming import (
     ClickShards,
     Plan,
     collect_users,
+    plan_hold_out,
     plan_split,
     plan_validation,
     sample_test_users,
@@ -248,13 +249,19 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         seconds: dict[str, float] = {}
         clock = time.perf_counter()
         shards = ClickShards.open(config.data.clicks, config.data.columns, stream.read_batch_size)
-        plan: Plan = plan_split(shards, config.split)
+        plan: Plan = plan_split(shards, config.split, config.data.duplicates)
         if config.split.evaluate_on == "validation":  # as splits.split_validation carves it in memory
             plan = plan_validation(shards, plan, config.split.test_fraction, config.split)
-        counts = scan_counts(shards, plan)
         given_test = None
         if config.data.test_clicks is not None:  # split.kind: none; a test log is small: read whole
-            given_test = read_clicks(config.data.test_clicks, config.data.columns)
+            given_test = read_clicks(config.data.test_clicks, config.data.columns, duplicates=config.data.duplicates)
+        held_out: tuple[str, ...] = ()
+        if config.split.hold_out_items > 0:  # drawn after the split, from both sides, as load_dataset draws
+            plan = plan_hold_out(shards, plan, config.split.hold_out_items, config.split.seed,
+                                 () if given_test is None else given_test[ITEM].astype(str))
+            held_out = plan.items
+        counts = scan_counts(shards, plan)
+        if given_test is not None:
             counts = counts.with_test(given_test)
         stats = FeatureStatistics.from_counts(counts.user_ids, counts.item_ids, counts.item_counts, counts.has_weights)
         tables, join = _streamed_tables(config, counts, shards.columns.timestamp is not None)
@@ -272,6 +279,7 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
             "catalogue_items": len(catalogue_ids),
             "time_range": list(plan.time_range) if plan.time_range else None,
             "temporal_cut": plan.cut,
+            "held_out_items": len(held_out),
         }
         log.info("data (streamed in %.1fs): %s", seconds["streaming_stats"], json.dumps(summary))
         # Pass 3 before training: an empty eval set fails now, not after training.

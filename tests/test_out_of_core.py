@@ -14,11 +14,20 @@ import tensorflow as tf
 
 import retrieval  # noqa: F401
 from retrieval.config import ColumnsConfig, ConfigError, SplitConfig, SyntheticConfig, TableConfig, load_config
-from retrieval.data import DataError, generate_clicks, read_clicks, split_clicks, temporal_cut
+from retrieval.data import (
+    DataError,
+    apply_duplicates,
+    generate_clicks,
+    hold_out_items,
+    read_clicks,
+    split_clicks,
+    temporal_cut,
+)
 from retrieval.data.splits import split_validation, training_split
 from retrieval.data.streaming import (
     ClickShards,
     collect_users,
+    plan_hold_out,
     plan_split,
     plan_validation,
     random_test_mask,
@@ -279,16 +288,137 @@ def test_streamed_validation_without_timestamps_is_a_seeded_hash(tmp_path):
     assert scan_counts(shards, plan_validation(shards, plan, 0.25, split)).test_rows == counts.test_rows
 
 
+@pytest.fixture(scope="module", params=["parquet", "csv"])
+def tied_logs(request, tmp_path_factory):
+    """``logs`` with what the click-level plans must get right: timestamps in whole days (each user's
+    last clicks tie, so row order decides) and repeated (user, item) pairs, some at the same time."""
+    fmt = request.param
+    clicks = _log(seed=6)
+    clicks["timestamp"] = clicks["timestamp"] // 86_400 * 86_400
+    again = clicks.sample(600, random_state=1)
+    again.loc[again.index[:300], "timestamp"] += 86_400 * 3  # re-clicks later, and repeats of the same click
+    clicks = pd.concat([clicks, again]).sample(frac=1.0, random_state=2).reset_index(drop=True)
+    folder = tmp_path_factory.mktemp(f"tied-{fmt}") / "shards"
+    whole = _write(clicks, folder, fmt)
+    shards = ClickShards.open(TableConfig(path=str(folder)), COLUMNS, read_batch_size=300)
+    return shards, read_clicks(TableConfig(path=str(whole)), COLUMNS)
+
+
+def _same_rows(shards, plan, train: pd.DataFrame, test: pd.DataFrame) -> None:
+    """The plan's two sides are ``train`` and ``test`` row for row (shards read in log order)."""
+    users = sorted(set(train["user_id"]) | set(test["user_id"]))
+    streamed_train, streamed_test = collect_users(shards, plan, users)
+    pd.testing.assert_frame_equal(streamed_train, train)
+    pd.testing.assert_frame_equal(streamed_test, test)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_leave_last_k_holds_out_the_rows_the_in_memory_split_holds_out(tied_logs, k):
+    """Each user's last k clicks, ties at a user's threshold broken by log order as in memory, and
+    early stopping's carve (each user's last k training clicks) likewise."""
+    shards, clicks = tied_logs
+    split = SplitConfig(kind="leave_last_k", k=k)
+    train, test = split_clicks(clicks, split)
+    last = clicks.groupby("user_id")["timestamp"].transform("max")
+    assert (clicks["timestamp"] == last).groupby(clicks["user_id"]).sum().max() > k  # ties decided by row order
+    plan = plan_split(shards, split)
+    assert plan.rows == len(clicks)
+    _same_rows(shards, plan, train, test)
+    counts = scan_counts(shards, plan)
+    assert (counts.train_rows, counts.test_rows) == (len(train), len(test))
+    fit_part, validation = validation_split(train, 0.1, split)
+    _same_rows(shards, plan_validation(shards, plan, 0.1, split), fit_part, validation)
+    # Tuning's nested split: the training part split again by the same rule.
+    inner, held = split_validation(train, split)
+    _same_rows(shards, plan_validation(shards, plan, split.test_fraction, split), inner, held)
+
+
+@pytest.mark.parametrize("kind", ["temporal", "leave_last_k", "random"])
+def test_duplicates_first_keeps_the_rows_the_in_memory_loader_keeps(tied_logs, kind):
+    """``data.duplicates: first`` streamed keeps each pair's earliest click (ties by log order) and
+    splits what it keeps: the same rows on each side as ``apply_duplicates`` then ``split_clicks``."""
+    shards, clicks = tied_logs
+    kept = apply_duplicates(clicks, "first")
+    assert len(kept) < len(clicks) - 300  # repeated pairs: more than the re-clicks were dropped
+    split = SplitConfig(kind=kind, test_fraction=0.2, seed=4)
+    train, test = split_clicks(kept, split)
+    plan = plan_split(shards, split, "first")
+    assert plan.rows == len(kept)
+    _same_rows(shards, plan, train, test)
+    assert scan_counts(shards, plan).train_rows == len(train)
+    fit_part, validation = validation_split(train, 0.1, split)
+    _same_rows(shards, plan_validation(shards, plan, 0.1, split), fit_part, validation)
+
+
+@pytest.mark.parametrize("kind", ["temporal", "leave_last_k", "random"])
+def test_held_out_items_are_the_in_memory_draw(tied_logs, kind):
+    """``split.hold_out_items``: the same items drawn from the same seed, their training clicks dropped,
+    their test clicks kept, and early stopping carved from what is left, as in memory."""
+    shards, clicks = tied_logs
+    split = SplitConfig(kind=kind, test_fraction=0.2, seed=9, hold_out_items=0.15)
+    train, test = split_clicks(clicks, split)
+    kept, held = hold_out_items(train, test, split.hold_out_items, split.seed)
+    plan = plan_hold_out(shards, plan_split(shards, split), split.hold_out_items, split.seed)
+    assert plan.items == held and len(held) == round(0.15 * clicks["item_id"].nunique())
+    assert test["item_id"].isin(held).any()  # cold items keep their test clicks
+    _same_rows(shards, plan, kept, test)
+    counts = scan_counts(shards, plan)
+    assert not set(counts.item_ids) & set(held)
+    fit_part, validation = validation_split(kept, 0.1, split)
+    _same_rows(shards, plan_validation(shards, plan, 0.1, split), fit_part, validation)
+    # Another seed draws other items.
+    assert plan_hold_out(shards, plan_split(shards, split), 0.15, 10).items != held
+
+
+def test_held_out_items_are_drawn_from_a_given_test_log_too(tied_logs):
+    """split.kind: none: the draw lists the given test log's items beside the shards' (as in memory)."""
+    shards, clicks = tied_logs
+    extra = pd.DataFrame({"user_id": ["u-new"], "item_id": ["only-in-the-test-log"]})
+    _, held = hold_out_items(clicks, extra, 0.3, 2)
+    plan = plan_hold_out(shards, plan_split(shards, SplitConfig(kind="none")), 0.3, 2, extra["item_id"])
+    assert plan.items == held
+
+
+def test_click_level_plans_refuse_what_they_cannot_plan(tmp_path, tied_logs):
+    shards, clicks = tied_logs
+    with pytest.raises(DataError, match=r"leave_last_k split left the test part empty: no user has more than "
+                                        r"split.k=1000 clicks"):
+        plan_split(shards, SplitConfig(kind="leave_last_k", k=1000))
+    plan = plan_split(shards, SplitConfig(kind="leave_last_k", k=1))
+    counts = clicks.groupby("user_id").size()
+    k = int(counts.max()) - 1  # the outer split leaves no user more than k training clicks
+    with pytest.raises(DataError, match=rf"validation part .*split.k={k}.* is empty"):
+        plan_validation(shards, plan_split(shards, SplitConfig(kind="leave_last_k", k=k)), 0.1,
+                        SplitConfig(kind="leave_last_k", k=k))
+    one_item = clicks.assign(item_id="the-only-item")
+    folder = tmp_path / "one-item"
+    _write(one_item, folder, "parquet", shards=2)
+    single = ClickShards.open(TableConfig(path=str(folder)), COLUMNS)
+    with pytest.raises(DataError, match=r"split.hold_out_items=0.6 holds out every item with training clicks"):
+        plan_hold_out(single, plan_split(single, SplitConfig(kind="random")), 0.6, 0)
+    assert len(plan_hold_out(shards, plan, 0.2, 0).items) > 0
+    untimed = ClickShards.open(TableConfig(path=str(folder)), COLUMNS.model_copy(update={"timestamp": None}))
+    with pytest.raises(DataError, match=r"split.kind 'leave_last_k' needs timestamps"):
+        plan_split(untimed, SplitConfig(kind="leave_last_k"))
+    # Without timestamps a pair's first click is its first in log order.
+    untimed_kept = apply_duplicates(one_item.drop(columns=["timestamp"]), "first")
+    assert len(untimed_kept) == one_item["user_id"].nunique()
+    split = SplitConfig(kind="random", test_fraction=0.5)
+    _same_rows(untimed, plan_split(untimed, split, "first"), *split_clicks(untimed_kept, split))
+
+
 def test_unsupported_settings_are_refused_by_the_config():
     base = ["data.source=files", "data.clicks.path=x/*.parquet", "data.out_of_core=true",
             "evaluation.baselines.rankers=[popularity]"]
     load_config(None, base)  # supported
     load_config(None, base + ["data.item_features.path=items.csv", "data.user_features.path=users.csv",
                               *FEATURE_TOWERS])  # feature towers and tables too
+    # Click-level plans: one split per kind, duplicates and held-out items, as in memory.
+    load_config(None, base + ["split.kind=leave_last_k", "split.k=2", "data.duplicates=first",
+                              "split.hold_out_items=0.1"])
     for override, reason in [
-        ("split.kind=leave_last_k", "split.kind: leave_last_k"),
-        ("data.duplicates=first", "duplicates"),
         ("towers.query.history={length: 5}", "towers.query.history .*earlier clicks.*sorted by user and time"),
+        ("model.loss.hard_negatives=mined", "model.loss.hard_negatives: mined"),
     ]:
         with pytest.raises(ConfigError, match=f"not yet supported with data.out_of_core: .*{reason}"):
             load_config(None, base + [override])
@@ -330,12 +460,36 @@ def test_lazy_adam_updates_only_the_touched_rows_as_adam_would():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["temporal", "random", "none", "temporal-validation", "random-validation"])
+@pytest.mark.parametrize(
+    "kind",
+    ["temporal", "random", "leave_last_k", "none", "temporal-validation", "random-validation",
+     "leave_last_k-validation"],
+)
 def test_job_out_of_core_matches_the_in_memory_job(tmp_path, monkeypatch, kind):
     """The contract of the two click sources: the same job on the same clicks evaluates the same
     users on the same held-out clicks, for every split kind both read."""
     clicks, _, _ = generate_clicks(SyntheticConfig(n_users=500, n_items=300, mean_clicks_per_user=30, seed=0))
     _job_both_ways(tmp_path, monkeypatch, kind, clicks, [])  # asserts the contract
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kind", "extra"),
+    [
+        ("temporal", ["data.duplicates=first"]),
+        ("leave_last_k", ["split.hold_out_items=0.1"]),
+        ("none", ["data.duplicates=first", "split.hold_out_items=0.1", "evaluation.unseen_items=keep"]),
+    ],
+)
+def test_job_out_of_core_matches_the_in_memory_job_with_click_level_settings(tmp_path, monkeypatch, kind, extra):
+    """The same contract with ``data.duplicates: first`` and ``split.hold_out_items``: the streamed
+    plan keeps and holds out the clicks the in-memory frame does."""
+    clicks, _, _ = generate_clicks(SyntheticConfig(n_users=500, n_items=300, mean_clicks_per_user=30, seed=0))
+    assert clicks.duplicated(["user_id", "item_id"]).any()
+    in_memory, streamed = _job_both_ways(tmp_path, monkeypatch, kind, clicks, extra)
+    held = in_memory["data"]["held_out_items"]
+    assert streamed["data"]["held_out_items"] == held and (held > 0) == ("split.hold_out_items=0.1" in extra)
+    assert streamed["data"]["train_clicks"] == in_memory["data"]["train_clicks"]
 
 
 # Feature towers on tables and click columns: a user table (categorical, numeric), an item table
@@ -407,7 +561,8 @@ def _job_both_ways(tmp_path, monkeypatch, kind: str, clicks: pd.DataFrame, extra
         raise AssertionError("the out-of-core path must not load the log with pandas")
 
     refused = ["retrieval.data.dataset.read_clicks", "retrieval.jobs.load_dataset"]
-    if kind != "none" and not extra:  # the (small) test file and feature tables are read whole, by pandas
+    tables = any("_features.path=" in setting for setting in extra)
+    if kind != "none" and not tables:  # the (small) test file and feature tables are read whole, by pandas
         refused += ["retrieval.data.loaders.read_clicks", "pandas.read_parquet", "pandas.read_csv"]
     for target in refused:
         monkeypatch.setattr(target, refuse)

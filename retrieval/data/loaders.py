@@ -163,12 +163,34 @@ def apply_duplicates(clicks: pd.DataFrame, policy: Duplicates) -> pd.DataFrame:
         return clicks.reset_index(drop=True)
     if policy != "first":
         raise ValueError(f"duplicates must be 'keep' or 'first', got {policy!r}")
-    order = np.arange(len(clicks))
-    if TIME in clicks:
-        # lexsort's last key is the primary one; row order breaks ties.
-        order = np.lexsort((order, clicks[TIME].to_numpy()))
-    first = ~clicks.iloc[order].duplicated([USER, ITEM], keep="first").to_numpy()
-    return clicks.iloc[np.sort(order[first])].reset_index(drop=True)
+    first = first_click_mask(
+        pd.factorize(clicks[USER])[0],
+        pd.factorize(clicks[ITEM])[0],
+        clicks[TIME].to_numpy() if TIME in clicks else None,
+        np.arange(len(clicks)),
+    )
+    return clicks[first].reset_index(drop=True)
+
+
+def first_click_mask(
+    users: np.ndarray, items: np.ndarray, timestamps: np.ndarray | None, rows: np.ndarray
+) -> np.ndarray:
+    """[n] bool: the first click of each (user, item) pair, by timestamp when there is one, ties
+    broken by row order (``duplicates: "first"``, in memory and streamed).
+
+    Args:
+        users, items: [n] non-negative int codes of the ids.
+        timestamps: [n] int64, or None for a log without time.
+        rows: [n] int64, increasing in log order (row numbers, or a shard's row keys).
+    """
+    # lexsort's last key is the primary one: each pair's clicks end up together, earliest first.
+    order = np.lexsort((rows, items, users) if timestamps is None else (rows, timestamps, items, users))
+    pair_users, pair_items = users[order], items[order]
+    starts = np.ones(len(order), bool)
+    starts[1:] = (pair_users[1:] != pair_users[:-1]) | (pair_items[1:] != pair_items[:-1])
+    first = np.zeros(len(order), bool)
+    first[order[starts]] = True
+    return first
 
 
 def resolve_format(table: TableConfig) -> str:

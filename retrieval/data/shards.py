@@ -28,6 +28,10 @@ from retrieval.config import ColumnsConfig, TableConfig
 from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
 from retrieval.data.values import FLOAT32_MAX, BadValues, click_weights, id_strings, timestamp_seconds
 
+# A click's row key is its shard's place in the sorted shard list times 2**ROW_KEY_BITS plus its
+# 0-based row in the shard: increasing in log order (the in-memory frame's row order) without a
+# pass to count each shard's rows first. 2**40 rows a shard, 2**23 shards.
+ROW_KEY_BITS = 40
 _SHARD_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "tsv", ".txt": "tsv"}
 _SEPARATORS = {"csv": ",", "tsv": "\t"}
 
@@ -145,16 +149,18 @@ class ClickShards:
         return pads.dataset(file, format=fmt)
 
     def batches(self, file: str) -> Iterator[ClickBatch]:
-        """Canonical click batches of one shard, in file order."""
+        """Canonical click batches of one shard (one of ``files``), in file order."""
         text = self.format != "parquet"
         line_of = (lambda row: self._text_line(file, row)) if text else None
+        first_key = self.files.index(file) << ROW_KEY_BITS
         try:
             scanner = self._dataset(file).to_batches(columns=self.wanted, batch_size=self.read_batch_size)
             first_row = 1
             for batch in scanner:
                 if batch.num_rows == 0:
                     continue
-                yield _canonical(batch, self.columns, file, first_row, line_of)
+                keys = np.arange(first_key + first_row - 1, first_key + first_row - 1 + batch.num_rows)
+                yield _canonical(batch, self.columns, file, first_row, line_of, keys)
                 first_row += batch.num_rows
         except DataError:
             raise
@@ -222,6 +228,9 @@ class ClickBatch:
     items: pa.Array  # string
     timestamps: np.ndarray | None  # int64 seconds, or None without a time column
     weights: np.ndarray  # float32
+    # [n] int64 row keys (ROW_KEY_BITS), increasing in log order: how a plan that names single
+    # clicks (leave_last_k, data.duplicates: first) finds them in any batch; None = not from a shard.
+    keys: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.users)
@@ -233,6 +242,7 @@ class ClickBatch:
             self.items.filter(keep),
             None if self.timestamps is None else self.timestamps[mask],
             self.weights[mask],
+            None if self.keys is None else self.keys[mask],
         )
 
     def frame(self) -> pd.DataFrame:
@@ -254,6 +264,7 @@ def _canonical(
     file: str,
     first_row: int,
     line_of: Callable[[int], int] | None = None,
+    keys: np.ndarray | None = None,
 ) -> ClickBatch:
     """Ids as stripped strings, timestamps as int64 seconds, weights as float32; errors name file and row.
 
@@ -262,7 +273,7 @@ def _canonical(
     converts identically and faster (string or integer ids, integer seconds).
     ``first_row`` is the batch's first 1-based data row in the shard;
     ``line_of(row)`` gives a text shard's line of a data row (None: Parquet,
-    errors name the row).
+    errors name the row); ``keys`` are the rows' keys (``ROW_KEY_BITS``).
     """
 
     def fail(message: str, bad: np.ndarray, column: str) -> DataError:
@@ -333,7 +344,7 @@ def _canonical(
             weights = checked(columns.weight, click_weights)
     else:
         weights = np.ones(batch.num_rows, dtype=np.float32)
-    return ClickBatch(ids(columns.user, "user"), ids(columns.item, "item"), timestamps, weights)
+    return ClickBatch(ids(columns.user, "user"), ids(columns.item, "item"), timestamps, weights, keys)
 
 
 def _all_integers(values: pa.Array) -> bool:

@@ -160,15 +160,30 @@ def hold_out_items(
     Raises:
         DataError: Holding out would leave no training click.
     """
-    if not 0 <= fraction < 1:
-        raise ValueError(f"fraction must be in [0, 1), got {fraction}")
-    items = np.sort(pd.unique(pd.concat([train[ITEM], test[ITEM]]).astype(str)))
-    count = int(round(fraction * len(items)))
-    held = np.sort(np.random.default_rng(seed).choice(items, count, replace=False)) if count else items[:0]
+    held = draw_held_out_items(pd.unique(pd.concat([train[ITEM], test[ITEM]]).astype(str)), fraction, seed)
     kept = train[~train[ITEM].astype(str).isin(held)].reset_index(drop=True)
     if kept.empty:
         raise DataError(f"split.hold_out_items={fraction} holds out every item with training clicks")
     return kept, tuple(str(item) for item in held)
+
+
+def draw_held_out_items(items: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """The items ``hold_out_items`` makes cold: ``round(fraction * len(items))`` of them, drawn with
+    ``seed`` from the sorted ids, so any source listing the same items draws the same ones.
+
+    Args:
+        items: [n] object array of the distinct logged item ids (str), in any order.
+        fraction: Share to hold out, in [0, 1).
+        seed: Seed of the draw.
+
+    Returns:
+        The held-out ids, sorted.
+    """
+    if not 0 <= fraction < 1:
+        raise ValueError(f"fraction must be in [0, 1), got {fraction}")
+    items = np.sort(np.asarray(items, dtype=object))
+    count = int(round(fraction * len(items)))
+    return np.sort(np.random.default_rng(seed).choice(items, count, replace=False)) if count else items[:0]
 
 
 def temporal_cut(clicks: pd.DataFrame, test_fraction: float) -> int:
@@ -266,13 +281,24 @@ def _parts(clicks: pd.DataFrame, is_test: np.ndarray) -> tuple[pd.DataFrame, pd.
 def _last_k(clicks: pd.DataFrame, k: int) -> np.ndarray:
     """Mask of each user's last ``k`` clicks, for users with more than ``k``."""
     users = pd.factorize(clicks[USER])[0]
-    rows = np.arange(len(clicks))
-    order = np.lexsort((rows, clicks[TIME].to_numpy(), users))  # by user, time, then row
+    return last_k_mask(users, clicks[TIME].to_numpy(), np.arange(len(clicks)), k)
+
+
+def last_k_mask(users: np.ndarray, timestamps: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
+    """[n] bool: each user's last ``k`` clicks by timestamp, ties broken by row order, for users with
+    more than ``k`` (the rule of ``leave_last_k``, in memory and streamed).
+
+    Args:
+        users: [n] non-negative int user codes.
+        timestamps: [n] int64.
+        rows: [n] int64, increasing in log order (row numbers, or a shard's row keys).
+    """
+    order = np.lexsort((rows, timestamps, users))  # by user, time, then row
     sorted_users = users[order]
     counts = np.bincount(users)
     # Position from the end inside the user's run of sorted rows.
     run_end = np.cumsum(counts)[sorted_users]
     from_end = run_end - 1 - np.arange(len(order))
-    is_test = np.zeros(len(clicks), dtype=bool)
+    is_test = np.zeros(len(users), dtype=bool)
     is_test[order] = (from_end < k) & (counts[sorted_users] > k)
     return is_test

@@ -25,9 +25,13 @@ Splits (``retrieval.data.stream_splits``): ``temporal`` (clicks after the cut
 are test; ties at the cut go to train, as in memory), ``random`` by a seeded
 hash of (user, item, timestamp), each click test with probability
 ``test_fraction`` whatever shard it is in (the rows the in-memory split holds
-out), and ``none`` (a given test file). ``leave_last_k`` needs every user's
-clicks in time order and is not supported here. This module re-exports the
-shard readers and the plans, so callers stream through it alone.
+out), ``leave_last_k`` (each user's last ``k`` clicks, planned by one sort of
+every click coded as int numbers and kept as row keys, 8 bytes a test click),
+and ``none`` (a given test file). ``data.duplicates: first`` keeps the row keys
+of each (user, item) pair's first click (8 bytes a distinct pair) and
+``split.hold_out_items`` the drawn item ids; each holds out or keeps the rows
+the in-memory path does. This module re-exports the shard readers and the
+plans, so callers stream through it alone.
 
 Importing this module does not import TensorFlow, like the rest of ``retrieval.data``.
 """
@@ -47,17 +51,30 @@ import pyarrow.compute as pc
 from retrieval.arrays import seeded_subset
 from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
 from retrieval.data.shards import ClickBatch, ClickShards, as_strings, list_shard_files
-from retrieval.data.stream_splits import CarvedPlan, Plan, SplitPlan, plan_split, plan_validation, random_test_mask
+from retrieval.data.stream_splits import (
+    CarvedPlan,
+    HeldOutPlan,
+    Plan,
+    SplitPlan,
+    first_clicks,
+    plan_hold_out,
+    plan_split,
+    plan_validation,
+    random_test_mask,
+)
 
 __all__ = [  # the shard readers too: callers stream through this module
     "CarvedPlan",
     "ClickBatch",
     "ClickShards",
+    "HeldOutPlan",
     "Plan",
     "SplitPlan",
     "StreamCounts",
     "collect_users",
+    "first_clicks",
     "list_shard_files",
+    "plan_hold_out",
     "plan_split",
     "plan_validation",
     "random_test_mask",
