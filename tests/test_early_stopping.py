@@ -60,8 +60,29 @@ def test_validation_recall_equals_brute_force():
         hits.append(np.sum(scores > scores[items.index(item)]) < 5)
     assert recall == pytest.approx(np.mean(hits))
     assert len(watch.validation) == len(hits)
-    # A score budget of a few rows of the catalogue splits the clicks into batches of 3: the same value.
-    assert watch.recall(max_scores=3 * (model.num_items + 1)) == pytest.approx(recall)
+
+
+def test_validation_recall_of_a_hierarchical_softmax_ranks_by_its_log_probabilities():
+    """Not a dot product: every item scored by ``item_scores``, in blocks bounded by ``max_scores``."""
+    train = _clicks(3)
+    fit_part, validation = validation_split(train, 0.2, None)
+    stats = FeatureStatistics.from_training_clicks(train)
+    seed_everything(3)
+    model = build_model(ModelConfig(embedding_dim=8, loss={"kind": "hierarchical_softmax"}), stats)
+    assert not model.servable_by_dot_product
+    watch = ValidationRecall(model, validation, fit_part, k=5, patience=1)
+    items = list(stats.items.ids)
+    seen = fit_part.groupby("user_id")["item_id"].agg(set)
+    hits = []
+    for user, item in zip(validation["user_id"], validation["item_id"]):
+        if item in seen.get(user, set()):
+            continue
+        scores = model.item_scores(model.query_tower({"user_id": tf.constant([user])})).numpy()[0, 1:]
+        scores[[items.index(i) for i in seen.get(user, set())]] = -np.inf
+        hits.append(np.sum(scores > scores[items.index(item)]) < 5)
+    # A score budget of 3 catalogue rows: batches of 3 clicks.
+    assert watch.recall(max_scores=3 * (model.num_items + 1)) == pytest.approx(np.mean(hits))
+    assert watch.recall() == pytest.approx(np.mean(hits))
 
 
 @pytest.mark.slow

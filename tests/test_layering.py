@@ -14,8 +14,8 @@ STAGES = [
     "samplers",
     "losses",
     "model",
+    "exact_topk",  # brute-force top-k: early stopping's validation recall and the Flat index search with it
     "training",
-    "exact_topk",  # brute-force top-k the Flat index searches with
     "index",
     "evaluation",
     "export",

@@ -11,6 +11,7 @@ import tensorflow as tf
 from retrieval.config import SplitConfig
 from retrieval.data import ITEM, TIME, USER, split_clicks
 from retrieval.data.splits import validation_carve
+from retrieval.exact_topk import ExactTopK
 from retrieval.features import feature_arrays
 from retrieval.model import TwoTowerModel
 from retrieval.training.sources import ClickSource, FrameClicks
@@ -92,7 +93,7 @@ class ValidationRecall:
         """(validation row, tower index) of every fit-part click of each row's user."""
         if self._masks is None:
             rows = self.validation[[USER]].astype(str).reset_index().rename(columns={"index": "row"})
-            pairs = rows.merge(self.fit_pairs, on=USER)
+            pairs = rows.merge(self.fit_pairs, on=USER).sort_values("row", kind="stable")  # grouped by row
             items = self.model.item_index(tf.constant(pairs[ITEM].to_numpy(dtype=object))).numpy()
             self._masks = (pairs["row"].to_numpy(np.int64), items)
         return self._masks
@@ -100,26 +101,36 @@ class ValidationRecall:
     def recall(self, batch_size: int = 1024, max_scores: int = 1 << 25) -> float:
         """Recall@k of the validation clicks under the model now.
 
-        The catalogue is embedded once, in batches; the clicks are scored
-        ``batch_size`` at a time, fewer when the catalogue is so large that a
-        ``[batch, items]`` score block would pass ``max_scores`` floats (128 MiB
-        by default), so the memory stays bounded at a million items.
+        The catalogue is embedded once, in batches. A dot-product model's
+        clicks are ranked by ``ExactTopK`` (blocked matrix products, the fit-part
+        items masked in each block), in bounded memory at a million items; a
+        hierarchical softmax scores every item of ``batch_size`` clicks at a
+        time, fewer when a ``[batch, items]`` block would pass ``max_scores``
+        floats (128 MiB by default).
         """
         if self.validation.empty:
             return 0.0
         model = self.model
         mask_rows, mask_items = self._exclusions()
         catalogue = model.catalogue_embeddings()
-        columns = model.num_items + 1
-        batch_size = int(max(1, min(batch_size, max_scores // columns)))
+        targets = model.item_index(tf.constant(self.validation[ITEM].astype(str).to_numpy(dtype=object))).numpy()
+        if model.servable_by_dot_product:
+            search = ExactTopK(catalogue.numpy()[1:])  # row 0 (OOV) is no recommendation
+            exclude = np.split(mask_items - 1, np.searchsorted(mask_rows, np.arange(1, len(self.validation))))
+        else:
+            batch_size = int(max(1, min(batch_size, max_scores // (model.num_items + 1))))
         hits = []
         for start in range(0, len(self.validation), batch_size):
             rows = self.validation.iloc[start : start + batch_size]
+            target = targets[start : start + len(rows)]
             arrays = feature_arrays(rows, model.query_tower.input_names)
             queries = model.query_tower({name: tf.constant(v) for name, v in arrays.items()}, training=False)
+            if model.servable_by_dot_product:
+                _, top = search.search(queries.numpy(), self.k, exclude[start : start + len(rows)])
+                hits.append(np.any(top == (target - 1)[:, None], axis=1) & (target > 0))
+                continue
             scores = model.item_scores(queries, catalogue)
             chosen = (mask_rows >= start) & (mask_rows < start + len(rows))
-            # Column 0 (OOV) is no recommendation; a row's fit-part items are not ranked.
             masked = np.concatenate([
                 np.stack([np.arange(len(rows)), np.zeros(len(rows), np.int64)], axis=1),
                 np.stack([mask_rows[chosen] - start, mask_items[chosen]], axis=1),
@@ -127,10 +138,9 @@ class ValidationRecall:
             scores = tf.tensor_scatter_nd_update(
                 scores, tf.constant(masked, tf.int64), tf.fill([len(masked)], tf.constant(-np.inf, scores.dtype))
             )
-            target = model.item_index(tf.constant(rows[ITEM].astype(str).to_numpy(dtype=object)))
             target_scores = tf.gather(scores, target, axis=1, batch_dims=1)
-            rank = tf.reduce_sum(tf.cast(scores > target_scores[:, None], tf.int32), axis=1)
-            hits.append(((rank < self.k) & (target > 0) & tf.math.is_finite(target_scores)).numpy())
+            rank = tf.math.count_nonzero(scores > target_scores[:, None], axis=1)
+            hits.append(((rank < self.k) & tf.math.is_finite(target_scores)).numpy() & (target > 0))
         return float(np.mean(np.concatenate(hits)))
 
     def __call__(self, epoch: int, logs: dict) -> bool:
