@@ -44,6 +44,7 @@ from retrieval.samplers import (
     unigram_sampler,
 )
 from retrieval.towers import id_tower
+from retrieval.towers.id import lookup_vocabulary
 
 # Placeholder id of catalogue row 0 (the OOV row): blank ids never reach a vocabulary.
 _OOV_ITEM = ""
@@ -97,7 +98,7 @@ class TwoTowerModel(tfrs.Model):
         # A separate lookup (same vocabulary as the doc tower) gives the tower
         # indices the sampler and the loss key on.
         self._item_index = tf.keras.layers.StringLookup(
-            vocabulary=list(item_ids), mask_token=None, num_oov_indices=1
+            vocabulary=lookup_vocabulary(item_ids), mask_token=None, num_oov_indices=1
         )
         self._item_ids = tuple(item_ids)
         if catalogue_features is None:
@@ -109,7 +110,7 @@ class TwoTowerModel(tfrs.Model):
             if user_ids is None:
                 raise ValueError("a hard-negative miner needs user_ids (the rows of its UserHistory)")
             self._user_index = tf.keras.layers.StringLookup(
-                vocabulary=list(user_ids), mask_token=None, num_oov_indices=1
+                vocabulary=lookup_vocabulary(user_ids), mask_token=None, num_oov_indices=1
             )
 
     def set_catalogue_features(self, features) -> None:

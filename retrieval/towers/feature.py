@@ -39,7 +39,7 @@ from retrieval.config import (
     TowersConfig,
 )
 from retrieval.features import TowerStatistics, Vocabulary, feature_input
-from retrieval.towers.id import IdEmbedding
+from retrieval.towers.id import IdEmbedding, lookup_vocabulary
 from retrieval.towers.layers import (
     AttentionPooling,
     HashedText,
@@ -231,7 +231,7 @@ def _category_ids(feature: CategoricalFeature | MultiCategoricalFeature, vocabul
         return tf.keras.layers.Hashing(feature.hash_buckets, name=f"{feature.name}_hash")(x), feature.hash_buckets
     vocabulary = _need_values(feature.name, vocabulary)
     lookup = tf.keras.layers.StringLookup(
-        vocabulary=list(vocabulary.ids),
+        vocabulary=lookup_vocabulary(vocabulary.ids),
         mask_token=None,
         num_oov_indices=feature.oov_buckets,
         name=f"{feature.name}_lookup",

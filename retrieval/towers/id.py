@@ -6,11 +6,24 @@ query tower takes raw ids exactly as the click log has them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import tensorflow as tf
 
 from retrieval.features import Vocabulary
+
+
+def lookup_vocabulary(ids: Sequence[str]) -> np.ndarray:
+    """A ``StringLookup`` vocabulary as a [num_ids] object array, never a list.
+
+    tf-keras wraps a list attribute in a tracked ``ListWrapper``, and every
+    eager call of a model walks its layers' tracked attributes element by
+    element: with a 1M-id list, 3.5 s a call of an ID tower instead of 12 ms
+    (an array is not walked).
+    """
+    return np.asarray(ids, dtype=object)
 
 
 class _ZeroOutOfVocabulary(tf.keras.initializers.Initializer):
@@ -70,7 +83,8 @@ class IdEmbedding:
             raise ValueError(f"embedding_dim must be positive, got {dim}")
         return cls(
             IdLookup(
-                vocabulary=list(vocabulary.ids), mask_token=None, num_oov_indices=1, name=f"{name}_lookup"
+                vocabulary=lookup_vocabulary(vocabulary.ids), mask_token=None, num_oov_indices=1,
+                name=f"{name}_lookup",
             ),
             tf.keras.layers.Embedding(
                 len(vocabulary) + 1,
