@@ -25,7 +25,7 @@ import tensorflow as tf
 
 import retrieval  # noqa: F401
 from retrieval.config import ColumnsConfig, ModelConfig, TableConfig, TrainConfig, load_config
-from retrieval.data import load_dataset
+from retrieval.data import click_keys, epoch_order, load_dataset
 from retrieval.data.streaming import ClickShards, SplitPlan
 from retrieval.features import FeatureStatistics
 from retrieval.jobs import train_evaluate_export
@@ -250,14 +250,16 @@ def _clicks(seed=0, users=40, items=30, clicks=500):
 
 
 def test_epoch_order_is_a_pure_function_of_seed_and_epoch():
-    """Epoch e's batches are the log in stateless_shuffle((seed, e)) order, wherever a dataset starts."""
+    """Epoch e's batches are the log in epoch_order(click_keys, seed, e) order, wherever a dataset starts."""
     clicks = _clicks()
     n, batch = len(clicks), 64
     whole = [b["item_id"].numpy() for b in click_dataset(clicks, batch, seed=3, epochs=3)]
     assert len(whole) == 3 * steps_per_epoch(n, batch)
     items = clicks["item_id"].to_numpy(dtype=object).astype(bytes)
+    keys = click_keys(clicks["user_id"].to_numpy(dtype=object), clicks["item_id"].to_numpy(dtype=object),
+                      np.ones(n, np.float32))  # no weight column: every weight 1
     for epoch in range(3):
-        order = tf.random.experimental.stateless_shuffle(tf.range(n, dtype=tf.int64), seed=[3, epoch]).numpy()
+        order = epoch_order(keys, 3, epoch)
         assert sorted(order) == list(range(n))  # a permutation: every click once per epoch
         got = np.concatenate(whole[epoch * 8 : (epoch + 1) * 8])
         np.testing.assert_array_equal(got, items[order])

@@ -7,6 +7,7 @@ from retrieval.data.dataset import Dataset, load_dataset
 from retrieval.data.loaders import apply_duplicates, read_clicks, read_feature_table, resolve_format
 from retrieval.data.movielens import load_movielens_100k, locate_movielens_100k
 from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
+from retrieval.data.shuffle import click_keys, epoch_order
 from retrieval.data.splits import hold_out_items, split_clicks, temporal_cut
 from retrieval.data.synthetic import SyntheticTruth, generate_clicks, synthetic_truth
 
@@ -19,6 +20,8 @@ __all__ = [
     "Dataset",
     "SyntheticTruth",
     "apply_duplicates",
+    "click_keys",
+    "epoch_order",
     "generate_clicks",
     "hold_out_items",
     "load_dataset",

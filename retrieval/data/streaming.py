@@ -19,7 +19,9 @@ at a time) and makes a few passes over them:
    evaluation, training part for masking and activity), as small frames.
 
 ``train_batches`` then yields the training side of the split, shuffled through
-a bounded buffer (``retrieval.training.StreamedClicks`` turns it into ``tf.data`` epochs).
+a bounded buffer in the order ``retrieval.data.shuffle.epoch_order`` gives a
+frame of the same clicks (``retrieval.training.StreamedClicks`` turns it into
+``tf.data`` epochs).
 
 Splits (``retrieval.data.stream_splits``): ``temporal`` (clicks after the cut
 are test; ties at the cut go to train, as in memory), ``random`` by a seeded
@@ -51,6 +53,7 @@ import pyarrow.compute as pc
 from retrieval.arrays import seeded_subset
 from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
 from retrieval.data.shards import ClickBatch, ClickShards, as_strings, list_shard_files
+from retrieval.data.shuffle import click_keys, epoch_order
 from retrieval.data.stream_splits import (
     CarvedPlan,
     HeldOutPlan,
@@ -311,13 +314,18 @@ def train_batches(
     """Batches ``{"user_id", "item_id", "weight"}`` (and ``"timestamp"`` with ``with_time``) of every
     training click, each exactly once.
 
-    Shuffling in bounded memory: the shard order is permuted, ``interleave``
-    shards are read at once (a record batch from each in turn, so a buffer
-    mixes several time windows or user ranges), and rows are gathered into a
-    buffer of ``shuffle_buffer`` rows that is permuted and cut into batches;
+    Shuffling in bounded memory: the shard order is permuted (drawn from
+    ``(seed, epoch)``), ``interleave`` shards are read at once (a record batch
+    from each in turn, so a buffer mixes several time windows or user ranges),
+    and rows are gathered into a buffer of at least ``shuffle_buffer`` rows
+    that is put in ``shuffle.epoch_order`` (a seeded hash of each click's
+    content, timestamp included when the log has one) and cut into batches;
     the rows left over (fewer than a batch) join the next buffer. Every batch
-    is full but the last. The permutations are drawn from ``(seed, epoch)``,
-    so each epoch differs and a rerun repeats them.
+    is full but the last. Each epoch differs and a rerun repeats it. Since the
+    order is the one ``FrameClicks`` gives a frame of the same clicks, a
+    buffer that holds every training click (``shuffle_buffer >= train_rows``)
+    yields exactly the in-memory batches; a smaller one, that order within
+    each buffer.
 
     Yields:
       ``user_id`` [batch] object str, ``item_id`` [batch] object str,
@@ -333,15 +341,17 @@ def train_batches(
         raise DataError("the click log has no timestamp column (data.columns.timestamp)")
     held: list[dict[str, np.ndarray]] = []
     count = 0
+    yielded = [USER, ITEM, WEIGHT, *([TIME] if with_time else [])]
 
     def drain(final: bool) -> Iterator[dict[str, np.ndarray]]:
         nonlocal held, count
         columns = {name: np.concatenate([part[name] for part in held]) for name in held[0]}
-        order = rng.permutation(len(columns[USER]))
+        keys = click_keys(columns[USER], columns[ITEM], columns[WEIGHT], columns.get(TIME))
+        order = epoch_order(keys, seed, epoch)
         full = len(order) if final else len(order) - len(order) % batch_size
         for start in range(0, full, batch_size):
             rows = order[start : start + batch_size]
-            yield {name: values[rows] for name, values in columns.items()}
+            yield {name: columns[name][rows] for name in yielded}
         rest = order[full:]
         held = [{name: values[rest] for name, values in columns.items()}] if len(rest) else []
         count = len(rest)
@@ -350,13 +360,15 @@ def train_batches(
         train = batch.take(~plan.is_test(batch) & ~plan.drops(batch))
         if not len(train):
             continue
+        # A full buffer is drained only when more rows come: the last one is always drained
+        # whole (final), so a buffer holding every training click is ordered as one frame.
+        if count >= max(shuffle_buffer, batch_size):
+            yield from drain(final=False)
         part = {USER: as_strings(train.users), ITEM: as_strings(train.items), WEIGHT: train.weights}
-        if with_time:
+        if train.timestamps is not None:  # in the key even when not yielded: a tower may read it
             part[TIME] = np.asarray(train.timestamps)
         held.append(part)
         count += len(train)
-        if count >= max(shuffle_buffer, batch_size):
-            yield from drain(final=False)
     if count:
         yield from drain(final=True)
 

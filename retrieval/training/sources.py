@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
-from retrieval.data import ITEM, USER, WEIGHT
+from retrieval.data import ITEM, TIME, USER, WEIGHT, click_keys, epoch_order
 from retrieval.data.streaming import ClickShards, Plan, train_batches
 from retrieval.features import ExampleJoin, feature_arrays
 
@@ -53,9 +53,13 @@ class FrameClicks:
     ``clicks`` is a click log or the training examples of feature towers
     (``retrieval.features.training_examples``): other columns become batch
     features as ``feature_arrays`` converts them (strings, numbers, tuples of
-    strings -> [batch, width]). Epoch ``e`` visits the rows in the order
-    ``tf.random.experimental.stateless_shuffle(range(n), seed=(seed, e))``, so
-    in-batch negatives differ between epochs.
+    strings -> [batch, width]). Epoch ``e`` visits the rows in
+    ``retrieval.data.shuffle.epoch_order(keys, seed, e)``, ``keys`` a hash of
+    each click's user, item, weight and timestamp (``click_keys``, computed
+    once: 8 bytes a click), so in-batch negatives differ between epochs and
+    the order is a function of the clicks, not of their place in the frame: a
+    ``StreamedClicks`` whose buffer holds the same clicks yields the same
+    batches. With ``shuffle=False`` the rows keep the frame's order.
     """
 
     def __init__(self, clicks: pd.DataFrame, batch_size: int, *, seed: int, shuffle: bool = True):
@@ -74,6 +78,10 @@ class FrameClicks:
             .to_numpy(dtype=np.float32),
         }
         self._columns = {name: tf.constant(values) for name, values in columns.items()}
+        self._keys = None
+        if shuffle:  # the click's content: ids, weight and (a tower may read it) timestamp
+            times = clicks[TIME].to_numpy() if TIME in clicks else None
+            self._keys = click_keys(columns[USER], columns[ITEM], columns[WEIGHT], times)
 
     def epochs(self, start_epoch: int, epochs: int, skip_batches: int = 0) -> tf.data.Dataset:
         """Epochs ``start_epoch .. start_epoch + epochs - 1`` back to back, less the first ``skip_batches``."""
@@ -83,12 +91,15 @@ class FrameClicks:
                 f"got {epochs}, {start_epoch}, {skip_batches}"
             )
         rows = tf.range(self.rows, dtype=tf.int64)
-        seed, batch_size, shuffle, columns = self.seed, self.batch_size, self.shuffle, self._columns
+        seed, batch_size, keys, columns = self.seed, self.batch_size, self._keys, self._columns
 
         def epoch_rows(epoch):
-            epoch_seed = tf.stack([tf.constant(seed, tf.int64), epoch])
-            order = tf.random.experimental.stateless_shuffle(rows, seed=epoch_seed)
-            return tf.data.Dataset.from_tensor_slices(order if shuffle else rows).batch(batch_size)
+            if keys is None:
+                return tf.data.Dataset.from_tensor_slices(rows).batch(batch_size)
+            # Computed when the epoch starts (one argsort), so only one epoch's order is held.
+            order = tf.numpy_function(lambda e: epoch_order(keys, seed, int(e)), [epoch], tf.int64, stateful=False)
+            order = tf.ensure_shape(order, [self.rows])
+            return tf.data.Dataset.from_tensor_slices(order).batch(batch_size)
 
         dataset = tf.data.Dataset.range(start_epoch, start_epoch + epochs).flat_map(epoch_rows).skip(skip_batches)
         dataset = dataset.map(
@@ -118,9 +129,11 @@ def click_dataset(
 class StreamedClicks:
     """The training clicks of Parquet/CSV shards, streamed, as a ``ClickSource``.
 
-    Batches come from ``retrieval.data.streaming.train_batches`` (bounded
-    shuffle buffer, permutations drawn from ``(seed, epoch)``); skipped batches
-    are dropped before they become tensors, or are joined.
+    Batches come from ``retrieval.data.streaming.train_batches`` (shard order
+    permuted from ``(seed, epoch)``, then a bounded buffer put in the order
+    ``FrameClicks`` gives the same clicks); with ``shuffle_buffer >= train_rows``
+    they are ``FrameClicks``' batches of the training clicks, batch for batch.
+    Skipped batches are dropped before they become tensors, or are joined.
 
     Args:
       shards, plan: the shards and the split that marks their test rows.
