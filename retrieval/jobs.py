@@ -241,6 +241,8 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
     stream = config.data.stream
     if config.data.clicks is None:
         raise ValueError("data.out_of_core needs data.clicks (the click shards)")
+    # First: MultiWorkerMirroredStrategy must exist before other TensorFlow work.
+    strategy = distribution_strategy(config.train)
     name = config.run.name or default_run_name(config_name)
     final = Path(config.run.output_dir) / name
     with ExitStack() as cleanup, atomic_directory(final, overwrite=config.run.overwrite) as scratch:
@@ -298,10 +300,12 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
             statistics = join.statistics((counts.user_ids, counts.user_counts), (counts.item_ids, counts.item_counts),
                                          clicks, stats.items, tables.reference_time)
             del clicks
-            towers = build_towers(config.towers, config.model, statistics)
+            with strategy.scope():
+                towers = build_towers(config.towers, config.model, statistics)
             catalogue = tables.catalogue()
-        model = build_model(config.model, stats, use_weights=config.train.use_weights, towers=towers,
-                            catalogue_features=catalogue)
+        with strategy.scope():  # the towers', samplers' and loss's variables belong to the strategy
+            model = build_model(config.model, stats, use_weights=config.train.use_weights, towers=towers,
+                                catalogue_features=catalogue)
         source = StreamedClicks(
             shards, plan, config.train.batch_size, shuffle_buffer=stream.shuffle_buffer, seed=stream.seed,
             train_rows=counts.train_rows, max_batches=stream.max_train_batches, join=join,
@@ -314,8 +318,9 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         log.info("training: %d clicks streamed, %d epochs", counts.train_rows, config.train.epochs)
         clock = time.perf_counter()
         timing: dict[str, list[float]] = {}
-        history = fit(model, source, config.train, log_dir=scratch, checkpoint_dir=checkpoint_dir, say=log.info,
-                      timing=timing, validation=validation)
+        with strategy.scope():  # fit compiles: the optimizer's variables too; each worker streams its own shards
+            history = fit(model, source, config.train, log_dir=scratch, checkpoint_dir=checkpoint_dir,
+                          say=log.info, timing=timing, validation=validation)
         seconds["training"] = time.perf_counter() - clock
 
         clock = time.perf_counter()

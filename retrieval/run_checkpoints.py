@@ -3,6 +3,12 @@
 The job (``retrieval.jobs``) asks ``training_checkpoints`` for the directory
 ``retrieval.training.fit`` saves into; an unfinished run of the same name is
 resumed only when it trained the same thing on the same input files.
+
+Under ``train.distribute: multi_worker`` the workers share one directory
+(``train.checkpoint_dir``, a path every worker reads; without it they train
+without checkpoints, and say so): the chief writes and cleans it up, every
+worker checks it and restores from it (``retrieval.training.checkpoints``),
+each under its own lock.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 from retrieval.config import Config
 from retrieval.data.fingerprint import FileFingerprint, changed_inputs, fingerprint_inputs
 from retrieval.export import RunExistsError
+from retrieval.training.runtime import cluster_task
 
 log = logging.getLogger("retrieval")
 
@@ -56,13 +63,17 @@ def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path 
     train = config.train
     if not train.checkpoints:
         return None
+    chief, lock_name = True, "lock"
     if train.distribute == "multi_worker":
-        log.warning("train.checkpoint_every_seconds/steps: not yet supported with train.distribute=multi_worker "
-                    "(no checkpoints)")
-        return None
+        if train.checkpoint_dir is None:
+            log.warning("train.distribute=multi_worker checkpoints need train.checkpoint_dir, one directory every "
+                        "worker reads (the chief writes them, every worker restores from them): training without")
+            return None
+        kind, index, chief = cluster_task()
+        lock_name = "lock" if chief else f"lock.{kind}{index}"
     directory = Path(train.checkpoint_dir or config.run.output_dir) / f".{name}.checkpoints"
     directory.mkdir(parents=True, exist_ok=True)
-    lock = cleanup.enter_context(open(directory / "lock", "w"))
+    lock = cleanup.enter_context(open(directory / lock_name, "w"))
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -73,12 +84,13 @@ def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path 
     inputs, saved_inputs = fingerprint_inputs(config.data), directory / "inputs.json"
     if _holds_checkpoints(directory):
         if not train.resume:
-            log.info("train.resume=false: deleting the checkpoints of an unfinished run in %s", directory)
-            for path in directory.iterdir():
-                if path.is_dir():
-                    shutil.rmtree(path)
-                elif path.name != "lock":
-                    path.unlink()
+            if chief:  # the chief alone writes and deletes the directory
+                log.info("train.resume=false: deleting the checkpoints of an unfinished run in %s", directory)
+                for path in directory.iterdir():
+                    if path.is_dir():
+                        shutil.rmtree(path)
+                    elif not path.name.startswith("lock"):
+                        path.unlink()
         else:
             before = json.loads(saved.read_text()) if saved.exists() else {}
             changed = sorted(key for key in {*before, *current} if before.get(key) != current.get(key))
@@ -90,6 +102,9 @@ def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path 
                 )
             _check_resumed_inputs(directory, name, saved_inputs, inputs)
             log.info("found checkpoints of an unfinished run %r in %s: resuming it", name, directory)
+    if not chief:  # the chief writes and deletes the shared directory
+        log.info("checkpoints in %s, written by the chief worker", directory)
+        return directory
     _write_json(saved, current)
     _write_json(saved_inputs, inputs)
     every = " or ".join(

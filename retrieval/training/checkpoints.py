@@ -6,6 +6,8 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +16,7 @@ import faiss
 import tensorflow as tf
 
 from retrieval.model import TwoTowerModel
+from retrieval.training.runtime import gather_workers, worker_count
 
 
 @dataclass
@@ -62,6 +65,16 @@ class TrainingCheckpoint:
     points at a checkpoint only once it is completely written, so a kill at any
     moment leaves the previous one usable.
 
+    Under ``MultiWorkerMirroredStrategy`` this is tf.distribute's multi-worker
+    checkpointing (as Keras ``BackupAndRestore`` does it): every worker saves,
+    at the same steps (saving reads ``SyncOnRead`` variables, a collective; a
+    save due by time is agreed between the workers), the chief into
+    ``directory`` and the others into a temporary directory deleted after each
+    save, so one copy lands; every worker restores from ``directory``, which
+    must therefore be one path they all read (a shared file system). The
+    state and miner files are the chief's. A restore checks that every worker
+    found the same checkpoint.
+
     Args:
       directory: the checkpoint directory (created).
       model, optimizer: what is trained; the optimizer must be built.
@@ -90,6 +103,9 @@ class TrainingCheckpoint:
         self._miner = getattr(model, "miner", None)
         self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=self._step)
         self._manager = tf.train.CheckpointManager(self._checkpoint, str(self.directory), max_to_keep=2)
+        strategy = tf.distribute.get_strategy()
+        self._workers = worker_count(strategy)
+        self._chief = self._workers == 1 or bool(strategy.extended.should_checkpoint)
         logging.getLogger("absl").addFilter(_quiet_checkpoint_saves)
         self._saved_step = -1
 
@@ -103,13 +119,24 @@ class TrainingCheckpoint:
         if state.steps == self._saved_step:
             return False
         by_steps = self.every_steps is not None and state.steps % self.every_steps == 0
-        return by_steps or (
-            self.every_seconds is not None and time.monotonic() - self._last_save >= self.every_seconds
-        )
+        if self.every_seconds is None:
+            return by_steps
+        by_time = time.monotonic() - self._last_save >= self.every_seconds
+        if self._workers > 1:  # the workers' clocks differ; they must save at the same step
+            by_time = any(gather_workers(int(by_time)))
+        return by_steps or by_time
 
     def restore(self) -> TrainingState | None:
         """Restore the newest checkpoint's variables and return its state; None without one."""
         path = self._manager.latest_checkpoint
+        if self._workers > 1:
+            found = gather_workers(-1 if path is None else int(path.rsplit("-", 1)[1]))
+            if len(set(found)) > 1:
+                raise ValueError(
+                    f"the workers found different checkpoints in {self.directory} (steps {found}, -1 = none): "
+                    "under train.distribute=multi_worker train.checkpoint_dir must be one directory every "
+                    "worker reads (the chief writes it)"
+                )
         if path is None:
             return None
         self._checkpoint.restore(path).assert_existing_objects_matched()
@@ -128,6 +155,14 @@ class TrainingCheckpoint:
         if step == self._saved_step:
             return
         self._step.assign(step)
+        if not self._chief:  # every worker saves (a collective); one copy lands, the chief's
+            temporary = tempfile.mkdtemp(prefix="retrieval-workertemp-")
+            try:
+                tf.train.CheckpointManager(self._checkpoint, temporary, max_to_keep=1).save(checkpoint_number=step)
+            finally:
+                shutil.rmtree(temporary, ignore_errors=True)
+            self._saved_step, self._last_save = step, time.monotonic()
+            return
         self.directory.mkdir(parents=True, exist_ok=True)
         miner_index = self._miner is not None and self._miner.index is not None
         if self._miner is not None and miner_index:
@@ -142,3 +177,17 @@ class TrainingCheckpoint:
         for side in [*self.directory.glob("state-*.json"), *self.directory.glob("miner-*.faiss")]:
             if side.stem.split("-", 1)[1] not in kept:
                 side.unlink()
+
+
+def write_weights(checkpoint: tf.train.Checkpoint, prefix: str | Path) -> None:
+    """``checkpoint.write(prefix)`` by every worker, one copy landing at ``prefix`` (the chief's;
+    the others write to a temporary directory, deleted after), as ``TrainingCheckpoint`` saves."""
+    strategy = tf.distribute.get_strategy()
+    if worker_count(strategy) == 1 or strategy.extended.should_checkpoint:
+        checkpoint.write(str(prefix))
+        return
+    temporary = tempfile.mkdtemp(prefix="retrieval-workertemp-")
+    try:
+        checkpoint.write(str(Path(temporary) / Path(prefix).name))
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)

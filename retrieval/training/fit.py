@@ -12,7 +12,7 @@ import tensorflow as tf
 from retrieval.config import SplitConfig, TrainConfig
 from retrieval.model import TwoTowerModel
 from retrieval.towers import IdDropout
-from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState
+from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState, write_weights
 from retrieval.training.early_stopping import ValidationData, ValidationRecall
 from retrieval.training.loop import RunLogs, train_epochs
 from retrieval.training.optimizers import make_optimizer
@@ -182,7 +182,7 @@ def select_epochs(
 
             def save_best(epoch: int, logs: dict) -> None:
                 if watch.best_epoch == epoch + 1:
-                    best.write(best_prefix)
+                    write_weights(best, best_prefix)  # one copy under multi_worker (the chief's)
 
             all_hooks.append(save_best)
     all_hooks += hooks or []

@@ -21,7 +21,8 @@ import tensorflow as tf
 
 from retrieval.model import TwoTowerModel
 from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState
-from retrieval.training.sources import ClickSource
+from retrieval.training.runtime import worker_count
+from retrieval.training.sources import ClickSource, StreamedClicks
 
 log = logging.getLogger("retrieval")
 
@@ -127,9 +128,31 @@ def step_function(model: TwoTowerModel) -> Callable[[dict], dict]:
     @tf.function
     def step(batch):
         logs = strategy.run(model.train_step, args=(batch,))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, logs, axis=None)
+        # One value at a time: MultiWorkerMirroredStrategy.reduce takes no nested structure.
+        return {key: strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None) for key, value in logs.items()}
 
     return step
+
+
+def distributed_epoch(source: ClickSource, epoch: int, skip_batches: int = 0):
+    """Epoch ``epoch`` of ``source`` (less its first ``skip_batches`` steps) as the loop iterates it
+    under the current strategy.
+
+    Without a strategy, ``source.epoch``. Under one, each replica gets its share
+    of every global batch: with several workers a ``StreamedClicks`` is read by
+    each worker on its own shards (``StreamedClicks.worker_epoch``, through
+    ``distribute_datasets_from_function``); otherwise every worker makes the
+    whole epoch and ``experimental_distribute_dataset`` splits each global batch
+    over the replicas (under ``multi_worker`` each worker keeps its part).
+    """
+    if not tf.distribute.has_strategy():
+        return source.epoch(epoch, skip_batches=skip_batches)
+    strategy = tf.distribute.get_strategy()
+    if isinstance(source, StreamedClicks) and worker_count(strategy) > 1:
+        return strategy.distribute_datasets_from_function(
+            lambda context: source.worker_epoch(epoch, skip_batches, context)
+        )
+    return strategy.experimental_distribute_dataset(source.epoch(epoch, skip_batches=skip_batches))
 
 
 def train_epochs(
@@ -167,7 +190,6 @@ def train_epochs(
       ``timing`` the wall time of each epoch.
     """
     state = state if state is not None else TrainingState()
-    strategy = tf.distribute.get_strategy()
     step = step_function(model)
     progress = _Progress(verbosity(verbose), source, epochs, state, say)
     if logs is not None and state.history:
@@ -176,10 +198,7 @@ def train_epochs(
         started, first_batch = time.perf_counter(), state.batch
         save_at_epoch_end = False
         model.reset_metrics()
-        batches = source.epoch(state.epoch, skip_batches=state.batch)
-        if tf.distribute.has_strategy():  # each replica gets its share of every global batch
-            batches = strategy.experimental_distribute_dataset(batches)
-        for batch in batches:
+        for batch in distributed_epoch(source, state.epoch, state.batch):
             values = step(batch)
             state.batch += 1
             state.steps += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import tensorflow as tf
@@ -55,3 +56,49 @@ def _process_strategy(kind: str) -> tf.distribute.Strategy:
     if kind == "multi_worker":
         return tf.distribute.MultiWorkerMirroredStrategy()
     raise ValueError(f"unknown train.distribute {kind!r}; valid: none, mirrored, multi_worker")
+
+
+def worker_count(strategy: tf.distribute.Strategy | None = None) -> int:
+    """Processes training together: the TF_CONFIG cluster's workers (and chief) under
+    ``MultiWorkerMirroredStrategy``, else 1."""
+    strategy = strategy or tf.distribute.get_strategy()
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or resolver is None:
+        return 1
+    cluster = resolver.cluster_spec().as_dict()
+    return len(cluster.get("chief", [])) + len(cluster.get("worker", []))
+
+
+def cluster_task() -> tuple[str, int, bool]:
+    """This process's task in the ``TF_CONFIG`` cluster: ``(type, index, is_chief)``.
+
+    The chief is the ``chief`` task, or worker 0 of a cluster without one, as
+    ``MultiWorkerMirroredStrategy`` decides (``strategy.extended.should_checkpoint``);
+    without ``TF_CONFIG`` the process is alone and its own chief. Readable
+    before the strategy exists (the job locks its checkpoint directory first).
+    """
+    tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+    task = tf_config.get("task") or {}
+    kind, index = str(task.get("type", "worker")), int(task.get("index", 0))
+    has_chief = bool((tf_config.get("cluster") or {}).get("chief"))
+    return kind, index, kind == "chief" or (kind == "worker" and index == 0 and not has_chief)
+
+
+def gather_workers(value: int) -> list[int]:
+    """``value`` of every replica of the current strategy, in replica order (a collective:
+    every worker must call it at the same point); ``[value]`` without a strategy."""
+    if not tf.distribute.has_strategy():
+        return [int(value)]
+    gather = _gatherer(tf.distribute.get_strategy())
+    return [int(v) for v in gather(tf.constant(value, tf.int64)).numpy()]
+
+
+@functools.cache
+def _gatherer(strategy: tf.distribute.Strategy):
+    """One traced all-gather per strategy (a trace is bound to the strategy it ran under)."""
+
+    @tf.function
+    def gather(value):
+        return strategy.gather(strategy.run(lambda: tf.reshape(value, [1])), axis=0)
+
+    return gather

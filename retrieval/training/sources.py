@@ -7,11 +7,18 @@ click frame (or feature-tower training examples) held in memory, and
 example once in an order fixed by ``(seed, e)``: two runs with the same seed
 see the same batches, and a run resumed at (epoch e, batch b) continues with
 exactly the batches an uninterrupted run trains on there.
+
+Under ``train.distribute: multi_worker`` a ``StreamedClicks`` is read by each
+worker on its own shards (``StreamedClicks.worker_epoch``); a ``FrameClicks``
+is held whole by every worker and its global batches are split over them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -19,7 +26,7 @@ import pandas as pd
 import tensorflow as tf
 
 from retrieval.data import ITEM, TIME, USER, WEIGHT, click_keys, epoch_order
-from retrieval.data.streaming import ClickShards, Plan, train_batches
+from retrieval.data.streaming import ClickBatch, ClickShards, Plan, train_batches
 from retrieval.features import ExampleJoin, feature_arrays
 
 
@@ -135,6 +142,10 @@ class StreamedClicks:
     they are ``FrameClicks``' batches of the training clicks, batch for batch.
     Skipped batches are dropped before they become tensors, or are joined.
 
+    Under ``MultiWorkerMirroredStrategy`` with several workers each worker reads
+    only its own shards (``worker_epoch``), cut into exactly as many batches
+    as every other worker's, so the collectives of each step meet.
+
     Args:
       shards, plan: the shards and the split that marks their test rows.
       train_rows: training clicks (``StreamCounts.train_rows``).
@@ -161,8 +172,9 @@ class StreamedClicks:
         self.batch_size, self.shuffle_buffer, self.seed = int(batch_size), int(shuffle_buffer), int(seed)
         self.rows = int(train_rows)
         self.max_batches, self.join = max_batches, join
-        whole = steps_per_epoch(self.rows, self.batch_size)
-        self.steps_per_epoch = whole if max_batches is None else min(whole, int(max_batches))
+        self._whole_epoch = steps_per_epoch(self.rows, self.batch_size)
+        self.steps_per_epoch = self._whole_epoch if max_batches is None else min(self._whole_epoch, int(max_batches))
+        self._worker_rows: dict[tuple[str, ...], int] = {}
 
     def epoch(self, epoch: int, skip_batches: int = 0) -> tf.data.Dataset:
         join = self.join
@@ -175,12 +187,104 @@ class StreamedClicks:
             batches = itertools.islice(batches, skip_batches, self.max_batches)
             yield from (batches if join is None else map(join.batch, batches))
 
-        if join is None:
-            signature = {
+        return tf.data.Dataset.from_generator(generate, output_signature=self._signature()).prefetch(2)
+
+    def _signature(self) -> dict[str, tf.TensorSpec]:
+        if self.join is None:
+            return {
                 USER: tf.TensorSpec([None], tf.string),
                 ITEM: tf.TensorSpec([None], tf.string),
                 WEIGHT: tf.TensorSpec([None], tf.float32),
             }
-        else:
-            signature = {name: tf.TensorSpec(spec.shape, spec.dtype) for name, spec in join.specs.items()}
-        return tf.data.Dataset.from_generator(generate, output_signature=signature).prefetch(2)
+        return {name: tf.TensorSpec(spec.shape, spec.dtype) for name, spec in self.join.specs.items()}
+
+    def worker_files(self, worker: int, workers: int) -> tuple[str, ...]:
+        """The shards worker ``worker`` of ``workers`` reads: every ``workers``-th of the sorted
+        list from its ``worker``-th (the same every epoch, disjoint, together all of them)."""
+        if len(self.shards.files) < workers:
+            raise ValueError(
+                f"train.distribute=multi_worker: each of the {workers} workers reads its own shards, but the "
+                f"click log has {len(self.shards.files)} shard file(s); split it into at least {workers} files"
+            )
+        return self.shards.files[worker::workers]
+
+    def worker_epoch(self, epoch: int, skip_batches: int, context: tf.distribute.InputContext) -> tf.data.Dataset:
+        """This worker's share of epoch ``epoch`` (for ``strategy.distribute_datasets_from_function``).
+
+        Worker ``context.input_pipeline_id`` streams the training clicks of its
+        shards (``worker_files``) through ``train_batches`` (shuffled from
+        ``(seed, epoch)`` as a single worker's stream is) and cuts them into
+        ``steps_per_epoch`` x its local replicas per-replica batches of as even
+        sizes as its row count allows: every worker has the same number of
+        steps whatever its shards hold (a worker out of batches would leave
+        the others waiting in a collective), every training click is in one
+        step of the epoch, and a step's global batch holds about
+        ``rows / steps_per_epoch`` (<= ``batch_size``) rows.
+        ``skip_batches`` counts steps, as ``TrainingState.batch`` does.
+
+        Raises:
+          ValueError: fewer shards than workers, or a worker's shards hold
+            fewer training clicks than the epoch has per-replica batches.
+        """
+        worker, workers = context.input_pipeline_id, context.num_input_pipelines
+        replicas = context.num_replicas_in_sync // workers
+        files = self.worker_files(worker, workers)
+        rows = self._rows_of(files)
+        parts = self._whole_epoch * replicas
+        if rows < parts:
+            raise ValueError(
+                f"train.distribute=multi_worker: worker {worker}'s shards hold {rows} training clicks, fewer than "
+                f"the {parts} batches an epoch gives it ({self._whole_epoch} steps x {replicas} replica(s)); use "
+                "fewer workers, a larger train.batch_size or shards of more even sizes"
+            )
+        sizes = [rows // parts + (1 if part < rows % parts else 0) for part in range(parts)]
+        fields = {field.name: getattr(self.shards, field.name) for field in dataclasses.fields(self.shards)}
+        shards = _WorkerShards(**{**fields, "files": files}, whole=self.shards.files)
+        join = self.join
+
+        def generate():
+            batches = train_batches(
+                shards, self.plan, sizes[0], shuffle_buffer=self.shuffle_buffer, seed=self.seed, epoch=epoch,
+                with_time=join is not None and join.needs_time,
+            )
+            cut = itertools.islice(_cut(batches, sizes), skip_batches * replicas, self.steps_per_epoch * replicas)
+            yield from (cut if join is None else map(join.batch, cut))
+
+        return tf.data.Dataset.from_generator(generate, output_signature=self._signature()).prefetch(2)
+
+    def _rows_of(self, files: tuple[str, ...]) -> int:
+        """Training clicks in ``files`` (one pass over them, the first time)."""
+        if files not in self._worker_rows:
+            self._worker_rows[files] = sum(
+                int(np.count_nonzero(~self.plan.is_test(batch) & ~self.plan.drops(batch)))
+                for batch in self.shards.scan(files)
+            )
+        return self._worker_rows[files]
+
+
+@dataclass(frozen=True)
+class _WorkerShards(ClickShards):
+    """Some of the log's shards (``files``), read as the whole log's (``whole``) reads them: a
+    click's row key, which split plans use, is its shard's place in the whole list."""
+
+    whole: tuple[str, ...] = ()
+
+    def batches(self, file: str) -> Iterator[ClickBatch]:
+        return ClickShards.batches(dataclasses.replace(self, files=self.whole), file)
+
+
+def _cut(batches: Iterator[dict[str, np.ndarray]], sizes: Sequence[int]) -> Iterator[dict[str, np.ndarray]]:
+    """The rows of ``batches``, in order, as batches of ``sizes`` rows (which must add up to all of them)."""
+    held: list[dict[str, np.ndarray]] = []
+    count = 0
+    for size in sizes:
+        while count < size:
+            part = next(batches, None)
+            if part is None:
+                raise ValueError(f"the stream ended {size - count} rows short of a batch of {size}")
+            held.append(part)
+            count += len(part[USER])
+        columns = {name: np.concatenate([part[name] for part in held]) for name in held[0]}
+        yield {name: values[:size] for name, values in columns.items()}
+        count -= size
+        held = [{name: values[size:] for name, values in columns.items()}] if count else []
