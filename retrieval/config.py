@@ -108,8 +108,9 @@ class StreamConfig(_Section):
     shuffle_buffer: int = Field(
         1_000_000,
         gt=0,
-        description="Training rows held and permuted at a time (bounded-memory shuffle; shard order is "
-        "reshuffled every epoch too).",
+        description="Training rows held and shuffled at a time, in the in-memory epoch order (bounded-memory "
+        "shuffle; shard order is reshuffled every epoch too). At least the training clicks: the in-memory "
+        "batches exactly, with `seed` equal to train.seed.",
     )
     max_test_users: int | None = Field(
         10_000,
