@@ -811,7 +811,6 @@ class Config(_Section):
         unsupported = {
             "towers.query.history (each click's history is its user's earlier clicks, which shuffled shards "
             "do not carry: it needs the log sorted by user and time first)": self.towers.query.history is not None,
-            "model.loss.hard_negatives: mined": self.model.loss.hard_negatives == "mined",
         }
         named = [key for key, used in unsupported.items() if used]
         if named:

@@ -420,19 +420,28 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
 
 
 def build_miner(
-    loss: LossConfig, stats: FeatureStatistics, train_clicks: pd.DataFrame | None
+    loss: LossConfig,
+    stats: FeatureStatistics,
+    train_clicks: pd.DataFrame | None,
+    history: UserHistory | None = None,
 ) -> FaissHardNegativeMiner | None:
-    """The FAISS hard-negative miner when ``loss.hard_negatives == "mined"``, else None."""
+    """The FAISS hard-negative miner when ``loss.hard_negatives == "mined"``, else None.
+
+    Each user's training items come from ``history`` (rows of ``stats.users``, tower
+    indices of ``stats.items``; a streamed log codes it from its shards) or else from
+    the ``train_clicks`` frame.
+    """
     if loss.hard_negatives != "mined":
         return None
-    if train_clicks is None:
-        raise ValueError(
-            "model.loss.hard_negatives='mined' excludes each user's training clicks from their "
-            "negatives: pass train_clicks to build_model"
+    if history is None:
+        if train_clicks is None:
+            raise ValueError(
+                "model.loss.hard_negatives='mined' excludes each user's training clicks from their "
+                "negatives: pass train_clicks (or user_history) to build_model"
+            )
+        history = UserHistory(
+            stats.users.lookup(train_clicks[USER]) - 1, stats.items.lookup(train_clicks[ITEM]), len(stats.users)
         )
-    history = UserHistory(
-        stats.users.lookup(train_clicks[USER]) - 1, stats.items.lookup(train_clicks[ITEM]), len(stats.users)
-    )
     return FaissHardNegativeMiner(loss.num_hard_negatives, loss.mining_refresh_steps, history)
 
 
@@ -442,6 +451,7 @@ def build_model(
     *,
     use_weights: bool = False,
     train_clicks: pd.DataFrame | None = None,
+    user_history: UserHistory | None = None,
     towers: tuple[tf.keras.Model, tf.keras.Model] | None = None,
     catalogue_features: Mapping[str, np.ndarray] | None = None,
 ) -> TwoTowerModel:
@@ -452,7 +462,9 @@ def build_model(
       stats: vocabularies and popularity from the training clicks.
       use_weights: weight examples by the click weight.
       train_clicks: the training clicks; needed by mined hard negatives (to
-        exclude each user's clicks).
+        exclude each user's clicks) unless ``user_history`` is given.
+      user_history: each user's training items, for mined hard negatives
+        (``UserHistory`` over rows of ``stats.users``); overrides ``train_clicks``.
       towers: ``(query_tower, doc_tower)``; None = ID towers.
       catalogue_features: the doc tower's inputs per tower index (see
         ``TwoTowerModel``); None = item ids.
@@ -476,7 +488,7 @@ def build_model(
         build_sampler(config.loss, counts),
         item_ids=stats.items.ids,
         catalogue_features=catalogue_features,
-        miner=build_miner(config.loss, stats, train_clicks),
+        miner=build_miner(config.loss, stats, train_clicks, user_history),
         user_ids=stats.users.ids,
         use_weights=use_weights,
     )

@@ -416,9 +416,9 @@ def test_unsupported_settings_are_refused_by_the_config():
     # Click-level plans: one split per kind, duplicates and held-out items, as in memory.
     load_config(None, base + ["split.kind=leave_last_k", "split.k=2", "data.duplicates=first",
                               "split.hold_out_items=0.1"])
+    load_config(None, base + ["model.loss.hard_negatives=mined"])  # each user's items coded from the shards
     for override, reason in [
         ("towers.query.history={length: 5}", "towers.query.history .*earlier clicks.*sorted by user and time"),
-        ("model.loss.hard_negatives=mined", "model.loss.hard_negatives: mined"),
     ]:
         with pytest.raises(ConfigError, match=f"not yet supported with data.out_of_core: .*{reason}"):
             load_config(None, base + [override])
@@ -490,6 +490,15 @@ def test_job_out_of_core_matches_the_in_memory_job_with_click_level_settings(tmp
     held = in_memory["data"]["held_out_items"]
     assert streamed["data"]["held_out_items"] == held and (held > 0) == ("split.hold_out_items=0.1" in extra)
     assert streamed["data"]["train_clicks"] == in_memory["data"]["train_clicks"]
+
+
+@pytest.mark.slow
+def test_job_with_mined_hard_negatives_out_of_core_matches_the_in_memory_job(tmp_path, monkeypatch):
+    """The same contract with FAISS-mined hard negatives: the miner's per-user training items
+    (excluded from each user's negatives) are coded from the shards, not read from a frame."""
+    clicks, _, _ = generate_clicks(SyntheticConfig(n_users=500, n_items=300, mean_clicks_per_user=30, seed=0))
+    mined = ["model.loss.hard_negatives=mined", "model.loss.num_hard_negatives=5", "model.loss.mining_refresh_steps=20"]
+    _job_both_ways(tmp_path, monkeypatch, "temporal", clicks, mined)  # asserts the contract
 
 
 # Feature towers on tables and click columns: a user table (categorical, numeric), an item table
