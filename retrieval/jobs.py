@@ -304,14 +304,14 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
             with strategy.scope():
                 towers = build_towers(config.towers, config.model, statistics)
             catalogue = tables.catalogue()
-        history = None
+        user_history = None
         if config.model.loss.hard_negatives == "mined":  # each user's training items, coded while streaming
             user_rows, item_rows = scan_pairs(shards, plan, pd.Index(stats.users.ids), pd.Index(stats.items.ids))
-            history = UserHistory(user_rows, item_rows.astype(np.int64) + 1, len(stats.users))  # +1: OOV is 0
+            user_history = UserHistory(user_rows, item_rows.astype(np.int64) + 1, len(stats.users))  # +1: OOV is 0
             del user_rows, item_rows
         with strategy.scope():  # the towers', samplers' and loss's variables belong to the strategy
             model = build_model(config.model, stats, use_weights=config.train.use_weights, towers=towers,
-                                catalogue_features=catalogue, user_history=history)
+                                catalogue_features=catalogue, user_history=user_history)
         source = StreamedClicks(
             shards, plan, config.train.batch_size, shuffle_buffer=stream.shuffle_buffer, seed=stream.seed,
             train_rows=counts.train_rows, max_batches=stream.max_train_batches, join=join,
