@@ -116,16 +116,17 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def step_function(model: TwoTowerModel) -> Callable[[dict], dict]:
+def step_function(model: TwoTowerModel, input_signature: list | None = None) -> Callable[[dict], dict]:
     """One training step of ``model`` (compiled with its optimizer) under the current strategy.
 
     Each replica runs ``model.train_step`` on its share of the global batch;
     their logged values are shares of the global ones and are summed, as
-    tf-keras does off TPU.
+    tf-keras does off TPU. ``input_signature``: traced once for it (None: a
+    trace per new batch shape).
     """
     strategy = tf.distribute.get_strategy()
 
-    @tf.function
+    @tf.function(input_signature=input_signature)
     def step(batch):
         logs = strategy.run(model.train_step, args=(batch,))
         # One value at a time: MultiWorkerMirroredStrategy.reduce takes no nested structure.
@@ -190,7 +191,7 @@ def train_epochs(
       ``timing`` the wall time of each epoch.
     """
     state = state if state is not None else TrainingState()
-    step = step_function(model)
+    step = None
     progress = _Progress(verbosity(verbose), source, epochs, state, say)
     if logs is not None and state.history:
         logs.write(state.history, range(state.epoch))  # a resumed run's directory starts with the epochs before it
@@ -198,7 +199,13 @@ def train_epochs(
         started, first_batch = time.perf_counter(), state.batch
         save_at_epoch_end = False
         model.reset_metrics()
-        for batch in distributed_epoch(source, state.epoch, state.batch):
+        batches = distributed_epoch(source, state.epoch, state.batch)
+        if step is None:
+            # Several workers trace once, for any batch shape: a trace per new shape would come at other
+            # steps on workers whose batches differ (their own shards), and a worker tracing its
+            # collectives alone waits for its peers.
+            step = step_function(model, [batches.element_spec] if worker_count() > 1 else None)
+        for batch in batches:
             values = step(batch)
             state.batch += 1
             state.steps += 1
