@@ -6,6 +6,7 @@ TensorFlow work, so each check runs in a fresh interpreter:
 
     python tests/_distribute_check.py mirrored       # 2 logical CPUs, MirroredStrategy
     TF_CONFIG=... python tests/_distribute_check.py multi_worker   # one process per worker
+    TF_CONFIG=... python tests/_distribute_check.py streamed_job CONFIG [KEY=VALUE ...]   # the job, out of core
 
 The last stdout line is one JSON object of measured numbers; the test asserts on them.
 """
@@ -13,6 +14,7 @@ The last stdout line is one JSON object of measured numbers; the test asserts on
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 
@@ -252,6 +254,53 @@ def multi_worker() -> dict:
     }
 
 
+def streamed_job() -> dict:
+    """The out-of-core job (``train.distribute: multi_worker``) on this worker, then what this worker's
+    share of each epoch holds (``distributed_epoch``, the loop's input) beside the whole epoch's."""
+    from retrieval.config import load_config
+    from retrieval.data.streaming import ClickShards, plan_split, scan_counts
+    from retrieval.jobs import train_evaluate_export
+    from retrieval.training import StreamedClicks
+    from retrieval.training.loop import distributed_epoch
+    from retrieval.training.runtime import worker_count
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")  # the test reads "resuming from step"
+    config = load_config(sys.argv[2], [arg for arg in sys.argv[3:] if arg != "--no-probe"])
+    strategy = distribution_strategy(config.train)  # the job's (one per process)
+    result = train_evaluate_export(config)
+    out = {"metrics": {key: result.metrics[key] for key in ("model", "final_train_loss", "data")},
+           "train_log": (result.directory / "train_log.csv").read_text(), "workers": worker_count(strategy)}
+    if "--no-probe" in sys.argv:
+        return out
+    stream = config.data.stream
+    shards = ClickShards.open(config.data.clicks, config.data.columns, stream.read_batch_size)
+    plan = plan_split(shards, config.split)
+    source = StreamedClicks(shards, plan, config.train.batch_size, shuffle_buffer=stream.shuffle_buffer,
+                            seed=stream.seed, train_rows=scan_counts(shards, plan).train_rows)
+    task = strategy.cluster_resolver.task_id
+    out.update(files=list(source.worker_files(task, worker_count(strategy))), steps=source.steps_per_epoch,
+               epochs=[], whole_epochs=[])
+
+    def rows(batch) -> list:
+        return [[u.decode(), i.decode(), float(w)] for u, i, w in
+                zip(batch["user_id"].numpy(), batch["item_id"].numpy(), batch["weight"].numpy())]
+
+    for epoch in range(2):
+        mine, steps = [], 0
+        with strategy.scope():  # as the job trains
+            if epoch == 0:  # through the loop's distributed input (a collective a batch: slow, so once)
+                for batch in distributed_epoch(source, epoch):
+                    steps += 1
+                    mine += [rows(local) for local in strategy.experimental_local_results(batch)]
+            else:  # what distribute_datasets_from_function asks this worker for
+                context = tf.distribute.InputContext(2, task, strategy.num_replicas_in_sync)
+                mine = [rows(batch) for batch in source.worker_epoch(epoch, 0, context)]
+                steps = len(mine) // (strategy.num_replicas_in_sync // 2)
+        out["epochs"].append({"steps": steps, "batches": mine})
+        out["whole_epochs"].append([row for batch in source.epoch(epoch) for row in rows(batch)])
+    return out
+
+
 if __name__ == "__main__":
-    check = {"mirrored": mirrored, "multi_worker": multi_worker}[sys.argv[1]]
+    check = {"mirrored": mirrored, "multi_worker": multi_worker, "streamed_job": streamed_job}[sys.argv[1]]
     print(json.dumps(check()))
