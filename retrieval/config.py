@@ -109,8 +109,8 @@ class StreamConfig(_Section):
         1_000_000,
         gt=0,
         description="Training rows held and shuffled at a time, in the in-memory epoch order (bounded-memory "
-        "shuffle; shard order is reshuffled every epoch too). At least the training clicks: the in-memory "
-        "batches exactly, with `seed` equal to train.seed.",
+        "shuffle; shard order is reshuffled every epoch too), seeded by train.seed as in memory. At least "
+        "the training clicks: the in-memory batches exactly.",
     )
     max_test_users: int | None = Field(
         10_000,
@@ -118,7 +118,7 @@ class StreamConfig(_Section):
         description="Evaluate at most this many test users, drawn with `seed`; their test clicks (and "
         "training clicks, for masking) are the only clicks held in memory. None = every test user.",
     )
-    seed: Seed = Field(0, description="Seed of the shuffle and of the test-user sample.")
+    seed: Seed = Field(0, description="Seed of the test-user sample (the training order is train.seed's).")
     max_train_batches: int | None = Field(
         None,
         gt=0,

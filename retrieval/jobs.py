@@ -313,7 +313,7 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
             model = build_model(config.model, stats, use_weights=config.train.use_weights, towers=towers,
                                 catalogue_features=catalogue, user_history=user_history)
         source = StreamedClicks(
-            shards, plan, config.train.batch_size, shuffle_buffer=stream.shuffle_buffer, seed=stream.seed,
+            shards, plan, config.train.batch_size, shuffle_buffer=stream.shuffle_buffer, seed=config.train.seed,
             train_rows=counts.train_rows, max_batches=stream.max_train_batches, join=join,
         )
         clock = time.perf_counter()
@@ -386,7 +386,7 @@ def _streamed_validation(shards: ClickShards, plan, config: Config, join: Exampl
     log.info("early stopping: %d fit-part clicks streamed, validation on %d clicks of %d sampled users",
              counts.train_rows, len(validation), len(users))
     source = StreamedClicks(
-        shards, carved, train.batch_size, shuffle_buffer=stream.shuffle_buffer, seed=stream.seed,
+        shards, carved, train.batch_size, shuffle_buffer=stream.shuffle_buffer, seed=train.seed,
         train_rows=counts.train_rows, max_batches=stream.max_train_batches, join=join,
     )
     return ValidationData(source, validation if join is None else join.examples(validation), fit_clicks)
