@@ -102,10 +102,33 @@ def test_rows_land_in_json_and_markdown_and_a_rerun_skips_them(tmp_path, bench, 
 def test_unknown_rows_bad_overrides_and_missing_data_are_refused(tmp_path, bench, capsys):
     _write_dataset(tmp_path / "data" / "tiny")
     common = ["--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "out")]
-    with pytest.raises(SystemExit, match="unknown row bogus; valid: popularity, als, default"):
+    with pytest.raises(SystemExit, match="unknown row bogus; valid: popularity, als, ease, default"):
         bench.main([*common, "--variants", "default,bogus"])
     with pytest.raises(SystemExit, match="(?s)row default: .*model.temprature: unknown key"):  # before any training
         bench.main([*common, "--variants", "default", "--set", "model.temprature=0.1"])
     assert not (tmp_path / "out" / "bench_public.json").exists()
     assert bench.main(["--data-dir", str(tmp_path / "nothing"), "--out", str(tmp_path / "out")]) == 2
     assert "no dataset folder with train.txt and valid.txt" in capsys.readouterr().err
+
+
+def test_ease_ranks_each_user_by_the_closed_form_scores(tmp_path, bench):
+    """EASE's ranking against an independent numpy closed form: B = I - P / diag(P), P = (X'X + l2 I)^-1,
+    scores x_u B, the user's training items masked. Scores, not ids, are compared (the triangular
+    log has tied scores, which may come in any order)."""
+    train, _ = _write_dataset(tmp_path / "tiny")
+    baselines = bench.Baselines(tmp_path / "tiny")
+    l2, depth = 10.0, 5
+    rows = bench.ease_ranking(baselines.train, baselines.catalogue_ids, baselines.eval_set, depth, l2=l2)
+    clicks = np.zeros((N_ITEMS, N_ITEMS))
+    for user, items in train.items():
+        clicks[user, list(items)] = 1.0
+    precision = np.linalg.inv(clicks.T @ clicks + l2 * np.eye(N_ITEMS))
+    weights = np.eye(N_ITEMS) - precision / np.diag(precision)
+    items = np.array([int(i) for i in baselines.catalogue_ids])
+    for user, ranked in zip(baselines.eval_set.user_ids, rows):
+        scores = clicks[int(user)] @ weights
+        scores[list(train[int(user)])] = -np.inf
+        expected = np.sort(scores)[::-1][:depth]
+        expected = expected[np.isfinite(expected)]
+        got = scores[items[ranked[ranked >= 0]]]
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
