@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 SET    ?=
 
-.PHONY: install test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-synthetic notebooks bench-public tune bench-steps
+.PHONY: install test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-synthetic notebooks bench-public tune bench-steps bench-tower-call
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -84,9 +84,16 @@ bench-scale:
 	nice -n 10 $(BIN)/python benchmarks/bench_scale.py $(ARGS)
 
 # The same log with item and user feature tables and a feature tower (configs/scale_features.yaml:
-# early stopping and checkpoints on), into bench_scale_features.{json,md}.
+# early stopping and checkpoints on), training capped at 8000 batches an epoch, then the SIGKILL check
+# (the job again twice with 1500 batches an epoch: uninterrupted, and killed at its first checkpoint then
+# restarted; equal metrics, train_log.csv and weights), into bench_scale_features.{json,md} (~35 min).
 bench-scale-features:
-	nice -n 10 $(BIN)/python benchmarks/bench_scale.py --features --out benchmarks/results/bench_scale_features $(ARGS)
+	nice -n 10 $(BIN)/python benchmarks/bench_scale.py --features --out benchmarks/results/bench_scale_features \
+		--set data.stream.max_train_batches=8000 --resume-check 1500 $(ARGS)
+
+# Eager call of an ID tower over 1M ids, StringLookup vocabulary as a list vs an array (~1 min).
+bench-tower-call:
+	$(BIN)/python benchmarks/bench_tower_call.py $(ARGS)
 
 # Keras fit step time at 10k/100k/1M users x items (adam, lazy_adam) and checkpoint overhead (~15 min on 2 cores).
 bench-steps:

@@ -54,6 +54,8 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scale_resume import markdown_row  # noqa: E402
+
 from retrieval.config import SyntheticConfig, load_config  # noqa: E402
 from retrieval.data import synthetic  # noqa: E402
 from retrieval.data.schema import ITEM, TIME, USER  # noqa: E402
@@ -351,6 +353,14 @@ def main() -> None:
     parser.add_argument("--no-embeddings", action="store_true", help="do not save the embeddings")
     parser.add_argument("--from-bundle", default=None,
                         help="only save the embeddings of this existing run directory (no generation, no training)")
+    parser.add_argument("--resume-check", type=int, default=0, metavar="BATCHES",
+                        help="after the job, run it twice more as subprocesses with training capped at BATCHES "
+                        "an epoch: uninterrupted, and SIGKILLed at its first checkpoint then restarted; "
+                        "record whether they end equal (benchmarks/scale_resume.py)")
+    parser.add_argument("--resume-check-seconds", type=int, default=30,
+                        help="train.checkpoint_every_seconds of the resume check's runs")
+    parser.add_argument("--only-resume-check", action="store_true",
+                        help="skip the measured job: run --resume-check alone and add it to the --out results")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stdout)
     logging.getLogger("faiss").setLevel(logging.WARNING)
@@ -425,6 +435,12 @@ def main() -> None:
         *args.set,
     ]
     config = load_config(args.config, overrides)
+    if args.only_resume_check:
+        sampler.stop()
+        report = json.loads(Path(f"{args.out}.json").read_text())
+        report["resume_check"] = _resume_check(args, overrides, base, name)
+        _write(report, args.out)
+        return
     rss_before_job = rss_bytes()
     job_started = time.perf_counter()
     result = train_evaluate_export(config, config_name="scale")
@@ -478,13 +494,30 @@ def main() -> None:
     if not args.no_embeddings and not args.features:
         report["embeddings"] = save_embeddings(result.directory, embeddings_dir, query_users=args.query_users,
                                                seed=args.seed)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{args.out}.json").write_text(json.dumps(report, indent=2))
-    Path(f"{args.out}.md").write_text(markdown(report) + "\n")
-    Path(f"{args.out}.partial.json").unlink(missing_ok=True)
     if not args.keep_run:
         shutil.rmtree(result.directory)
+    if args.resume_check:
+        report["resume_check"] = _resume_check(args, overrides, base, name)
+    _write(report, args.out)
+    Path(f"{args.out}.partial.json").unlink(missing_ok=True)
     print(markdown(report))
+
+
+def _resume_check(args, overrides: list[str], base: Path, name: str) -> dict:
+    from scale_resume import resume_check
+
+    batches = args.resume_check or 1500
+    check = resume_check(args.config, overrides, base / "resume-check", name, batches=batches,
+                         checkpoint_seconds=args.resume_check_seconds, log=log.info)
+    check["command"] = " ".join(["python", *sys.argv])
+    shutil.rmtree(base / "resume-check", ignore_errors=True)
+    return check
+
+
+def _write(report: dict, out: str) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps(report, indent=2))
+    Path(f"{out}.md").write_text(markdown(report) + "\n")
 
 
 def _gib(n: int) -> str:
@@ -528,6 +561,7 @@ def markdown(r: dict) -> str:
             if (e := r.get("embeddings"))
             else []
         ),
+        *([markdown_row(r["resume_check"])] if "resume_check" in r else []),
         "",
         "| ranker | " + " | ".join(k for k in next(iter(r["evaluation"].values()))) + " |",
         "|---|" + "---|" * len(next(iter(r["evaluation"].values()))),
