@@ -437,8 +437,15 @@ def main() -> None:
     config = load_config(args.config, overrides)
     if args.only_resume_check:
         sampler.stop()
-        report = json.loads(Path(f"{args.out}.json").read_text())
-        report["resume_check"] = _resume_check(args, overrides, base, name)
+        results = Path(f"{args.out}.json")
+        report = json.loads(results.read_text()) if results.exists() else None
+        check = _resume_check(args, overrides, base, name)
+        if report is None:  # a results file of its own
+            results.write_text(json.dumps({"resume_check": check}, indent=2))
+            Path(f"{args.out}.md").write_text("# SIGKILL mid-epoch at scale\n\n| check | result |\n|---|---|\n"
+                                             + markdown_row(check) + "\n")
+            return
+        report["resume_check"] = check
         _write(report, args.out)
         return
     rss_before_job = rss_bytes()
@@ -496,9 +503,10 @@ def main() -> None:
                                                seed=args.seed)
     if not args.keep_run:
         shutil.rmtree(result.directory)
+    _write(report, args.out)  # before the resume check: its two runs must not put these figures at risk
     if args.resume_check:
         report["resume_check"] = _resume_check(args, overrides, base, name)
-    _write(report, args.out)
+        _write(report, args.out)
     Path(f"{args.out}.partial.json").unlink(missing_ok=True)
     print(markdown(report))
 
