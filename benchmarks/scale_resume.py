@@ -29,7 +29,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 _CHECKPOINT = re.compile(r'^model_checkpoint_path: "ckpt-(\d+)"', re.M)
-_RESUMED = re.compile(r"resuming from step (\d+) \(epoch (\d+)/(\d+), batch (\d+)/(\d+)\)")
+_RESUMED = re.compile(r"resuming from step (\d+) \(epoch (\d+)/(\d+), batch (\d+)/(\d+)\)"
+                      r"|early-stopping selection resumed \([^)]*\)")
 
 
 def _latest_step(checkpoints: Path) -> int | None:
@@ -42,17 +43,28 @@ def _latest_step(checkpoints: Path) -> int | None:
 
 
 def _variables(saved_model: Path) -> dict[str, np.ndarray]:
+    """Every variable a SavedModel stores, read from its variables checkpoint."""
     import tensorflow as tf
 
-    loaded = tf.saved_model.load(str(saved_model))
-    return {f"{i}:{v.name}": v.numpy() for i, v in enumerate(loaded.variables)}
+    reader = tf.train.load_checkpoint(str(saved_model / "variables" / "variables"))
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}
 
 
 def _max_difference(a: Path, b: Path) -> float:
     left, right = _variables(a), _variables(b)
     if left.keys() != right.keys():
         return float("inf")
-    return max((float(np.max(np.abs(left[k] - right[k]))) if left[k].size else 0.0) for k in left)
+    return max(_difference(left[k], right[k]) for k in left)
+
+
+def _difference(a, b) -> float:
+    """Largest absolute difference of two stored values; strings and bytes: 0 when equal, else inf."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape:
+        return float("inf")
+    if a.dtype.kind in "fiub" and b.dtype.kind in "fiub":
+        return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
+    return 0.0 if np.array_equal(a, b) else float("inf")
 
 
 def _run(command: list[str], log_path: Path, kill_when=None, timeout: float = 3600) -> tuple[int, bool]:
@@ -121,11 +133,20 @@ def resume_check(config: str, overrides: list[str], output_dir: Path, name: str,
     if code != 0:
         raise RuntimeError(f"the resumed run failed (rc {code}); see {killed_log}")
     result["resumed_seconds"] = round(time.perf_counter() - clock, 1)
+    return compare(output_dir / f"{name}-reference", output_dir / killed_name, killed_log, result, log)
+
+
+def compare(reference: Path, again: Path, killed_log: Path, result: dict, log=print) -> dict:
+    """The verdict: the resumed run (``again``) against the uninterrupted one (``reference``).
+
+    ``result`` holds ``killed_at_checkpoint_step`` and ``max_train_batches``; the resume is mid-epoch
+    when that step is not a multiple of the batches an epoch (an early-stopping selection resumed
+    logs no batch position of its own).
+    """
     resumed = _RESUMED.search(killed_log.read_text())
     result["resumed_line"] = resumed.group(0) if resumed else None
-    result["resumed_mid_epoch"] = bool(resumed) and int(resumed.group(4)) not in (0, int(resumed.group(5)))
-
-    reference, again = output_dir / f"{name}-reference", output_dir / killed_name
+    step, batches = result["killed_at_checkpoint_step"], result["max_train_batches"]
+    result["resumed_mid_epoch"] = bool(resumed) and step is not None and step % batches != 0
     ref_metrics = json.loads((reference / "metrics.json").read_text())
     new_metrics = json.loads((again / "metrics.json").read_text())
     result["metrics_equal"] = all(ref_metrics.get(r) == new_metrics.get(r) for r in ("model", "popularity"))
