@@ -170,8 +170,30 @@ def first_clicks(shards: ClickShards) -> np.ndarray:
     return keys[first_click_mask(users, items, stamps, keys)]
 
 
+class _OnOuter:
+    """What a plan wrapping another (``outer``) keeps of it: its rows, time range, kind and cut."""
+
+    outer: Plan
+
+    @property
+    def kind(self) -> str:
+        return self.outer.kind
+
+    @property
+    def rows(self) -> int:
+        return self.outer.rows
+
+    @property
+    def time_range(self) -> tuple[int, int] | None:
+        return self.outer.time_range
+
+    @property
+    def cut(self) -> int | None:
+        return self.outer.cut
+
+
 @dataclass(frozen=True, eq=False)
-class CarvedPlan:
+class CarvedPlan(_OnOuter):
     """The training side of ``outer`` split again by ``inner`` (the early-stopping validation part).
 
     Its test clicks are ``inner``'s test clicks among ``outer``'s training
@@ -185,14 +207,6 @@ class CarvedPlan:
     @property
     def kind(self) -> str:
         return self.inner.kind
-
-    @property
-    def rows(self) -> int:
-        return self.outer.rows
-
-    @property
-    def time_range(self) -> tuple[int, int] | None:
-        return self.outer.time_range
 
     @property
     def cut(self) -> int | None:
@@ -252,7 +266,7 @@ def plan_validation(shards: ClickShards, plan: Plan, fraction: float, split: Spl
 
 
 @dataclass(frozen=True, eq=False)
-class HeldOutPlan:
+class HeldOutPlan(_OnOuter):
     """``outer`` less the training clicks of ``items`` (``split.hold_out_items``: cold-start evaluation).
 
     The held-out items keep their test clicks; their training clicks are on
@@ -265,22 +279,6 @@ class HeldOutPlan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_items", pa.array(list(self.items), pa.string()))
-
-    @property
-    def kind(self) -> str:
-        return self.outer.kind
-
-    @property
-    def rows(self) -> int:
-        return self.outer.rows
-
-    @property
-    def time_range(self) -> tuple[int, int] | None:
-        return self.outer.time_range
-
-    @property
-    def cut(self) -> int | None:
-        return self.outer.cut
 
     def drops(self, batch: ClickBatch) -> np.ndarray:
         held = pc.is_in(batch.items, value_set=self._items).to_numpy(zero_copy_only=False)
