@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from bench_losses import VARIANTS as LOSS_VARIANTS  # benchmarks/ is on sys.path; it imports retrieval first
+from scipy import sparse
 
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 from retrieval.config import ALSConfig, BaselinesConfig, Config, ConfigError, load_config
@@ -203,17 +204,21 @@ def ease_ranking(train, catalogue_ids, eval_set: EvalSet, depth: int, l2: float)
     """
     items = pd.Index(catalogue_ids, dtype=object)
     users = pd.Index(eval_set.user_ids, dtype=object)
-    columns = items.get_indexer(train[ITEM].astype(str))
-    clicks = np.zeros((train[USER].nunique(), len(items)), np.float32)
-    user_codes = pd.factorize(train[USER].astype(str))
-    clicks[user_codes[0], columns] = 1.0
-    gram = clicks.T @ clicks
+    user_codes, user_ids = pd.factorize(train[USER].astype(str))
+    # Sparse [users, items] 0/1 matrix (repeats count once): only the Gram matrix is dense.
+    clicks = sparse.csr_matrix(
+        (np.ones(len(train), np.float32), (user_codes, items.get_indexer(train[ITEM].astype(str)))),
+        shape=(len(user_ids), len(items)),
+    )
+    clicks.data[:] = 1.0
+    gram = (clicks.T @ clicks).toarray()
     gram[np.diag_indices_from(gram)] += l2
     precision = np.linalg.inv(gram)
     weights = -precision / np.diag(precision)
     np.fill_diagonal(weights, 0.0)
-    rows = pd.Index(user_codes[1], dtype=object).get_indexer(users)
-    queries = np.where(rows[:, None] >= 0, clicks[np.maximum(rows, 0)], 0.0).astype(np.float32)
+    rows = pd.Index(user_ids, dtype=object).get_indexer(users)
+    queries = clicks[np.maximum(rows, 0)].toarray()
+    queries[rows < 0] = 0.0  # evaluated users without training clicks
     index = ItemIndex.build(list(catalogue_ids), np.ascontiguousarray(weights.T), "Flat")
     return index_ranking(index, queries, eval_set, depth)
 
