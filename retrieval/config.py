@@ -577,11 +577,12 @@ class TrainConfig(_Section):
     batch_size: int = Field(
         1024, gt=1, description="Global batch; in-batch softmax gives each query this many candidates."
     )
-    optimizer: Literal["adam", "adagrad", "sgd", "lazy_adam"] = Field(
+    optimizer: Literal["adam", "adagrad", "sgd", "lazy_adam", "rowwise_adagrad"] = Field(
         "lazy_adam",
         description="adam (and tf-keras sgd, whose momentum slot is always updated densely) touch every "
-        "embedding row at every step, slow for large tables; lazy_adam and adagrad update only the rows "
-        "a batch touches.",
+        "embedding row at every step, slow for large tables; lazy_adam, adagrad and rowwise_adagrad update "
+        "only the rows a batch touches. Optimizer state per embedding table: adam and lazy_adam 2x the "
+        "table, adagrad 1x, rowwise_adagrad one float per row (for tables of millions of rows).",
     )
     learning_rate: float = Field(0.01, gt=0, description="Optimiser learning rate.")
     use_weights: bool = Field(

@@ -52,7 +52,8 @@ from retrieval.evaluation import (
 from retrieval.export import atomic_directory, write_bundle
 from retrieval.features import ExampleJoin, FeatureStatistics, TowerStatistics, TowerTables
 from retrieval.index import ItemIndex, build_index
-from retrieval.model import build_model, resolved
+from retrieval.model import build_model
+from retrieval.objectives import resolved
 from retrieval.run_checkpoints import training_checkpoints
 from retrieval.samplers import UserHistory
 from retrieval.towers import build_towers

@@ -9,7 +9,8 @@ import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is i
 from retrieval.config import Config, ConfigError, SyntheticConfig, load_config
 from retrieval.data import ITEM, USER, generate_clicks
 from retrieval.features import FeatureStatistics
-from retrieval.model import build_model, build_sampler
+from retrieval.model import build_model
+from retrieval.objectives import build_sampler
 from retrieval.samplers import KernelSampler
 from retrieval.training import click_dataset, seed_everything
 

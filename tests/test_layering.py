@@ -13,6 +13,7 @@ STAGES = [
     "towers",
     "samplers",
     "losses",
+    "objectives",  # config names -> samplers, log-Q sources, losses, miner
     "model",
     "exact_topk",  # brute-force top-k: early stopping's validation recall and the Flat index search with it
     "training",

@@ -456,6 +456,38 @@ def test_lazy_adam_updates_only_the_touched_rows_as_adam_would():
     np.testing.assert_array_equal(table.numpy()[[2, 3, 5]], start[[2, 3, 5]])  # never touched: unchanged
 
 
+
+def test_rowwise_adagrad_keeps_one_accumulator_per_table_row_and_steps_as_numpy():
+    from retrieval.training import RowWiseAdagrad
+
+    rng = np.random.default_rng(1)
+    start = rng.normal(size=(6, 4)).astype(np.float32)
+    table = tf.Variable(start, name="embeddings")  # a table by name, as Keras Embedding names it
+    bias = tf.Variable(np.zeros(4, np.float32), name="bias")
+    lr, init = 0.1, 0.1
+    optimizer = RowWiseAdagrad(learning_rate=lr, initial_accumulator_value=init)
+    optimizer.build([table, bias])
+    assert [tuple(a.shape) for a in optimizer._accumulators] == [(6, 1), (4,)]  # rows x 1, elementwise
+    var, row_acc = start.astype(np.float64), np.full((6, 1), init)
+    b, b_acc = np.zeros(4), np.full(4, init)
+    for rows in ([1, 4], [4, 4, 0]):  # a repeated row: its gradients add up first
+        values = rng.normal(size=(len(rows), 4)).astype(np.float32)
+        dense = rng.normal(size=4).astype(np.float32)
+        optimizer.apply_gradients([
+            (tf.IndexedSlices(tf.constant(values), tf.constant(rows), tf.constant([6, 4])), table),
+            (tf.constant(dense), bias),
+        ])
+        grad = np.zeros((6, 4))
+        np.add.at(grad, rows, values)
+        touched = sorted(set(rows))
+        row_acc[touched] += np.mean(grad[touched] ** 2, axis=1, keepdims=True)
+        var[touched] -= lr * grad[touched] / (np.sqrt(row_acc[touched]) + 1e-7)
+        b_acc += dense.astype(np.float64) ** 2
+        b -= lr * dense / (np.sqrt(b_acc) + 1e-7)
+    np.testing.assert_allclose(table.numpy(), var, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(table.numpy()[[2, 3, 5]], start[[2, 3, 5]])  # never touched: unchanged
+    np.testing.assert_allclose(bias.numpy(), b, rtol=1e-5, atol=1e-6)
+
 # --- The whole job, out of core against in memory. ---
 
 

@@ -11,7 +11,7 @@ from retrieval.training.early_stopping import ValidationData, ValidationRecall, 
 from retrieval.training.embeddings import embed, embed_frame
 from retrieval.training.fit import fit, select_epochs
 from retrieval.training.loop import RunLogs, train_epochs
-from retrieval.training.optimizers import OPTIMIZERS, LazyAdam, make_optimizer
+from retrieval.training.optimizers import OPTIMIZERS, LazyAdam, RowWiseAdagrad, make_optimizer
 from retrieval.training.runtime import distribution_strategy, seed_everything
 from retrieval.training.sources import ClickSource, FrameClicks, StreamedClicks, click_dataset, steps_per_epoch
 
@@ -20,6 +20,7 @@ __all__ = [
     "ClickSource",
     "FrameClicks",
     "LazyAdam",
+    "RowWiseAdagrad",
     "RunLogs",
     "StreamedClicks",
     "TrainingCheckpoint",

@@ -160,7 +160,9 @@ def select_epochs(
       ``selection_loss`` and ``val_recall@k`` per epoch and ``best_epoch``
       (without a refit, also everything the selection run logged).
     """
-    initial = model.get_weights()  # before a restore: the weights the seed built, where a refit starts
+    # Before a restore: the weights the seed built, where a refit starts (a copy of every table,
+    # so only when there is a refit).
+    initial = model.get_weights() if config.refit else None
     # Without checkpoints the best epoch's weights are copied in memory; with them, saved beside them.
     watch = ValidationRecall(model, validation.validation, validation.fit_clicks, config.validation_k,
                              config.early_stopping_patience, keep_weights=not config.refit and checkpoint_dir is None)
@@ -192,11 +194,11 @@ def select_epochs(
                              logs=logs, hooks=all_hooks, verbose=config.verbose, say=say)
     if timing is not None:
         timing.update(state.timing)
-    if config.refit:
+    if initial is not None:
         model.set_weights(initial)
     elif watch.best_weights is not None:
         model.set_weights(watch.best_weights)
-    else:
+    elif watch.best_epoch != len(watch.recalls):  # the last epoch is the best: its weights are the model's
         best.read(best_prefix).assert_existing_objects_matched()
     seed_everything(config.seed)
     return watch.best_epoch, {

@@ -1,4 +1,4 @@
-"""Optimizers by config name, with Adam's lazy variant for embedding tables."""
+"""Optimizers by config name, with Adam's lazy variant and a row-wise Adagrad for embedding tables."""
 
 from __future__ import annotations
 
@@ -36,8 +36,70 @@ class LazyAdam(tf.keras.optimizers.Adam):
         variable.scatter_sub(tf.IndexedSlices(alpha * m_rows / (tf.sqrt(v_rows) + self.epsilon), rows))
 
 
+class RowWiseAdagrad(tf.keras.optimizers.Optimizer):
+    """Adagrad with one accumulator per embedding-table row: DLRM's and FBGEMM's row-wise Adagrad.
+
+    Adam keeps two slots the size of each table (at 1M rows x 64 that is
+    512 MB a table on top of the table's 256 MB); elementwise Adagrad keeps
+    one. Row-wise Adagrad keeps one float per row: the running sum of the
+    row's mean squared gradient, ``a_r += mean_d(g_rd^2)``, and steps the row
+    by ``lr * g_r / (sqrt(a_r) + epsilon)``. A row's coordinates share their
+    adaptive rate, which loses little for embeddings, whose coordinates have no
+    separate meaning (Gupta et al. 2014; the row-wise variant is FBGEMM's and
+    TorchRec's default for large tables). A sparse gradient touches only its
+    rows, as ``LazyAdam`` does.
+
+    Tables are the rank-2 variables named ``embeddings`` (Keras ``Embedding``
+    and the towers' hashed-text layer); every other variable gets elementwise
+    Adagrad.
+    """
+
+    def __init__(self, learning_rate=0.05, initial_accumulator_value=0.1, epsilon=1e-7, name="RowWiseAdagrad",
+                 **kwargs):
+        super().__init__(name=name, **kwargs)
+        self._learning_rate = self._build_learning_rate(learning_rate)
+        self.initial_accumulator_value, self.epsilon = float(initial_accumulator_value), float(epsilon)
+
+    @staticmethod
+    def is_table(variable) -> bool:
+        """Whether ``variable`` gets one accumulator per row."""
+        return variable.shape.rank == 2 and variable.name.split("/")[-1].startswith("embeddings")
+
+    def build(self, var_list):
+        super().build(var_list)
+        if getattr(self, "_built", False):
+            return
+        self._built = True
+        self._accumulators = []
+        for variable in var_list:
+            shape = (variable.shape[0], 1) if self.is_table(variable) else variable.shape
+            self._accumulators.append(self.add_variable_from_reference(
+                variable, "accumulator", initial_value=tf.fill(shape, tf.constant(self.initial_accumulator_value,
+                                                                                  variable.dtype)),
+            ))
+
+    def update_step(self, gradient, variable):
+        lr = tf.cast(self.learning_rate, variable.dtype)
+        accumulator = self._accumulators[self._index_dict[self._var_key(variable)]]
+        row_wise = self.is_table(variable)
+        if isinstance(gradient, tf.IndexedSlices):  # rows deduplicated by the base optimizer
+            rows, values = gradient.indices, gradient.values
+            squares = tf.reduce_mean(tf.square(values), axis=1, keepdims=True) if row_wise else tf.square(values)
+            updated = tf.gather(accumulator, rows) + squares
+            accumulator.scatter_update(tf.IndexedSlices(updated, rows))
+            variable.scatter_sub(tf.IndexedSlices(lr * values / (tf.sqrt(updated) + self.epsilon), rows))
+            return
+        squares = tf.reduce_mean(tf.square(gradient), axis=1, keepdims=True) if row_wise else tf.square(gradient)
+        accumulator.assign_add(squares)
+        variable.assign_sub(lr * gradient / (tf.sqrt(accumulator) + self.epsilon))
+
+    def get_config(self):
+        return {**super().get_config(), "learning_rate": self._serialize_hyperparameter(self._learning_rate),
+                "initial_accumulator_value": self.initial_accumulator_value, "epsilon": self.epsilon}
+
+
 # Which apply sparse (IndexedSlices) gradients of embedding tables sparsely, i.e. at a cost that
-# does not grow with the number of rows: adagrad and lazy_adam do; adam decays both moments of
+# does not grow with the number of rows: adagrad, lazy_adam and rowwise_adagrad do; adam decays both moments of
 # every row at every step, and tf-keras sgd always keeps a momentum slot that it scales and adds
 # to the whole table (even with momentum 0).
 OPTIMIZERS = {
@@ -45,6 +107,7 @@ OPTIMIZERS = {
     "adagrad": tf.keras.optimizers.Adagrad,
     "sgd": tf.keras.optimizers.SGD,
     "lazy_adam": LazyAdam,
+    "rowwise_adagrad": RowWiseAdagrad,
 }
 
 
