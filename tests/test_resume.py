@@ -280,14 +280,17 @@ def _streamed(clicks: pd.DataFrame, folder: Path, batch_size: int) -> StreamedCl
     return StreamedClicks(shards, plan, batch_size, shuffle_buffer=100, seed=5, train_rows=len(frame))
 
 
-@pytest.mark.parametrize("source", ["frame", "stream"])
-def test_fit_resumed_in_process_equals_uninterrupted_fit(tmp_path, monkeypatch, source):
+@pytest.mark.parametrize(
+    "source, optimizer", [("frame", "lazy_adam"), ("stream", "lazy_adam"), ("stream", "rowwise_adagrad")]
+)
+def test_fit_resumed_in_process_equals_uninterrupted_fit(tmp_path, monkeypatch, source, optimizer):
     """fit() killed (by an exception) mid-epoch and called again on a fresh model resumes exactly,
-    whichever click source it trains on."""
+    whichever click source it trains on (and with the row-wise optimizer state of the scale configs)."""
     clicks = _clicks(1)
     stats = FeatureStatistics.from_training_clicks(clicks)
     model_config = ModelConfig(embedding_dim=8, loss=dict(negatives="uniform", num_negatives=4))
-    config = TrainConfig(epochs=3, batch_size=32, verbose=0, checkpoint_every_steps=3, validation_fraction=0)
+    config = TrainConfig(epochs=3, batch_size=32, verbose=0, checkpoint_every_steps=3, validation_fraction=0,
+                         optimizer=optimizer)
     if source == "stream":
         clicks = _streamed(clicks, tmp_path / "shards", config.batch_size)
         assert clicks.steps_per_epoch == 16
