@@ -466,6 +466,7 @@ def test_rowwise_adagrad_keeps_one_accumulator_per_table_row_and_steps_as_numpy(
     bias = tf.Variable(np.zeros(4, np.float32), name="bias")
     lr, init = 0.1, 0.1
     optimizer = RowWiseAdagrad(learning_rate=lr, initial_accumulator_value=init)
+    assert optimizer.weight_decay is None  # else tf-keras decays every row of every table each step
     optimizer.build([table, bias])
     assert [tuple(a.shape) for a in optimizer._accumulators] == [(6, 1), (4,)]  # rows x 1, elementwise
     var, row_acc = start.astype(np.float64), np.full((6, 1), init)

@@ -56,7 +56,9 @@ class RowWiseAdagrad(tf.keras.optimizers.Optimizer):
 
     def __init__(self, learning_rate=0.05, initial_accumulator_value=0.1, epsilon=1e-7, name="RowWiseAdagrad",
                  **kwargs):
-        super().__init__(name=name, **kwargs)
+        # weight_decay=None, as tf-keras' own optimizers pass it: the base class defaults to 0, which
+        # still runs a dense `variable -= 0 * variable` over every table at every step.
+        super().__init__(name=name, weight_decay=kwargs.pop("weight_decay", None), **kwargs)
         self._learning_rate = self._build_learning_rate(learning_rate)
         self.initial_accumulator_value, self.epsilon = float(initial_accumulator_value), float(epsilon)
 
