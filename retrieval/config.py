@@ -806,6 +806,18 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _history_needs_timestamps(self) -> Config:
+        # Found here, not after the log is read: a user-items log has no time column to name.
+        clicks = self.data.clicks
+        if self.towers.query.history is not None and clicks is not None and clicks.format == "user-items":
+            raise ValueError(
+                "towers.query.history pools each user's clicks before each click, so it needs timestamps, and "
+                "data.clicks.format 'user-items' has none: drop the history, or give the log as a table with a "
+                "timestamp column (data.columns.timestamp)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _out_of_core_supported(self) -> Config:
         if not self.data.out_of_core:
             return self

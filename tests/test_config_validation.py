@@ -93,3 +93,14 @@ def test_the_command_line_says_which_set_value_is_not_yaml():
 def test_config_round_trip_is_unchanged_by_the_checks():
     config = load_config(ROOT / "configs/default.yaml")
     assert Config.from_dict(config.to_dict()) == config
+
+
+def test_click_history_on_a_log_without_timestamps_is_refused_at_load():
+    """A user-items log ("uid iid iid ...") has no time column: history failed after loading, with a
+    hint (set data.columns.timestamp) that this format ignores."""
+    overrides = ["data.source=files", "data.clicks.path=train.txt", "data.clicks.format=user-items",
+                 "towers.query.features=[{name: user_id, kind: id}]", "towers.doc.features=[{name: item_id, kind: id}]",
+                 "towers.query.history={length: 20, pooling: mean}"]
+    with pytest.raises(ConfigError, match=r"towers\.query\.history .*needs timestamps.*'user-items' has none"):
+        load_config(None, overrides)
+    assert load_config(None, overrides[:-1]).towers.query.history is None
