@@ -87,15 +87,17 @@ class RowWiseAdagrad(tf.keras.optimizers.Optimizer):
         lr = tf.cast(self.learning_rate, variable.dtype)
         accumulator = self._accumulators[self._index_dict[self._var_key(variable)]]
         row_wise = self.is_table(variable)
+
+        def squares(values):  # what the accumulator adds: per row for a table, else per weight
+            return tf.reduce_mean(tf.square(values), axis=1, keepdims=True) if row_wise else tf.square(values)
+
         if isinstance(gradient, tf.IndexedSlices):  # rows deduplicated by the base optimizer
             rows, values = gradient.indices, gradient.values
-            squares = tf.reduce_mean(tf.square(values), axis=1, keepdims=True) if row_wise else tf.square(values)
-            updated = tf.gather(accumulator, rows) + squares
+            updated = tf.gather(accumulator, rows) + squares(values)
             accumulator.scatter_update(tf.IndexedSlices(updated, rows))
             variable.scatter_sub(tf.IndexedSlices(lr * values / (tf.sqrt(updated) + self.epsilon), rows))
             return
-        squares = tf.reduce_mean(tf.square(gradient), axis=1, keepdims=True) if row_wise else tf.square(gradient)
-        accumulator.assign_add(squares)
+        accumulator.assign_add(squares(gradient))
         variable.assign_sub(lr * gradient / (tf.sqrt(accumulator) + self.epsilon))
 
     def get_config(self):
