@@ -442,8 +442,8 @@ def main() -> None:
         check = _resume_check(args, overrides, base, name)
         if report is None:  # a results file of its own
             results.write_text(json.dumps({"resume_check": check}, indent=2))
-            Path(f"{args.out}.md").write_text("# SIGKILL mid-epoch at scale\n\n| check | result |\n|---|---|\n"
-                                             + markdown_row(check) + "\n")
+            Path(f"{args.out}.md").write_text(f"# SIGKILL mid-epoch at scale\n\n`{check['command']}`\n\n"
+                                             "| check | result |\n|---|---|\n" + markdown_row(check) + "\n")
             return
         report["resume_check"] = check
         _write(report, args.out)
