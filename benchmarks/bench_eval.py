@@ -53,9 +53,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-# TFRS 0.7 is Keras-2 code: the legacy Keras must be chosen before TensorFlow is first imported.
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS and TF_ENABLE_ONEDNN_OPTS before TensorFlow is imported)
 
+# isort: split
 import faiss  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402

@@ -17,10 +17,12 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # tf-keras, as retrieval/__init__.py sets it
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import retrieval  # noqa: E402,F401  (TF_USE_LEGACY_KERAS and TF_ENABLE_ONEDNN_OPTS before TensorFlow is imported)
+
+# isort: split
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
