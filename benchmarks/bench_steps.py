@@ -311,7 +311,7 @@ def main() -> None:
     parser.add_argument("--part", choices=["all", "tables", "checkpoints"], default="all")
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--optimizers", nargs="+", default=["adam", "lazy_adam"],
-                        choices=["adam", "adagrad", "sgd", "lazy_adam"])
+                        choices=["adam", "adagrad", "sgd", "lazy_adam", "rowwise_adagrad"])
     parser.add_argument("--steps", type=int, default=100, help="steps per run of the tables part")
     parser.add_argument("--checkpoint-size", type=int, default=100_000)
     parser.add_argument("--every", nargs="+", default=["0", "200", "50", "2s"],
