@@ -336,7 +336,7 @@ def test_fit_killed_in_the_early_stopping_selection_resumes_it_exactly(tmp_path,
                          early_stopping_patience=4, refit=refit)
 
     def fresh():
-        seed_everything(0)
+        seed_everything(2)  # a seed whose best epoch is not the last (asserted below)
         return build_model(model_config, stats)
 
     reference = fresh()

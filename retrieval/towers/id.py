@@ -39,8 +39,17 @@ class _ZeroOutOfVocabulary(tf.keras.initializers.Initializer):
         self.scale = scale
 
     def __call__(self, shape, dtype=None, **kwargs):
-        values = tf.random.uniform(shape, -self.scale, self.scale, dtype=dtype or tf.float32)
-        return tf.concat([tf.zeros_like(values[:1]), values[1:]], axis=0)
+        # Drawn in numpy and handed to TensorFlow once. Built from TF ops (uniform, then row 0
+        # zeroed) a table passed through three table-sized TF buffers, and with oneDNN on
+        # (retrieval/__init__.py) TF's pooling CPU allocator keeps such a high-water mark for the
+        # whole run: +0.5 GB of RSS for two 1M x 64 tables. The seed comes from a TF random op,
+        # so tf.random.set_seed still fixes every table.
+        seed = int(tf.random.uniform([], 0, 2**31 - 1, dtype=tf.int64))
+        values = np.random.default_rng(seed).random(tuple(shape), dtype=np.float32)
+        values *= 2 * self.scale
+        values -= self.scale
+        values[0] = 0.0
+        return tf.cast(tf.convert_to_tensor(values), tf.as_dtype(dtype or tf.float32))
 
     def get_config(self):
         return {"scale": self.scale}
