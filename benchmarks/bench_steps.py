@@ -76,8 +76,8 @@ class StepTimer:
     def __enter__(self) -> StepTimer:
         self._original = loop.step_function
 
-        def timed_step_function(model):
-            step = self._original(model)
+        def timed_step_function(model, *args, **kwargs):
+            step = self._original(model, *args, **kwargs)
 
             def stamped(batch):
                 values = step(batch)
