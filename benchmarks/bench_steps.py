@@ -245,7 +245,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"`{result['command']}` on {result['machine']['cpus']} CPUs ({result['machine']['platform']}, "
         f"TensorFlow {result['machine']['tensorflow']}), {result['date']}. 1-min load average during the "
         f"runs: {result['load_1min']['min']:.2f}-{result['load_1min']['max']:.2f} "
-        f"(mean {result['load_1min']['mean']:.2f}); another training job shared the cores.",
+        f"(mean {result['load_1min']['mean']:.2f}).",
         "",
         "Default model (ID towers, dim 64, in-batch softmax), batch 1024, `retrieval.training.fit`; "
         f"median step after {result['args']['warmup']} warm-up steps, median over {result['args']['rounds']} "

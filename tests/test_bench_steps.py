@@ -1,0 +1,35 @@
+"""benchmarks/bench_steps.py runs end to end at toy size: every (size, optimizer) gets a step time,
+the checkpoint part counts the saves it asked for, and the JSON and Markdown are written.
+
+No timing is asserted (speed belongs to the benchmark itself); this keeps the harness working
+when the training loop it wraps changes (it once died on a new argument of ``step_function``).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_bench_steps_runs_at_toy_size(tmp_path):
+    command = [
+        sys.executable, str(ROOT / "benchmarks/bench_steps.py"), "--sizes", "300", "600",
+        "--optimizers", "lazy_adam", "rowwise_adagrad", "--steps", "8", "--rounds", "1", "--warmup", "2",
+        "--checkpoint-size", "300", "--every", "0", "4", "--checkpoint-steps", "12", "--checkpoint-rounds", "1",
+        "--out", str(tmp_path),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "bench_steps.json").read_text())
+    rows = {(row["n"], row["optimizer"]): row for row in report["tables"]["summary"]}
+    assert set(rows) == {(n, opt) for n in (300, 600) for opt in ("lazy_adam", "rowwise_adagrad")}
+    assert all(row["median_ms"] > 0 for row in rows.values())
+    assert rows[(300, "lazy_adam")]["ratio_to_300"] == 1.0
+    saves = {row["every"]: row["saves_per_run"] for row in report["checkpoints"]["summary"]}
+    assert saves["0"] == 0 and saves["4"] >= 2  # 12 steps, a save every 4 (the last may fall at the end)
+    assert "| 600 | rowwise_adagrad |" in (tmp_path / "bench_steps.md").read_text()
