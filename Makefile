@@ -17,12 +17,16 @@ $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
 # The whole suite (what CI runs); test-fast leaves out the tests marked slow (model training, subprocess
-# jobs) for the edit-test loop.
+# jobs) for the edit-test loop. pytest-xdist runs TEST_WORKERS processes (CI has 2 cores), each taking a
+# whole test file at a time so a module's fixtures are built once; TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test:
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-fast:
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade) over the repo, mypy over retrieval/ and pipelines/;
 # both configured in pyproject.toml. Fails on the first finding.
