@@ -112,12 +112,12 @@ class ValidationRecall:
             return 0.0
         model = self.model
         mask_rows, mask_items = self._exclusions()
-        catalogue = model.catalogue_embeddings()
         targets = model.item_index(tf.constant(self.validation[ITEM].astype(str).to_numpy(dtype=object))).numpy()
         if model.servable_by_dot_product:
-            search = ExactTopK(catalogue.numpy()[1:])  # row 0 (OOV) is no recommendation
+            search = ExactTopK(model.catalogue_array()[1:])  # row 0 (OOV) is no recommendation
             exclude = np.split(mask_items - 1, np.searchsorted(mask_rows, np.arange(1, len(self.validation))))
         else:
+            catalogue = model.catalogue_embeddings()
             batch_size = int(max(1, min(batch_size, max_scores // (model.num_items + 1))))
         hits = []
         for start in range(0, len(self.validation), batch_size):
