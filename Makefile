@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 SET    ?=
 
-.PHONY: install test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-synthetic notebooks bench-public tune bench-steps bench-tower-call
+.PHONY: install test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -95,6 +95,11 @@ bench-scale:
 bench-scale-features:
 	nice -n 10 $(BIN)/python benchmarks/bench_scale.py --features --out benchmarks/results/bench_scale_features \
 		--set data.stream.max_train_batches=3000 --resume-check 500 $(ARGS)
+
+# A 2M-click log (100k users x 1M items) trained in memory and streamed by the same job: equal metrics,
+# with each run's wall time and peak RSS, into bench_scale_both_ways.{json,md} (~15 min on 2 cores).
+bench-scale-both-ways:
+	nice -n 10 $(BIN)/python benchmarks/bench_both_ways.py $(ARGS)
 
 # Eager call of an ID tower over 1M ids, StringLookup vocabulary as a list vs an array (~1 min).
 bench-tower-call:
