@@ -97,7 +97,7 @@ bench-scale-features:
 		--set data.stream.max_train_batches=3000 --resume-check 500 $(ARGS)
 
 # A 2M-click log (100k users, ~430k items) trained in memory and streamed by the same job: equal metrics,
-# with each run's wall time and peak RSS, into bench_scale_both_ways.{json,md} (~15 min on 2 cores).
+# with each run's wall time and peak RSS, into bench_scale_both_ways.{json,md} (~9 min on 2 cores).
 bench-scale-both-ways:
 	nice -n 10 $(BIN)/python benchmarks/bench_both_ways.py $(ARGS)
 

@@ -18,7 +18,7 @@ each costs:
    difference, wall time and peak RSS, to
    ``benchmarks/results/bench_scale_both_ways.{json,md}``.
 
-    python benchmarks/bench_both_ways.py                     # ~10 min on 2 cores
+    python benchmarks/bench_both_ways.py                     # ~9 min on 2 cores
     python benchmarks/bench_both_ways.py --clicks 200000 --items 20000 --out /tmp/both
 """
 
