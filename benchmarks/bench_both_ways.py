@@ -6,7 +6,7 @@ users by default, ``bench_scale.py``'s generator and its log when one
 exists: its generator draws from 1M items, about 430k of which the 2M clicks reach) and records what
 each costs:
 
-1. the shards (``bench_scale.generate_shards``) and the whole log as one
+1. the shards (``bench_scale.ensure_shards``) and the whole log as one
    Parquet file beside them (the shards in sorted order, the row order the
    streamed split gives its row keys);
 2. ``python -m pipelines.train --config configs/scale.yaml`` twice, as
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_scale import RESULTS, generate_shards  # noqa: E402
+from bench_scale import RESULTS, ensure_shards, log_name  # noqa: E402
 
 SOURCES = {"in memory": "false", "streamed": "true"}
 COMPARED = ("model", "popularity")
@@ -47,12 +46,9 @@ COMPARED = ("model", "popularity")
 
 def ensure_log(base: Path, args) -> tuple[Path, Path]:
     """The log's shard folder (generated unless it exists) and its whole-log Parquet file."""
-    name = f"clicks{args.clicks}-items{args.items}-cpu{args.clicks_per_user:g}-k{args.clusters}-seed{args.seed}"
+    name = log_name(args)
     shards = base / "logs" / name
-    if not (shards / "_DONE.json").exists():
-        generated = generate_shards(shards, args.clicks, args.items, clicks_per_user=args.clicks_per_user,
-                                    clusters=args.clusters, seed=args.seed, shard_clicks=args.shard_clicks)
-        (shards / "_DONE.json").write_text(json.dumps(generated))
+    ensure_shards(shards, args)
     whole = base / "logs" / f"{name}-whole.parquet"
     if not whole.exists():
         files = sorted(shards.glob("*.parquet"))
@@ -148,7 +144,6 @@ def main() -> None:
             "final_train_loss": abs(memory["final_train_loss"] - streamed["final_train_loss"])
             / abs(memory["final_train_loss"]),
         },
-        "children_peak_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.out}.json").write_text(json.dumps(report, indent=2))

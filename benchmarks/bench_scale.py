@@ -124,6 +124,28 @@ def generate_shards(
     return {"clicks": int(written), "users": users, "items": items, "shards": n_shards}
 
 
+def log_name(args: argparse.Namespace) -> str:
+    """The log's folder name under ``<--dir>/logs``: every generation parameter but the shard size."""
+    return f"clicks{args.clicks}-items{args.items}-cpu{args.clicks_per_user:g}-k{args.clusters}-seed{args.seed}"
+
+
+def ensure_shards(data_dir: Path, args: argparse.Namespace, before_generating=lambda: None) -> dict:
+    """The log's generation record: ``data_dir/_DONE.json``'s when the shards exist (``reused``),
+    else that of the shards ``generate_shards`` writes now (``before_generating()`` called first)."""
+    done = data_dir / "_DONE.json"
+    if done.exists():
+        log.info("reusing %s", data_dir)
+        return {**json.loads(done.read_text()), "reused": True}
+    before_generating()
+    started = time.perf_counter()
+    shutil.rmtree(data_dir, ignore_errors=True)
+    generation = generate_shards(data_dir, args.clicks, args.items, clicks_per_user=args.clicks_per_user,
+                                 clusters=args.clusters, seed=args.seed, shard_clicks=args.shard_clicks)
+    generation["seconds"] = round(time.perf_counter() - started, 1)
+    done.write_text(json.dumps(generation))
+    return {**generation, "reused": False}
+
+
 def write_feature_tables(out: Path, clicks: int, items: int, *, clicks_per_user: float, clusters: int,
                          seed: int) -> dict:
     """The log's item table (``category``, ``price``, ``title``) and user table (``age``, ``country``) as Parquet.
@@ -373,29 +395,13 @@ def main() -> None:
     sampler = RssSampler()
     sampler.start()
     base = Path(args.dir)
-    name = f"clicks{args.clicks}-items{args.items}-cpu{args.clicks_per_user:g}-k{args.clusters}-seed{args.seed}"
+    name = log_name(args)
     data_dir = base / "logs" / name
-    done = data_dir / "_DONE.json"
-    started = time.perf_counter()
-    if done.exists():
-        generation = json.loads(done.read_text())
-        generation["reused"] = True
-        log.info("reusing %s", data_dir)
-    else:
+
+    def generating():
         sampler.phase = "generation"
-        shutil.rmtree(data_dir, ignore_errors=True)
-        generation = generate_shards(
-            data_dir,
-            args.clicks,
-            args.items,
-            clicks_per_user=args.clicks_per_user,
-            clusters=args.clusters,
-            seed=args.seed,
-            shard_clicks=args.shard_clicks,
-        )
-        generation["seconds"] = round(time.perf_counter() - started, 1)
-        done.write_text(json.dumps(generation))
-        generation["reused"] = False
+
+    generation = ensure_shards(data_dir, args, before_generating=generating)
     generation["bytes"] = directory_bytes(data_dir)
     log.info("log: %s", json.dumps(generation))
     table_dir = base / "logs" / f"{name}-tables"
