@@ -132,3 +132,14 @@ def test_ease_ranks_each_user_by_the_closed_form_scores(tmp_path, bench):
         expected = expected[np.isfinite(expected)]
         got = scores[items[ranked[ranked >= 0]]]
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_als_grid_points_are_every_combination_of_valid_als_config_fields(bench):
+    from retrieval.config import ALSConfig
+
+    points = bench.als_grid()
+    assert len(points) == np.prod([len(values) for values in bench.ALS_GRID.values()])
+    assert len({tuple(p.items()) for p in points}) == len(points)
+    for point in points:
+        config = ALSConfig(**point)  # a key that is not an ALSConfig field fails here
+        assert all(getattr(config, key) == value for key, value in point.items())
