@@ -103,9 +103,10 @@ ROWS = [*BASELINES, *VARIANTS]
 # regularization interact (good points keep regularization / alpha near 0.5-5), and the best factors
 # grow with the catalogue: a grid of factors alone at alpha 5 (stop 18 to 24) left Gowalla's best point
 # at its edge (256) and ALS about 0.03 recall@20 short of its level there (0.1817 against 0.2116).
-# 512 factors, regularization 100 and alpha 50 are edges; probes past them (/tmp scripts, stop 25)
-# gained at most 0.0023: Gowalla 0.2095 at 1024 factors (188 s a fit), 0.2111 at alpha 100, 0.2045
-# at regularization 300 (grid best 0.2116); ML-1M 0.2656 at 1024 factors (grid best 0.2633).
+# 512 factors, regularization 100 and alpha 50 are edges; points past them, scored by Baselines.als
+# as the grid's are (stop 25, not kept in the JSON), gained at most 0.0023: Gowalla 0.2095 at 1024
+# factors (188 s a fit), 0.2111 at alpha 100, 0.2045 at regularization 300 (grid best 0.2116);
+# ML-1M 0.2656 at 1024 factors (grid best 0.2633).
 ALS_GRID: dict[str, list] = {
     "factors": [32, 64, 128, 256, 512],  # 32: the project's ALS default
     "regularization": [1.0, 10.0, 100.0],
