@@ -269,6 +269,24 @@ def read_report(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {"rows": []}
 
 
+def cpu_model() -> str:
+    """The CPU's model name, with its widest vector extension: rows' seconds compare only on one model.
+
+    The VMs these benchmarks run on change between sessions (an AMD EPYC with AVX2, an Intel Xeon with
+    AVX-512 and AMX), and ``platform.processor()`` is empty on Linux.
+    """
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    vector = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags), "")
+    matrix = "AMX" if "amx_tile" in flags else ""
+    return ", ".join(part for part in (fields.get("model name", platform.machine()), vector, matrix) if part)
+
+
 def append_row(path: Path, entry: dict) -> dict:
     """Add ``entry`` to the JSON file (replacing one with the same key), written whole or not at all."""
     report = read_report(path)
@@ -288,7 +306,8 @@ def summarise(rows: list[dict]) -> list[dict]:
     summary = []
     for (dataset, row, overrides, extra), runs in groups.items():
         item: dict[str, Any] = {"dataset": dataset, "row": row, "overrides": list(overrides), "extra": list(extra),
-                                "seeds": len(runs), "users": runs[0].get("users")}
+                                "seeds": len(runs), "users": runs[0].get("users"),
+                                "cpu": " / ".join(dict.fromkeys(r["cpu"] for r in runs if r.get("cpu")))}
         for key in (RECALL, NDCG, "seconds", "epochs"):
             values = [r[key] for r in runs if r.get(key) is not None]
             if values:
@@ -331,7 +350,8 @@ def markdown(report: dict) -> str:
         f"NDCG@{K} on `valid.txt` (the held-back test part is never used, so these are not test figures). Model "
         "rows are `make train` with configs/default.yaml plus the row's overrides (`VARIANTS` in "
         "benchmarks/bench_public.py); their seconds are the whole job's wall time (load, early stopping, "
-        "training, index, evaluation, export) on the machine below. ALS is the best point of a grid "
+        "training, index, evaluation, export) on the CPU their row names (2-core VMs whose CPU changed between "
+        "sessions; rows run before the CPU was recorded leave it blank): compare seconds within one CPU only. ALS is the best point of a grid "
         "(factors x regularization x alpha x iterations) chosen on valid itself, an optimistic baseline; EASE "
         "(Steck 2019, the l2 grid chosen on valid too) is a second, item-item reference, on catalogues of at most "
         f"{EASE_MAX_ITEMS:,} items. "
@@ -354,8 +374,8 @@ def markdown(report: dict) -> str:
         users = rows[0].get("users") if rows else None
         lines += [
             f"## {d}: {users} users evaluated\n",
-            f"| row | recall@{K} | NDCG@{K} | × tuned ALS | × TFRS + log-Q | epochs | seconds | seeds | overrides |",
-            "|---|---|---|---|---|---|---|---|---|",
+            f"| row | recall@{K} | NDCG@{K} | × tuned ALS | × TFRS + log-Q | epochs | seconds | CPU | seeds | overrides |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for s in rows:
             ratio_als = f"{s[RECALL] / als[RECALL]:.2f}" if als and als[RECALL] else ""
@@ -364,7 +384,8 @@ def markdown(report: dict) -> str:
             overrides = " ".join(s["extra"] if s["row"] in GRIDS else [*s["overrides"], *s["extra"]])
             lines.append(
                 f"| {s['label']} | {_cell(s, RECALL)} | {_cell(s, NDCG)} | {ratio_als} | {ratio_tfrs} | {epochs} | "
-                f"{s.get('seconds', 0):.0f} | {s['seeds']} | {'`' + overrides + '`' if overrides else ''} |"
+                f"{s.get('seconds', 0):.0f} | {s.get('cpu', '')} | {s['seeds']} | "
+                f"{'`' + overrides + '`' if overrides else ''} |"
             )
         for name in GRIDS:
             grid = sorted((s for s in summarise(report["rows"]) if s["dataset"] == d and s["row"] == name),
@@ -475,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
             return
         entry.update(run())
         finished = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        entry.update(command=command, finished=finished)
+        entry.update(command=command, finished=finished, cpu=cpu_model())
         write_report(append_row(path, entry), args.out)
         print(f"{dataset} | {row} {' '.join(overrides)} | seed {seed}: {RECALL} {entry[RECALL]:.4f}, "
               f"{NDCG} {entry[NDCG]:.4f}, {entry['seconds']:.0f} s", flush=True)

@@ -80,11 +80,13 @@ def test_rows_land_in_json_and_markdown_and_a_rerun_skips_them(tmp_path, bench, 
     assert model["users"] == len(valid)  # every user of valid.txt has training clicks
     assert model["epochs"] == 1  # --max-epochs capped the default's 30
     assert model["extra"] == ["train.batch_size=64", "train.epochs<=1"]
+    assert all(row["cpu"] == bench.cpu_model() != "" for row in report["rows"])  # seconds compare on one CPU only
 
     markdown = (out / "bench_public.md").read_text()
     assert "| row | tiny |" in markdown
     assert f"| popularity | {rows['popularity']['recall@20']:.4f} |" in markdown
     assert f"| default [train.batch_size=64 train.epochs<=1] | {model['recall@20']:.4f} |" in markdown
+    assert f"| {model['seconds']:.0f} | {model['cpu']} | 1 |" in markdown
     assert (out / "bench_public.png").stat().st_size > 0
 
     common = ["--data-dir", str(tmp_path / "data"), "--out", str(out)]
