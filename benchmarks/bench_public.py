@@ -84,8 +84,9 @@ VARIANTS: dict[str, list[str]] = {
     "hard": ["model.loss.hard_negatives=in_batch_top_k", "model.loss.num_hard_negatives=100"],
     "kernel": ["model.loss.negatives=kernel", "model.loss.num_negatives=32"],  # Blanc & Rendle 2018, 32/query
     "dim32": ["model.embedding_dim=32"],
+    "dim64": ["model.embedding_dim=64"],  # the default until stop 26
     "dim128": ["model.embedding_dim=128"],
-    "dim256": ["model.embedding_dim=256"],  # tuned ALS on Gowalla gains up to 512 factors
+    "dim512": ["model.embedding_dim=512"],  # tuned ALS on Gowalla gains up to 512 factors
     "batch256": ["train.batch_size=256"],
     "batch4096": ["train.batch_size=4096"],
     "temp0.07": ["model.temperature=0.07"],
@@ -351,14 +352,17 @@ def markdown(report: dict) -> str:
         "rows are `make train` with configs/default.yaml plus the row's overrides (`VARIANTS` in "
         "benchmarks/bench_public.py); their seconds are the whole job's wall time (load, early stopping, "
         "training, index, evaluation, export) on the CPU their row names (2-core VMs whose CPU changed between "
-        "sessions; rows run before the CPU was recorded leave it blank): compare seconds within one CPU only. ALS is the best point of a grid "
+        "sessions; rows run before the CPU was recorded leave it blank): compare seconds within one CPU only. "
+        "ALS is the best point of a grid "
         "(factors x regularization x alpha x iterations) chosen on valid itself, an optimistic baseline; EASE "
         "(Steck 2019, the l2 grid chosen on valid too) is a second, item-item reference, on catalogues of at most "
         f"{EASE_MAX_ITEMS:,} items. "
         "Mean ± std over seeds where a row has several. Rows whose JSON entry carries a `note` say which "
         "code ran them: `adam-T0.2` (the default until stop 18), the `T*-lazy` sweep and `temp0.07-12ep` "
         "ran on the stop-18 code (Keras `fit`) while other jobs shared the 2 cores, so their seconds are "
-        "not comparable with `default`'s (the one training loop).\n",
+        "not comparable with `default`'s (the one training loop). Stop 26 raised the default's "
+        "`model.embedding_dim` from 64 to 256: rows run before it show `model.embedding_dim=64` among their "
+        "overrides (`dim64` is the old default), as they ran.\n",
         f"## recall@{K} (rows x datasets)\n",
         "| row | " + " | ".join(datasets) + " |",
         "|---" * (len(datasets) + 1) + "|",
@@ -374,7 +378,8 @@ def markdown(report: dict) -> str:
         users = rows[0].get("users") if rows else None
         lines += [
             f"## {d}: {users} users evaluated\n",
-            f"| row | recall@{K} | NDCG@{K} | × tuned ALS | × TFRS + log-Q | epochs | seconds | CPU | seeds | overrides |",
+            f"| row | recall@{K} | NDCG@{K} | × tuned ALS | × TFRS + log-Q | epochs | seconds | CPU | seeds "
+            "| overrides |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for s in rows:
