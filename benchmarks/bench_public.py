@@ -280,8 +280,8 @@ def cpu_model() -> str:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine()
-    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    pairs = (line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in pairs}
     flags = set(fields.get("flags", "").split())
     vector = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags), "")
     matrix = "AMX" if "amx_tile" in flags else ""
@@ -493,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"error: row {row}: {error}") from None
     command = "python benchmarks/bench_public.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     done = {row_key(r) for r in read_report(path)["rows"]}
+    cpu = cpu_model()  # once: every row of this run ran on it
 
     def record(dataset: str, row: str, seed: int, overrides: list[str], extra: list[str], run: Callable[[], dict]):
         entry = {"dataset": dataset, "row": row, "seed": seed, "overrides": overrides, "extra": extra}
@@ -501,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             return
         entry.update(run())
         finished = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        entry.update(command=command, finished=finished, cpu=cpu_model())
+        entry.update(command=command, finished=finished, cpu=cpu)
         write_report(append_row(path, entry), args.out)
         print(f"{dataset} | {row} {' '.join(overrides)} | seed {seed}: {RECALL} {entry[RECALL]:.4f}, "
               f"{NDCG} {entry[NDCG]:.4f}, {entry['seconds']:.0f} s", flush=True)
