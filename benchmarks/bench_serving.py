@@ -23,7 +23,7 @@ requests (latency) and the same count from ``--http-concurrency`` client
 threads (throughput), each capped at ``--http-seconds``. Then FAISS Flat vs
 ``tfrs.layers.factorized_top_k.BruteForce`` on the same embeddings.
 
-Mixed load (issue 13), on the ``--mixed-factory`` index's server: one client
+Mixed load, on the ``--mixed-factory`` index's server: one client
 sends single queries back to back for ``--mixed-seconds`` with the server
 otherwise idle, then again while ``--mixed-bulk-clients`` other clients (each
 its own process, niced, as load generators on other machines would not take
@@ -37,7 +37,7 @@ Writes ``bench_serving.json`` and ``bench_serving.md`` to ``--out``. Client and
 server share this machine's cores, as does whatever else runs on it: the load
 average is recorded with the results.
 
-Real mode (issue 16, ``make bench-serving-real``)::
+Real mode (``make bench-serving-real``)::
 
     python benchmarks/bench_serving.py --embeddings /tmp/retrieval-scale/embeddings
 

@@ -1,4 +1,4 @@
-"""The HTTP service under hostile clients (issue 13): slow and oversized requests, bodies that cannot
+"""The HTTP service under hostile clients: slow and oversized requests, bodies that cannot
 be parsed, broken bundles, the admin endpoint off loopback, and large batches beside small ones.
 
 Sockets go only to 127.0.0.1 servers started here; every wait is bounded."""
