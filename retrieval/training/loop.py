@@ -217,6 +217,7 @@ def train_epochs(
                     save_at_epoch_end = True
                 else:
                     checkpoint.save(state)
+        source.check_epoch()  # a shard unreadable mid-epoch: its DataError, raised out here
         if state.batch == 0:
             raise ValueError("the training data yielded no batch")
         seconds = time.perf_counter() - started
