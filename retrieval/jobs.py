@@ -88,6 +88,9 @@ def train_evaluate_export(
 ) -> RunResult:
     """Run the whole job; the run directory appears only when every step succeeded.
 
+    The input files must not change while it runs: a change found after a streamed epoch or at
+    the end fails it with an ``InputsChangedError`` naming the files (``_inputs_and_checkpoints``).
+
     ``on_epoch_end(epoch, logs)`` is passed to ``training.fit``: it sees each early-stopping epoch's
     validation recall and may raise to abandon the run (pipelines/tune.py prunes trials with it).
     """

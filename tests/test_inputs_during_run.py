@@ -13,16 +13,19 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_out_of_core import _write
 
 import retrieval  # noqa: F401
 from retrieval.config import ColumnsConfig, DataConfig, SplitConfig, SyntheticConfig, TableConfig, load_config
 from retrieval.data import DataError, generate_clicks
-from retrieval.data.fingerprint import InputsChangedError, RunInputs
+from retrieval.data.fingerprint import InputsChangedError, RunInputs, fingerprint_file
 from retrieval.data.streaming import ClickShards, plan_split, scan_counts
 from retrieval.training import FrameClicks, StreamedClicks
 
@@ -103,13 +106,19 @@ def _csv_inputs(tmp_path: Path, hashed: bool) -> tuple[RunInputs, Path]:
 
 
 @pytest.mark.parametrize("hashed", [True, False])
-def test_a_touch_is_a_change_only_without_a_start_hash(tmp_path, hashed):
+def test_a_touch_is_a_change_only_without_a_start_hash(tmp_path, monkeypatch, hashed):
+    from retrieval.data import fingerprint
+
     inputs, path = _csv_inputs(tmp_path, hashed)
     inputs.check_stats(), inputs.check_content()
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # same bytes, a new mtime
-    if hashed:  # hashed again: the same bytes
-        inputs.check_stats(), inputs.check_content()
+    if hashed:  # hashed again, once: the same bytes
+        hashes = []
+        monkeypatch.setattr(fingerprint, "fingerprint_file", lambda p: hashes.append(p) or fingerprint_file(p))
+        inputs.check_stats(), inputs.check_stats(), inputs.check_stats()
+        assert len(hashes) == 1
+        inputs.check_content()
     else:
         with pytest.raises(InputsChangedError, match=rf"^data.clicks {re.escape(str(path))} changed during the run "
                            r"\(same size, modified .* -> .*\); rerun on a stable copy$"):
@@ -143,6 +152,44 @@ def test_every_changed_file_is_named_on_one_line(tmp_path, shards):
         rf"\(deleted or moved\); data.clicks shard {re.escape(str(shards / 'part-2.parquet'))} "
         r"\(size \d+ -> \d+ bytes\); rerun on a stable copy", message,
     ), message
+
+
+EDITS = ["keep", "touch", "same size and mtime", "other size", "delete"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.binary(min_size=1, max_size=64), st.sampled_from(EDITS)), min_size=1, max_size=5))
+def test_the_checks_report_exactly_the_files_that_changed(files):
+    """Over any edits of any shards: the content check of a hashed start names exactly the files whose
+    bytes differ or went away; the stat check of an unhashed start also a touched one, and misses only a
+    rewrite that put size and mtime back."""
+    with tempfile.TemporaryDirectory() as folder:
+        paths = [Path(folder) / f"part-{i}.csv" for i in range(len(files))]
+        for path, (data, _) in zip(paths, files):
+            path.write_bytes(data)
+        data_config = DataConfig(source="files", clicks=TableConfig(path=folder), out_of_core=True)
+        hashed, unhashed = (RunInputs.take(data_config, hashed=flag) for flag in (True, False))
+        for path, (data, edit) in zip(paths, files):
+            stat = path.stat()
+            if edit == "delete":
+                path.unlink()
+            elif edit == "other size":
+                path.write_bytes(data + b"+")
+            elif edit == "same size and mtime":
+                path.write_bytes(bytes(b ^ 1 for b in data))
+                os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+            elif edit == "touch":
+                os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+
+        def named(inputs: RunInputs, content: bool) -> list[str]:
+            return [path for path, _ in inputs.changes(content=content)]
+
+        def edited(*kinds: str) -> list[str]:
+            return [str(path) for path, (_, edit) in zip(paths, files) if edit in kinds]
+
+        assert named(hashed, content=True) == edited("same size and mtime", "other size", "delete")
+        assert named(hashed, content=False) == edited("other size", "delete")
+        assert named(unhashed, content=False) == edited("touch", "other size", "delete")
 
 
 # --- A shard unreadable mid-epoch: a DataError naming it, out of tf.data. ---

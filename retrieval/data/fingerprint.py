@@ -40,7 +40,7 @@ import os
 import stat
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TypedDict, cast
@@ -210,6 +210,8 @@ class RunInputs:
     roles: dict[str, str]
     start: dict[str, FileStat | None]
     hashed: bool
+    # path -> an mtime found later with the start's bytes (touched): not hashed again at that mtime
+    _touched: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def take(cls, data: DataConfig, *, hashed: bool) -> RunInputs:
@@ -264,10 +266,30 @@ class RunInputs:
         """
         found = []
         for path, before in self.start.items():
-            change = _change(path, before, content)
+            change = self._change(path, before, content)
             if change is not None:
                 found.append((path, change))
         return found
+
+    def _change(self, path: str, before: FileStat | None, content: bool) -> str | None:
+        """What changed in ``path`` since ``before`` (its start stat or fingerprint), None if nothing did."""
+        now = stat_file(path)
+        if before is None:
+            return None if now is None else "appeared after the run started"
+        if now is None:
+            return "deleted or moved"
+        if now["size"] != before["size"]:
+            return f"size {before['size']} -> {now['size']} bytes"
+        moved = now["mtime_ns"] != before["mtime_ns"]
+        if not (moved or content) or (not content and self._touched.get(path) == now["mtime_ns"]):
+            return None
+        modified = f"modified {_time(before['mtime_ns'], precise=True)} -> {_time(now['mtime_ns'], precise=True)}"
+        if "blake2b" not in before:  # sizes and mtimes only: a new mtime is all there is to go by
+            return f"same size, {modified}"
+        if fingerprint_file(path)["blake2b"] == cast(FileFingerprint, before)["blake2b"]:
+            self._touched[path] = now["mtime_ns"]
+            return None  # touched, or copied back: the same bytes
+        return f"same size, other content, {modified}" if moved else "same size and mtime, other content"
 
     def _raise_if(self, changes: list[tuple[str, str]]) -> None:
         if changes:
@@ -283,22 +305,3 @@ class RunInputs:
             message = f"{len(changes)} input files changed during the run: {listed}{more}"
         return InputsChangedError(f"{message}; rerun on a stable copy", [path for path, _ in changes])
 
-
-def _change(path: str, before: FileStat | None, content: bool) -> str | None:
-    """What changed in ``path`` since ``before`` (its start stat or fingerprint), None if nothing did."""
-    now = stat_file(path)
-    if before is None:
-        return None if now is None else "appeared after the run started"
-    if now is None:
-        return "deleted or moved"
-    if now["size"] != before["size"]:
-        return f"size {before['size']} -> {now['size']} bytes"
-    moved = now["mtime_ns"] != before["mtime_ns"]
-    modified = f"modified {_time(before['mtime_ns'], precise=True)} -> {_time(now['mtime_ns'], precise=True)}"
-    if not (moved or content):
-        return None
-    if "blake2b" not in before:  # sizes and mtimes only: a new mtime is all there is to go by
-        return f"same size, {modified}"
-    if fingerprint_file(path)["blake2b"] == cast(FileFingerprint, before)["blake2b"]:
-        return None  # touched, or copied back: the same bytes
-    return f"same size, other content, {modified}" if moved else "same size and mtime, other content"
