@@ -20,6 +20,7 @@ from retrieval.arrays import seeded_subset
 from retrieval.config import Config, save_config
 from retrieval.data import ITEM, USER, load_dataset, read_clicks
 from retrieval.data.dataset import catalogue_table, feature_tables
+from retrieval.data.fingerprint import RunInputs
 from retrieval.data.splits import training_split
 
 # The out-of-core path (data.out_of_core):
@@ -87,6 +88,9 @@ def train_evaluate_export(
 ) -> RunResult:
     """Run the whole job; the run directory appears only when every step succeeded.
 
+    The input files must not change while it runs: a change found after a streamed epoch or at
+    the end fails it with an ``InputsChangedError`` naming the files (``_inputs_and_checkpoints``).
+
     ``on_epoch_end(epoch, logs)`` is passed to ``training.fit``: it sees each early-stopping epoch's
     validation recall and may raise to abandon the run (pipelines/tune.py prunes trials with it).
     """
@@ -99,7 +103,7 @@ def train_evaluate_export(
     final = Path(config.run.output_dir) / name
     with ExitStack() as cleanup, atomic_directory(final, overwrite=config.run.overwrite) as scratch:
         # Outside the run directory: they outlive a killed run; deleted once the run directory is in place.
-        checkpoint_dir = training_checkpoints(config, name, cleanup)
+        inputs, checkpoint_dir = _inputs_and_checkpoints(config, name, cleanup)
         save_config(config, scratch / "config.yaml")
         dataset = load_dataset(config.data, config.split)
         log.info("data: %s", json.dumps(dataset.summary()))
@@ -165,7 +169,22 @@ def train_evaluate_export(
         metrics["derived"] = derived
         metrics["final_train_loss"] = history["loss"][-1]
         write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, stats)
+        inputs.check_content()  # last: the run directory appears only if the inputs held still
     return RunResult(final, metrics, time.perf_counter() - started)
+
+
+def _inputs_and_checkpoints(config: Config, name: str, cleanup: ExitStack) -> tuple[RunInputs, Path | None]:
+    """The input files as the run starts and its checkpoint directory (``training_checkpoints``).
+
+    The inputs are content-hashed when training is checkpointed (a resume
+    compares the hashes) and stat-ed otherwise (``retrieval.data.fingerprint``
+    has the cost). Until ``cleanup`` closes, an error of a run whose inputs
+    changed meanwhile becomes the ``InputsChangedError`` naming them.
+    """
+    inputs = RunInputs.take(config.data, hashed=config.train.checkpoints)
+    checkpoint_dir = training_checkpoints(config, name, cleanup, inputs.fingerprints)
+    cleanup.enter_context(inputs.explaining())  # closed before the checkpoints' cleanup, which sees its error
+    return inputs, checkpoint_dir
 
 
 def write_run_outputs(
@@ -248,7 +267,7 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
     name = config.run.name or default_run_name(config_name)
     final = Path(config.run.output_dir) / name
     with ExitStack() as cleanup, atomic_directory(final, overwrite=config.run.overwrite) as scratch:
-        checkpoint_dir = training_checkpoints(config, name, cleanup)
+        inputs, checkpoint_dir = _inputs_and_checkpoints(config, name, cleanup)
         save_config(config, scratch / "config.yaml")
         seconds: dict[str, float] = {}
         clock = time.perf_counter()
@@ -327,7 +346,8 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         timing: dict[str, list[float]] = {}
         with strategy.scope():  # fit compiles: the optimizer's variables too; each worker streams its own shards
             history = fit(model, source, config.train, log_dir=scratch, checkpoint_dir=checkpoint_dir,
-                          say=log.info, timing=timing, validation=validation)
+                          say=log.info, timing=timing, validation=validation,
+                          epoch_hooks=[inputs.after_epoch])  # each epoch streams the shards again
         seconds["training"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
@@ -356,6 +376,7 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
             "clicks_per_second": timing.get("clicks_per_second"),
         }
         write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, stats)
+        inputs.check_content()  # last: the shards are read up to evaluation's ALS pass
     return RunResult(final, metrics, time.perf_counter() - started)
 
 

@@ -189,6 +189,9 @@ def train_epochs(
       epoch's batches of every value ``train_step`` logs (``loss``,
       ``regularization_loss``, ``total_loss``) and what the hooks added; its
       ``timing`` the wall time of each epoch.
+
+    Raises:
+      DataError: the source could not read a file mid-epoch (``ClickSource.check_epoch``).
     """
     state = state if state is not None else TrainingState()
     step = None
@@ -217,6 +220,7 @@ def train_epochs(
                     save_at_epoch_end = True
                 else:
                     checkpoint.save(state)
+        source.check_epoch()  # a shard unreadable mid-epoch: its DataError, raised out here
         if state.batch == 0:
             raise ValueError("the training data yielded no batch")
         seconds = time.perf_counter() - started
