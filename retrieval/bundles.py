@@ -100,8 +100,7 @@ def reindex_bundle(
         manifest["probe"] = probe
         manifest["format_version"] = BUNDLE_FORMAT_VERSION
         manifest["created_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        files = manifest["files"]
-        files.setdefault("index_info", INDEX_INFO_FILE)  # format 1 did not list it
+        manifest["files"].setdefault("index_info", INDEX_INFO_FILE)  # format 1 did not list it
         write_manifest(scratch, manifest)
     return Path(out)
 

@@ -13,12 +13,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import uvicorn
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from test_service import _fixed_id_tower, _unit, call
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
-from retrieval import export
+from retrieval import cli, export
 from retrieval.bundles import reindex_bundle
 from retrieval.config import IndexConfig
 from retrieval.export import MANIFEST_FILE, check_fingerprints, write_bundle, write_manifest
@@ -248,7 +249,7 @@ def test_files_missing_or_not_in_the_manifest_are_refused(bundles, tmp_path):
         Bundle.load(copy)
 
 
-def test_large_files_are_checked_by_their_ends_unless_full_is_asked(bundles, tmp_path, monkeypatch):
+def test_large_files_are_checked_by_their_ends_unless_full_is_asked(bundles, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(export, "FULL_HASH_MAX_BYTES", 4096)
     monkeypatch.setattr(export, "HEAD_TAIL_BYTES", 1024)
     copy = _copy(bundles["a"], tmp_path)
@@ -267,6 +268,13 @@ def test_large_files_are_checked_by_their_ends_unless_full_is_asked(bundles, tmp
         check_fingerprints(copy, _manifest(copy), full=True)
     with pytest.raises(BundleError, match="index.faiss: content differs from the manifest's fingerprint"):
         Bundle.load(copy, verify="full")
+    # retrieval serve --verify full: the same at start (and for every reload).
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: None)
+    assert cli.main(["serve", "--bundle", str(copy), "--verify", "full"]) == 2
+    assert "index.faiss: content differs" in capsys.readouterr().err
+    app = create_app(bundles["a"], verify="full")
+    assert app.state.holder.verify == "full"
+    assert "index.faiss: content differs" in call(app, "POST", "/admin/reload", json={"bundle": str(copy)}).text
     content[:4] = b"XXXX"  # the head
     path.write_bytes(bytes(content))
     with pytest.raises(BundleError, match="index.faiss: content differs"):
