@@ -158,8 +158,10 @@ class Bundle:
                 )
                 return
             check_fingerprints(self.directory, self.manifest, full=verify == "full")
-        except (ValueError, OSError) as error:
-            raise BundleError(f"{self.directory}: {_reason(error) if isinstance(error, OSError) else error}") from None
+        except ValueError as error:  # names the file and what is wrong with it
+            raise BundleError(f"{self.directory}: {error}") from None
+        except Exception as error:  # an unreadable file, or a fingerprint record of the wrong shape
+            raise BundleError(f"{self.directory}: the files cannot be checked: {_reason(error)}") from None
         unlisted = [name for name in (INDEX_FILE, ITEM_IDS_FILE, INDEX_INFO_FILE)
                     if name not in self.manifest["fingerprints"]["files"]]
         if unlisted:
@@ -187,13 +189,13 @@ class Bundle:
         try:
             query = probe["query"]
             who = f"user {_short(query.get('user_id'))}" if "user_id" in query else f"query {_short(query)}"
-            embedding = self.embed([query])
-            top = self.index.search(embedding, int(probe["k"]))
+            top = self.index.search(self.embed([query]), int(probe["k"]))
+            rows = top.rows[0][top.rows[0] >= 0]
+            same = _same_top_k(list(probe["item_ids"]), list(probe["scores"]), self._ids(rows),
+                               top.scores[0][: len(rows)])
         except Exception as error:
             return f"probe query for {who} cannot be run: {error if isinstance(error, ValueError) else _reason(error)}"
-        rows = top.rows[0][top.rows[0] >= 0]
-        if not _same_top_k(probe.get("item_ids", []), probe.get("scores", []), self._ids(rows),
-                           top.scores[0][: len(rows)]):
+        if not same:
             return (f"probe query for {who} returned other items than at export: "
                     "the bundle's parts do not belong together")
         return None

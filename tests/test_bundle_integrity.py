@@ -224,6 +224,35 @@ def test_no_served_path_may_leave_the_bundle(bundles, key, how):
             Bundle.load(copy)
 
 
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@given(where=st.sampled_from([("fingerprints",), ("fingerprints", "files"), ("fingerprints", "files", "index.json"),
+                              ("fingerprints", "head_tail_bytes"), ("probe",), ("probe", "query"),
+                              ("probe", "item_ids"), ("probe", "scores"), ("probe", "k"), ("files",),
+                              ("files", "index"), ("embedding_dim",)]),
+       value=JSON)
+@EXAMPLES
+def test_a_manifest_value_of_any_shape_loads_or_is_a_bundle_error(bundles, where, value):
+    """Never another exception (which the service would answer as a 500, or serve would print as a traceback)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = _copy(bundles["a"], Path(tmp))
+        manifest = _manifest(copy)
+        parent = manifest
+        for key in where[:-1]:
+            parent = parent[key]
+        parent[where[-1]] = value
+        (copy / MANIFEST_FILE).write_text(json.dumps(manifest))
+        try:
+            Bundle.load(copy)
+        except BundleError:
+            pass
+
+
 def test_a_symlink_inside_the_bundle_is_followed(bundles, tmp_path):
     copy = _copy(bundles["a"], tmp_path)
     (copy / "index.faiss").rename(copy / "kept.faiss")
