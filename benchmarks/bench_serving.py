@@ -530,7 +530,7 @@ def towers_for(user_ids, queries, item_ids, items):
 
 def write_test_bundle(workdir: Path, factory: str, index, towers) -> Path:
     """A bundle per index; the towers are saved once and hard-linked into the others."""
-    from retrieval.export import MANIFEST_FILE, write_bundle
+    from retrieval.export import MANIFEST_FILE, write_bundle, write_manifest
 
     name = "bench-" + "".join(c if c.isalnum() else "-" for c in factory)
     directory = workdir / name
@@ -546,7 +546,7 @@ def write_test_bundle(workdir: Path, factory: str, index, towers) -> Path:
         index.save(directory)
         manifest = json.loads((first / MANIFEST_FILE).read_text())
         manifest.update(run=name, index=index.info(), normalized=index.normalized)
-        (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+        write_manifest(directory, manifest)  # fingerprints of this bundle's own index files
     log(f"bundle {name} written in {time.perf_counter() - seconds:.1f} s")
     return directory
 

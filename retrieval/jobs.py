@@ -168,7 +168,9 @@ def train_evaluate_export(
         metrics["data"] = dataset.summary()
         metrics["derived"] = derived
         metrics["final_train_loss"] = history["loss"][-1]
-        write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, stats)
+        # The probe query the bundle must reproduce at load: a training user's raw query.
+        write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, stats,
+                          probe_query=tables.queries(tuning_users[:1]))
         inputs.check_content()  # last: the run directory appears only if the inputs held still
     return RunResult(final, metrics, time.perf_counter() - started)
 
@@ -196,8 +198,14 @@ def write_run_outputs(
     index: ItemIndex,
     item_embeddings: np.ndarray,
     stats: FeatureStatistics,
+    *,
+    probe_query: pd.DataFrame | None = None,
 ) -> None:
-    """Metrics (JSON, Markdown, report, TensorBoard) and the serving bundle of a finished run."""
+    """Metrics (JSON, Markdown, report, TensorBoard) and the serving bundle of a finished run.
+
+    ``probe_query``: one row of a training user's raw query features (``TowerTables.queries``),
+    recorded with its top-k for serving to reproduce at load (``export.write_bundle``).
+    """
     (directory / "metrics.json").write_text(json.dumps(metrics, indent=2))
     (directory / "metrics.md").write_text(format_table(metrics) + "\n")
     write_report(directory, metrics, title=f"Offline evaluation: {name}", plots=config.evaluation.plots)
@@ -209,6 +217,7 @@ def write_run_outputs(
         index=index,
         item_embeddings=item_embeddings if config.export.topk_model else None,
         topk_k=config.export.topk_k,
+        probe_query=probe_query,
         manifest={
             "run": name,
             "config": config.to_dict(),
@@ -375,7 +384,9 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
             "epoch_seconds": timing.get("epoch_seconds"),
             "clicks_per_second": timing.get("clicks_per_second"),
         }
-        write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, stats)
+        # The probe query the bundle must reproduce at load: a training user's raw query.
+        write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, stats,
+                          probe_query=tables.queries(tuning_users[:1]))
         inputs.check_content()  # last: the shards are read up to evaluation's ALS pass
     return RunResult(final, metrics, time.perf_counter() - started)
 

@@ -17,19 +17,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import reprlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import tensorflow as tf
 
-from retrieval.export import read_manifest
-from retrieval.index import ItemIndex
+from retrieval.export import check_fingerprints, read_manifest, served_files
+from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFilesError, ItemIndex
+
+log = logging.getLogger("retrieval.serving")
+
+Verify = Literal["quick", "full"]
+# Scores of the probe query equal those at export within this (absolute and relative); ids may reorder in ties.
+PROBE_TOLERANCE = 1e-5
 
 
 class BundleError(ValueError):
@@ -70,16 +77,26 @@ class Bundle:
 
     ``Bundle.load`` raises BundleError (one line, no file bytes) for any
     bundle it cannot serve: missing or corrupt manifest, SavedModel, index or
-    item ids, or parts that do not fit together.
+    item ids, or parts that do not fit together. Before anything is loaded,
+    every file under the manifest's ``files`` must stay inside the bundle and
+    match its fingerprint (``verify``: "quick" hashes files up to 64 MiB whole
+    and larger ones by size and both ends, "full" every file whole); then the
+    query model's output dimension must equal the index's, item ids must be
+    unique, and the manifest's probe query must give the items it gave at
+    export (``check_probe``). Format 1 bundles (no fingerprints, no probe)
+    load with a warning.
     """
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, *, verify: Verify = "quick"):
+        if verify not in ("quick", "full"):
+            raise ValueError(f"verify must be 'quick' or 'full', got {verify!r}")
         self.directory = Path(directory)
         self.loaded_at = time.time()
         with _part(self.directory, "manifest.json"):
             self.manifest = read_manifest(self.directory)
             self.query_features: list[str] = [str(f) for f in self.manifest["query_features"]]
             query_model = str(self.manifest["files"]["query_model"])
+        self._check_files(verify)
         with _part(self.directory, f"query SavedModel {query_model!r}"):
             self._query_model = tf.saved_model.load(str(self.directory / query_model))
             self._embed = self._query_model.signatures["serving_default"]
@@ -100,16 +117,88 @@ class Bundle:
                 f"{self.directory}: item_ids.parquet holds {len(self.index.item_ids)} ids for "
                 f"{self.index.index.ntotal} vectors in index.faiss"
             )
+        # A query model from another run of another dimension would fail every request, not the load.
+        query_dim = self._embed.structured_outputs["embedding"].shape[-1]
+        if query_dim is not None and query_dim != self.index.dim:
+            raise BundleError(
+                f"{self.directory}: the query model ({query_model}) embeds into {query_dim} dimensions but "
+                f"index.faiss holds {self.index.dim}-dimensional vectors: the bundle's parts do not belong together"
+            )
+        if self.manifest.get("embedding_dim", self.index.dim) != self.index.dim:
+            raise BundleError(
+                f"{self.directory}: manifest.json embedding_dim is {_short(self.manifest['embedding_dim'])} but "
+                f"index.faiss holds {self.index.dim}-dimensional vectors: the bundle's parts do not belong together"
+            )
         self._id_array = np.array([str(item) for item in self.index.item_ids], dtype=object)
         self._row_of = {item: row for row, item in enumerate(self.index.item_ids)}
         self._popular_rows = np.array(
             [self._row_of[item] for item in self.manifest.get("popular_item_ids", []) if item in self._row_of],
             dtype=np.int64,
         )
+        self.check_probe()
 
     @classmethod
-    def load(cls, directory: str | Path) -> Bundle:
-        return cls(directory)
+    def load(cls, directory: str | Path, *, verify: Verify = "quick") -> Bundle:
+        """Load and check a bundle (see the class docstring); ``verify="full"`` hashes every file whole."""
+        return cls(directory, verify=verify)
+
+    def _check_files(self, verify: Verify) -> None:
+        """Paths inside the bundle, and (format 2) every served file equal to its fingerprint."""
+        with _part(self.directory, "manifest.json files"):
+            files = self.manifest["files"]
+            if not isinstance(files, dict):
+                raise BundleError(f"{self.directory}: manifest.json files must be an object of paths")
+        try:
+            if self.manifest.get("format_version") == 1:
+                served_files(self.directory, files)
+                log.warning(
+                    "%s: bundle format 1 has no fingerprints or probe query, so its parts cannot be checked "
+                    "against the export; re-export it (python -m pipelines.export) to get these checks",
+                    self.directory,
+                )
+                return
+            check_fingerprints(self.directory, self.manifest, full=verify == "full")
+        except ValueError as error:  # names the file and what is wrong with it
+            raise BundleError(f"{self.directory}: {error}") from None
+        except Exception as error:  # an unreadable file, or a fingerprint record of the wrong shape
+            raise BundleError(f"{self.directory}: the files cannot be checked: {_reason(error)}") from None
+        unlisted = [name for name in (INDEX_FILE, ITEM_IDS_FILE, INDEX_INFO_FILE)
+                    if name not in self.manifest["fingerprints"]["files"]]
+        if unlisted:
+            raise BundleError(
+                f"{self.directory}: manifest.json files does not list {unlisted}, which the index is loaded from, "
+                "so they are not checked: re-export the bundle"
+            )
+
+    def check_probe(self) -> None:
+        """Raise BundleError unless the manifest's probe query gives the items it gave at export.
+
+        The probe (``retrieval.export.probe_record``) is one training user's raw query; it runs
+        through this bundle's query model and index as a request would. A bundle without a probe passes.
+        """
+        problem = self.probe_problem()
+        if problem:
+            raise BundleError(f"{self.directory}: {problem}")
+
+    def probe_problem(self) -> str | None:
+        """Why the probe query fails (no server paths: /healthz sends it), or None when it passes."""
+        probe = self.manifest.get("probe")
+        if not probe:
+            return None
+        who = "query"
+        try:
+            query = probe["query"]
+            who = f"user {_short(query.get('user_id'))}" if "user_id" in query else f"query {_short(query)}"
+            top = self.index.search(self.embed([query]), int(probe["k"]))
+            rows = top.rows[0][top.rows[0] >= 0]
+            same = _same_top_k(list(probe["item_ids"]), list(probe["scores"]), self._ids(rows),
+                               top.scores[0][: len(rows)])
+        except Exception as error:
+            return f"probe query for {who} cannot be run: {error if isinstance(error, ValueError) else _reason(error)}"
+        if not same:
+            return (f"probe query for {who} returned other items than at export: "
+                    "the bundle's parts do not belong together")
+        return None
 
     @property
     def version(self) -> str:
@@ -255,6 +344,26 @@ class Bundle:
         return self._id_array[np.asarray(rows, dtype=np.int64)].tolist()
 
 
+def _same_top_k(expected_ids: Sequence[str], expected_scores: Sequence[float], ids: Sequence[str],
+                scores: Sequence[float]) -> bool:
+    """True when a top-k list equals the recorded one: scores within ``PROBE_TOLERANCE`` position by
+    position, and ids equal up to the order of tied scores (the last tie group may be cut by k, so
+    another item of the same score may stand in there)."""
+    expected, got = np.asarray(expected_scores, dtype=np.float64), np.asarray(scores, dtype=np.float64)
+    if len(ids) != len(expected_ids) or len(expected) != len(expected_ids) or len(got) != len(ids):
+        return False
+    if not np.allclose(got, expected, rtol=PROBE_TOLERANCE, atol=PROBE_TOLERANCE):
+        return False
+    start = 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or not np.isclose(expected[end], expected[end - 1], rtol=PROBE_TOLERANCE,
+                                             atol=PROBE_TOLERANCE):
+            if end < len(ids) and set(ids[start:end]) != set(expected_ids[start:end]):
+                return False
+            start = end
+    return True
+
+
 @contextmanager
 def _part(directory: Path, what: str) -> Iterator[None]:
     """Any failure while loading one part of a bundle -> BundleError naming the directory and the part."""
@@ -279,6 +388,8 @@ def _reason(error: Exception) -> str:
         return f"the key {_short(error.args[0] if error.args else None)} is missing"
     if isinstance(error, ValueError) and "bundle format" in str(error):
         return str(error).split(": ", 1)[-1]  # read_manifest's version message
+    if isinstance(error, IndexFilesError):
+        return str(error)  # names the file and the rows, never its bytes
     return f"missing, truncated or corrupt ({type(error).__name__})"
 
 

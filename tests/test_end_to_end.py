@@ -51,6 +51,12 @@ def test_bundle_layout_and_no_partial_directories(run):
     assert manifest["metric"] == "inner_product"
     assert manifest["num_items"] == result.metrics["data"]["catalogue_items"]
     assert not [p for p in result.directory.parent.iterdir() if p.name.startswith(".")]
+    # The job records a training user's query and its top 10, which serving reproduces at load.
+    probe = manifest["probe"]
+    assert list(probe["query"]) == ["user_id"] and len(probe["item_ids"]) == len(probe["scores"]) == 10
+    assert Bundle.load(result.directory).recommend(probe["query"], k=10).item_ids == probe["item_ids"]
+    assert {"index.faiss", "item_ids.parquet", "index.json", "query_model/saved_model.pb",
+            "doc_model/saved_model.pb"} <= set(manifest["fingerprints"]["files"])
 
 
 def test_index_covers_items_without_training_clicks(run):

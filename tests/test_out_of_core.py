@@ -629,4 +629,10 @@ def _job_both_ways(tmp_path, monkeypatch, kind: str, clicks: pd.DataFrame, extra
     assert streamed["final_train_loss"] == pytest.approx(in_memory["final_train_loss"], rel=1e-5)
     assert streamed["model"] == pytest.approx(in_memory["model"], rel=1e-5, abs=1e-6)
     assert streamed["model"]["recall@20"] > 1.2 * streamed["popularity"]["recall@20"]
+    # Both bundles reproduce their probe query (a training user's raw query) at load.
+    monkeypatch.undo()  # the refusals above: loading reads item_ids.parquet with pandas
+    from retrieval.serving import Bundle
+
+    for name in ("mem", "ooc"):
+        assert Bundle.load(tmp_path / "runs" / name).manifest["probe"]["item_ids"]
     return in_memory, streamed

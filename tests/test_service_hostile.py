@@ -279,15 +279,13 @@ def test_every_broken_bundle_is_one_clean_line_and_exit_2(broken, capsys):
 @pytest.mark.parametrize("broken", ["truncated index.faiss"], indirect=True)
 def test_retrieval_serve_on_a_truncated_index_exits_2_with_one_line(broken):
     """The issue's case, as a user runs it: one line from us, after only TensorFlow's C++ start-up log
-    (its import prints those on a machine without a GPU, whatever the bundle)."""
+    (its import prints those on a machine without a GPU, whatever the bundle). The fingerprint check
+    refuses the file before FAISS reads it."""
     result = subprocess.run([sys.executable, "-m", "retrieval.cli", "serve", "--bundle", str(broken),
                              "--port", str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
     ours = [line for line in result.stderr.strip().splitlines() if not TF_STARTUP_LOG.match(line)]
-    assert ours == [
-        f"error: {broken}: index (index.faiss, index.json, item_ids.parquet) cannot be loaded: "
-        "missing, truncated or corrupt (RuntimeError)"
-    ], result.stderr
+    assert ours == [f"error: {broken}: index.faiss: content differs from the manifest's fingerprint"], result.stderr
 
 
 @pytest.mark.parametrize("broken", ["garbage index.faiss", "corrupt SavedModel"], indirect=True)
@@ -296,7 +294,7 @@ def test_failed_reload_does_not_echo_file_bytes(world, broken):  # noqa: F811
     response = call(app, "POST", "/admin/reload", json={"bundle": str(broken)})
     assert response.status_code == 422
     error = response.json()["error"]
-    assert "still serving 'bundle-a'" in error and "cannot be loaded" in error
+    assert "still serving 'bundle-a'" in error and "content differs from the manifest's fingerprint" in error
     assert "SECR" not in error and "0x" not in error, error
 
 

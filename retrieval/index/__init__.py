@@ -28,6 +28,7 @@ from retrieval.index.item_index import (
     INDEX_FILE,
     INDEX_INFO_FILE,
     ITEM_IDS_FILE,
+    IndexFilesError,
     ItemIndex,
     build_index,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "INDEX_INFO_FILE",
     "ITEM_IDS_FILE",
     "MAX_EF_SEARCH",
+    "IndexFilesError",
     "ItemIndex",
     "TopK",
     "Tuning",

@@ -33,6 +33,10 @@ INDEX_INFO_FILE = "index.json"
 log = logging.getLogger("retrieval.index")
 
 
+class IndexFilesError(ValueError):
+    """Saved index files that cannot be served together; the message names the file, never quotes its bytes."""
+
+
 class ItemIndex:
     """FAISS index + item ids; row r of the index is ``item_ids[r]``."""
 
@@ -50,6 +54,7 @@ class ItemIndex:
             raise ValueError(f"index holds {index.ntotal} vectors but {len(item_ids)} item ids were given")
         self.index = index
         self.item_ids = np.asarray(item_ids, dtype=object)
+        _require_unique(self.item_ids)
         self.factory = factory
         self.normalized = normalized
         self.tuning = tuning
@@ -82,8 +87,7 @@ class ItemIndex:
             raise ValueError(f"embeddings must be [num_items, dim] with num_items > 0, got {embeddings.shape}")
         if len(item_ids) != embeddings.shape[0]:
             raise ValueError(f"{len(item_ids)} item ids for {embeddings.shape[0]} embeddings")
-        if len(set(item_ids)) != len(item_ids):
-            raise ValueError("item ids must be unique")
+        _require_unique(np.asarray(item_ids, dtype=object))  # before any training on them
         if not np.all(np.isfinite(embeddings)):
             raise ValueError("embeddings contain NaN or inf")
         if train_sample_size is not None and train_sample_size <= 0:
@@ -273,7 +277,11 @@ class ItemIndex:
         """Load a saved index and apply its saved search parameters."""
         directory = Path(directory)
         info = json.loads((directory / INDEX_INFO_FILE).read_text())
-        item_ids = pd.read_parquet(directory / ITEM_IDS_FILE).sort_values("row")["item_id"].tolist()
+        frame = pd.read_parquet(directory / ITEM_IDS_FILE)
+        if not np.array_equal(np.sort(frame["row"].to_numpy()), np.arange(len(frame))):
+            raise IndexFilesError(f"{ITEM_IDS_FILE}: its row column is not 0..{len(frame) - 1}, each once")
+        item_ids = frame.sort_values("row")["item_id"].astype(str).tolist()
+        _require_unique(np.asarray(item_ids, dtype=object), IndexFilesError, f"{ITEM_IDS_FILE}: ")
         tuning = Tuning(**info["tuning"]) if info.get("tuning") else None
         return cls(
             faiss.read_index(str(directory / INDEX_FILE)),
@@ -283,6 +291,20 @@ class ItemIndex:
             search_params=info.get("search_params", ""),
             tuning=tuning,
         )
+
+
+def _require_unique(item_ids: np.ndarray, error: type[ValueError] = ValueError, prefix: str = "") -> None:
+    """Raise ``error`` naming the first repeated row unless every id is unique.
+
+    One row per id: a repeated id would be excluded through one row and still returned through the other.
+    """
+    ids = item_ids.astype(str)
+    repeats = pd.Index(ids).duplicated()
+    if repeats.any():
+        row = int(np.flatnonzero(repeats)[0])
+        first = int(np.flatnonzero(ids == ids[row])[0])
+        raise error(f"{prefix}item ids must be unique: {int(repeats.sum())} rows repeat an earlier id "
+                    f"(row {row} repeats row {first})")
 
 
 def build_index(
