@@ -24,6 +24,7 @@ from typing import Any
 from retrieval.config import Config
 from retrieval.data.fingerprint import FileFingerprint, changed_inputs, fingerprint_inputs
 from retrieval.export import RunExistsError
+from retrieval.training import TrainingDiverged
 from retrieval.training.runtime import cluster_task
 
 log = logging.getLogger("retrieval")
@@ -115,7 +116,7 @@ def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path 
     )
     log.info("checkpoints every %s in %s (a killed run resumes when started again with run.name=%s)",
              every, directory, name)
-    cleanup.push(lambda failed, *_: _after_training_job(directory, failed is not None))
+    cleanup.push(lambda failed, error, _: _after_training_job(directory, failed is not None, error))
     return directory
 
 
@@ -152,9 +153,16 @@ def _holds_checkpoints(directory: Path) -> bool:
     return (directory / "checkpoint").exists() or any(directory.glob("*/checkpoint"))
 
 
-def _after_training_job(checkpoint_dir: Path, failed: bool) -> None:
-    """Delete the checkpoints when the job succeeded or when there is nothing to resume from."""
-    if failed and _holds_checkpoints(checkpoint_dir):
+def _after_training_job(checkpoint_dir: Path, failed: bool, error: BaseException | None = None) -> None:
+    """Delete the checkpoints when the job succeeded or when there is nothing to resume from.
+
+    A run whose loss diverged has nothing to resume: the same config trains to the same NaN
+    (``TrainingDiverged``), and a changed one does not resume these checkpoints.
+    """
+    if isinstance(error, TrainingDiverged):
+        log.error("the loss diverged: the run's checkpoints in %s are deleted (a resume would diverge again)",
+                  checkpoint_dir)
+    elif failed and _holds_checkpoints(checkpoint_dir):
         log.error(
             "the run failed; its checkpoints are kept in %s: run the same command again to resume, "
             "or set train.resume=false to start over", checkpoint_dir,
