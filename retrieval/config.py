@@ -424,12 +424,9 @@ class ModelConfig(_Section):
         if value == "auto":
             return value
         wrong = f"must be 'auto' or a number of at least {MIN_TEMPERATURE:g} (1 / temperature scales the logits)"
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ValueError(f"{wrong}, got {value!r}")
-        try:
-            number = float(value)
-        except ValueError:
-            raise ValueError(f"{wrong}, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):  # strict, as every field: "0.5" is text
+            raise ValueError(f"{wrong}, got {_kind(value)} ({_yaml_scalar(value)})")
+        number = float(value)
         if not math.isfinite(number) or number < MIN_TEMPERATURE:
             raise ValueError(f"{wrong}, got {value!r}")
         return number
