@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from test_service import DIM, _fixed_id_tower, call
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
-from retrieval.config import IndexConfig, TableConfig, TrainConfig, load_config
+from retrieval.config import IndexConfig, TableConfig, load_config
 from retrieval.data import DataError, read_feature_table
 from retrieval.data.synthetic import generate_clicks
 from retrieval.data.values import FLOAT32_MAX
@@ -32,8 +32,8 @@ from retrieval.features import FeatureStatistics, TowerTables
 from retrieval.index import build_index
 from retrieval.jobs import train_evaluate_export
 from retrieval.model import build_model
-from retrieval.serving import Bundle
 from retrieval.service import create_app
+from retrieval.serving import Bundle
 from retrieval.training import TrainingCheckpoint, TrainingDiverged, fit, make_optimizer
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -141,8 +141,9 @@ def age_bundle(tmp_path_factory):
     index = build_index(item_ids, items, IndexConfig(), users, "test users")
     directory = tmp_path_factory.mktemp("bundle") / "age"
     directory.mkdir()
-    write_bundle(directory, query_tower=_age_tower(user_ids, users), doc_tower=_fixed_id_tower("item_id", item_ids, items),
-                 index=index, manifest={"run": "age", "popular_item_ids": item_ids[:5]})
+    write_bundle(directory, query_tower=_age_tower(user_ids, users), index=index,
+                 doc_tower=_fixed_id_tower("item_id", item_ids, items),
+                 manifest={"run": "age", "popular_item_ids": item_ids[:5]})
     bundle = Bundle.load(directory)
     assert sorted(bundle.query_features) == ["age", "user_id"]
     return bundle, create_app(bundle)
@@ -216,7 +217,8 @@ def test_a_diverging_fit_stops_at_the_step_and_never_checkpoints_it(tmp_path):
     config = load_config(None, DIVERGING)
     clicks, _, _ = generate_clicks(config.data.synthetic)
     model = build_model(config.model, FeatureStatistics.from_training_clicks(clicks))
-    with pytest.raises(TrainingDiverged, match=r"training diverged at step 2 \(epoch 1/2, batch 2\): loss nan") as error:
+    diverged = r"training diverged at step 2 \(epoch 1/2, batch 2\): loss nan"
+    with pytest.raises(TrainingDiverged, match=diverged) as error:
         fit(model, clicks, config.train, checkpoint_dir=tmp_path, say=lambda line: None)
     assert "lower train.learning_rate (now 1e+30), or check the numeric feature values" in str(error.value)
     restored = _restored(config, clicks, tmp_path)
