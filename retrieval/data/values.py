@@ -303,7 +303,10 @@ def feature_numbers(values: pd.Series, what: str = "numeric feature value", dtyp
     numbers, shown = _numbers(values, what)
     # Missing: a NaN or null cell (how a table stores an empty one) or empty text; text spelling
     # "nan" is not missing, and is refused below like any other text that is not a number.
-    missing = pd.isna(values).to_numpy() | (shown == "").to_numpy() if values.dtype == object else np.isnan(numbers)
+    if pd.api.types.is_numeric_dtype(values):
+        missing = np.isnan(numbers)
+    else:  # object or string cells
+        missing = pd.isna(values).to_numpy() | (shown == "").to_numpy()
     unreadable = np.isnan(numbers) & ~missing
     if unreadable.any():
         raise BadValues(f"{what} {{value!r}} is not a number (a missing value is an empty cell)", unreadable, shown)
