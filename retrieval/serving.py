@@ -177,7 +177,10 @@ class Bundle:
                 )
 
     def embed(self, queries: Sequence[Mapping[str, Any]]) -> np.ndarray:
-        """Raw query features -> [num_queries, dim] float32 embeddings."""
+        """Raw query features -> [num_queries, dim] float32 embeddings.
+
+        Raises ValueError for a query that ``check_query`` refuses or whose embedding is not finite.
+        """
         return self._embed_checked(queries)[0]
 
     def _embed_checked(self, queries: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
@@ -230,7 +233,8 @@ class Bundle:
         """Top-k for query embeddings [n, dim] and known_ids [n] from ``embed_with_known`` (one FAISS search).
 
         ``recommend_batch`` is embed_with_known + this; a caller answering a large batch embeds it
-        once and searches it in slices.
+        once and searches it in slices. A row holding NaN or inf, or whose scores overflow float32,
+        is a ValueError naming it (FAISS would drop its results: an empty answer that looks like one).
         """
         if k <= 0:
             raise ValueError(f"k must be positive, got {k}")
