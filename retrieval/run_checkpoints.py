@@ -24,6 +24,7 @@ from typing import Any
 from retrieval.config import Config
 from retrieval.data.fingerprint import FileFingerprint, InputsChangedError, changed_inputs, fingerprint_inputs
 from retrieval.export import RunExistsError
+from retrieval.training import TrainingDiverged
 from retrieval.training.runtime import cluster_task
 
 log = logging.getLogger("retrieval")
@@ -121,9 +122,7 @@ def training_checkpoints(
     )
     log.info("checkpoints every %s in %s (a killed run resumes when started again with run.name=%s)",
              every, directory, name)
-    cleanup.push(lambda failed, *_: _after_training_job(
-        directory, failed is not None and not issubclass(failed, InputsChangedError)
-    ))
+    cleanup.push(lambda _type, error, _traceback: _after_training_job(directory, error))
     return directory
 
 
@@ -160,9 +159,20 @@ def _holds_checkpoints(directory: Path) -> bool:
     return (directory / "checkpoint").exists() or any(directory.glob("*/checkpoint"))
 
 
-def _after_training_job(checkpoint_dir: Path, failed: bool) -> None:
-    """Delete the checkpoints when the job succeeded or when there is nothing to resume from."""
-    if failed and _holds_checkpoints(checkpoint_dir):
+def _after_training_job(checkpoint_dir: Path, error: BaseException | None) -> None:
+    """Delete the checkpoints when the job succeeded or when there is nothing to resume from.
+
+    A run whose loss diverged has nothing to resume: the same config trains to the same NaN
+    (``TrainingDiverged``), and a changed one does not resume these checkpoints. A run whose
+    inputs changed under it (``InputsChangedError``) trained on mixed data: resuming it would too.
+    """
+    if isinstance(error, TrainingDiverged):
+        log.error("the loss diverged: the run's checkpoints in %s are deleted (a resume would diverge again)",
+                  checkpoint_dir)
+    elif isinstance(error, InputsChangedError):
+        log.error("the inputs changed during the run: its checkpoints in %s are deleted (a resume would "
+                  "train on mixed data)", checkpoint_dir)
+    elif error is not None and _holds_checkpoints(checkpoint_dir):
         log.error(
             "the run failed; its checkpoints are kept in %s: run the same command again to resume, "
             "or set train.resume=false to start over", checkpoint_dir,

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import numpy as np
 import tensorflow as tf
 
+from retrieval.data.values import finite_feature_value
 from retrieval.export import check_fingerprints, read_manifest, served_files
 from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFilesError, ItemIndex
 
@@ -231,8 +232,11 @@ class Bundle:
         """Raise ValueError naming the problem unless ``query`` has every query feature in its type.
 
         String inputs take a string or int (None: missing, sent as ""); number
-        inputs an int, a float or None (missing, NaN); list inputs (e.g. a click
-        history) a list of strings or ints, truncated or padded to the signature's width.
+        inputs an int or a float finite in the input's dtype (float32 for
+        numeric features: at most about 3.4e38 in magnitude), or None (missing,
+        sent as NaN; a NaN itself is refused, as are infinities); list inputs
+        (e.g. a click history) a list of strings or ints, truncated or padded to
+        the signature's width.
         """
         if not isinstance(query, Mapping):
             raise ValueError(f"query {position} must be an object of features, got {type(query).__name__}")
@@ -243,10 +247,9 @@ class Bundle:
                 )
             value, spec = query[feature], self._input_specs[feature]
             if spec.dtype != tf.string:
-                if isinstance(value, bool) or not (value is None or isinstance(value, (int, float))):
-                    raise ValueError(
-                        f"query {position} feature {feature!r} must be a number or null, got {_short(value)}"
-                    )
+                problem = finite_feature_value(value, spec.dtype.name)
+                if problem is not None:
+                    raise ValueError(f"query {position} feature {feature!r} {problem}, got {_short(value)}")
             elif spec.shape.rank == 2:
                 if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or any(
                     isinstance(v, bool) or not isinstance(v, (str, int)) for v in value
@@ -263,7 +266,10 @@ class Bundle:
                 )
 
     def embed(self, queries: Sequence[Mapping[str, Any]]) -> np.ndarray:
-        """Raw query features -> [num_queries, dim] float32 embeddings."""
+        """Raw query features -> [num_queries, dim] float32 embeddings.
+
+        Raises ValueError for a query that ``check_query`` refuses or whose embedding is not finite.
+        """
         return self._embed_checked(queries)[0]
 
     def _embed_checked(self, queries: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
@@ -276,7 +282,9 @@ class Bundle:
         }
         outputs = self._embed(**inputs)
         known = outputs["known_ids"].numpy() if self._reports_known_ids else np.ones(len(queries), dtype=bool)
-        return outputs["embedding"].numpy(), known
+        embeddings = outputs["embedding"].numpy()
+        _check_finite(embeddings, "query")
+        return embeddings, known
 
     def recommend(
         self, query: Mapping[str, Any], k: int = 10, exclude_item_ids: Sequence[str] = ()
@@ -314,12 +322,14 @@ class Bundle:
         """Top-k for query embeddings [n, dim] and known_ids [n] from ``embed_with_known`` (one FAISS search).
 
         ``recommend_batch`` is embed_with_known + this; a caller answering a large batch embeds it
-        once and searches it in slices.
+        once and searches it in slices. A row holding NaN or inf, or whose scores overflow float32,
+        is a ValueError naming it (FAISS would drop its results: an empty answer that looks like one).
         """
         if k <= 0:
             raise ValueError(f"k must be positive, got {k}")
         if exclude_item_ids is not None and len(exclude_item_ids) != len(embeddings):
             raise ValueError(f"exclude_item_ids has {len(exclude_item_ids)} lists for {len(embeddings)} queries")
+        _check_finite(embeddings, "embedding")  # FAISS drops NaN rows: an empty answer that looks like success
         exclude = [
             np.array([self._row_of[i] for i in items if i in self._row_of], dtype=np.int64)
             for items in (exclude_item_ids or [()] * len(embeddings))
@@ -336,8 +346,14 @@ class Bundle:
                 results.append(Recommendations(self._ids(rows), [None] * len(rows), "popular"))
             else:
                 rows = top.rows[i][top.rows[i] >= 0]
+                scores = top.scores[i][: len(rows)]
+                if not np.isfinite(scores).all():
+                    raise ValueError(
+                        f"embedding {i}: its scores overflow float32 (the embedding is finite but huge); "
+                        + _NON_FINITE_CAUSE
+                    )
                 fallback = None if known_ids[i] else "features"
-                results.append(Recommendations(self._ids(rows), top.scores[i][: len(rows)].tolist(), fallback))
+                results.append(Recommendations(self._ids(rows), scores.tolist(), fallback))
         return results
 
     def _ids(self, rows) -> list[str]:
@@ -391,6 +407,22 @@ def _reason(error: Exception) -> str:
     if isinstance(error, IndexFilesError):
         return str(error)  # names the file and the rows, never its bytes
     return f"missing, truncated or corrupt ({type(error).__name__})"
+
+
+def _check_finite(embeddings: np.ndarray, what: str) -> None:
+    """Raise ValueError naming the first row of ``embeddings`` [n, dim] holding a NaN or an infinity."""
+    finite = np.isfinite(embeddings).all(axis=1)
+    if not finite.all():
+        position = int(np.argmin(finite))
+        raise ValueError(
+            f"{what} {position}: the query tower's embedding is not finite (NaN or inf), so it has no "
+            f"nearest items; {_NON_FINITE_CAUSE}"
+        )
+
+
+_NON_FINITE_CAUSE = (
+    "a numeric feature value far outside the training range overflows the tower, or the model was trained to NaN"
+)
 
 
 def _input_tensor(values: Sequence[Any], spec: tf.TensorSpec) -> tf.Tensor:

@@ -27,7 +27,7 @@ class RecommendRequest(BaseModel):
 
     query: dict[str, Any] | None = None
     queries: list[dict[str, Any]] | None = Field(None, min_length=1, max_length=MAX_BATCH)
-    k: int = Field(10, ge=1, le=MAX_K)
+    k: int = Field(10, ge=1, le=MAX_K, strict=True)  # strict: true is not 1, nor 10.0 or "10" ten
     exclude_item_ids: list[Any] | None = Field(None, max_length=MAX_EXCLUDED)
 
     @model_validator(mode="after")
