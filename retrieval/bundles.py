@@ -17,6 +17,7 @@ from retrieval.evaluation import build_eval_set, evaluate_against_baselines, wri
 from retrieval.export import MANIFEST_FILE, atomic_directory, read_manifest
 from retrieval.features import TowerTables, feature_arrays
 from retrieval.index import ItemIndex, build_index
+from retrieval.seen_items import SeenItems
 from retrieval.serving import Bundle
 
 
@@ -82,8 +83,14 @@ def reindex_bundle(
     )
     index = build_index(list(ids), embeddings, index_config)
     with atomic_directory(out, overwrite=overwrite) as scratch:
-        shutil.copytree(source, scratch, dirs_exist_ok=True)
+        shutil.copytree(source, scratch, dirs_exist_ok=True)  # seen_items/ too
         index.save(scratch)
+        seen_folder = manifest["files"].get("seen_items")
+        if seen_folder is not None and list(index.item_ids) != list(old_index.item_ids):
+            # Seen items are index rows: follow the items to their new rows.
+            new_rows = pd.Index(index.item_ids, dtype=object).get_indexer(pd.Index(old_index.item_ids, dtype=object))
+            shutil.rmtree(scratch / seen_folder)
+            SeenItems.load(source / seen_folder).remapped(new_rows).save(scratch / seen_folder)
         manifest["config"]["index"] = index_config.model_dump(mode="json")
         manifest["index"] = index.info()
         manifest["normalized"] = index.normalized

@@ -11,6 +11,8 @@ Bundle layout (``artifacts/<run>/``)::
     index.faiss         FAISS inner-product index over every catalogue item
     item_ids.parquet    index row -> item id
     index.json          index factory, dimension, size, search parameters and measured recall
+    seen_items/         each training user's distinct training items as index rows (CSR ``.npy``
+                        files, ``retrieval.seen_items``): what serving excludes by default
     config.yaml         the resolved config of the run
     train_log.csv       per-epoch training loss
     metrics.json        offline metrics (model and baselines)
@@ -40,12 +42,14 @@ import tensorflow_recommenders as tfrs
 
 import retrieval
 from retrieval.index import ItemIndex
+from retrieval.seen_items import SeenItems
 from retrieval.towers import id_lookups
 
 MANIFEST_FILE = "manifest.json"
 QUERY_MODEL_DIR = "query_model"
 DOC_MODEL_DIR = "doc_model"
 TOPK_MODEL_DIR = "topk_model"
+SEEN_ITEMS_DIR = "seen_items"
 BUNDLE_FORMAT_VERSION = 1
 
 
@@ -287,11 +291,14 @@ def write_bundle(
     manifest: dict[str, Any],
     item_embeddings: np.ndarray | None = None,
     topk_k: int | None = None,
+    seen_items: SeenItems | None = None,
 ) -> dict[str, Any]:
     """Write towers, index and manifest into ``directory``; return the manifest written.
 
     ``topk_model/`` (see ``save_topk_model``) is written when both
     ``item_embeddings`` [num_items, dim] (rows in index order) and ``topk_k`` are given.
+    ``seen_items`` (each training user's items as rows of ``index``) goes to ``seen_items/``,
+    which ``retrieval.serving`` excludes from what it serves; without it nothing is excluded.
     """
     directory = Path(directory)
     save_tower(query_tower, directory / QUERY_MODEL_DIR)
@@ -313,6 +320,12 @@ def write_bundle(
             popular_item_ids=manifest.get("popular_item_ids", ()),
         )
         files["topk_model"] = TOPK_MODEL_DIR
+    if seen_items is not None:
+        if seen_items.num_pairs and int(seen_items.item_rows.max()) >= len(index):
+            raise ValueError(f"seen_items holds index rows up to {int(seen_items.item_rows.max())}, "
+                             f"past the {len(index)} items of the index")
+        seen_items.save(directory / SEEN_ITEMS_DIR)
+        files["seen_items"] = SEEN_ITEMS_DIR
     full = {
         "format_version": BUNDLE_FORMAT_VERSION,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -329,6 +342,7 @@ def write_bundle(
         "query_inputs": describe_inputs(query_tower),
         "doc_inputs": describe_inputs(doc_tower),
         "files": files,
+        **({"seen_items": seen_items.info()} if seen_items is not None else {}),
         **manifest,
     }
     (directory / MANIFEST_FILE).write_text(json.dumps(full, indent=2, default=str))
