@@ -75,7 +75,7 @@ class SeenItems:
     ) -> SeenItems:
         """From clicks already coded as rows of a user vocabulary (``streaming.scan_pairs``).
 
-        Built with one in-place sort of int64 pair codes (about 20 bytes a click beyond the
+        Built with one in-place sort of int64 pair codes (about 18 bytes a click beyond the
         inputs, no per-click Python objects), so a streamed log of tens of millions of clicks fits.
 
         Args:
