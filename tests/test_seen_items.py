@@ -101,7 +101,7 @@ def test_bad_pairs_are_named():
 # --- The index returns k items when most are excluded -------------------------------------------------
 
 
-@pytest.mark.parametrize("factory", ["Flat", "HNSW16", "IVF8,Flat", "OPQ4,IVF8,PQ4"])
+@pytest.mark.parametrize("factory", ["Flat", "HNSW16", "IVF8,Flat", "PCA6,IVF8,Flat"])
 def test_search_returns_k_unexcluded_items_when_most_are_excluded(factory):
     rng = np.random.default_rng(1)
     items = rng.normal(size=(600, 8)).astype(np.float32)
