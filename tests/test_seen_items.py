@@ -304,6 +304,19 @@ def test_seen_items_that_do_not_match_the_manifest_are_refused(world, tmp_path):
         Bundle.load(copy)
 
 
+def test_the_user_and_history_inputs_come_from_the_run_config():
+    from retrieval.serving import _seen_inputs
+
+    towers = {"query": {"features": [{"name": "age", "kind": "numeric"},
+                                     {"name": "uid", "kind": "id", "source": "user_id"}],
+                        "history": {"name": "clicks", "length": 5}}}
+    assert _seen_inputs({"config": {"towers": towers}}, ["age", "uid", "clicks"]) == ("uid", "clicks")
+    # No id feature on user_id: the user_id key every query of TowerTables.queries carries; no config: ID towers.
+    towers["query"]["features"] = [{"name": "age", "kind": "numeric"}]
+    assert _seen_inputs({"config": {"towers": towers}}, ["age", "clicks"]) == ("user_id", "clicks")
+    assert _seen_inputs({}, ["user_id"]) == ("user_id", None)
+
+
 def test_cli_excludes_seen_items_unless_asked(world, capsys):
     def served(*flags):
         serving.main(["--bundle", str(world["seen"]), "--user-id", "user02", "-k", "10", *flags])
