@@ -18,6 +18,7 @@ from retrieval.evaluation import build_eval_set, evaluate_against_baselines, wri
 from retrieval.export import BUNDLE_FORMAT_VERSION, MANIFEST_FILE, atomic_directory, probe_record, write_manifest
 from retrieval.features import TowerTables, feature_arrays
 from retrieval.index import INDEX_INFO_FILE, build_index
+from retrieval.seen_items import SeenItems
 from retrieval.serving import Bundle
 
 
@@ -93,6 +94,12 @@ def reindex_bundle(
         shutil.copytree(source, scratch, dirs_exist_ok=True,
                         ignore=lambda folder, names: [MANIFEST_FILE] if Path(folder) == source else [])
         index.save(scratch)
+        seen_folder = manifest["files"].get("seen_items")
+        if seen_folder is not None and list(index.item_ids) != list(old_index.item_ids):
+            # Seen items are index rows: follow the items to their new rows.
+            new_rows = pd.Index(index.item_ids, dtype=object).get_indexer(pd.Index(old_index.item_ids, dtype=object))
+            shutil.rmtree(scratch / seen_folder)
+            SeenItems.load(source / seen_folder).remapped(new_rows).save(scratch / seen_folder)
         manifest["config"]["index"] = index_config.model_dump(mode="json")
         manifest["index"] = index.info()
         manifest["normalized"] = index.normalized

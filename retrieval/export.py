@@ -11,6 +11,8 @@ Bundle layout (``artifacts/<run>/``)::
     index.faiss         FAISS inner-product index over every catalogue item
     item_ids.parquet    index row -> item id
     index.json          index factory, dimension, size, search parameters and measured recall
+    seen_items/         each training user's distinct training items as index rows (CSR ``.npy``
+                        files, ``retrieval.seen_items``): what serving excludes by default
     config.yaml         the resolved config of the run
     train_log.csv       per-epoch training loss
     metrics.json        offline metrics (model and baselines)
@@ -60,6 +62,7 @@ import tensorflow_recommenders as tfrs
 
 import retrieval
 from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, ItemIndex
+from retrieval.seen_items import SeenItems
 from retrieval.towers import id_lookups
 from retrieval.training import embed_frame
 
@@ -67,6 +70,7 @@ MANIFEST_FILE = "manifest.json"
 QUERY_MODEL_DIR = "query_model"
 DOC_MODEL_DIR = "doc_model"
 TOPK_MODEL_DIR = "topk_model"
+SEEN_ITEMS_DIR = "seen_items"
 # 2: the manifest holds fingerprints of the served files and a probe query.
 BUNDLE_FORMAT_VERSION = 2
 # Format 1 bundles still load (serving warns that their parts cannot be checked against the export).
@@ -371,6 +375,7 @@ def write_bundle(
     item_embeddings: np.ndarray | None = None,
     topk_k: int | None = None,
     probe_query: pd.DataFrame | None = None,
+    seen_items: SeenItems | None = None,
 ) -> dict[str, Any]:
     """Write towers, index and manifest into ``directory``; return the manifest written.
 
@@ -382,6 +387,8 @@ def write_bundle(
     serving reproduces at load. Without it the bundle has no probe (its fingerprints
     and the dimension check still tie its parts together). The manifest is written
     last, with the fingerprints of every file under its ``files`` (``write_manifest``).
+    ``seen_items`` (each training user's items as rows of ``index``) goes to ``seen_items/``,
+    which ``retrieval.serving`` excludes from what it serves; without it nothing is excluded.
     """
     directory = Path(directory)
     save_tower(query_tower, directory / QUERY_MODEL_DIR)
@@ -410,6 +417,12 @@ def write_bundle(
             raise ValueError(f"probe_query must be one row of raw query features, got {len(probe_query)} rows")
         query = raw_query(probe_query, list(query_tower.input_names))
         probe = probe_record(query, embed_frame(query_tower, probe_query), index)
+    if seen_items is not None:
+        if seen_items.num_pairs and int(seen_items.item_rows.max()) >= len(index):
+            raise ValueError(f"seen_items holds index rows up to {int(seen_items.item_rows.max())}, "
+                             f"past the {len(index)} items of the index")
+        seen_items.save(directory / SEEN_ITEMS_DIR)
+        files["seen_items"] = SEEN_ITEMS_DIR
     full = {
         "format_version": BUNDLE_FORMAT_VERSION,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -427,6 +440,7 @@ def write_bundle(
         "doc_inputs": describe_inputs(doc_tower),
         "files": files,
         "probe": probe,
+        **({"seen_items": seen_items.info()} if seen_items is not None else {}),
         **manifest,
     }
     return write_manifest(directory, full)

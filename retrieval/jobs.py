@@ -57,6 +57,7 @@ from retrieval.model import build_model
 from retrieval.objectives import resolved
 from retrieval.run_checkpoints import training_checkpoints
 from retrieval.samplers import UserHistory
+from retrieval.seen_items import SeenItems
 from retrieval.towers import build_towers
 from retrieval.training import (
     StreamedClicks,
@@ -170,7 +171,8 @@ def train_evaluate_export(
         metrics["final_train_loss"] = history["loss"][-1]
         # The probe query the bundle must reproduce at load: a training user's raw query.
         write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, stats,
-                          probe_query=tables.queries(tuning_users[:1]))
+                          probe_query=tables.queries(tuning_users[:1]),
+                          seen_items=seen_items_of(dataset.train, index))
         inputs.check_content()  # last: the run directory appears only if the inputs held still
     return RunResult(final, metrics, time.perf_counter() - started)
 
@@ -189,6 +191,13 @@ def _inputs_and_checkpoints(config: Config, name: str, cleanup: ExitStack) -> tu
     return inputs, checkpoint_dir
 
 
+def seen_items_of(train: pd.DataFrame, index: ItemIndex) -> SeenItems:
+    """Each training user's items as rows of ``index``: what serving excludes (all of ``train``,
+    the early-stopping validation clicks included, which the bundle's model trained on too)."""
+    item_rows = pd.Index(index.item_ids, dtype=object).get_indexer(train[ITEM].astype(str))
+    return SeenItems.from_pairs(train[USER].astype(str).to_numpy(), item_rows)
+
+
 def write_run_outputs(
     directory: Path,
     name: str,
@@ -200,11 +209,14 @@ def write_run_outputs(
     stats: FeatureStatistics,
     *,
     probe_query: pd.DataFrame | None = None,
+    seen_items: SeenItems | None = None,
 ) -> None:
     """Metrics (JSON, Markdown, report, TensorBoard) and the serving bundle of a finished run.
 
     ``probe_query``: one row of a training user's raw query features (``TowerTables.queries``),
     recorded with its top-k for serving to reproduce at load (``export.write_bundle``).
+    ``seen_items``: each training user's items as rows of ``index``, which the bundle excludes
+    from what it serves (``export.write_bundle``).
     """
     (directory / "metrics.json").write_text(json.dumps(metrics, indent=2))
     (directory / "metrics.md").write_text(format_table(metrics) + "\n")
@@ -218,6 +230,7 @@ def write_run_outputs(
         item_embeddings=item_embeddings if config.export.topk_model else None,
         topk_k=config.export.topk_k,
         probe_query=probe_query,
+        seen_items=seen_items,
         manifest={
             "run": name,
             "config": config.to_dict(),
@@ -384,11 +397,23 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
             "epoch_seconds": timing.get("epoch_seconds"),
             "clicks_per_second": timing.get("clicks_per_second"),
         }
+        clock = time.perf_counter()
+        seen_items = _streamed_seen_items(shards, plan, stats, index)
+        seconds["seen_items"] = time.perf_counter() - clock
+        metrics["out_of_core"]["seconds"]["seen_items"] = round(seconds["seen_items"], 2)
         # The probe query the bundle must reproduce at load: a training user's raw query.
         write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, stats,
-                          probe_query=tables.queries(tuning_users[:1]))
+                          probe_query=tables.queries(tuning_users[:1]), seen_items=seen_items)
         inputs.check_content()  # last: the shards are read up to evaluation's ALS pass
     return RunResult(final, metrics, time.perf_counter() - started)
+
+
+def _streamed_seen_items(shards: ClickShards, plan, stats: FeatureStatistics, index: ItemIndex) -> SeenItems:
+    """``seen_items_of`` on the shards: every training click coded while streaming (``scan_pairs``,
+    8 bytes a click) and turned into the bundle's CSR arrays by sorting (about 18 bytes a click more)."""
+    users = pd.Index(np.asarray(stats.users.ids, dtype=object), dtype=object)
+    user_rows, item_rows = scan_pairs(shards, plan, users, pd.Index(index.item_ids, dtype=object))
+    return SeenItems.from_coded_pairs(user_rows, item_rows, users.to_numpy())
 
 
 def _streamed_tables(config: Config, counts, has_time: bool) -> tuple[TowerTables, ExampleJoin | None]:

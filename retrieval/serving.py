@@ -10,6 +10,11 @@ or from a shell::
 
     python -m retrieval.serving --bundle artifacts/my-run --user-id 196 -k 10
 
+What a user already has is never served by default: the user's training
+items (the bundle's ``seen_items/``, ``retrieval.seen_items``) and the items
+of the query's click history; ``exclude_seen=False`` (``--include-seen``)
+serves them too.
+
 Over HTTP, ``retrieval serve --bundle artifacts/my-run`` (``retrieval/service.py``).
 """
 
@@ -29,9 +34,11 @@ from typing import Any, Literal
 import numpy as np
 import tensorflow as tf
 
+from retrieval.data import USER
 from retrieval.data.values import finite_feature_value
 from retrieval.export import check_fingerprints, read_manifest, served_files
 from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFilesError, ItemIndex
+from retrieval.seen_items import SeenItems
 
 log = logging.getLogger("retrieval.serving")
 
@@ -136,7 +143,21 @@ class Bundle:
             [self._row_of[item] for item in self.manifest.get("popular_item_ids", []) if item in self._row_of],
             dtype=np.int64,
         )
+        self.seen_items = self._load_seen_items()
+        self._user_input, self._history_input = _seen_inputs(self.manifest, self.query_features)
         self.check_probe()
+
+    def _load_seen_items(self) -> SeenItems | None:
+        """The training users' items (``seen_items/``); None for a bundle exported without them."""
+        folder = self.manifest["files"].get("seen_items")
+        if folder is None:
+            return None
+        with _part(self.directory, f"seen items {str(folder)!r}"):
+            seen = SeenItems.load(self.directory / str(folder))
+        recorded = self.manifest.get("seen_items")
+        if recorded is not None and recorded != seen.info():
+            raise BundleError(f"{self.directory}: seen items hold {seen.info()}, the manifest says {recorded}")
+        return seen
 
     @classmethod
     def load(cls, directory: str | Path, *, verify: Verify = "quick") -> Bundle:
@@ -225,6 +246,10 @@ class Bundle:
             "index": index,
             "fallbacks": ["popular", "features"] if len(self.query_features) > 1 else ["popular"],
             "num_popular_items": int(len(self._popular_rows)),
+            # exclude_seen: training items of known users (bundles exported with seen_items/ only) and
+            # the items of a query's click history.
+            "excludes_seen": self.seen_items is not None,
+            "excludes_history": self._history_input is not None,
             "versions": self.manifest.get("versions", {}),
         }
 
@@ -287,18 +312,29 @@ class Bundle:
         return embeddings, known
 
     def recommend(
-        self, query: Mapping[str, Any], k: int = 10, exclude_item_ids: Sequence[str] = ()
+        self,
+        query: Mapping[str, Any],
+        k: int = 10,
+        exclude_item_ids: Sequence[str] = (),
+        *,
+        exclude_seen: bool = True,
     ) -> Recommendations:
-        """Top-k item ids for one raw query, never returning ``exclude_item_ids``."""
-        return self.recommend_batch([query], k, [exclude_item_ids])[0]
+        """Top-k item ids for one raw query, never returning ``exclude_item_ids``.
+
+        With ``exclude_seen`` (the default) neither the user's training items nor the items of
+        the query's click history are returned either (see ``excluded_rows``).
+        """
+        return self.recommend_batch([query], k, [exclude_item_ids], exclude_seen=exclude_seen)[0]
 
     def recommend_batch(
         self,
         queries: Sequence[Mapping[str, Any]],
         k: int = 10,
         exclude_item_ids: Sequence[Sequence[str]] | None = None,
+        *,
+        exclude_seen: bool = True,
     ) -> list[Recommendations]:
-        """Top-k for a batch of raw queries (one FAISS search for all)."""
+        """Top-k for a batch of raw queries (one FAISS search for all); ``exclude_seen`` as in ``recommend``."""
         if not queries:
             return []
         if k <= 0:
@@ -306,7 +342,9 @@ class Bundle:
         if exclude_item_ids is not None and len(exclude_item_ids) != len(queries):
             raise ValueError(f"exclude_item_ids has {len(exclude_item_ids)} lists for {len(queries)} queries")
         embeddings, known_ids = self.embed_with_known(queries)
-        return self.recommend_embedded(embeddings, known_ids, k, exclude_item_ids)
+        return self.recommend_embedded(
+            embeddings, known_ids, k, exclude_item_ids, queries=queries, exclude_seen=exclude_seen
+        )
 
     def embed_with_known(self, queries: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
         """Checked raw queries -> (embeddings [n, dim] float32, known_ids bool [n]) for recommend_embedded."""
@@ -318,22 +356,27 @@ class Bundle:
         known_ids: np.ndarray,
         k: int = 10,
         exclude_item_ids: Sequence[Sequence[str]] | None = None,
+        *,
+        queries: Sequence[Mapping[str, Any]] | None = None,
+        exclude_seen: bool = True,
     ) -> list[Recommendations]:
         """Top-k for query embeddings [n, dim] and known_ids [n] from ``embed_with_known`` (one FAISS search).
 
         ``recommend_batch`` is embed_with_known + this; a caller answering a large batch embeds it
         once and searches it in slices. A row holding NaN or inf, or whose scores overflow float32,
         is a ValueError naming it (FAISS would drop its results: an empty answer that looks like one).
+        once and searches it in slices. ``queries`` [n] are the raw queries the embeddings came
+        from: with ``exclude_seen`` their users' training items and history items are excluded
+        (``excluded_rows``), so they are needed unless the bundle has nothing of the kind to exclude.
         """
         if k <= 0:
             raise ValueError(f"k must be positive, got {k}")
         if exclude_item_ids is not None and len(exclude_item_ids) != len(embeddings):
             raise ValueError(f"exclude_item_ids has {len(exclude_item_ids)} lists for {len(embeddings)} queries")
         _check_finite(embeddings, "embedding")  # FAISS drops NaN rows: an empty answer that looks like success
-        exclude = [
-            np.array([self._row_of[i] for i in items if i in self._row_of], dtype=np.int64)
-            for items in (exclude_item_ids or [()] * len(embeddings))
-        ]
+        if queries is not None and len(queries) != len(embeddings):
+            raise ValueError(f"queries has {len(queries)} entries for {len(embeddings)} embeddings")
+        exclude = self.excluded_rows(len(embeddings), exclude_item_ids, queries, exclude_seen=exclude_seen)
         top = self.index.search(embeddings, k, exclude=exclude)
         # An all-zero embedding is the towers' out-of-vocabulary row: the model
         # knows nothing about this query, so popularity is the honest answer.
@@ -347,7 +390,10 @@ class Bundle:
             else:
                 rows = top.rows[i][top.rows[i] >= 0]
                 scores = top.scores[i][: len(rows)]
-                if not np.isfinite(scores).all():
+                # Scores that overflow to inf - inf are NaN, which FAISS drops: fewer rows than the
+                # catalogue has left (``excluded_rows`` are distinct) is that, not a short catalogue.
+                short = len(rows) < min(k, len(self.index) - len(exclude[i]))
+                if short or not np.isfinite(scores).all():
                     raise ValueError(
                         f"embedding {i}: its scores overflow float32 (the embedding is finite but huge); "
                         + _NON_FINITE_CAUSE
@@ -355,6 +401,50 @@ class Bundle:
                 fallback = None if known_ids[i] else "features"
                 results.append(Recommendations(self._ids(rows), scores.tolist(), fallback))
         return results
+
+    def excluded_rows(
+        self,
+        num_queries: int,
+        exclude_item_ids: Sequence[Sequence[str]] | None = None,
+        queries: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        exclude_seen: bool = True,
+    ) -> list[np.ndarray]:
+        """Per query, the sorted distinct index rows never to serve: [num_queries] int64 arrays.
+
+        The caller's ``exclude_item_ids`` (ids not in the catalogue are ignored) and, with
+        ``exclude_seen``, the items the user already has: the training items of the query's user
+        (its user-id input; none for a user unknown to training or a bundle without
+        ``seen_items/``) and the items of its click-history input, if the query tower reads one.
+
+        Raises:
+          ValueError: ``exclude_seen`` without ``queries`` on a bundle that can exclude seen items.
+        """
+        lists: list[list[np.ndarray]] = [[] for _ in range(num_queries)]
+        for own, items in zip(lists, exclude_item_ids or ()):
+            own.append(self._rows_of_ids(items))
+        can_exclude = self.seen_items is not None or self._history_input is not None
+        if exclude_seen and can_exclude:
+            if queries is None:
+                raise ValueError(
+                    "exclude_seen needs the raw queries (queries=...) to find their users' items; "
+                    "pass them, or exclude_seen=False"
+                )
+            if self.seen_items is not None:
+                users = [_query_value(query, self._user_input) for query in queries]
+                ids = [str(user) if isinstance(user, str | int) and not isinstance(user, bool) else None
+                       for user in users]
+                for own, rows in zip(lists, self.seen_items.rows_of_many(ids)):
+                    own.append(rows.astype(np.int64))
+            if self._history_input is not None:
+                for own, query in zip(lists, queries):
+                    history = _query_value(query, self._history_input)
+                    if isinstance(history, Sequence) and not isinstance(history, str | bytes):
+                        own.append(self._rows_of_ids([str(item) for item in history]))
+        return [np.unique(np.concatenate(own)) if own else np.zeros(0, np.int64) for own in lists]
+
+    def _rows_of_ids(self, items: Sequence[str]) -> np.ndarray:
+        return np.array([self._row_of[i] for i in items if i in self._row_of], dtype=np.int64)
 
     def _ids(self, rows) -> list[str]:
         return self._id_array[np.asarray(rows, dtype=np.int64)].tolist()
@@ -425,6 +515,30 @@ _NON_FINITE_CAUSE = (
 )
 
 
+def _seen_inputs(manifest: Mapping[str, Any], query_features: Sequence[str]) -> tuple[str, str | None]:
+    """(the query key holding the user id, the query input holding the click history or None).
+
+    From the run's config in the manifest: the query tower's id feature read from the click log's
+    user_id column (else ``user_id``, which ``TowerTables.queries`` always sets), and
+    ``towers.query.history.name``.
+    """
+    query_tower = ((manifest.get("config") or {}).get("towers") or {}).get("query") or {}
+    user = next(
+        (
+            str(feature["name"])
+            for feature in query_tower.get("features") or ()
+            if feature.get("kind") == "id" and (feature.get("source") or feature.get("name")) == USER
+        ),
+        USER,
+    )
+    history = (query_tower.get("history") or {}).get("name")
+    return user, (str(history) if history is not None and history in query_features else None)
+
+
+def _query_value(query: Any, key: str) -> Any:
+    return query.get(key) if isinstance(query, Mapping) else None
+
+
 def _input_tensor(values: Sequence[Any], spec: tf.TensorSpec) -> tf.Tensor:
     """Checked raw values of one input (``Bundle.check_query``) -> a tensor matching ``spec``."""
     if spec.dtype != tf.string:
@@ -442,10 +556,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--user-id", required=True, action="append", help="query user id (repeatable)")
     parser.add_argument("-k", type=int, default=10)
     parser.add_argument("--exclude", nargs="*", default=[], help="item ids never to return")
+    parser.add_argument(
+        "--include-seen",
+        action="store_true",
+        help="also return the user's training items (excluded by default)",
+    )
     args = parser.parse_args(argv)
     bundle = Bundle.load(args.bundle)
     queries = [{"user_id": user} for user in args.user_id]
-    results = bundle.recommend_batch(queries, args.k, [args.exclude] * len(queries))
+    results = bundle.recommend_batch(
+        queries, args.k, [args.exclude] * len(queries), exclude_seen=not args.include_seen
+    )
     for query, result in zip(queries, results):
         print(json.dumps({"query": query, **asdict(result)}))
 

@@ -397,16 +397,16 @@ def test_large_batches_run_one_at_a_time_in_chunks_beside_small_requests(world, 
     original = bundle.recommend_embedded
     calls, running, peak, lock = [], [0], [0], threading.Lock()
 
-    def slow(embeddings, known_ids, k=10, exclude_item_ids=None):
+    def slow(embeddings, known_ids, k=10, exclude_item_ids=None, **seen):
         calls.append(len(embeddings))
         if len(embeddings) == 1:
-            return original(embeddings, known_ids, k, exclude_item_ids)
+            return original(embeddings, known_ids, k, exclude_item_ids, **seen)
         with lock:
             running[0] += 1
             peak[0] = max(peak[0], running[0])
         try:
             time.sleep(0.05)  # a big chunk takes a while
-            return original(embeddings, known_ids, k, exclude_item_ids)
+            return original(embeddings, known_ids, k, exclude_item_ids, **seen)
         finally:
             with lock:
                 running[0] -= 1
@@ -447,9 +447,9 @@ def test_the_bulk_lane_runs_below_the_server_priority(world, monkeypatch):  # no
     bundle = app.state.holder.current
     original, seen = bundle.recommend_embedded, {}
 
-    def record(embeddings, known_ids, k=10, exclude_item_ids=None):
+    def record(embeddings, known_ids, k=10, exclude_item_ids=None, **exclusions):
         seen[len(embeddings)] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        return original(embeddings, known_ids, k, exclude_item_ids)
+        return original(embeddings, known_ids, k, exclude_item_ids, **exclusions)
 
     monkeypatch.setattr(bundle, "recommend_embedded", record)
     assert call(app, "POST", "/recommend", json={"query": {"user_id": "user01"}}).status_code == 200

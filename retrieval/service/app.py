@@ -127,7 +127,10 @@ def create_app(
                 if start:
                     time.sleep(0)  # let the small requests' threads take the interpreter between chunks
                 window = slice(start, start + step)
-                results = current.recommend_embedded(embeddings[window], known[window], parsed.k, excluded[window])
+                results = current.recommend_embedded(
+                    embeddings[window], known[window], parsed.k, excluded[window],
+                    queries=queries[window], exclude_seen=parsed.exclude_seen,
+                )
                 pieces.append(_dumps([_result(r) for r in results])[1:-1])
         except ValueError as error:
             raise HTTPException(422, str(error)) from None
