@@ -292,6 +292,8 @@ def test_metadata_and_manifest_describe_the_seen_items(world):
 def test_seen_items_that_do_not_match_the_manifest_are_refused(world, tmp_path):
     import shutil
 
+    from retrieval.export import write_manifest
+
     copy = tmp_path / "bundle"
     shutil.copytree(world["seen"], copy)
     manifest = json.loads((copy / "manifest.json").read_text())
@@ -299,7 +301,13 @@ def test_seen_items_that_do_not_match_the_manifest_are_refused(world, tmp_path):
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="seen items hold"):
         Bundle.load(copy)
+    manifest["seen_items"]["num_pairs"] -= 1
     (copy / SEEN_ITEMS_DIR / "indptr.npy").write_bytes(b"not numpy")
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="seen_items/indptr.npy: content differs from the manifest's fingerprint"):
+        Bundle.load(copy)
+    # Fingerprinted again (as if exported that way): the seen-items reader refuses the file itself.
+    write_manifest(copy, manifest)
     with pytest.raises(BundleError, match="seen items 'seen_items' cannot be loaded"):
         Bundle.load(copy)
 
