@@ -97,7 +97,7 @@ def train_evaluate_export(
     """
     started = time.perf_counter()
     if config.data.out_of_core:  # click shards streamed through tf.data, never loaded whole
-        return _train_evaluate_export_out_of_core(config, config_name, started)
+        return _train_evaluate_export_out_of_core(config, config_name, started, on_epoch_end)
     # First: MultiWorkerMirroredStrategy must exist before other TensorFlow work.
     strategy = distribution_strategy(config.train)
     name = config.run.name or default_run_name(config_name)
@@ -130,11 +130,7 @@ def train_evaluate_export(
                 towers=towers,
                 catalogue_features=catalogue,
             )
-        if not model.servable_by_dot_product:
-            raise ValueError(
-                f"model.loss.kind={config.model.loss.kind!r} scores items by tree paths, not dot products, "
-                "so it cannot be served from the FAISS index; it is a comparison loss (make bench-losses)"
-            )
+        _require_servable(model, config)  # before training: the index cannot rank it
 
         log.info("training: %d clicks, %d epochs", len(dataset.train), config.train.epochs)
         with strategy.scope():  # fit compiles: the optimizer's variables too
@@ -196,6 +192,15 @@ def seen_items_of(train: pd.DataFrame, index: ItemIndex) -> SeenItems:
     the early-stopping validation clicks included, which the bundle's model trained on too)."""
     item_rows = pd.Index(index.item_ids, dtype=object).get_indexer(train[ITEM].astype(str))
     return SeenItems.from_pairs(train[USER].astype(str).to_numpy(), item_rows)
+
+
+def _require_servable(model, config: Config) -> None:
+    """Refuse, before training, a model the FAISS inner-product index cannot rank (``servable_by_dot_product``)."""
+    if not model.servable_by_dot_product:
+        raise ValueError(
+            f"model.loss.kind={config.model.loss.kind!r} scores items by tree paths, not dot products, "
+            "so it cannot be served from the FAISS index; it is a comparison loss (make bench-losses)"
+        )
 
 
 def write_run_outputs(
@@ -271,7 +276,9 @@ def _user_sample(train, size: int, seed: int) -> list[str]:
 # --- Out of core (data.out_of_core): click shards streamed through tf.data. ---
 
 
-def _train_evaluate_export_out_of_core(config: Config, config_name: str, started: float) -> RunResult:
+def _train_evaluate_export_out_of_core(
+    config: Config, config_name: str, started: float, on_epoch_end: Callable[[int, dict], None] | None = None
+) -> RunResult:
     """The main job on a click log streamed from shards (``retrieval.data.streaming``).
 
     No click frame of the whole log is ever built: vocabularies and popularity
@@ -354,6 +361,7 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         with strategy.scope():  # the towers', samplers' and loss's variables belong to the strategy
             model = build_model(config.model, stats, use_weights=config.train.use_weights, towers=towers,
                                 catalogue_features=catalogue, user_history=user_history)
+        _require_servable(model, config)  # before training: the index cannot rank it
         source = StreamedClicks(
             shards, plan, config.train.batch_size, shuffle_buffer=stream.shuffle_buffer, seed=config.train.seed,
             train_rows=counts.train_rows, max_batches=stream.max_train_batches, join=join,
@@ -369,7 +377,8 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         with strategy.scope():  # fit compiles: the optimizer's variables too; each worker streams its own shards
             history = fit(model, source, config.train, log_dir=scratch, checkpoint_dir=checkpoint_dir,
                           say=log.info, timing=timing, validation=validation,
-                          epoch_hooks=[inputs.after_epoch])  # each epoch streams the shards again
+                          epoch_hooks=[inputs.after_epoch],  # each epoch streams the shards again
+                          on_epoch_end=on_epoch_end)
         seconds["training"] = time.perf_counter() - clock
 
         clock = time.perf_counter()

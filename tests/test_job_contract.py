@@ -1,0 +1,69 @@
+"""Job-level behaviour that must not depend on the click source: one log, read in memory and streamed.
+
+Each test runs ``jobs.train_evaluate_export`` on the same small Parquet log both ways
+(``data.out_of_core`` false and true) and asserts the same behaviour of both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from retrieval import jobs
+from retrieval.config import SyntheticConfig, load_config
+from retrieval.data.synthetic import generate_clicks
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ["in_memory", "streamed"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """A small synthetic log as three Parquet shards in one folder, and whole beside it (``log.parquet``)."""
+    clicks, _, _ = generate_clicks(SyntheticConfig(n_users=150, n_items=80, mean_clicks_per_user=10, seed=3))
+    folder = tmp_path_factory.mktemp("log") / "shards"
+    folder.mkdir()
+    for i, rows in enumerate(np.array_split(np.arange(len(clicks)), 3)):
+        clicks.iloc[rows].to_parquet(folder / f"part-{i}.parquet", index=False)
+    clicks.to_parquet(folder.parent / "log.parquet", index=False)
+    return folder
+
+
+def _config(shards: Path, tmp_path: Path, source: str, *extra: str):
+    where = [f"data.clicks.path={shards.parent / 'log.parquet'}"]
+    if source == "streamed":
+        where = [f"data.clicks.path={shards}/*.parquet", "data.out_of_core=true"]
+    return load_config(ROOT / "configs/default.yaml", [
+        "data.source=files", *where,
+        "split.kind=temporal", "split.test_fraction=0.2",
+        "model.embedding_dim=8", "train.batch_size=256", "train.verbose=0", "train.checkpoint_every_seconds=0",
+        "evaluation.baselines.rankers=[popularity]", "evaluation.plots=false", "export.topk_model=false",
+        f"run.output_dir={tmp_path / 'runs'}", "run.name=contract", *extra,
+    ])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", SOURCES)
+def test_a_model_the_index_cannot_rank_is_refused_before_training(shards, tmp_path, monkeypatch, source):
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained a model that cannot be served")
+
+    monkeypatch.setattr(jobs, "fit", no_training)
+    config = _config(shards, tmp_path, source, "model.loss.kind=hierarchical_softmax", "model.normalize=false")
+    with pytest.raises(ValueError, match="cannot be served from the FAISS index"):
+        jobs.train_evaluate_export(config)
+    assert not (tmp_path / "runs" / "contract").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", SOURCES)
+def test_the_epoch_hook_sees_each_early_stopping_epoch(shards, tmp_path, source):
+    """``make tune`` prunes trials through this hook, on streamed logs as on loaded ones."""
+    seen: list[tuple[int, float]] = []
+    config = _config(shards, tmp_path, source, "train.epochs=3", "train.validation_fraction=0.1",
+                     "train.early_stopping_patience=5", "train.refit=false")
+    jobs.train_evaluate_export(config, on_epoch_end=lambda epoch, logs: seen.append((epoch, logs["val_recall@20"])))
+    assert [epoch for epoch, _ in seen] == [0, 1, 2]
+    assert all(0.0 <= recall <= 1.0 for _, recall in seen)
