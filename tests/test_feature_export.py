@@ -10,7 +10,7 @@ from feature_fixtures import ALL_KINDS, small_tables
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
 from retrieval.config import ModelConfig
-from retrieval.export import write_bundle
+from retrieval.export import raw_query, write_bundle
 from retrieval.features import TowerStatistics, TowerTables, feature_arrays
 from retrieval.index import ItemIndex
 from retrieval.serving import Bundle
@@ -68,8 +68,9 @@ def test_saved_models_give_the_in_training_embeddings(bundle):
     serve_query = _signature(directory / "query_model")
     raw = {name: tf.constant(values) for name, values in feature_arrays(queries, query.input_names).items()}
     np.testing.assert_allclose(serve_query(**raw)["embedding"].numpy(), expected, rtol=1e-5, atol=1e-6)
-    # The same through the serving API, from plain Python values as a client sends them.
-    served = Bundle.load(directory).embed(queries.to_dict("records"))
+    # The same through the serving API, from plain Python values as a client sends them (null, not NaN).
+    plain = [raw_query(queries.iloc[[i]], query.input_names) for i in range(len(queries))]
+    served = Bundle.load(directory).embed(plain)
     np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -81,7 +82,8 @@ def test_unseen_items_and_users_get_real_embeddings(bundle):
     assert np.all(np.isfinite(cold)) and np.linalg.norm(cold, axis=1).min() > 0.5  # unit norm, not the zero OOV row
 
     stranger = Bundle.load(directory).recommend(
-        {"user_id": "new", "age": 30, "zip": "99999", "country": "BR", "signup": None, "history": ["i7", "i2"]}, k=3
+        {"user_id": "new", "age": 30, "zip": "99999", "country": "BR", "signup": None, "history": ["i7", "i2"]}, k=3,
+        exclude_seen=False,  # ranked over every item, as the brute force below
     )
     # An unseen id embedded from its features says so, and keeps its scores.
     assert stranger.fallback == "features" and len(stranger.item_ids) == 3
@@ -92,7 +94,7 @@ def test_unseen_items_and_users_get_real_embeddings(bundle):
     best = np.argsort(-scores, kind="stable")[:3]
     assert stranger.item_ids == catalogue["item_id"].to_numpy()[best].tolist()
     np.testing.assert_allclose(stranger.scores, scores[best], rtol=1e-5, atol=1e-6)
-    known = Bundle.load(directory).recommend(tables.queries(["u0"]).to_dict("records")[0], k=3)
+    known = Bundle.load(directory).recommend(raw_query(tables.queries(["u0"]), query.input_names), k=3)
     assert known.fallback is None
     assert "features" in Bundle.load(directory).metadata()["fallbacks"]
     no_history = embed_frame(query, tables.queries(["stranger"]))
