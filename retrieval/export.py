@@ -39,6 +39,7 @@ import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
 import retrieval
+from retrieval.errors import UserError
 from retrieval.index import ItemIndex
 from retrieval.towers import id_lookups
 
@@ -49,7 +50,7 @@ TOPK_MODEL_DIR = "topk_model"
 BUNDLE_FORMAT_VERSION = 1
 
 
-class RunExistsError(FileExistsError):
+class RunExistsError(UserError, FileExistsError):
     """The run directory exists and overwriting was not asked for."""
 
 

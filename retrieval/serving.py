@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import reprlib
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -28,11 +29,12 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from retrieval.errors import UserError, entry_point
 from retrieval.export import read_manifest
 from retrieval.index import ItemIndex
 
 
-class BundleError(ValueError):
+class BundleError(UserError, ValueError):
     """A bundle that cannot be served: one line naming the directory, the part and why.
 
     The message never quotes file contents (FAISS and TensorFlow errors echo
@@ -293,13 +295,17 @@ def _input_tensor(values: Sequence[Any], spec: tf.TensorSpec) -> tf.Tensor:
     return tf.constant(["" if v is None else str(v) for v in values], dtype=tf.string)
 
 
+@entry_point
 def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m retrieval.serving``: a user error is one line and status 2 (``retrieval.errors``)."""
     parser = argparse.ArgumentParser(description="Top-k item ids for a raw query from a bundle.")
     parser.add_argument("--bundle", required=True, help="bundle directory, e.g. artifacts/<run>")
     parser.add_argument("--user-id", required=True, action="append", help="query user id (repeatable)")
     parser.add_argument("-k", type=int, default=10)
     parser.add_argument("--exclude", nargs="*", default=[], help="item ids never to return")
     args = parser.parse_args(argv)
+    if args.k <= 0:
+        raise UserError(f"-k must be a positive number of items, got {args.k}")
     bundle = Bundle.load(args.bundle)
     queries = [{"user_id": user} for user in args.user_id]
     results = bundle.recommend_batch(queries, args.k, [args.exclude] * len(queries))
@@ -308,4 +314,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
