@@ -64,7 +64,7 @@ _SOFTMAX = [
 ]
 VARIANTS: dict[str, list[str]] = {
     "defaults (configs/*.yaml)": [],
-    # The dimension the defaults had until stop 26, and the step between: what moving to 256 changed here.
+    # The dimension the defaults had until 2026-12-02 (e79bcc5), and the step between: what moving to 256 changed here.
     "defaults at dim 64": ["model.embedding_dim=64"],
     "defaults at dim 128": ["model.embedding_dim=128"],
     "in-batch, no log-Q": _SOFTMAX + ["model.loss.negatives=in_batch", "model.log_q_correction=false"],

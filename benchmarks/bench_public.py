@@ -70,7 +70,7 @@ TFRS = LOSS_VARIANTS["TFRS tutorial recipe"]
 # Model rows: name -> overrides on configs/default.yaml. One line adds a row.
 VARIANTS: dict[str, list[str]] = {
     "default": [],
-    # The default until stop 18 (measured then with Keras fit; the rows keep their overrides explicit).
+    # The default until 2026-12-01 (1e6c69f; measured then with Keras fit; the rows keep their overrides explicit).
     "adam-T0.2": ["train.optimizer=adam", "model.temperature=0.2"],
     # The temperature sweep that chose model.temperature: auto (lazy_adam at fixed temperatures).
     "T0.2-lazy": ["model.temperature=0.2", "train.optimizer=lazy_adam"],
@@ -84,7 +84,7 @@ VARIANTS: dict[str, list[str]] = {
     "hard": ["model.loss.hard_negatives=in_batch_top_k", "model.loss.num_hard_negatives=100"],
     "kernel": ["model.loss.negatives=kernel", "model.loss.num_negatives=32"],  # Blanc & Rendle 2018, 32/query
     "dim32": ["model.embedding_dim=32"],
-    "dim64": ["model.embedding_dim=64"],  # the default until stop 26
+    "dim64": ["model.embedding_dim=64"],  # the default until 2026-12-02 (e79bcc5)
     "dim128": ["model.embedding_dim=128"],
     "dim512": ["model.embedding_dim=512"],  # tuned ALS on Gowalla gains up to 512 factors
     "batch256": ["train.batch_size=256"],
@@ -92,7 +92,7 @@ VARIANTS: dict[str, list[str]] = {
     "temp0.07": ["model.temperature=0.07"],
     "temp0.1": ["model.temperature=0.1"],
     "temp0.5": ["model.temperature=0.5"],
-    # The issue-17 probe: a low temperature, a fixed 12 epochs, no early stopping (so no refit), adam.
+    # The low-temperature probe: a low temperature, a fixed 12 epochs, no early stopping (so no refit), adam.
     "temp0.07-12ep": ["model.temperature=0.07", "train.epochs=12", "train.validation_fraction=0",
                       "train.optimizer=adam"],
 }
@@ -102,10 +102,10 @@ ROWS = [*BASELINES, *VARIANTS]
 
 # The ALS grid (every combination), keyed by ALSConfig field. alpha (the confidence of a click) and
 # regularization interact (good points keep regularization / alpha near 0.5-5), and the best factors
-# grow with the catalogue: a grid of factors alone at alpha 5 (stop 18 to 24) left Gowalla's best point
+# grow with the catalogue: a grid of factors alone at alpha 5 (the grid until aab2b1d) left Gowalla's best point
 # at its edge (256) and ALS about 0.03 recall@20 short of its level there (0.1817 against 0.2116).
 # 512 factors, regularization 100 and alpha 50 are edges; points past them, scored by Baselines.als
-# as the grid's are (stop 25, not kept in the JSON), gained at most 0.0023: Gowalla 0.2095 at 1024
+# as the grid's are (2026-12-02, not kept in the JSON), gained at most 0.0023: Gowalla 0.2095 at 1024
 # factors (188 s a fit), 0.2111 at alpha 100, 0.2045 at regularization 300 (grid best 0.2116);
 # ML-1M 0.2656 at 1024 factors (grid best 0.2633).
 ALS_GRID: dict[str, list] = {
@@ -358,10 +358,10 @@ def markdown(report: dict) -> str:
         "(Steck 2019, the l2 grid chosen on valid too) is a second, item-item reference, on catalogues of at most "
         f"{EASE_MAX_ITEMS:,} items. "
         "Mean ± std over seeds where a row has several. Rows whose JSON entry carries a `note` say which "
-        "code ran them: `adam-T0.2` (the default until stop 18), the `T*-lazy` sweep and `temp0.07-12ep` "
-        "ran on the stop-18 code (Keras `fit`) while other jobs shared the 2 cores, so their seconds are "
-        "not comparable with `default`'s (the one training loop). Stop 26 raised the default's "
-        "`model.embedding_dim` from 64 to 256: rows run before it show `model.embedding_dim=64` among their "
+        "code ran them: `adam-T0.2` (the default until 2026-12-01, 1e6c69f), the `T*-lazy` sweep and `temp0.07-12ep` "
+        "ran on the code before ad04f46 (Keras `fit`) while other jobs shared the 2 cores, so their seconds are "
+        "not comparable with `default`'s (the one training loop). On 2026-12-02 (e79bcc5) the default's "
+        "`model.embedding_dim` rose from 64 to 256: rows run before it show `model.embedding_dim=64` among their "
         "overrides (`dim64` is the old default), as they ran.\n",
         f"## recall@{K} (rows x datasets)\n",
         "| row | " + " | ".join(datasets) + " |",

@@ -23,7 +23,7 @@ requests (latency) and the same count from ``--http-concurrency`` client
 threads (throughput), each capped at ``--http-seconds``. Then FAISS Flat vs
 ``tfrs.layers.factorized_top_k.BruteForce`` on the same embeddings.
 
-Mixed load (issue 13), on the ``--mixed-factory`` index's server: one client
+Mixed load, on the ``--mixed-factory`` index's server: one client
 sends single queries back to back for ``--mixed-seconds`` with the server
 otherwise idle, then again while ``--mixed-bulk-clients`` other clients (each
 its own process, niced, as load generators on other machines would not take
@@ -37,7 +37,7 @@ Writes ``bench_serving.json`` and ``bench_serving.md`` to ``--out``. Client and
 server share this machine's cores, as does whatever else runs on it: the load
 average is recorded with the results.
 
-Real mode (issue 16, ``make bench-serving-real``)::
+Real mode (``make bench-serving-real``)::
 
     python benchmarks/bench_serving.py --embeddings /tmp/retrieval-scale/embeddings
 
@@ -530,7 +530,7 @@ def towers_for(user_ids, queries, item_ids, items):
 
 def write_test_bundle(workdir: Path, factory: str, index, towers) -> Path:
     """A bundle per index; the towers are saved once and hard-linked into the others."""
-    from retrieval.export import MANIFEST_FILE, write_bundle
+    from retrieval.export import MANIFEST_FILE, write_bundle, write_manifest
 
     name = "bench-" + "".join(c if c.isalnum() else "-" for c in factory)
     directory = workdir / name
@@ -546,7 +546,7 @@ def write_test_bundle(workdir: Path, factory: str, index, towers) -> Path:
         index.save(directory)
         manifest = json.loads((first / MANIFEST_FILE).read_text())
         manifest.update(run=name, index=index.info(), normalized=index.normalized)
-        (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+        write_manifest(directory, manifest)  # fingerprints of this bundle's own index files
     log(f"bundle {name} written in {time.perf_counter() - seconds:.1f} s")
     return directory
 

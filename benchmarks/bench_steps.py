@@ -63,8 +63,8 @@ from retrieval.training import TrainingCheckpoint, fit, loop, seed_everything
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 1024
-TARGET_RATIO = 1.5  # issue 15: step(1M) <= 1.5 x step(10k)
-TARGET_CHECKPOINT_FRACTION = 0.05  # issue 15: checkpoints <= 5 % of training time
+TARGET_RATIO = 1.5  # the scale target: step(1M) <= 1.5 x step(10k)
+TARGET_CHECKPOINT_FRACTION = 0.05  # the scale target: checkpoints <= 5 % of training time
 
 
 class StepTimer:
@@ -268,7 +268,7 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{row[f'ratio_to_{smallest}']:.2f} | {runs} | {row['setup_s']:.1f} |")
         lines += [
             "",
-            f"Issue 15 target: step(1M) <= {TARGET_RATIO} x step(10k). Setup: `build_model` plus `fit` up to the "
+            f"Target: step(1M) <= {TARGET_RATIO} x step(10k). Setup: `build_model` plus `fit` up to the "
             "end of its first step (dataset, compile, tracing, optimizer slots), once per run, not in ms/step.",
         ]
     if "checkpoints" in result:
@@ -301,7 +301,7 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             "Timed span: from the end of the warm-up steps to the end of training (saves included); "
             "fit wall: the whole `fit` call (dataset, tracing, final save). Overhead against every=0 (no "
-            f"checkpoints). Issue 15 target: <= {100 * TARGET_CHECKPOINT_FRACTION:.0f} %.",
+            f"checkpoints). Target: <= {100 * TARGET_CHECKPOINT_FRACTION:.0f} %.",
         ]
     return "\n".join(lines) + "\n"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,10 @@ import tensorflow as tf
 from retrieval.config import Config, IndexConfig, apply_overrides
 from retrieval.data import ITEM, DataError, load_dataset
 from retrieval.evaluation import build_eval_set, evaluate_against_baselines, write_report
-from retrieval.export import MANIFEST_FILE, atomic_directory, read_manifest
+from retrieval.export import BUNDLE_FORMAT_VERSION, MANIFEST_FILE, atomic_directory, probe_record, write_manifest
 from retrieval.features import TowerTables, feature_arrays
-from retrieval.index import ItemIndex, build_index, check_index_fits
+from retrieval.index import INDEX_INFO_FILE, build_index, check_index_fits
+from retrieval.seen_items import SeenItems
 from retrieval.serving import Bundle
 
 
@@ -64,12 +66,15 @@ def reindex_bundle(
     ``index_config`` is an IndexConfig or just a factory string (other keys at
     their defaults). No query log is at hand here, so an approximate index is
     tuned with item embeddings standing in for queries (the manifest says so).
+    The source is loaded and checked as serving would (``Bundle.load``); the
+    copy gets fresh fingerprints and its probe query's top-k through the new
+    index (a format 1 source, which has no probe, gives a copy without one).
     """
     if isinstance(index_config, str):
         index_config = IndexConfig(factory=index_config)
     source = Path(directory)
-    manifest = read_manifest(source)
-    old_index = ItemIndex.load(source)
+    bundle = Bundle.load(source)
+    manifest, old_index = bundle.manifest, bundle.index
     check_index_fits(index_config.factory, len(old_index), index_config.train_sample_size)
     doc_model = tf.saved_model.load(str(source / manifest["files"]["doc_model"]))
     serve = doc_model.signatures["serving_default"]
@@ -82,14 +87,29 @@ def reindex_bundle(
         ]
     )
     index = build_index(list(ids), embeddings, index_config)
+    probe = manifest.get("probe")
+    if probe:
+        probe = probe_record(probe["query"], bundle.embed([probe["query"]]), index)
     with atomic_directory(out, overwrite=overwrite) as scratch:
-        shutil.copytree(source, scratch, dirs_exist_ok=True)
+        # All but the manifest, written last: until then the copy is not a complete bundle.
+        shutil.copytree(source, scratch, dirs_exist_ok=True,
+                        ignore=lambda folder, names: [MANIFEST_FILE] if Path(folder) == source else [])
         index.save(scratch)
+        seen_folder = manifest["files"].get("seen_items")
+        if seen_folder is not None and list(index.item_ids) != list(old_index.item_ids):
+            # Seen items are index rows: follow the items to their new rows.
+            new_rows = pd.Index(index.item_ids, dtype=object).get_indexer(pd.Index(old_index.item_ids, dtype=object))
+            shutil.rmtree(scratch / seen_folder)
+            SeenItems.load(source / seen_folder).remapped(new_rows).save(scratch / seen_folder)
         manifest["config"]["index"] = index_config.model_dump(mode="json")
         manifest["index"] = index.info()
         manifest["normalized"] = index.normalized
         manifest["reindexed_from"] = str(source)
-        (scratch / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+        manifest["probe"] = probe
+        manifest["format_version"] = BUNDLE_FORMAT_VERSION
+        manifest["created_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        manifest["files"].setdefault("index_info", INDEX_INFO_FILE)  # format 1 did not list it
+        write_manifest(scratch, manifest)
     return Path(out)
 
 

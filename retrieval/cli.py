@@ -51,6 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument(
         "--search-threads", type=int, default=1, help="FAISS threads per request; 0 = every core (default: %(default)s)"
     )
+    serve.add_argument(
+        "--verify", default="quick", choices=["quick", "full"],
+        help="check the bundle's files (at start and every reload) against its manifest's fingerprints: "
+        "quick hashes files over 64 MiB by size and both ends, full hashes every file whole (default: %(default)s)",
+    )
     serve.add_argument("--access-log", action="store_true", help="log every request (costs latency)")
     serve.add_argument(
         "--http", default="auto", choices=["auto", "httptools", "h11"],
@@ -108,7 +113,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError(str(error)) from error
     app = create_app(
         args.bundle, admin=not args.no_admin, admin_token=token, limits=limits,
-        search_threads=args.search_threads or None,
+        search_threads=args.search_threads or None, verify=args.verify,
     )
     sys.setswitchinterval(args.gil_switch_interval)
     config = server_config(

@@ -12,7 +12,8 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -39,7 +40,27 @@ class _Section(BaseModel):
     # extra="forbid" is what turns a typo such as `train.epoch` into an error
     # instead of a silently ignored key. allow_inf_nan=False refuses inf and
     # NaN in every float field (an infinite learning rate trained to NaN).
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+    # strict=True: a value has the field's type, nothing converts silently (lax pydantic reads
+    # `epochs: true` as 1, `out_of_core: 1` or "yes" as true, "3" as 3, 3.0 as 3). The deliberate
+    # conversions: an int where a float goes (`learning_rate: 1`), a YAML list where a tuple goes, and
+    # YAML 1.2 floats (`1e-3`, which PyYAML reads as text: ``read_yaml``). A str field takes only
+    # text: quote `run.name: '2024'` (YAML would read 2024 as a number, and 0123 as 83).
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False, strict=True
+    )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_silent_conversions(cls, value: Any, info: ValidationInfo) -> Any:
+        """YAML lists -> tuples; a boolean where the field takes none is refused (a Literal of
+        ints compares ``True == 1`` even in strict mode)."""
+        if isinstance(value, list):
+            return tuple(value)
+        if isinstance(value, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            if not _admits_bool(annotation):
+                raise ValueError(f"expected {_expected(annotation)}, got a boolean ({_yaml_scalar(value)})")
+        return value
 
     @field_validator("*", mode="after")
     @classmethod
@@ -52,6 +73,58 @@ class _Section(BaseModel):
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _INT64_MAX:
             raise ValueError(f"{value!r} does not fit in int64")
         return value
+
+
+def _admits_bool(annotation: Any) -> bool:
+    """Whether a field of this annotation takes a boolean (bool itself, Any, or a Literal of one)."""
+    if annotation is bool or annotation is Any:
+        return True
+    if get_origin(annotation) is Literal:
+        return any(isinstance(member, bool) for member in get_args(annotation))
+    if get_origin(annotation) in (Union, UnionType, Annotated):
+        return any(_admits_bool(member) for member in get_args(annotation))
+    return False
+
+
+def _expected(annotation: Any) -> str:
+    """What a field of this annotation takes, in words: "an integer", "one of 'auto', 0, 1, 2", ..."""
+    if get_origin(annotation) is Literal:
+        return "one of " + ", ".join(_yaml_scalar(member) for member in get_args(annotation))
+    if get_origin(annotation) in (Union, UnionType):
+        return " or ".join(_expected(member) for member in get_args(annotation))
+    if get_origin(annotation) is Annotated:
+        return _expected(get_args(annotation)[0])
+    if get_origin(annotation) is tuple:
+        return "a list"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "a mapping"
+    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean (true or false)",
+             type(None): "null"}
+    return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def _kind(value: Any) -> str:
+    """A YAML value's kind, in words: "a boolean", "an integer", "a float", "a string", ..."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return "null" if value is None else type(value).__name__
+
+
+def _yaml_scalar(value: Any) -> str:
+    """A value as YAML spells it (true, null, 3, 'text'), for messages."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else repr(value)
 
 
 TableFormat = Literal[
@@ -353,12 +426,9 @@ class ModelConfig(_Section):
         if value == "auto":
             return value
         wrong = f"must be 'auto' or a number of at least {MIN_TEMPERATURE:g} (1 / temperature scales the logits)"
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ValueError(f"{wrong}, got {value!r}")
-        try:
-            number = float(value)
-        except ValueError:
-            raise ValueError(f"{wrong}, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):  # strict, as every field: "0.5" is text
+            raise ValueError(f"{wrong}, got {_kind(value)} ({_yaml_scalar(value)})")
+        number = float(value)
         if not math.isfinite(number) or number < MIN_TEMPERATURE:
             raise ValueError(f"{wrong}, got {value!r}")
         return number
@@ -392,6 +462,13 @@ _FEATURE_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"  # becomes a SavedModel signature ar
 
 
 class _Feature(_Section):
+    # Not on every field, as _Section's is: pydantic takes no before-validator on the discriminator
+    # `kind`, and no feature field is a tuple or a Literal of ints (strict mode refuses a bool elsewhere).
+    @field_validator("name", "source", mode="before")
+    @classmethod
+    def _no_silent_conversions(cls, value: Any, info: ValidationInfo) -> Any:
+        return value
+
     name: str = Field(pattern=_FEATURE_NAME, description="Tower input name (and serving argument).")
     source: str | None = Field(
         None,
@@ -906,6 +983,18 @@ def _faiss_reason(error: Exception) -> str:
     return text.split(" Error: ", 1)[-1].strip()
 
 
+# Type errors of strict validation, by pydantic error type: what the key takes.
+_EXPECTED = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "bool_type": "a boolean (true or false)",
+    "tuple_type": "a list",
+    "model_type": "a mapping",
+    "dict_type": "a mapping",
+}
+
+
 def _describe(error: ValidationError, source: str) -> str:
     lines = [f"{source}: invalid configuration"]
     for problem in error.errors():
@@ -913,10 +1002,34 @@ def _describe(error: ValidationError, source: str) -> str:
         message = problem["msg"]
         if problem["type"] == "extra_forbidden":
             message = "unknown key"
-        elif "input" in problem and problem["type"] != "value_error":
+        elif problem["type"] in _EXPECTED and "input" in problem:
+            value = problem["input"]
+            shown = "" if value is None or isinstance(value, (dict, list, tuple)) else f" ({_yaml_scalar(value)})"
+            message = f"expected {_EXPECTED[problem['type']]}, got {_kind(value)}{shown}"
+            if problem["type"] == "string_type" and isinstance(value, (int, float)):
+                message += f"; quote it ('{_yaml_scalar(value)}') if it is text"
+        elif problem["type"] == "value_error":
+            message = message.removeprefix("Value error, ")
+        elif "input" in problem:
             message += f" (got {problem['input']!r})"
         lines.append(f"  {key}: {message}")
     return "\n".join(lines)
+
+
+class _Yaml12Floats(yaml.SafeLoader):
+    """PyYAML's safe loader, reading ``1e-3`` and ``5E+6`` as floats as YAML 1.2 does (YAML 1.1 needs a dot)."""
+
+
+_Yaml12Floats.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def read_yaml(text: str) -> Any:
+    """YAML as configs and ``--set`` values are read: safe, with YAML 1.2 floats (``1e-3`` is a number)."""
+    return yaml.load(text, Loader=_Yaml12Floats)  # noqa: S506 (a SafeLoader subclass)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -925,7 +1038,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not key.strip():
         raise ConfigError(f"override {text!r} must look like section.key=value")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = read_yaml(value) if value.strip() else None
     except yaml.YAMLError as error:
         problem = str(getattr(error, "problem", None) or error).strip()
         raise ConfigError(
@@ -967,7 +1080,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         except UnicodeDecodeError:
             raise ConfigError(f"{path}: not a text file (a YAML config is UTF-8 text)") from None
         try:
-            raw = yaml.safe_load(text) or {}
+            raw = read_yaml(text) or {}
         except yaml.YAMLError as error:
             raise ConfigError(f"{path}: not valid YAML: {yaml_problem(error)}") from None
         if not isinstance(raw, dict):

@@ -33,11 +33,17 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 DEBUG_ENV = "RETRIEVAL_DEBUG"
 EXIT_USER_ERROR = 2  # as argparse exits on a bad command line
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a process killed by Ctrl-C
+
+
+class EntryPoint(Protocol):
+    """A decorated ``main``: ``main()`` reads ``sys.argv``, ``main([...])`` the given arguments."""
+
+    def __call__(self, argv: Sequence[str] | None = None) -> int: ...
 
 
 class UserError(Exception):
@@ -170,7 +176,7 @@ def yaml_problem(error: Exception) -> str:
     return f"{where}{problem}" + (f" ({context})" if context else "")
 
 
-def entry_point(main: Callable[[Any], int | None]) -> Callable[[Sequence[str] | None], int]:
+def entry_point(main: Callable[[Any], int | None]) -> EntryPoint:
     """Decorate an entry point's ``main(argv)`` so that it runs through ``run_main``.
 
     The decorated ``main`` returns the exit status (for ``sys.exit`` or a

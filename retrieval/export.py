@@ -2,7 +2,7 @@
 
 Bundle layout (``artifacts/<run>/``)::
 
-    manifest.json       config, metrics, versions, dimension, metric type, files
+    manifest.json       config, metrics, versions, dimension, metric type, files, fingerprints, probe
     query_model/        SavedModel: serving_default(raw query features) -> {"embedding"}
     doc_model/          SavedModel: serving_default(raw item features) -> {"embedding"}
     topk_model/         SavedModel: serving_default(raw query features) -> {"item_ids", "scores",
@@ -11,23 +11,44 @@ Bundle layout (``artifacts/<run>/``)::
     index.faiss         FAISS inner-product index over every catalogue item
     item_ids.parquet    index row -> item id
     index.json          index factory, dimension, size, search parameters and measured recall
+    seen_items/         each training user's distinct training items as index rows (CSR ``.npy``
+                        files, ``retrieval.seen_items``): what serving excludes by default
     config.yaml         the resolved config of the run
     train_log.csv       per-epoch training loss
     metrics.json        offline metrics (model and baselines)
 
+The files the bundle serves from are those under the entries of the
+manifest's ``files`` (query_model/, doc_model/, index.faiss, item_ids.parquet,
+index.json, topk_model/, and whatever else is listed there); every entry is a
+path inside the bundle. ``fingerprints`` records each of those files by its
+path relative to the bundle: size, the blake2b-256 hash of the whole file
+and, for files over ``FULL_HASH_MAX_BYTES`` (64 MiB), the hash of its first
+and last ``HEAD_TAIL_BYTES`` (8 MiB) too: a default load checks those ends
+(and the size), ``verify="full"`` the whole file (``check_fingerprints``).
+``probe`` holds one training user's raw query, as a client would send it,
+and the top-k item ids and scores the exported towers and index gave it:
+serving reruns it at load and at every health check, which proves that
+query_model/ and the index belong together.
+
 Everything is written under a hidden ``.<run>.partial-<pid>`` directory next
 to the final one and renamed into place at the end, so a crash never leaves a
 half bundle under the final name; ``.<run>.lock`` holds the name meanwhile.
+The manifest is written last, so a scratch directory holding one (whose
+fingerprints check) is a complete bundle: ``atomic_directory`` puts it back
+under the final name when an overwrite was interrupted between its renames.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
+import logging
+import math
 import os
 import platform
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,19 +56,32 @@ from typing import Any
 
 import faiss
 import numpy as np
+import pandas as pd
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
 import retrieval
 from retrieval.errors import UserError
-from retrieval.index import ItemIndex
+from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, ItemIndex
+from retrieval.seen_items import SeenItems
 from retrieval.towers import id_lookups
+from retrieval.training import embed_frame
 
 MANIFEST_FILE = "manifest.json"
 QUERY_MODEL_DIR = "query_model"
 DOC_MODEL_DIR = "doc_model"
 TOPK_MODEL_DIR = "topk_model"
-BUNDLE_FORMAT_VERSION = 1
+SEEN_ITEMS_DIR = "seen_items"
+# 2: the manifest holds fingerprints of the served files and a probe query.
+BUNDLE_FORMAT_VERSION = 2
+# Format 1 bundles still load (serving warns that their parts cannot be checked against the export).
+READABLE_FORMAT_VERSIONS = (1, 2)
+# Files up to this size are hashed whole at every load; larger ones by their size and both ends.
+FULL_HASH_MAX_BYTES = 64 * 2**20
+HEAD_TAIL_BYTES = 8 * 2**20
+PROBE_K = 10  # ids the probe query records (fewer for a smaller catalogue)
+
+log = logging.getLogger("retrieval.export")
 
 
 class RunExistsError(UserError, FileExistsError):
@@ -67,7 +101,11 @@ def atomic_directory(final: str | Path, *, overwrite: bool = False) -> Iterator[
     On an exception the scratch directory is deleted (a failed run cannot be
     resumed from it: resuming uses the checkpoints) and ``final`` is
     untouched. Scratch directories of ``final`` left by processes that no
-    longer run (killed with SIGKILL, so nothing cleaned up) are deleted.
+    longer run (killed with SIGKILL, so nothing cleaned up) are deleted, but
+    first, when ``final`` is absent and some of them hold a complete bundle
+    (an overwrite killed between moving the old bundle aside and moving the
+    new one in), the newest of those (by its manifest's ``created_at``) is
+    put back under ``final`` (``_recover_interrupted_swap``).
 
     Raises:
       RunExistsError: ``final`` exists and ``overwrite`` is false, or it
@@ -76,11 +114,10 @@ def atomic_directory(final: str | Path, *, overwrite: bool = False) -> Iterator[
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     with _name_lock(final):
+        _recover_interrupted_swap(final)
         _check_replaceable(final, overwrite)
-        for stale in [*final.parent.glob(f".{final.name}.partial-*"), *final.parent.glob(f".{final.name}.old-*")]:
-            pid = stale.name.rsplit("-", 1)[1]
-            if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
-                shutil.rmtree(stale, ignore_errors=True)
+        for stale in _dead_scratch(final):
+            shutil.rmtree(stale, ignore_errors=True)
         scratch = final.parent / f".{final.name}.partial-{os.getpid()}"
         if scratch.exists():
             shutil.rmtree(scratch)
@@ -101,6 +138,56 @@ def atomic_directory(final: str | Path, *, overwrite: bool = False) -> Iterator[
             shutil.rmtree(old)
         else:
             scratch.rename(final)
+
+
+def _dead_scratch(final: Path) -> list[Path]:
+    """``.<name>.partial-<pid>`` and ``.<name>.old-<pid>`` beside ``final`` whose process no longer runs."""
+    dead = []
+    for stale in [*final.parent.glob(f".{final.name}.partial-*"), *final.parent.glob(f".{final.name}.old-*")]:
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
+            dead.append(stale)
+    return dead
+
+
+def _recover_interrupted_swap(final: Path) -> None:
+    """Put the newest complete bundle left by dead processes back under ``final`` when ``final`` is absent.
+
+    The overwrite swap renames ``final -> .<name>.old-<pid>`` and then ``scratch -> final``: a
+    process killed between the two leaves no ``final`` and two complete bundles beside it.
+    """
+    if final.exists() or final.is_symlink():
+        return
+    complete = []
+    for stale in _dead_scratch(final):
+        manifest = _complete_bundle_manifest(stale)
+        if manifest is not None:
+            created = str(manifest.get("created_at", ""))
+            complete.append((created, (stale / MANIFEST_FILE).stat().st_mtime, stale.name, stale))
+    if complete:
+        chosen = max(complete)[-1]
+        chosen.rename(final)
+        log.warning(
+            "%s was missing and %s held a complete bundle (an overwrite was interrupted between its two renames): "
+            "moved it back to %s", final, chosen.name, final.name,
+        )
+
+
+def _complete_bundle_manifest(directory: Path) -> dict[str, Any] | None:
+    """The manifest of ``directory`` if it is a complete bundle, else None.
+
+    The manifest is written last, so one that parses says the rest was written; with
+    fingerprints (format 2) the files are checked against them too (quick mode).
+    """
+    try:
+        manifest = json.loads((directory / MANIFEST_FILE).read_text())
+        if not isinstance(manifest, dict):
+            return None
+        if "fingerprints" in manifest:
+            check_fingerprints(directory, manifest)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return manifest
 
 
 def _check_replaceable(final: Path, overwrite: bool) -> None:
@@ -288,11 +375,21 @@ def write_bundle(
     manifest: dict[str, Any],
     item_embeddings: np.ndarray | None = None,
     topk_k: int | None = None,
+    probe_query: pd.DataFrame | None = None,
+    seen_items: SeenItems | None = None,
 ) -> dict[str, Any]:
     """Write towers, index and manifest into ``directory``; return the manifest written.
 
     ``topk_model/`` (see ``save_topk_model``) is written when both
     ``item_embeddings`` [num_items, dim] (rows in index order) and ``topk_k`` are given.
+    ``probe_query`` is one row of raw query features of a training user (as
+    ``TowerTables.queries([user])`` gives it): its top-k through ``query_tower`` and
+    ``index`` is recorded as the manifest's ``probe`` (see ``probe_record``), which
+    serving reproduces at load. Without it the bundle has no probe (its fingerprints
+    and the dimension check still tie its parts together). The manifest is written
+    last, with the fingerprints of every file under its ``files`` (``write_manifest``).
+    ``seen_items`` (each training user's items as rows of ``index``) goes to ``seen_items/``,
+    which ``retrieval.serving`` excludes from what it serves; without it nothing is excluded.
     """
     directory = Path(directory)
     save_tower(query_tower, directory / QUERY_MODEL_DIR)
@@ -301,8 +398,9 @@ def write_bundle(
     files = {
         "query_model": QUERY_MODEL_DIR,
         "doc_model": DOC_MODEL_DIR,
-        "index": "index.faiss",
-        "item_ids": "item_ids.parquet",
+        "index": INDEX_FILE,
+        "item_ids": ITEM_IDS_FILE,
+        "index_info": INDEX_INFO_FILE,
     }
     if item_embeddings is not None and topk_k is not None:
         save_topk_model(
@@ -314,6 +412,18 @@ def write_bundle(
             popular_item_ids=manifest.get("popular_item_ids", ()),
         )
         files["topk_model"] = TOPK_MODEL_DIR
+    probe = None
+    if probe_query is not None:
+        if len(probe_query) != 1:
+            raise ValueError(f"probe_query must be one row of raw query features, got {len(probe_query)} rows")
+        query = raw_query(probe_query, list(query_tower.input_names))
+        probe = probe_record(query, embed_frame(query_tower, probe_query), index)
+    if seen_items is not None:
+        if seen_items.num_pairs and int(seen_items.item_rows.max()) >= len(index):
+            raise ValueError(f"seen_items holds index rows up to {int(seen_items.item_rows.max())}, "
+                             f"past the {len(index)} items of the index")
+        seen_items.save(directory / SEEN_ITEMS_DIR)
+        files["seen_items"] = SEEN_ITEMS_DIR
     full = {
         "format_version": BUNDLE_FORMAT_VERSION,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -330,10 +440,22 @@ def write_bundle(
         "query_inputs": describe_inputs(query_tower),
         "doc_inputs": describe_inputs(doc_tower),
         "files": files,
+        "probe": probe,
+        **({"seen_items": seen_items.info()} if seen_items is not None else {}),
         **manifest,
     }
-    (directory / MANIFEST_FILE).write_text(json.dumps(full, indent=2, default=str))
-    return full
+    return write_manifest(directory, full)
+
+
+def write_manifest(directory: str | Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Write ``manifest`` (with ``fingerprints`` of the files under its ``files``) to manifest.json; return it.
+
+    Call it after every served file is in place: the fingerprints are taken now.
+    """
+    directory = Path(directory)
+    manifest = {**manifest, "fingerprints": fingerprint_files(directory, manifest["files"])}
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, default=str))
+    return manifest
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:
@@ -341,8 +463,177 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a bundle: {MANIFEST_FILE} is missing")
     manifest = json.loads(path.read_text())
-    if manifest.get("format_version") != BUNDLE_FORMAT_VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format_version") not in READABLE_FORMAT_VERSIONS:
+        version = manifest.get("format_version") if isinstance(manifest, dict) else None
         raise ValueError(
-            f"{path}: bundle format {manifest.get('format_version')!r}, this library reads {BUNDLE_FORMAT_VERSION}"
+            f"{path}: bundle format {version!r}, this library reads {list(READABLE_FORMAT_VERSIONS)}"
         )
     return manifest
+
+
+# --- What ties a bundle's parts together: fingerprints of its files, a probe query. ---
+
+
+def served_files(directory: str | Path, files: Mapping[str, Any]) -> dict[str, Path]:
+    """Every file under the entries of a manifest's ``files``, by path relative to the bundle (sorted).
+
+    A directory entry is walked recursively (symlinks followed, each one
+    checked). Nothing outside the bundle is ever named or opened.
+
+    Raises:
+      ValueError naming the entry or file: an entry that is not a relative path,
+        a path (``..``, absolute, or a symlink) that resolves outside the bundle,
+        a missing entry, or something that is neither a file nor a directory.
+    """
+    directory = Path(directory)
+    root = directory.resolve()
+    found: dict[str, Path] = {}
+    for key, entry in files.items():
+        if not isinstance(entry, str) or not entry:
+            raise ValueError(f"manifest.json files.{key} {_bounded(entry)} is not a path")
+        if Path(entry).is_absolute():
+            raise ValueError(f"manifest.json files.{key} {_bounded(entry)} points outside the bundle: "
+                             "every served path must be relative to it")
+        name = Path(os.path.normpath(entry)).as_posix()
+        path = directory / name
+        _check_inside(root, path, f"manifest.json files.{key} {_bounded(entry)}")
+        if not path.exists():
+            raise ValueError(f"{name}: listed in manifest.json files.{key} but missing")
+        _collect(root, path, name, found, visited=set())
+    return dict(sorted(found.items()))
+
+
+def _collect(root: Path, path: Path, name: str, found: dict[str, Path], visited: set[Path]) -> None:
+    if path.is_symlink():
+        _check_inside(root, path, f"{name} (a symlink)")
+    if path.is_file():
+        found[name] = path
+    elif path.is_dir():
+        real = path.resolve()
+        if real in visited:
+            raise ValueError(f"{name}: a symlink loops back to a directory above it")
+        for child in sorted(path.iterdir()):
+            _collect(root, child, f"{name}/{child.name}", found, visited | {real})
+    else:
+        raise ValueError(f"{name}: neither a file nor a directory")
+
+
+def _check_inside(root: Path, path: Path, what: str) -> None:
+    if not path.resolve().is_relative_to(root):
+        raise ValueError(f"{what} points outside the bundle: every served path must stay inside it")
+
+
+def _bounded(value: Any, quote: bool = True) -> str:
+    """``value`` for a message, at most 80 characters (a manifest may hold anything)."""
+    text = repr(value) if quote or not isinstance(value, str) else value
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _digest(path: Path, *, head_tail: int | None = None) -> str:
+    """blake2b-256 of the whole file, or of its first and last ``head_tail`` bytes."""
+    digest = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as handle:
+        if head_tail is None:
+            while chunk := handle.read(2**20):
+                digest.update(chunk)
+        else:
+            digest.update(handle.read(head_tail))
+            handle.seek(max(os.fstat(handle.fileno()).st_size - head_tail, 0))
+            digest.update(handle.read(head_tail))
+    return digest.hexdigest()
+
+
+def fingerprint_files(directory: str | Path, files: Mapping[str, Any]) -> dict[str, Any]:
+    """The manifest's ``fingerprints``: each served file's size and blake2b-256 (``served_files``).
+
+    ``{"algorithm", "head_tail_bytes", "files": {relative path: {"size", "blake2b",
+    "quick_check", ["head_tail_blake2b"]}}}``. ``quick_check`` says what a default
+    load compares: ``"whole"`` (the full hash) for files up to ``FULL_HASH_MAX_BYTES``,
+    ``"head+tail"`` (size and the hash of the first and last ``HEAD_TAIL_BYTES``) above.
+    """
+    records = {}
+    for name, path in served_files(directory, files).items():
+        size = path.stat().st_size
+        record: dict[str, Any] = {"size": size, "blake2b": _digest(path), "quick_check": "whole"}
+        if size > FULL_HASH_MAX_BYTES:
+            record.update(quick_check="head+tail", head_tail_blake2b=_digest(path, head_tail=HEAD_TAIL_BYTES))
+        records[name] = record
+    return {"algorithm": "blake2b-256", "head_tail_bytes": HEAD_TAIL_BYTES, "files": records}
+
+
+def check_fingerprints(directory: str | Path, manifest: Mapping[str, Any], *, full: bool = False) -> None:
+    """Check the files under the manifest's ``files`` against its ``fingerprints``.
+
+    ``full`` hashes every file whole; otherwise files recorded with
+    ``quick_check: "head+tail"`` are checked by size and both ends.
+
+    Raises:
+      ValueError naming the file: content that differs, a file missing or one
+        the fingerprints do not list, or a path outside the bundle (``served_files``).
+    """
+    record = manifest.get("fingerprints")
+    if not isinstance(record, Mapping) or not isinstance(record.get("files"), Mapping):
+        raise ValueError("manifest.json has no fingerprints of its files: re-export the bundle")
+    expected: Mapping[str, Any] = record["files"]
+    found = served_files(directory, manifest["files"])
+    for name in expected:
+        if name not in found:
+            raise ValueError(
+                f"{_bounded(name, quote=False)}: in the manifest's fingerprints but missing from the bundle"
+            )
+    for name, path in found.items():
+        if name not in expected:
+            raise ValueError(f"{name}: in the bundle's served files but not in the manifest's fingerprints")
+        want = expected[name]
+        size = path.stat().st_size
+        if size != want["size"]:
+            same = False
+        elif full or want.get("quick_check") != "head+tail":
+            same = _digest(path) == want["blake2b"]
+        else:
+            same = _digest(path, head_tail=int(record["head_tail_bytes"])) == want["head_tail_blake2b"]
+        if not same:
+            raise ValueError(f"{name}: content differs from the manifest's fingerprint")
+
+
+def raw_query(frame: pd.DataFrame, features: Sequence[str]) -> dict[str, Any]:
+    """The first row of a frame of raw query features as a client sends it: plain JSON values.
+
+    Numbers become floats or ints (NaN: None, missing), lists of ids lists of strings.
+    """
+    row = frame.iloc[0]
+    return {feature: _plain(row[feature]) for feature in features}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (tuple, list, np.ndarray)):
+        return [_plain(v) for v in value]
+    if value is None or value is pd.NA:
+        return None
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
+
+
+def probe_record(query: dict[str, Any], embedding: np.ndarray, index: ItemIndex) -> dict[str, Any]:
+    """The manifest's ``probe``: a raw query and its top-k through ``index``.
+
+    Args:
+      query: raw query features, plain JSON values (``raw_query``).
+      embedding: [1, dim] the query tower's embedding of ``query``.
+      index: the index the bundle serves from.
+
+    Returns:
+      ``{"query", "k", "item_ids", "scores"}`` with k = min(PROBE_K, catalogue size).
+    """
+    k = min(PROBE_K, len(index))
+    top = index.search(np.asarray(embedding, dtype=np.float32).reshape(1, -1), k)
+    rows = top.rows[0][top.rows[0] >= 0]
+    return {
+        "query": query,
+        "k": k,
+        "item_ids": [str(item) for item in index.item_ids[rows]],
+        "scores": [float(score) for score in top.scores[0][: len(rows)]],
+    }

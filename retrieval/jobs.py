@@ -20,6 +20,7 @@ from retrieval.arrays import seeded_subset
 from retrieval.config import Config, save_config
 from retrieval.data import ITEM, USER, load_dataset, read_clicks
 from retrieval.data.dataset import catalogue_table, feature_tables
+from retrieval.data.fingerprint import RunInputs
 from retrieval.data.splits import training_split
 
 # The out-of-core path (data.out_of_core):
@@ -56,6 +57,7 @@ from retrieval.model import build_model
 from retrieval.objectives import resolved
 from retrieval.run_checkpoints import training_checkpoints
 from retrieval.samplers import UserHistory
+from retrieval.seen_items import SeenItems
 from retrieval.towers import build_towers
 from retrieval.training import (
     StreamedClicks,
@@ -87,6 +89,9 @@ def train_evaluate_export(
 ) -> RunResult:
     """Run the whole job; the run directory appears only when every step succeeded.
 
+    The input files must not change while it runs: a change found after a streamed epoch or at
+    the end fails it with an ``InputsChangedError`` naming the files (``_inputs_and_checkpoints``).
+
     ``on_epoch_end(epoch, logs)`` is passed to ``training.fit``: it sees each early-stopping epoch's
     validation recall and may raise to abandon the run (pipelines/tune.py prunes trials with it).
     """
@@ -99,7 +104,7 @@ def train_evaluate_export(
     final = Path(config.run.output_dir) / name
     with ExitStack() as cleanup, atomic_directory(final, overwrite=config.run.overwrite) as scratch:
         # Outside the run directory: they outlive a killed run; deleted once the run directory is in place.
-        checkpoint_dir = training_checkpoints(config, name, cleanup)
+        inputs, checkpoint_dir = _inputs_and_checkpoints(config, name, cleanup)
         save_config(config, scratch / "config.yaml")
         dataset = load_dataset(config.data, config.split)
         log.info("data: %s", json.dumps(dataset.summary()))
@@ -165,8 +170,33 @@ def train_evaluate_export(
         metrics["data"] = dataset.summary()
         metrics["derived"] = derived
         metrics["final_train_loss"] = history["loss"][-1]
-        write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, stats)
+        # The probe query the bundle must reproduce at load: a training user's raw query.
+        write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, stats,
+                          probe_query=tables.queries(tuning_users[:1]),
+                          seen_items=seen_items_of(dataset.train, index))
+        inputs.check_content()  # last: the run directory appears only if the inputs held still
     return RunResult(final, metrics, time.perf_counter() - started)
+
+
+def _inputs_and_checkpoints(config: Config, name: str, cleanup: ExitStack) -> tuple[RunInputs, Path | None]:
+    """The input files as the run starts and its checkpoint directory (``training_checkpoints``).
+
+    The inputs are content-hashed when training is checkpointed (a resume
+    compares the hashes) and stat-ed otherwise (``retrieval.data.fingerprint``
+    has the cost). Until ``cleanup`` closes, an error of a run whose inputs
+    changed meanwhile becomes the ``InputsChangedError`` naming them.
+    """
+    inputs = RunInputs.take(config.data, hashed=config.train.checkpoints)
+    checkpoint_dir = training_checkpoints(config, name, cleanup, inputs.fingerprints)
+    cleanup.enter_context(inputs.explaining())  # closed before the checkpoints' cleanup, which sees its error
+    return inputs, checkpoint_dir
+
+
+def seen_items_of(train: pd.DataFrame, index: ItemIndex) -> SeenItems:
+    """Each training user's items as rows of ``index``: what serving excludes (all of ``train``,
+    the early-stopping validation clicks included, which the bundle's model trained on too)."""
+    item_rows = pd.Index(index.item_ids, dtype=object).get_indexer(train[ITEM].astype(str))
+    return SeenItems.from_pairs(train[USER].astype(str).to_numpy(), item_rows)
 
 
 def write_run_outputs(
@@ -178,8 +208,17 @@ def write_run_outputs(
     index: ItemIndex,
     item_embeddings: np.ndarray,
     stats: FeatureStatistics,
+    *,
+    probe_query: pd.DataFrame | None = None,
+    seen_items: SeenItems | None = None,
 ) -> None:
-    """Metrics (JSON, Markdown, report, TensorBoard) and the serving bundle of a finished run."""
+    """Metrics (JSON, Markdown, report, TensorBoard) and the serving bundle of a finished run.
+
+    ``probe_query``: one row of a training user's raw query features (``TowerTables.queries``),
+    recorded with its top-k for serving to reproduce at load (``export.write_bundle``).
+    ``seen_items``: each training user's items as rows of ``index``, which the bundle excludes
+    from what it serves (``export.write_bundle``).
+    """
     (directory / "metrics.json").write_text(json.dumps(metrics, indent=2))
     (directory / "metrics.md").write_text(format_table(metrics) + "\n")
     write_report(directory, metrics, title=f"Offline evaluation: {name}", plots=config.evaluation.plots)
@@ -191,6 +230,8 @@ def write_run_outputs(
         index=index,
         item_embeddings=item_embeddings if config.export.topk_model else None,
         topk_k=config.export.topk_k,
+        probe_query=probe_query,
+        seen_items=seen_items,
         manifest={
             "run": name,
             "config": config.to_dict(),
@@ -249,7 +290,7 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
     name = config.run.name or default_run_name(config_name)
     final = Path(config.run.output_dir) / name
     with ExitStack() as cleanup, atomic_directory(final, overwrite=config.run.overwrite) as scratch:
-        checkpoint_dir = training_checkpoints(config, name, cleanup)
+        inputs, checkpoint_dir = _inputs_and_checkpoints(config, name, cleanup)
         save_config(config, scratch / "config.yaml")
         seconds: dict[str, float] = {}
         clock = time.perf_counter()
@@ -329,7 +370,8 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
         timing: dict[str, list[float]] = {}
         with strategy.scope():  # fit compiles: the optimizer's variables too; each worker streams its own shards
             history = fit(model, source, config.train, log_dir=scratch, checkpoint_dir=checkpoint_dir,
-                          say=log.info, timing=timing, validation=validation)
+                          say=log.info, timing=timing, validation=validation,
+                          epoch_hooks=[inputs.after_epoch])  # each epoch streams the shards again
         seconds["training"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
@@ -357,8 +399,23 @@ def _train_evaluate_export_out_of_core(config: Config, config_name: str, started
             "epoch_seconds": timing.get("epoch_seconds"),
             "clicks_per_second": timing.get("clicks_per_second"),
         }
-        write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, stats)
+        clock = time.perf_counter()
+        seen_items = _streamed_seen_items(shards, plan, stats, index)
+        seconds["seen_items"] = time.perf_counter() - clock
+        metrics["out_of_core"]["seconds"]["seen_items"] = round(seconds["seen_items"], 2)
+        # The probe query the bundle must reproduce at load: a training user's raw query.
+        write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, stats,
+                          probe_query=tables.queries(tuning_users[:1]), seen_items=seen_items)
+        inputs.check_content()  # last: the shards are read up to evaluation's ALS pass
     return RunResult(final, metrics, time.perf_counter() - started)
+
+
+def _streamed_seen_items(shards: ClickShards, plan, stats: FeatureStatistics, index: ItemIndex) -> SeenItems:
+    """``seen_items_of`` on the shards: every training click coded while streaming (``scan_pairs``,
+    8 bytes a click) and turned into the bundle's CSR arrays by sorting (about 18 bytes a click more)."""
+    users = pd.Index(np.asarray(stats.users.ids, dtype=object), dtype=object)
+    user_rows, item_rows = scan_pairs(shards, plan, users, pd.Index(index.item_ids, dtype=object))
+    return SeenItems.from_coded_pairs(user_rows, item_rows, users.to_numpy())
 
 
 def _streamed_tables(config: Config, counts, has_time: bool) -> tuple[TowerTables, ExampleJoin | None]:

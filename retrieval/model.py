@@ -18,7 +18,6 @@ from retrieval.config import ModelConfig
 from retrieval.data import ITEM, USER, WEIGHT
 from retrieval.features import FeatureStatistics, feature_arrays
 from retrieval.losses import (
-    HierarchicalSoftmax,
     LossInputs,
     RetrievalLoss,
     gather_across_replicas,
@@ -26,7 +25,6 @@ from retrieval.losses import (
 from retrieval.objectives import build_miner, build_objective, build_sampler, resolved
 from retrieval.samplers import (
     FaissHardNegativeMiner,
-    KernelSampler,
     Sampler,
     UserHistory,
     across_replicas,
@@ -145,7 +143,7 @@ class TwoTowerModel(tfrs.Model):
     @property
     def servable_by_dot_product(self) -> bool:
         """Whether the FAISS inner-product index of doc embeddings ranks as the model does."""
-        return not isinstance(self.objective, HierarchicalSoftmax)
+        return self.objective.scores_by_dot_product
 
     def item_index(self, item_ids) -> tf.Tensor:
         """Tower indices of string item ids (0 = not in the vocabulary), same shape."""
@@ -268,8 +266,8 @@ class TwoTowerModel(tfrs.Model):
             return
         if self.miner is not None:
             unsupported = "model.loss.hard_negatives='mined'"
-        elif isinstance(self.sampler, KernelSampler):
-            unsupported = "model.loss.negatives='kernel'"
+        elif self.sampler is not None and not self.sampler.supports_replicas:
+            unsupported = f"model.loss.negatives with {type(self.sampler).__name__}"
         else:
             return
         raise ValueError(

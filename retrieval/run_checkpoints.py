@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from retrieval.config import Config
-from retrieval.data.fingerprint import FileFingerprint, changed_inputs, fingerprint_inputs
+from retrieval.data.fingerprint import FileFingerprint, InputsChangedError, changed_inputs, fingerprint_inputs
 from retrieval.export import RunExistsError
+from retrieval.training import TrainingDiverged
 from retrieval.training.runtime import cluster_task
 
 log = logging.getLogger("retrieval")
@@ -44,7 +45,9 @@ _RESUME_IGNORES = {
 }
 
 
-def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path | None:
+def training_checkpoints(
+    config: Config, name: str, cleanup: ExitStack, inputs: dict[str, FileFingerprint | None] | None = None
+) -> Path | None:
     """The checkpoint directory of run ``name``, ready for ``fit``; None when checkpoints are off.
 
     ``<train.checkpoint_dir or run.output_dir>/.<name>.checkpoints``. It is
@@ -53,7 +56,10 @@ def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path 
     content hash of each file or shard) an earlier, killed attempt saved there
     (a resume must train the same thing on the same data) and, through
     ``cleanup``, deleted when the job succeeds. Hashing reads every input
-    once more (about a second per 0.3-1 GB).
+    once more (about a second per 0.3-1 GB); ``inputs``, the job's
+    ``RunInputs.fingerprints``, saves hashing them twice (None: hashed here).
+    A job that fails because its inputs changed during the run
+    (``InputsChangedError``) deletes them: they hold training on other data.
 
     Raises:
       UnfinishedRunError: the checkpoints there were written for another
@@ -81,7 +87,8 @@ def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path 
             from None
     current = _resume_view(config.to_dict())
     saved = directory / "config.json"
-    inputs, saved_inputs = fingerprint_inputs(config.data), directory / "inputs.json"
+    inputs = fingerprint_inputs(config.data) if inputs is None else inputs
+    saved_inputs = directory / "inputs.json"
     if _holds_checkpoints(directory):
         if not train.resume:
             if chief:  # the chief alone writes and deletes the directory
@@ -115,7 +122,7 @@ def training_checkpoints(config: Config, name: str, cleanup: ExitStack) -> Path 
     )
     log.info("checkpoints every %s in %s (a killed run resumes when started again with run.name=%s)",
              every, directory, name)
-    cleanup.push(lambda failed, *_: _after_training_job(directory, failed is not None))
+    cleanup.push(lambda _type, error, _traceback: _after_training_job(directory, error))
     return directory
 
 
@@ -152,9 +159,20 @@ def _holds_checkpoints(directory: Path) -> bool:
     return (directory / "checkpoint").exists() or any(directory.glob("*/checkpoint"))
 
 
-def _after_training_job(checkpoint_dir: Path, failed: bool) -> None:
-    """Delete the checkpoints when the job succeeded or when there is nothing to resume from."""
-    if failed and _holds_checkpoints(checkpoint_dir):
+def _after_training_job(checkpoint_dir: Path, error: BaseException | None) -> None:
+    """Delete the checkpoints when the job succeeded or when there is nothing to resume from.
+
+    A run whose loss diverged has nothing to resume: the same config trains to the same NaN
+    (``TrainingDiverged``), and a changed one does not resume these checkpoints. A run whose
+    inputs changed under it (``InputsChangedError``) trained on mixed data: resuming it would too.
+    """
+    if isinstance(error, TrainingDiverged):
+        log.error("the loss diverged: the run's checkpoints in %s are deleted (a resume would diverge again)",
+                  checkpoint_dir)
+    elif isinstance(error, InputsChangedError):
+        log.error("the inputs changed during the run: its checkpoints in %s are deleted (a resume would "
+                  "train on mixed data)", checkpoint_dir)
+    elif error is not None and _holds_checkpoints(checkpoint_dir):
         log.error(
             "the run failed; its checkpoints are kept in %s: run the same command again to resume, "
             "or set train.resume=false to start over", checkpoint_dir,

@@ -10,6 +10,11 @@ or from a shell::
 
     python -m retrieval.serving --bundle artifacts/my-run --user-id 196 -k 10
 
+What a user already has is never served by default: the user's training
+items (the bundle's ``seen_items/``, ``retrieval.seen_items``) and the items
+of the query's click history; ``exclude_seen=False`` (``--include-seen``)
+serves them too.
+
 Over HTTP, ``retrieval serve --bundle artifacts/my-run`` (``retrieval/service.py``).
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import reprlib
 import sys
 import time
@@ -24,14 +30,23 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import tensorflow as tf
 
+from retrieval.data import USER
+from retrieval.data.values import finite_feature_value
 from retrieval.errors import UserError, entry_point
-from retrieval.export import read_manifest
-from retrieval.index import ItemIndex
+from retrieval.export import check_fingerprints, read_manifest, served_files
+from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFilesError, ItemIndex
+from retrieval.seen_items import SeenItems
+
+log = logging.getLogger("retrieval.serving")
+
+Verify = Literal["quick", "full"]
+# Scores of the probe query equal those at export within this (absolute and relative); ids may reorder in ties.
+PROBE_TOLERANCE = 1e-5
 
 
 class BundleError(UserError, ValueError):
@@ -72,16 +87,26 @@ class Bundle:
 
     ``Bundle.load`` raises BundleError (one line, no file bytes) for any
     bundle it cannot serve: missing or corrupt manifest, SavedModel, index or
-    item ids, or parts that do not fit together.
+    item ids, or parts that do not fit together. Before anything is loaded,
+    every file under the manifest's ``files`` must stay inside the bundle and
+    match its fingerprint (``verify``: "quick" hashes files up to 64 MiB whole
+    and larger ones by size and both ends, "full" every file whole); then the
+    query model's output dimension must equal the index's, item ids must be
+    unique, and the manifest's probe query must give the items it gave at
+    export (``check_probe``). Format 1 bundles (no fingerprints, no probe)
+    load with a warning.
     """
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, *, verify: Verify = "quick"):
+        if verify not in ("quick", "full"):
+            raise ValueError(f"verify must be 'quick' or 'full', got {verify!r}")
         self.directory = Path(directory)
         self.loaded_at = time.time()
         with _part(self.directory, "manifest.json"):
             self.manifest = read_manifest(self.directory)
             self.query_features: list[str] = [str(f) for f in self.manifest["query_features"]]
             query_model = str(self.manifest["files"]["query_model"])
+        self._check_files(verify)
         with _part(self.directory, f"query SavedModel {query_model!r}"):
             self._query_model = tf.saved_model.load(str(self.directory / query_model))
             self._embed = self._query_model.signatures["serving_default"]
@@ -102,16 +127,102 @@ class Bundle:
                 f"{self.directory}: item_ids.parquet holds {len(self.index.item_ids)} ids for "
                 f"{self.index.index.ntotal} vectors in index.faiss"
             )
+        # A query model from another run of another dimension would fail every request, not the load.
+        query_dim = self._embed.structured_outputs["embedding"].shape[-1]
+        if query_dim is not None and query_dim != self.index.dim:
+            raise BundleError(
+                f"{self.directory}: the query model ({query_model}) embeds into {query_dim} dimensions but "
+                f"index.faiss holds {self.index.dim}-dimensional vectors: the bundle's parts do not belong together"
+            )
+        if self.manifest.get("embedding_dim", self.index.dim) != self.index.dim:
+            raise BundleError(
+                f"{self.directory}: manifest.json embedding_dim is {_short(self.manifest['embedding_dim'])} but "
+                f"index.faiss holds {self.index.dim}-dimensional vectors: the bundle's parts do not belong together"
+            )
         self._id_array = np.array([str(item) for item in self.index.item_ids], dtype=object)
         self._row_of = {item: row for row, item in enumerate(self.index.item_ids)}
         self._popular_rows = np.array(
             [self._row_of[item] for item in self.manifest.get("popular_item_ids", []) if item in self._row_of],
             dtype=np.int64,
         )
+        self.seen_items = self._load_seen_items()
+        self._user_input, self._history_input = _seen_inputs(self.manifest, self.query_features)
+        self.check_probe()
+
+    def _load_seen_items(self) -> SeenItems | None:
+        """The training users' items (``seen_items/``); None for a bundle exported without them."""
+        folder = self.manifest["files"].get("seen_items")
+        if folder is None:
+            return None
+        with _part(self.directory, f"seen items {str(folder)!r}"):
+            seen = SeenItems.load(self.directory / str(folder))
+        recorded = self.manifest.get("seen_items")
+        if recorded is not None and recorded != seen.info():
+            raise BundleError(f"{self.directory}: seen items hold {seen.info()}, the manifest says {recorded}")
+        return seen
 
     @classmethod
-    def load(cls, directory: str | Path) -> Bundle:
-        return cls(directory)
+    def load(cls, directory: str | Path, *, verify: Verify = "quick") -> Bundle:
+        """Load and check a bundle (see the class docstring); ``verify="full"`` hashes every file whole."""
+        return cls(directory, verify=verify)
+
+    def _check_files(self, verify: Verify) -> None:
+        """Paths inside the bundle, and (format 2) every served file equal to its fingerprint."""
+        with _part(self.directory, "manifest.json files"):
+            files = self.manifest["files"]
+            if not isinstance(files, dict):
+                raise BundleError(f"{self.directory}: manifest.json files must be an object of paths")
+        try:
+            if self.manifest.get("format_version") == 1:
+                served_files(self.directory, files)
+                log.warning(
+                    "%s: bundle format 1 has no fingerprints or probe query, so its parts cannot be checked "
+                    "against the export; re-export it (python -m pipelines.export) to get these checks",
+                    self.directory,
+                )
+                return
+            check_fingerprints(self.directory, self.manifest, full=verify == "full")
+        except ValueError as error:  # names the file and what is wrong with it
+            raise BundleError(f"{self.directory}: {error}") from None
+        except Exception as error:  # an unreadable file, or a fingerprint record of the wrong shape
+            raise BundleError(f"{self.directory}: the files cannot be checked: {_reason(error)}") from None
+        unlisted = [name for name in (INDEX_FILE, ITEM_IDS_FILE, INDEX_INFO_FILE)
+                    if name not in self.manifest["fingerprints"]["files"]]
+        if unlisted:
+            raise BundleError(
+                f"{self.directory}: manifest.json files does not list {unlisted}, which the index is loaded from, "
+                "so they are not checked: re-export the bundle"
+            )
+
+    def check_probe(self) -> None:
+        """Raise BundleError unless the manifest's probe query gives the items it gave at export.
+
+        The probe (``retrieval.export.probe_record``) is one training user's raw query; it runs
+        through this bundle's query model and index as a request would. A bundle without a probe passes.
+        """
+        problem = self.probe_problem()
+        if problem:
+            raise BundleError(f"{self.directory}: {problem}")
+
+    def probe_problem(self) -> str | None:
+        """Why the probe query fails (no server paths: /healthz sends it), or None when it passes."""
+        probe = self.manifest.get("probe")
+        if not probe:
+            return None
+        who = "query"
+        try:
+            query = probe["query"]
+            who = f"user {_short(query.get('user_id'))}" if "user_id" in query else f"query {_short(query)}"
+            top = self.index.search(self.embed([query]), int(probe["k"]))
+            rows = top.rows[0][top.rows[0] >= 0]
+            same = _same_top_k(list(probe["item_ids"]), list(probe["scores"]), self._ids(rows),
+                               top.scores[0][: len(rows)])
+        except Exception as error:
+            return f"probe query for {who} cannot be run: {error if isinstance(error, ValueError) else _reason(error)}"
+        if not same:
+            return (f"probe query for {who} returned other items than at export: "
+                    "the bundle's parts do not belong together")
+        return None
 
     @property
     def version(self) -> str:
@@ -137,6 +248,10 @@ class Bundle:
             "index": index,
             "fallbacks": ["popular", "features"] if len(self.query_features) > 1 else ["popular"],
             "num_popular_items": int(len(self._popular_rows)),
+            # exclude_seen: training items of known users (bundles exported with seen_items/ only) and
+            # the items of a query's click history.
+            "excludes_seen": self.seen_items is not None,
+            "excludes_history": self._history_input is not None,
             "versions": self.manifest.get("versions", {}),
         }
 
@@ -144,8 +259,11 @@ class Bundle:
         """Raise ValueError naming the problem unless ``query`` has every query feature in its type.
 
         String inputs take a string or int (None: missing, sent as ""); number
-        inputs an int, a float or None (missing, NaN); list inputs (e.g. a click
-        history) a list of strings or ints, truncated or padded to the signature's width.
+        inputs an int or a float finite in the input's dtype (float32 for
+        numeric features: at most about 3.4e38 in magnitude), or None (missing,
+        sent as NaN; a NaN itself is refused, as are infinities); list inputs
+        (e.g. a click history) a list of strings or ints, truncated or padded to
+        the signature's width.
         """
         if not isinstance(query, Mapping):
             raise ValueError(f"query {position} must be an object of features, got {type(query).__name__}")
@@ -156,10 +274,9 @@ class Bundle:
                 )
             value, spec = query[feature], self._input_specs[feature]
             if spec.dtype != tf.string:
-                if isinstance(value, bool) or not (value is None or isinstance(value, (int, float))):
-                    raise ValueError(
-                        f"query {position} feature {feature!r} must be a number or null, got {_short(value)}"
-                    )
+                problem = finite_feature_value(value, spec.dtype.name)
+                if problem is not None:
+                    raise ValueError(f"query {position} feature {feature!r} {problem}, got {_short(value)}")
             elif spec.shape.rank == 2:
                 if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or any(
                     isinstance(v, bool) or not isinstance(v, (str, int)) for v in value
@@ -176,7 +293,10 @@ class Bundle:
                 )
 
     def embed(self, queries: Sequence[Mapping[str, Any]]) -> np.ndarray:
-        """Raw query features -> [num_queries, dim] float32 embeddings."""
+        """Raw query features -> [num_queries, dim] float32 embeddings.
+
+        Raises ValueError for a query that ``check_query`` refuses or whose embedding is not finite.
+        """
         return self._embed_checked(queries)[0]
 
     def _embed_checked(self, queries: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
@@ -189,21 +309,34 @@ class Bundle:
         }
         outputs = self._embed(**inputs)
         known = outputs["known_ids"].numpy() if self._reports_known_ids else np.ones(len(queries), dtype=bool)
-        return outputs["embedding"].numpy(), known
+        embeddings = outputs["embedding"].numpy()
+        _check_finite(embeddings, "query")
+        return embeddings, known
 
     def recommend(
-        self, query: Mapping[str, Any], k: int = 10, exclude_item_ids: Sequence[str] = ()
+        self,
+        query: Mapping[str, Any],
+        k: int = 10,
+        exclude_item_ids: Sequence[str] = (),
+        *,
+        exclude_seen: bool = True,
     ) -> Recommendations:
-        """Top-k item ids for one raw query, never returning ``exclude_item_ids``."""
-        return self.recommend_batch([query], k, [exclude_item_ids])[0]
+        """Top-k item ids for one raw query, never returning ``exclude_item_ids``.
+
+        With ``exclude_seen`` (the default) neither the user's training items nor the items of
+        the query's click history are returned either (see ``excluded_rows``).
+        """
+        return self.recommend_batch([query], k, [exclude_item_ids], exclude_seen=exclude_seen)[0]
 
     def recommend_batch(
         self,
         queries: Sequence[Mapping[str, Any]],
         k: int = 10,
         exclude_item_ids: Sequence[Sequence[str]] | None = None,
+        *,
+        exclude_seen: bool = True,
     ) -> list[Recommendations]:
-        """Top-k for a batch of raw queries (one FAISS search for all)."""
+        """Top-k for a batch of raw queries (one FAISS search for all); ``exclude_seen`` as in ``recommend``."""
         if not queries:
             return []
         if k <= 0:
@@ -211,7 +344,9 @@ class Bundle:
         if exclude_item_ids is not None and len(exclude_item_ids) != len(queries):
             raise ValueError(f"exclude_item_ids has {len(exclude_item_ids)} lists for {len(queries)} queries")
         embeddings, known_ids = self.embed_with_known(queries)
-        return self.recommend_embedded(embeddings, known_ids, k, exclude_item_ids)
+        return self.recommend_embedded(
+            embeddings, known_ids, k, exclude_item_ids, queries=queries, exclude_seen=exclude_seen
+        )
 
     def embed_with_known(self, queries: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
         """Checked raw queries -> (embeddings [n, dim] float32, known_ids bool [n]) for recommend_embedded."""
@@ -223,20 +358,27 @@ class Bundle:
         known_ids: np.ndarray,
         k: int = 10,
         exclude_item_ids: Sequence[Sequence[str]] | None = None,
+        *,
+        queries: Sequence[Mapping[str, Any]] | None = None,
+        exclude_seen: bool = True,
     ) -> list[Recommendations]:
         """Top-k for query embeddings [n, dim] and known_ids [n] from ``embed_with_known`` (one FAISS search).
 
         ``recommend_batch`` is embed_with_known + this; a caller answering a large batch embeds it
-        once and searches it in slices.
+        once and searches it in slices. A row holding NaN or inf, or whose scores overflow float32,
+        is a ValueError naming it (FAISS would drop its results: an empty answer that looks like one).
+        once and searches it in slices. ``queries`` [n] are the raw queries the embeddings came
+        from: with ``exclude_seen`` their users' training items and history items are excluded
+        (``excluded_rows``), so they are needed unless the bundle has nothing of the kind to exclude.
         """
         if k <= 0:
             raise ValueError(f"k must be positive, got {k}")
         if exclude_item_ids is not None and len(exclude_item_ids) != len(embeddings):
             raise ValueError(f"exclude_item_ids has {len(exclude_item_ids)} lists for {len(embeddings)} queries")
-        exclude = [
-            np.array([self._row_of[i] for i in items if i in self._row_of], dtype=np.int64)
-            for items in (exclude_item_ids or [()] * len(embeddings))
-        ]
+        _check_finite(embeddings, "embedding")  # FAISS drops NaN rows: an empty answer that looks like success
+        if queries is not None and len(queries) != len(embeddings):
+            raise ValueError(f"queries has {len(queries)} entries for {len(embeddings)} embeddings")
+        exclude = self.excluded_rows(len(embeddings), exclude_item_ids, queries, exclude_seen=exclude_seen)
         top = self.index.search(embeddings, k, exclude=exclude)
         # An all-zero embedding is the towers' out-of-vocabulary row: the model
         # knows nothing about this query, so popularity is the honest answer.
@@ -249,12 +391,85 @@ class Bundle:
                 results.append(Recommendations(self._ids(rows), [None] * len(rows), "popular"))
             else:
                 rows = top.rows[i][top.rows[i] >= 0]
+                scores = top.scores[i][: len(rows)]
+                # Scores that overflow to inf - inf are NaN, which FAISS drops: fewer rows than the
+                # catalogue has left (``excluded_rows`` are distinct) is that, not a short catalogue.
+                short = len(rows) < min(k, len(self.index) - len(exclude[i]))
+                if short or not np.isfinite(scores).all():
+                    raise ValueError(
+                        f"embedding {i}: its scores overflow float32 (the embedding is finite but huge); "
+                        + _NON_FINITE_CAUSE
+                    )
                 fallback = None if known_ids[i] else "features"
-                results.append(Recommendations(self._ids(rows), top.scores[i][: len(rows)].tolist(), fallback))
+                results.append(Recommendations(self._ids(rows), scores.tolist(), fallback))
         return results
+
+    def excluded_rows(
+        self,
+        num_queries: int,
+        exclude_item_ids: Sequence[Sequence[str]] | None = None,
+        queries: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        exclude_seen: bool = True,
+    ) -> list[np.ndarray]:
+        """Per query, the sorted distinct index rows never to serve: [num_queries] int64 arrays.
+
+        The caller's ``exclude_item_ids`` (ids not in the catalogue are ignored) and, with
+        ``exclude_seen``, the items the user already has: the training items of the query's user
+        (its user-id input; none for a user unknown to training or a bundle without
+        ``seen_items/``) and the items of its click-history input, if the query tower reads one.
+
+        Raises:
+          ValueError: ``exclude_seen`` without ``queries`` on a bundle that can exclude seen items.
+        """
+        lists: list[list[np.ndarray]] = [[] for _ in range(num_queries)]
+        for own, items in zip(lists, exclude_item_ids or ()):
+            own.append(self._rows_of_ids(items))
+        can_exclude = self.seen_items is not None or self._history_input is not None
+        if exclude_seen and can_exclude:
+            if queries is None:
+                raise ValueError(
+                    "exclude_seen needs the raw queries (queries=...) to find their users' items; "
+                    "pass them, or exclude_seen=False"
+                )
+            if self.seen_items is not None:
+                users = [_query_value(query, self._user_input) for query in queries]
+                ids = [str(user) if isinstance(user, str | int) and not isinstance(user, bool) else None
+                       for user in users]
+                for own, rows in zip(lists, self.seen_items.rows_of_many(ids)):
+                    own.append(rows.astype(np.int64))
+            if self._history_input is not None:
+                for own, query in zip(lists, queries):
+                    history = _query_value(query, self._history_input)
+                    if isinstance(history, Sequence) and not isinstance(history, str | bytes):
+                        own.append(self._rows_of_ids([str(item) for item in history]))
+        return [np.unique(np.concatenate(own)) if own else np.zeros(0, np.int64) for own in lists]
+
+    def _rows_of_ids(self, items: Sequence[str]) -> np.ndarray:
+        return np.array([self._row_of[i] for i in items if i in self._row_of], dtype=np.int64)
 
     def _ids(self, rows) -> list[str]:
         return self._id_array[np.asarray(rows, dtype=np.int64)].tolist()
+
+
+def _same_top_k(expected_ids: Sequence[str], expected_scores: Sequence[float], ids: Sequence[str],
+                scores: Sequence[float]) -> bool:
+    """True when a top-k list equals the recorded one: scores within ``PROBE_TOLERANCE`` position by
+    position, and ids equal up to the order of tied scores (the last tie group may be cut by k, so
+    another item of the same score may stand in there)."""
+    expected, got = np.asarray(expected_scores, dtype=np.float64), np.asarray(scores, dtype=np.float64)
+    if len(ids) != len(expected_ids) or len(expected) != len(expected_ids) or len(got) != len(ids):
+        return False
+    if not np.allclose(got, expected, rtol=PROBE_TOLERANCE, atol=PROBE_TOLERANCE):
+        return False
+    start = 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or not np.isclose(expected[end], expected[end - 1], rtol=PROBE_TOLERANCE,
+                                             atol=PROBE_TOLERANCE):
+            if end < len(ids) and set(ids[start:end]) != set(expected_ids[start:end]):
+                return False
+            start = end
+    return True
 
 
 @contextmanager
@@ -281,7 +496,49 @@ def _reason(error: Exception) -> str:
         return f"the key {_short(error.args[0] if error.args else None)} is missing"
     if isinstance(error, ValueError) and "bundle format" in str(error):
         return str(error).split(": ", 1)[-1]  # read_manifest's version message
+    if isinstance(error, IndexFilesError):
+        return str(error)  # names the file and the rows, never its bytes
     return f"missing, truncated or corrupt ({type(error).__name__})"
+
+
+def _check_finite(embeddings: np.ndarray, what: str) -> None:
+    """Raise ValueError naming the first row of ``embeddings`` [n, dim] holding a NaN or an infinity."""
+    finite = np.isfinite(embeddings).all(axis=1)
+    if not finite.all():
+        position = int(np.argmin(finite))
+        raise ValueError(
+            f"{what} {position}: the query tower's embedding is not finite (NaN or inf), so it has no "
+            f"nearest items; {_NON_FINITE_CAUSE}"
+        )
+
+
+_NON_FINITE_CAUSE = (
+    "a numeric feature value far outside the training range overflows the tower, or the model was trained to NaN"
+)
+
+
+def _seen_inputs(manifest: Mapping[str, Any], query_features: Sequence[str]) -> tuple[str, str | None]:
+    """(the query key holding the user id, the query input holding the click history or None).
+
+    From the run's config in the manifest: the query tower's id feature read from the click log's
+    user_id column (else ``user_id``, which ``TowerTables.queries`` always sets), and
+    ``towers.query.history.name``.
+    """
+    query_tower = ((manifest.get("config") or {}).get("towers") or {}).get("query") or {}
+    user = next(
+        (
+            str(feature["name"])
+            for feature in query_tower.get("features") or ()
+            if feature.get("kind") == "id" and (feature.get("source") or feature.get("name")) == USER
+        ),
+        USER,
+    )
+    history = (query_tower.get("history") or {}).get("name")
+    return user, (str(history) if history is not None and history in query_features else None)
+
+
+def _query_value(query: Any, key: str) -> Any:
+    return query.get(key) if isinstance(query, Mapping) else None
 
 
 def _input_tensor(values: Sequence[Any], spec: tf.TensorSpec) -> tf.Tensor:
@@ -303,12 +560,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--user-id", required=True, action="append", help="query user id (repeatable)")
     parser.add_argument("-k", type=int, default=10)
     parser.add_argument("--exclude", nargs="*", default=[], help="item ids never to return")
+    parser.add_argument(
+        "--include-seen",
+        action="store_true",
+        help="also return the user's training items (excluded by default)",
+    )
     args = parser.parse_args(argv)
     if args.k <= 0:
         raise UserError(f"-k must be a positive number of items, got {args.k}")
     bundle = Bundle.load(args.bundle)
     queries = [{"user_id": user} for user in args.user_id]
-    results = bundle.recommend_batch(queries, args.k, [args.exclude] * len(queries))
+    results = bundle.recommend_batch(
+        queries, args.k, [args.exclude] * len(queries), exclude_seen=not args.include_seen
+    )
     for query, result in zip(queries, results):
         print(json.dumps({"query": query, **asdict(result)}))
 

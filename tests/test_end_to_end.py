@@ -51,6 +51,12 @@ def test_bundle_layout_and_no_partial_directories(run):
     assert manifest["metric"] == "inner_product"
     assert manifest["num_items"] == result.metrics["data"]["catalogue_items"]
     assert not [p for p in result.directory.parent.iterdir() if p.name.startswith(".")]
+    # The job records a training user's query and its top 10, which serving reproduces at load.
+    probe = manifest["probe"]
+    assert list(probe["query"]) == ["user_id"] and len(probe["item_ids"]) == len(probe["scores"]) == 10
+    assert Bundle.load(result.directory).recommend(probe["query"], k=10).item_ids == probe["item_ids"]
+    assert {"index.faiss", "item_ids.parquet", "index.json", "query_model/saved_model.pb",
+            "doc_model/saved_model.pb"} <= set(manifest["fingerprints"]["files"])
 
 
 def test_index_covers_items_without_training_clicks(run):
@@ -74,7 +80,8 @@ def test_served_top_k_equals_brute_force_over_exported_towers(run):
     _, result = run
     bundle = Bundle.load(result.directory)
     users = ["u0001", "u0002", "u0003"]
-    served = bundle.recommend_batch([{"user_id": u} for u in users], k=10)
+    # The towers and the index, without the exclusion of training items (tests/test_seen_items.py).
+    served = bundle.recommend_batch([{"user_id": u} for u in users], k=10, exclude_seen=False)
     query_model = tf.saved_model.load(str(result.directory / "query_model")).signatures["serving_default"]
     doc_model = tf.saved_model.load(str(result.directory / "doc_model")).signatures["serving_default"]
     items = np.asarray(bundle.index.item_ids, dtype=object)

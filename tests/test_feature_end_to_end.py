@@ -37,6 +37,16 @@ def test_feature_model_beats_popularity(run):
     assert model["recall@20"] > 1.3 * popular["recall@20"], (model["recall@20"], popular["recall@20"])
 
 
+def test_the_probe_query_holds_every_raw_query_feature_and_loads(run):
+    """A feature tower's probe: every query feature as plain JSON (lists of ids, null for missing)."""
+    config, dataset, result = run
+    bundle = Bundle.load(result.directory)
+    probe = bundle.manifest["probe"]
+    assert list(probe["query"]) == bundle.query_features and len(bundle.query_features) > 1
+    assert probe["query"][USER] in set(dataset.train[USER].astype(str))
+    assert bundle.recommend(probe["query"], k=10).item_ids == probe["item_ids"]
+
+
 def test_items_held_out_of_training_are_indexed_from_their_features(run):
     config, dataset, result = run
     held = set(dataset.held_out_items)

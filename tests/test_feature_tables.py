@@ -150,7 +150,7 @@ def test_a_feature_reading_a_missing_column_is_named():
     with pytest.raises(DataError, match="feature 'age' reads column 'age'"):
         TowerTables(ALL_KINDS, clicks, users.drop(columns=["age"]), items).examples()
     bad = items.assign(price=["cheap"] + [1.0] * 7)
-    with pytest.raises(DataError, match="'price'.*non-number: 'cheap'"):
+    with pytest.raises(DataError, match="'price'.*'cheap' is not a number"):
         TowerTables(ALL_KINDS, clicks, users, bad).catalogue()
 
 

@@ -20,6 +20,7 @@ STAGES = [
     "training",
     "index",
     "evaluation",
+    "seen_items",  # each training user's items (CSR): written by export, excluded by serving
     "export",
     "serving",
     "service",

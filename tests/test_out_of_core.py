@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 import tensorflow as tf
 
@@ -34,7 +35,10 @@ from retrieval.data.streaming import (
     scan_counts,
     train_batches,
 )
+from retrieval.export import SEEN_ITEMS_DIR
 from retrieval.features import FeatureStatistics
+from retrieval.index import ITEM_IDS_FILE
+from retrieval.seen_items import SeenItems
 from retrieval.training import StreamedClicks, validation_split
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -629,4 +633,25 @@ def _job_both_ways(tmp_path, monkeypatch, kind: str, clicks: pd.DataFrame, extra
     assert streamed["final_train_loss"] == pytest.approx(in_memory["final_train_loss"], rel=1e-5)
     assert streamed["model"] == pytest.approx(in_memory["model"], rel=1e-5, abs=1e-6)
     assert streamed["model"]["recall@20"] > 1.2 * streamed["popularity"]["recall@20"]
+    # The bundles exclude the same items from what they serve: each training user's training items.
+    seen = [_seen_pairs(tmp_path / "runs" / run) for run in ("mem", "ooc")]
+    assert len(seen[0]) > 0
+    pd.testing.assert_frame_equal(seen[0], seen[1])
+    # Both bundles reproduce their probe query (a training user's raw query) at load.
+    monkeypatch.undo()  # the refusals above: loading reads item_ids.parquet with pandas
+    from retrieval.serving import Bundle
+
+    for name in ("mem", "ooc"):
+        assert Bundle.load(tmp_path / "runs" / name).manifest["probe"]["item_ids"]
     return in_memory, streamed
+
+
+def _seen_pairs(bundle: Path) -> pd.DataFrame:
+    """A bundle's seen items as sorted (user id, item id) rows."""
+    seen = SeenItems.load(bundle / SEEN_ITEMS_DIR)
+    table = pq.read_table(bundle / ITEM_IDS_FILE)  # pyarrow: pandas' readers are refused here
+    item_ids = np.empty(table.num_rows, dtype=object)
+    item_ids[table.column("row").to_numpy()] = table.column("item_id").to_pylist()
+    users = np.repeat(np.char.decode(np.asarray(seen.user_ids), "utf-8"), np.diff(seen.indptr))
+    pairs = pd.DataFrame({"user_id": users, "item_id": item_ids[np.asarray(seen.item_rows)].astype(str)})
+    return pairs.sort_values(["user_id", "item_id"], ignore_index=True)

@@ -26,10 +26,16 @@ TINY = [
 ]
 
 
-def _bundle(path: Path) -> Path:
+def _bundle(path: Path, created_at: str | None = None) -> Path:
     path.mkdir(parents=True)
-    (path / MANIFEST_FILE).write_text("{}")
+    (path / MANIFEST_FILE).write_text("{}" if created_at is None else json.dumps({"created_at": created_at}))
     return path
+
+
+def _dead_pid() -> int:
+    """The id of a process that has exited."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(dead.stdout)
 
 
 @pytest.mark.parametrize("name", [".", "..", "a/b", "../x", ".hidden", "", "x" * 201, "-flag"])
@@ -88,12 +94,76 @@ def test_a_failed_block_leaves_nothing_behind(tmp_path):
 
 
 def test_scratch_of_a_killed_process_is_cleaned_but_a_live_ones_is_not(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / f".run.partial-{dead.stdout.strip()}").mkdir()
+    (tmp_path / f".run.partial-{_dead_pid()}").mkdir()
     (tmp_path / f".run.partial-{os.getppid()}").mkdir()  # alive: another job's scratch
     with atomic_directory(tmp_path / "run") as scratch:
         (scratch / MANIFEST_FILE).write_text("{}")
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".run.partial-{os.getppid()}", "run"]
+
+
+def test_an_interrupted_swap_is_recovered_from_the_newest_complete_bundle(tmp_path, caplog):
+    """Killed between ``final -> .old`` and ``scratch -> final``: two complete bundles and no final."""
+    pid, other = _dead_pid(), _dead_pid()
+    old = _bundle(tmp_path / f".run.old-{pid}", "2026-01-01T00:00:00+00:00")
+    new = _bundle(tmp_path / f".run.partial-{pid}", "2026-01-02T00:00:00+00:00")
+    (new / "payload").write_text("new")
+    (tmp_path / f".run.partial-{other}").mkdir()  # a scratch killed before its manifest: incomplete
+    with caplog.at_level("WARNING", logger="retrieval.export"), pytest.raises(RunExistsError, match="already exists"):
+        with atomic_directory(tmp_path / "run"):  # no overwrite: the recovered bundle stays
+            pass
+    assert (tmp_path / "run" / "payload").read_text() == "new"
+    assert "moved it back to run" in caplog.text and new.name in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".run.old-{pid}", f".run.partial-{other}", "run"]
+    with pytest.raises(RuntimeError, match="boom"), atomic_directory(tmp_path / "run", overwrite=True):
+        raise RuntimeError("boom")  # a rerun that fails: the recovered bundle is still there, the rest cleaned
+    assert (tmp_path / "run" / "payload").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert not old.exists()
+
+
+def test_an_incomplete_scratch_is_never_recovered(tmp_path):
+    pid = _dead_pid()
+    _bundle(tmp_path / f".run.old-{pid}", "2026-01-01T00:00:00+00:00")
+    half = tmp_path / f".run.partial-{pid}"
+    half.mkdir()
+    (half / "index.faiss").write_text("")  # no manifest: it was still being written
+    with atomic_directory(tmp_path / "run", overwrite=True) as scratch:
+        assert json.loads((tmp_path / "run" / MANIFEST_FILE).read_text())["created_at"].startswith("2026-01-01")
+        (scratch / MANIFEST_FILE).write_text('{"created_at": "2026-01-03T00:00:00+00:00"}')
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+KILLED_BETWEEN_RENAMES = """
+import json, os, pathlib, sys
+from retrieval.export import MANIFEST_FILE, atomic_directory
+final = pathlib.Path(sys.argv[1])
+rename = pathlib.Path.rename
+def dies_after_moving_the_old_bundle_aside(self, target):
+    moved = rename(self, target)
+    if pathlib.Path(target).name.startswith(f".{final.name}.old-"):
+        os._exit(9)  # killed: no cleanup runs
+    return moved
+pathlib.Path.rename = dies_after_moving_the_old_bundle_aside
+with atomic_directory(final, overwrite=True) as scratch:
+    (scratch / "payload").write_text(sys.argv[2])
+    (scratch / MANIFEST_FILE).write_text(json.dumps({"created_at": "2030-01-01T00:00:00+00:00"}))
+"""
+
+
+@pytest.mark.slow
+def test_a_job_killed_between_the_swap_renames_leaves_a_bundle_the_next_job_recovers(tmp_path):
+    final = _bundle(tmp_path / "run", "2026-01-01T00:00:00+00:00")
+    (final / "payload").write_text("old")
+    killed = subprocess.run([sys.executable, "-c", KILLED_BETWEEN_RENAMES, str(final), "new"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == 9, killed.stderr
+    assert not final.exists()  # the window: both bundles only under hidden names
+    left = sorted(p.name.split("-")[0] for p in tmp_path.iterdir() if p.name != ".run.lock")
+    assert left == [".run.old", ".run.partial"]
+    with pytest.raises(RuntimeError, match="boom"), atomic_directory(final, overwrite=True):
+        raise RuntimeError("boom")  # the next job recovers first, then fails
+    assert (final / "payload").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ DIM, NUM_ITEMS, NUM_USERS, K = 16, 300, 60, 10
 
 
 def _unit(rng, n, centres):
-    points = centres[rng.integers(0, len(centres), n)] + 0.4 * rng.normal(size=(n, DIM))
+    points = centres[rng.integers(0, len(centres), n)] + 0.4 * rng.normal(size=(n, centres.shape[1]))
     return (points / np.linalg.norm(points, axis=1, keepdims=True)).astype(np.float32)
 
 
@@ -37,8 +37,8 @@ def _fixed_id_tower(feature, ids, vectors):
     """An ID tower with given embeddings; unknown ids map to the zero (out-of-vocabulary) row."""
     inputs = {feature: tf.keras.Input(shape=(), dtype=tf.string, name=feature)}
     lookup = tf.keras.layers.StringLookup(vocabulary=list(ids), mask_token=None, num_oov_indices=1)
-    table = np.vstack([np.zeros((1, DIM), np.float32), vectors])
-    embedding = tf.keras.layers.Embedding(len(table), DIM)
+    table = np.vstack([np.zeros((1, vectors.shape[1]), np.float32), vectors])
+    embedding = tf.keras.layers.Embedding(len(table), vectors.shape[1])
     model = tf.keras.Model(inputs, embedding(lookup(inputs[feature])))
     embedding.set_weights([table])
     return model

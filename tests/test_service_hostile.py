@@ -1,4 +1,4 @@
-"""The HTTP service under hostile clients (issue 13): slow and oversized requests, bodies that cannot
+"""The HTTP service under hostile clients: slow and oversized requests, bodies that cannot
 be parsed, broken bundles, the admin endpoint off loopback, and large batches beside small ones.
 
 Sockets go only to 127.0.0.1 servers started here; every wait is bounded."""
@@ -279,15 +279,13 @@ def test_every_broken_bundle_is_one_clean_line_and_exit_2(broken, capsys):
 @pytest.mark.parametrize("broken", ["truncated index.faiss"], indirect=True)
 def test_retrieval_serve_on_a_truncated_index_exits_2_with_one_line(broken):
     """The issue's case, as a user runs it: one line from us, after only TensorFlow's C++ start-up log
-    (its import prints those on a machine without a GPU, whatever the bundle)."""
+    (its import prints those on a machine without a GPU, whatever the bundle). The fingerprint check
+    refuses the file before FAISS reads it."""
     result = subprocess.run([sys.executable, "-m", "retrieval.cli", "serve", "--bundle", str(broken),
                              "--port", str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
     ours = [line for line in result.stderr.strip().splitlines() if not TF_STARTUP_LOG.match(line)]
-    assert ours == [
-        f"error: {broken}: index (index.faiss, index.json, item_ids.parquet) cannot be loaded: "
-        "missing, truncated or corrupt (RuntimeError)"
-    ], result.stderr
+    assert ours == [f"error: {broken}: index.faiss: content differs from the manifest's fingerprint"], result.stderr
 
 
 @pytest.mark.parametrize("broken", ["garbage index.faiss", "corrupt SavedModel"], indirect=True)
@@ -296,7 +294,7 @@ def test_failed_reload_does_not_echo_file_bytes(world, broken):  # noqa: F811
     response = call(app, "POST", "/admin/reload", json={"bundle": str(broken)})
     assert response.status_code == 422
     error = response.json()["error"]
-    assert "still serving 'bundle-a'" in error and "cannot be loaded" in error
+    assert "still serving 'bundle-a'" in error and "content differs from the manifest's fingerprint" in error
     assert "SECR" not in error and "0x" not in error, error
 
 
@@ -399,16 +397,16 @@ def test_large_batches_run_one_at_a_time_in_chunks_beside_small_requests(world, 
     original = bundle.recommend_embedded
     calls, running, peak, lock = [], [0], [0], threading.Lock()
 
-    def slow(embeddings, known_ids, k=10, exclude_item_ids=None):
+    def slow(embeddings, known_ids, k=10, exclude_item_ids=None, **seen):
         calls.append(len(embeddings))
         if len(embeddings) == 1:
-            return original(embeddings, known_ids, k, exclude_item_ids)
+            return original(embeddings, known_ids, k, exclude_item_ids, **seen)
         with lock:
             running[0] += 1
             peak[0] = max(peak[0], running[0])
         try:
             time.sleep(0.05)  # a big chunk takes a while
-            return original(embeddings, known_ids, k, exclude_item_ids)
+            return original(embeddings, known_ids, k, exclude_item_ids, **seen)
         finally:
             with lock:
                 running[0] -= 1
@@ -449,9 +447,9 @@ def test_the_bulk_lane_runs_below_the_server_priority(world, monkeypatch):  # no
     bundle = app.state.holder.current
     original, seen = bundle.recommend_embedded, {}
 
-    def record(embeddings, known_ids, k=10, exclude_item_ids=None):
+    def record(embeddings, known_ids, k=10, exclude_item_ids=None, **exclusions):
         seen[len(embeddings)] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        return original(embeddings, known_ids, k, exclude_item_ids)
+        return original(embeddings, known_ids, k, exclude_item_ids, **exclusions)
 
     monkeypatch.setattr(bundle, "recommend_embedded", record)
     assert call(app, "POST", "/recommend", json={"query": {"user_id": "user01"}}).status_code == 200

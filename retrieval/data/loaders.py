@@ -23,7 +23,7 @@ import pandas as pd
 
 from retrieval.config import ColumnsConfig, TableConfig
 from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
-from retrieval.data.values import BadValues, click_weights, id_strings, timestamp_seconds
+from retrieval.data.values import BadValues, click_weights, feature_numbers, id_strings, timestamp_seconds
 
 Duplicates = Literal["keep", "first"]
 T = TypeVar("T")
@@ -44,6 +44,9 @@ _MOVIELENS_COLUMNS = ColumnsConfig(
     user="user_id", item="item_id", timestamp="timestamp", weight="rating"
 )
 _NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
+# Spelled non-finite numbers: a column of numbers holding one of them is a numeric column (whose
+# rule then refuses the cell at its line), not a text column.
+_NON_FINITE = r"(?i:[+-]?(?:inf|infinity|nan))"
 
 
 def read_clicks(
@@ -108,7 +111,9 @@ def read_feature_table(table: TableConfig, id_column: str) -> pd.DataFrame:
     (empty cells become NaN); other columns stay strings with empty cells as
     NaN. Number-like codes with a leading zero (zip codes such as ``"01002"``)
     keep the column a string so the zero is not lost. Parquet columns keep
-    their stored types.
+    their stored types. Numbers reach the towers as float32, so a float
+    column (``inf``, ``nan`` spelled out and integers beyond int64 make one)
+    holds only numbers finite in float32, or missing (empty, null) cells.
 
     Args:
         table: The file and how to parse it (csv, tsv or parquet).
@@ -119,7 +124,8 @@ def read_feature_table(table: TableConfig, id_column: str) -> pd.DataFrame:
         columns in file order.
 
     Raises:
-        DataError: As ``read_clicks``, and for an empty or repeated id.
+        DataError: As ``read_clicks``, and for an empty or repeated id or a
+            number that is infinite, NaN or beyond float32.
     """
     fmt = resolve_format(table)
     if fmt.startswith("movielens") or fmt == "user-items":
@@ -144,6 +150,11 @@ def read_feature_table(table: TableConfig, id_column: str) -> pd.DataFrame:
     rest = raw.frame.drop(columns=[id_column])
     if raw.is_text:
         rest = rest.apply(_infer_type)
+    for column in rest.columns:
+        if pd.api.types.is_float_dtype(rest[column]):
+            # Numbers reach the towers as float32: infinite ones and ones beyond float32 are refused here,
+            # at their line, rather than training the model to NaN (integers always fit).
+            _checked(raw, column, lambda values: feature_numbers(values, "number"))
     return pd.concat([ids.rename(id_column), rest], axis=1)
 
 
@@ -449,10 +460,11 @@ def _infer_type(column: pd.Series) -> pd.Series:
     if not present.any():
         return pd.Series(np.nan, index=column.index, dtype=np.float64)
     shown = text[present]
-    numeric = shown.str.fullmatch(_NUMBER).all() and not shown.str.match(r"[+-]?0\d").any()
-    if not numeric:
+    finite = shown.str.fullmatch(_NUMBER)
+    numeric = (finite | shown.str.fullmatch(_NON_FINITE)).all() and finite.any()
+    if not numeric or shown.str.match(r"[+-]?0\d").any():
         return text.where(present)
-    numbers = pd.to_numeric(text.where(present))
-    if present.all() and shown.str.fullmatch(r"[+-]?\d+").all():
-        return numbers.astype(np.int64)
-    return numbers.astype(np.float64)
+    numbers = pd.to_numeric(text.where(present), errors="coerce")
+    if present.all() and shown.str.fullmatch(r"[+-]?\d+").all() and numbers.dtype == np.int64:
+        return numbers
+    return numbers.astype(np.float64)  # integers beyond int64 too, which float32 may still hold

@@ -165,6 +165,8 @@ class ClickShards:
         except DataError:
             raise
         except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as error:
+            if not Path(file).is_file():  # Arrow's message does not say so plainly
+                raise DataError("the shard is missing: deleted or moved since the run listed it", file=file) from None
             found = re.search(r"CSV parse error: Row #(\d+): Expected (\d+) columns, got (\d+)", str(error))
             if found is None or line_of is None:
                 raise DataError(f"cannot read the {self.format} shard: {error}", file=file) from None

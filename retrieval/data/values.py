@@ -17,12 +17,17 @@ The rules:
   refused instead of wrapping round to ``INT64_MIN``.
 - **weights**: numbers that are finite *as float32* (the dtype they are
   trained in: ``1e39`` would become ``inf``) and ``>= 0``.
+- **numeric features** (``feature_numbers``): numbers finite as float32, like
+  weights, or missing (an empty cell, a null; NaN once read). Any sign.
+  ``finite_feature_value`` is the same rule for one value a query sends, where
+  missing is only ``None`` (a NaN sent as a number is refused).
 
 Importing this module does not import TensorFlow.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -235,26 +240,106 @@ def click_weights(values: pd.Series) -> np.ndarray:
         BadValues: a cell is missing, not a number, not finite in float32
             (beyond about 3.4e38) or negative.
     """
-    if pd.api.types.is_bool_dtype(values):
-        raise BadValues("weight {value!r} is a boolean, not a number", np.ones(len(values), bool), values)
-    if pd.api.types.is_numeric_dtype(values):
-        numbers = values.to_numpy(dtype=np.float64, na_value=np.nan)
-    else:
-        values = _stripped_text(values)
-        numbers = pd.to_numeric(values, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
-    bad = ~np.isfinite(numbers)
-    if bad.any():
-        raise BadValues("weight {value!r} is not a finite number", bad, values)
-    too_large = np.abs(numbers) > FLOAT32_MAX
-    if too_large.any():
-        raise BadValues(
-            f"weight {{value!r}} overflows float32 (weights are float32: at most {FLOAT32_MAX:.7g})",
-            too_large,
-            values,
-        )
+    numbers, values = _numbers(values, "weight")
+    _raise_non_finite(numbers, np.zeros(len(numbers), bool), values, "weight")
     negative = numbers < 0
     if negative.any():
         raise BadValues("negative weight {value!r}; weights must be >= 0", negative, values)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # underflow to 0 of tiny weights is fine
         return numbers.astype(np.float32)
+
+
+def _numbers(values: pd.Series, what: str) -> tuple[np.ndarray, pd.Series]:
+    """(float64 [num_cells], NaN where a cell is missing or not a number; the cells as shown in messages)."""
+    if pd.api.types.is_bool_dtype(values):
+        raise BadValues(f"{what} {{value!r}} is a boolean, not a number", np.ones(len(values), bool), values)
+    if pd.api.types.is_numeric_dtype(values):
+        return values.to_numpy(dtype=np.float64, na_value=np.nan), values
+    shown = _stripped_text(values)
+    return pd.to_numeric(shown, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan), shown
+
+
+def _raise_non_finite(numbers: np.ndarray, missing: np.ndarray, shown: pd.Series, what: str) -> None:
+    """The finite-in-float32 rule: every number that is not ``missing`` is finite and fits float32.
+
+    float32 is the dtype weights and numeric features are trained in: ``1e39``
+    would become ``inf`` there and train the model to NaN.
+    """
+    bad = ~np.isfinite(numbers) & ~missing
+    if bad.any():
+        raise BadValues(f"{what} {{value!r}} is not a finite number", bad, shown)
+    too_large = np.abs(numbers) > FLOAT32_MAX
+    if too_large.any():
+        raise BadValues(
+            f"{what} {{value!r}} overflows float32 ({what}s are float32: at most {FLOAT32_MAX:.7g} in magnitude)",
+            too_large,
+            shown,
+        )
+
+
+def feature_numbers(values: pd.Series, what: str = "numeric feature value", dtype: str = "float32") -> np.ndarray:
+    """The values of one numeric feature column.
+
+    Args:
+        values: [num_cells] numbers, or text holding numbers; missing cells
+            (None, NaN, empty text) stay missing.
+        what: what a value is called in the message.
+        dtype: "float32" (numeric features) or "float64" (timestamps, whose
+            values must only be finite).
+
+    Returns:
+        [num_cells] ``dtype``, NaN where missing, every other value finite.
+
+    Raises:
+        BadValues: a cell is a boolean, text that is not a number (text
+            spelling "nan" included: a missing cell is empty), infinite or, in
+            float32, beyond about 3.4e38 in magnitude.
+    """
+    if values.dtype == object:
+        flags = np.fromiter((isinstance(v, (bool, np.bool_)) for v in values.to_numpy()), bool, len(values))
+        if flags.any():
+            raise BadValues(f"{what} {{value!r}} is a boolean, not a number", flags, values)
+    numbers, shown = _numbers(values, what)
+    # Missing: a NaN or null cell (how a table stores an empty one) or empty text; text spelling
+    # "nan" is not missing, and is refused below like any other text that is not a number.
+    if pd.api.types.is_numeric_dtype(values):
+        missing = np.isnan(numbers)
+    else:  # object or string cells
+        missing = pd.isna(values).to_numpy() | (shown == "").to_numpy()
+    unreadable = np.isnan(numbers) & ~missing
+    if unreadable.any():
+        raise BadValues(f"{what} {{value!r}} is not a number (a missing value is an empty cell)", unreadable, shown)
+    if dtype == "float64":
+        infinite = np.isinf(numbers)
+        if infinite.any():
+            raise BadValues(f"{what} {{value!r}} is not a finite number", infinite, shown)
+        return numbers
+    _raise_non_finite(numbers, missing, shown, what)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # tiny values underflow to 0, as float32 computes them
+        return numbers.astype(np.float32)
+
+
+def finite_feature_value(value: Any, dtype: str = "float32") -> str | None:
+    """What one numeric feature value a query sends must be, when it is not; None when it is fine.
+
+    ``None`` is a missing value; an int or a float must be finite in ``dtype``
+    ("float32" for numeric features, "float64" for timestamps). A NaN is
+    refused rather than read as missing: a client sends null for that.
+    The answer completes "feature 'age' ...", e.g. "must be a number or null".
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "must be a number or null"
+    limit = FLOAT32_MAX if dtype == "float32" else float(np.finfo(np.float64).max)
+    try:
+        number = float(value)
+    except OverflowError:  # an int of hundreds of digits
+        number = math.inf
+    if math.isnan(number):
+        return "must be a finite number or null (null is a missing value; NaN is refused)"
+    if not abs(number) <= limit:
+        return f"must be a finite number in {dtype} (at most {limit:.7g} in magnitude) or null"
+    return None

@@ -32,6 +32,7 @@ import pandas as pd
 
 from retrieval.config import FeatureConfig, TowerConfig, TowersConfig
 from retrieval.data import ITEM, TIME, USER, WEIGHT, DataError
+from retrieval.data.values import BadValues, feature_numbers
 
 PAD = ""
 
@@ -264,7 +265,7 @@ def feature_arrays(frame: pd.DataFrame, names: Iterable[str] | None = None) -> d
 
 def _raw(feature: FeatureConfig, values: np.ndarray, side: str) -> Any:
     if feature.kind in ("numeric", "timestamp"):
-        return _numbers(values, np.float32 if feature.kind == "numeric" else np.float64, feature, side)
+        return _numbers(values, "float32" if feature.kind == "numeric" else "float64", feature, side)
     if feature.kind == "multi_categorical" and feature.separator is None:
         return [_padded(value, feature.max_values) for value in values]
     return _strings(values)
@@ -295,16 +296,21 @@ def _padded(value: Any, width: int) -> tuple[str, ...]:
     return tuple(values) + (PAD,) * (width - len(values))
 
 
-def _numbers(values: np.ndarray, dtype, feature: FeatureConfig, side: str) -> np.ndarray:
-    series = pd.Series(values, dtype=object if values.dtype == object else None)
-    numbers = pd.to_numeric(series, errors="coerce")
-    bad = numbers.isna().to_numpy() & ~pd.isna(series).to_numpy()
-    if bad.any():
+def _numbers(values: np.ndarray, dtype: str, feature: FeatureConfig, side: str) -> np.ndarray:
+    """A numeric (float32) or timestamp (float64) feature's values, by the rule of ``feature_numbers``.
+
+    The feature tables were checked at their lines when read; this catches the values they could not
+    (text cells spelling a number, frames built in code) and names the feature instead.
+    """
+    try:
+        return feature_numbers(pd.Series(values, dtype=object if values.dtype == object else None), dtype=dtype)
+    except BadValues as error:
+        _, count, message = error.first()
+        more = f" ({count} bad rows in all)" if count > 1 else ""
         raise DataError(
-            f"towers.{side}: feature {feature.name!r} ({feature.kind}) reads column {feature.column!r}, "
-            f"which holds a non-number: {series[bad].iloc[0]!r}"
-        )
-    return numbers.to_numpy(dtype=np.float64).astype(dtype)
+            f"towers.{side}: feature {feature.name!r} ({feature.kind}) reads column {feature.column!r}: "
+            f"{message}{more}"
+        ) from None
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,10 @@ def check_index_fits(factory: str, num_items: int, train_sample_size: int | None
         )
 
 
+class IndexFilesError(ValueError):
+    """Saved index files that cannot be served together; the message names the file, never quotes its bytes."""
+
+
 class ItemIndex:
     """FAISS index + item ids; row r of the index is ``item_ids[r]``."""
 
@@ -112,6 +116,7 @@ class ItemIndex:
             raise ValueError(f"index holds {index.ntotal} vectors but {len(item_ids)} item ids were given")
         self.index = index
         self.item_ids = np.asarray(item_ids, dtype=object)
+        _require_unique(self.item_ids)
         self.factory = factory
         self.normalized = normalized
         self.tuning = tuning
@@ -144,8 +149,7 @@ class ItemIndex:
             raise ValueError(f"embeddings must be [num_items, dim] with num_items > 0, got {embeddings.shape}")
         if len(item_ids) != embeddings.shape[0]:
             raise ValueError(f"{len(item_ids)} item ids for {embeddings.shape[0]} embeddings")
-        if len(set(item_ids)) != len(item_ids):
-            raise ValueError("item ids must be unique")
+        _require_unique(np.asarray(item_ids, dtype=object))  # before any training on them
         if not np.all(np.isfinite(embeddings)):
             raise ValueError("embeddings contain NaN or inf")
         if train_sample_size is not None and train_sample_size <= 0:
@@ -219,12 +223,54 @@ class ItemIndex:
             if use_exact_top_k(len(queries), len(self)) and np.all(np.isfinite(queries)):
                 scores, rows = ExactTopK(flat_vectors(self.index)).search(queries, k, exclude)
                 return TopK(scores=scores, rows=rows)
-        extra = 0 if exclude is None else max((len(rows) for rows in exclude), default=0)
-        depth = min(k + extra, len(self))
-        scores, rows = self.index.search(queries, depth)
-        if exclude is not None and extra:
-            rows, scores = drop_members(rows, scores, exclude)
-        return _pad(scores[:, :k], rows[:, :k], k)
+        if exclude is None or not any(len(rows) for rows in exclude):
+            scores, rows = self.index.search(queries, min(k, len(self)))
+            return _pad(scores, rows, k)
+        # Over-fetch k + |excluded| per query, so k remain after dropping the excluded ones. Queries
+        # are searched in groups of similar depth (powers of two): one user with thousands of
+        # training items does not make every query of the batch fetch thousands.
+        extra = np.array([len(rows) for rows in exclude], dtype=np.int64)
+        depths = np.minimum(k + extra, len(self))
+        groups = np.ceil(np.log2(np.maximum(depths, 1))).astype(np.int64)
+        scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
+        rows = np.full((len(queries), k), -1, dtype=np.int64)
+        for group in np.unique(groups):
+            members = np.flatnonzero(groups == group)
+            depth = int(depths[members].max())
+            found_scores, found_rows = self.index.search(queries[members], depth)
+            found_rows, found_scores = drop_members(found_rows, found_scores, [exclude[int(i)] for i in members])
+            top = _pad(found_scores[:, :k], found_rows[:, :k], k)
+            scores[members], rows[members] = top.scores, top.rows
+        # An approximate index reaches only part of the catalogue from a query (HNSW's graph walk,
+        # IVF's probed lists), however deep it is asked to go: when the excluded items fill that
+        # part, search that query again with FAISS skipping them (an IDSelector; IVF probing
+        # every list), so it still gets k items while the catalogue has them.
+        wanted = _wanted(k, exclude, len(self))
+        for i in np.flatnonzero((rows >= 0).sum(axis=1) < wanted):
+            found_scores, found_rows = self._search_skipping(queries[i : i + 1], k, exclude[int(i)], int(wanted[i]))
+            if (found_rows >= 0).sum() > (rows[i] >= 0).sum():
+                top = _pad(found_scores, found_rows, k)
+                scores[i], rows[i] = top.scores[0], top.rows[0]
+        return TopK(scores=scores, rows=rows)
+
+    def _search_skipping(
+        self, query: np.ndarray, k: int, excluded: np.ndarray, wanted: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """FAISS search of one query [1, dim] that never returns ``excluded`` rows; an HNSW walk is
+        widened (efSearch x8 a try, up to the catalogue size) until ``wanted`` results come back."""
+        selector = faiss.IDSelectorNot(faiss.IDSelectorBatch(np.asarray(excluded, dtype=np.int64)))
+        depth = min(k, len(self))
+        found = np.full((1, depth), -np.inf, np.float32), np.full((1, depth), -1, np.int64)
+        breadth = max(k, 16)
+        while True:
+            params, widens = _skipping_params(self.index, selector, breadth)
+            try:
+                found = self.index.search(query, depth, params=params)
+            except RuntimeError:  # an index type FAISS cannot filter while searching: keep the over-fetch
+                return found
+            if not widens or (found[1] >= 0).sum() >= wanted or breadth >= len(self):
+                return found
+            breadth *= 8
 
     def tune(
         self,
@@ -336,7 +382,11 @@ class ItemIndex:
         """Load a saved index and apply its saved search parameters."""
         directory = Path(directory)
         info = json.loads((directory / INDEX_INFO_FILE).read_text())
-        item_ids = pd.read_parquet(directory / ITEM_IDS_FILE).sort_values("row")["item_id"].tolist()
+        frame = pd.read_parquet(directory / ITEM_IDS_FILE)
+        if not np.array_equal(np.sort(frame["row"].to_numpy()), np.arange(len(frame))):
+            raise IndexFilesError(f"{ITEM_IDS_FILE}: its row column is not 0..{len(frame) - 1}, each once")
+        item_ids = frame.sort_values("row")["item_id"].astype(str).tolist()
+        _require_unique(np.asarray(item_ids, dtype=object), IndexFilesError, f"{ITEM_IDS_FILE}: ")
         tuning = Tuning(**info["tuning"]) if info.get("tuning") else None
         return cls(
             faiss.read_index(str(directory / INDEX_FILE)),
@@ -346,6 +396,52 @@ class ItemIndex:
             search_params=info.get("search_params", ""),
             tuning=tuning,
         )
+
+
+def _require_unique(item_ids: np.ndarray, error: type[ValueError] = ValueError, prefix: str = "") -> None:
+    """Raise ``error`` naming the first repeated row unless every id is unique.
+
+    One row per id: a repeated id would be excluded through one row and still returned through the other.
+    """
+    ids = item_ids.astype(str)
+    repeats = pd.Index(ids).duplicated()
+    if repeats.any():
+        row = int(np.flatnonzero(repeats)[0])
+        first = int(np.flatnonzero(ids == ids[row])[0])
+        raise error(f"{prefix}item ids must be unique: {int(repeats.sum())} rows repeat an earlier id "
+                    f"(row {row} repeats row {first})")
+def _wanted(k: int, exclude: Sequence[np.ndarray], num_items: int) -> np.ndarray:
+    """Per query, how many results it can have: k, or the items left after its exclusions. [n] int64."""
+    left = [num_items - len(np.unique(rows[(rows >= 0) & (rows < num_items)])) for rows in map(np.asarray, exclude)]
+    return np.minimum(k, np.array(left, dtype=np.int64))
+
+
+def _skipping_params(
+    index: faiss.Index, selector: faiss.IDSelector, breadth: int
+) -> tuple[faiss.SearchParameters, bool]:
+    """(search parameters that make ``index`` skip the rows ``selector`` rejects, through its wrappers;
+    whether ``breadth`` widens the search: an HNSW's efSearch).
+
+    FAISS's Python layer keeps the selector and nested parameters given as keywords alive; its type
+    stubs list no keywords, hence the ignores.
+    """
+    if isinstance(index, faiss.IndexPreTransform):  # OPQ, PCA: the selector goes to the wrapped index
+        inner, widens = _skipping_params(faiss.downcast_index(index.index), selector, breadth)
+        return faiss.SearchParametersPreTransform(index_params=inner), widens  # type: ignore[call-arg]
+    if isinstance(index, faiss.IndexRefine):
+        inner, widens = _skipping_params(faiss.downcast_index(index.base_index), selector, breadth)
+        refine = faiss.IndexRefineSearchParameters(  # type: ignore[call-arg]
+            k_factor=index.k_factor, sel=selector, base_index_params=inner
+        )
+        return refine, widens
+    if isinstance(index, faiss.IndexIVF):  # every list: all items reachable
+        return faiss.SearchParametersIVF(sel=selector, nprobe=index.nlist), False  # type: ignore[call-arg]
+    if isinstance(index, faiss.IndexHNSW):
+        hnsw = faiss.SearchParametersHNSW(  # type: ignore[attr-defined]
+            sel=selector, efSearch=max(index.hnsw.efSearch, breadth)
+        )
+        return hnsw, True
+    return faiss.SearchParameters(sel=selector), False  # type: ignore[call-arg]
 
 
 def build_index(

@@ -137,6 +137,8 @@ class HierarchicalSoftmax(RetrievalLoss):
       temperature: node scores are divided by it.
     """
 
+    scores_by_dot_product = False
+
     def __init__(
         self, tree: HuffmanTree, dim: int, *, temperature: float = 1.0, name: str = "hierarchical_softmax"
     ):

@@ -26,6 +26,11 @@ from retrieval.samplers import MASKED_LOG_Q
 class RetrievalLoss(tf.keras.layers.Layer):
     """Base class: validates the inputs, asks ``per_example`` for ``[batch_size]`` losses, reduces.
 
+    Attributes:
+      scores_by_dot_product: True when the loss ranks items by ``query . doc``, so the FAISS
+        inner-product index of doc embeddings ranks as the trained model does; a loss that scores
+        items otherwise (tree paths) sets it False and the job refuses to index or serve it.
+
     Args:
       temperature: logits are divided by it.
       log_q_weight: the correction subtracts ``log_q_weight * log Q``: 1 is the
@@ -37,6 +42,8 @@ class RetrievalLoss(tf.keras.layers.Layer):
         size (the learning rate does not depend on it); "sum" does not, as
         ``tfrs.tasks.Retrieval`` (Keras ``SUM``): its gradients grow with the batch.
     """
+
+    scores_by_dot_product: bool = True
 
     def __init__(
         self,

@@ -69,9 +69,13 @@ class Sampler(tf.Module):
         positives in the first ``batch_size`` columns (labels on the diagonal),
         as TFRS ``Retrieval`` does. False: each row's positive is a column of its
         own beside the sampled ones, as in ``tf.nn.sampled_softmax_loss``.
+      supports_replicas: False when the sampler keeps host state (numpy, FAISS) that
+        several ``tf.distribute`` replicas would share; the model then refuses to train
+        it with more than one replica.
     """
 
     includes_batch_positives: bool = False
+    supports_replicas: bool = True
 
     def sample(
         self,

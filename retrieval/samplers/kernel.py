@@ -226,6 +226,7 @@ class KernelSampler(Sampler):
     """
 
     includes_batch_positives = False
+    supports_replicas = False  # the numpy tree and generator live on the host
 
     def __init__(
         self,

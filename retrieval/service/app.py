@@ -44,7 +44,7 @@ from retrieval.service.limits import INLINE_PARSE_BYTES, ServiceLimits
 
 if TYPE_CHECKING:  # retrieval.serving loads TensorFlow: imported where a bundle is loaded, so that
     # `retrieval reload` and `retrieval serve --help` (which read ServiceLimits) start fast.
-    from retrieval.serving import Bundle, Recommendations
+    from retrieval.serving import Bundle, Recommendations, Verify
 
 log = logging.getLogger("retrieval.service")
 
@@ -57,16 +57,18 @@ class BundleHolder:
     is freed when the last request using it finishes.
     """
 
-    def __init__(self, bundle: Bundle):
+    def __init__(self, bundle: Bundle, verify: Verify = "quick"):
         self.current = bundle
+        self.verify: Verify = verify
         self._reload_lock = asyncio.Lock()
 
     async def reload(self, directory: str | Path) -> tuple[Bundle, Bundle]:
-        """Load ``directory`` off the event loop, then swap; return (old, new)."""
+        """Load ``directory`` off the event loop (every check of ``Bundle.load`` at ``verify``), then swap;
+        return (old, new). A bundle that fails a check raises here and the old one stays."""
         from retrieval.serving import Bundle
 
         async with self._reload_lock:  # one reload at a time; requests are never blocked
-            new = await run_in_threadpool(Bundle.load, directory)
+            new = await run_in_threadpool(functools.partial(Bundle.load, directory, verify=self.verify))
             old, self.current = self.current, new
             return old, new
 
@@ -78,6 +80,7 @@ def create_app(
     admin_token: str | None = None,
     limits: ServiceLimits | None = None,
     search_threads: int | None = 1,
+    verify: Verify = "quick",
 ) -> Starlette:
     """The ASGI app serving ``bundle`` (a directory or a loaded Bundle).
 
@@ -94,11 +97,14 @@ def create_app(
         (None = FAISS's default, every core). 1 suits single-query traffic:
         concurrent requests already spread over the cores, and a parallel
         region stalls at its barrier whenever another process holds a core.
+      verify: how ``Bundle.load`` checks the files of ``bundle`` and of every
+        reload against the manifest's fingerprints: "quick" (files over 64 MiB
+        by size and both ends) or "full" (every file hashed whole).
     """
     from retrieval.serving import Bundle, BundleError
 
     limits = limits or ServiceLimits()
-    holder = BundleHolder(bundle if isinstance(bundle, Bundle) else Bundle.load(bundle))
+    holder = BundleHolder(bundle if isinstance(bundle, Bundle) else Bundle.load(bundle, verify=verify), verify)
     bulk_lane = _bulk_executor(limits)
     expected_authorization = None if admin_token is None else f"Bearer {admin_token}".encode()
 
@@ -121,7 +127,10 @@ def create_app(
                 if start:
                     time.sleep(0)  # let the small requests' threads take the interpreter between chunks
                 window = slice(start, start + step)
-                results = current.recommend_embedded(embeddings[window], known[window], parsed.k, excluded[window])
+                results = current.recommend_embedded(
+                    embeddings[window], known[window], parsed.k, excluded[window],
+                    queries=queries[window], exclude_seen=parsed.exclude_seen,
+                )
                 pieces.append(_dumps([_result(r) for r in results])[1:-1])
         except ValueError as error:
             raise HTTPException(422, str(error)) from None
@@ -142,6 +151,11 @@ def create_app(
 
     async def healthz(request: Request) -> JSONResponse:
         current = holder.current
+        # The probe query through the live query model and index: a bundle that cannot answer it is not healthy.
+        problem = await run_in_threadpool(current.probe_problem)
+        if problem:
+            log.error("health check failed on %s: %s", current.version, problem)
+            return JSONResponse({"status": "failing", "bundle": current.version, "error": problem}, status_code=503)
         return JSONResponse({"status": "ok", "bundle": current.version, "num_items": len(current.index)})
 
     async def metadata(request: Request) -> JSONResponse:

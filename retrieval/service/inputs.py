@@ -27,8 +27,10 @@ class RecommendRequest(BaseModel):
 
     query: dict[str, Any] | None = None
     queries: list[dict[str, Any]] | None = Field(None, min_length=1, max_length=MAX_BATCH)
-    k: int = Field(10, ge=1, le=MAX_K)
+    k: int = Field(10, ge=1, le=MAX_K, strict=True)  # strict: true is not 1, nor 10.0 or "10" ten
     exclude_item_ids: list[Any] | None = Field(None, max_length=MAX_EXCLUDED)
+    # Strict: "false" or 0 must not silently turn the exclusion off (or on).
+    exclude_seen: bool = Field(True, strict=True)
 
     @model_validator(mode="after")
     def _one_shape(self) -> RecommendRequest:

@@ -10,7 +10,7 @@ from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState
 from retrieval.training.early_stopping import ValidationData, ValidationRecall, validation_split
 from retrieval.training.embeddings import embed, embed_frame
 from retrieval.training.fit import fit, select_epochs
-from retrieval.training.loop import RunLogs, train_epochs
+from retrieval.training.loop import RunLogs, TrainingDiverged, train_epochs
 from retrieval.training.optimizers import OPTIMIZERS, LazyAdam, RowWiseAdagrad, make_optimizer
 from retrieval.training.runtime import distribution_strategy, seed_everything
 from retrieval.training.sources import ClickSource, FrameClicks, StreamedClicks, click_dataset, steps_per_epoch
@@ -24,6 +24,7 @@ __all__ = [
     "RunLogs",
     "StreamedClicks",
     "TrainingCheckpoint",
+    "TrainingDiverged",
     "TrainingState",
     "ValidationData",
     "ValidationRecall",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -14,7 +14,7 @@ from retrieval.model import TwoTowerModel
 from retrieval.towers import IdDropout
 from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState, write_weights
 from retrieval.training.early_stopping import ValidationData, ValidationRecall
-from retrieval.training.loop import RunLogs, train_epochs
+from retrieval.training.loop import EpochHook, RunLogs, train_epochs
 from retrieval.training.optimizers import make_optimizer
 from retrieval.training.runtime import seed_everything
 from retrieval.training.sources import ClickSource, FrameClicks
@@ -33,6 +33,7 @@ def fit(
     split: SplitConfig | None = None,
     checkpoint_dir: Path | None = None,
     on_epoch_end: Callable[[int, dict], None] | None = None,
+    epoch_hooks: Sequence[EpochHook] = (),
     say: Callable[[str], None] = print,
     timing: dict[str, list[float]] | None = None,
     validation: ValidationData | None = None,
@@ -66,6 +67,9 @@ def fit(
       on_epoch_end: called as ``on_epoch_end(epoch, logs)`` (0-based epoch) after each epoch of the
         early-stopping selection run, ``logs`` holding ``val_recall@<validation_k>``; it may raise to
         stop training (pipelines/tune.py prunes trials this way). Not called without early stopping.
+      epoch_hooks: called as ``hook(epoch, logs)`` after every epoch of every run, the early-stopping
+        selection's (before ``on_epoch_end``) and the final one's; one that raises abandons training
+        (the job checks this way that the shards it streams did not change).
       say: prints progress lines (``config.verbose`` says how many).
       timing: if given, filled with the final run's ``epoch_seconds`` and
         ``clicks_per_second`` per epoch (kept out of the history, which is a
@@ -110,7 +114,7 @@ def fit(
             validation = ValidationData.from_frame(
                 train, config.validation_fraction, config.batch_size, config.seed, split
             )
-        hooks = [] if on_epoch_end is None else [on_epoch_end]
+        hooks = [*epoch_hooks, *([] if on_epoch_end is None else [on_epoch_end])]
         # Without a refit the selection run is the training run: it gets the logs.
         epochs, selection = select_epochs(model, validation, config, hooks, None if config.refit else logs, say,
                                           checkpoint_dir=selection_dir, timing=None if config.refit else timing)
@@ -123,7 +127,7 @@ def fit(
             checkpoint.save(state)  # the state the final run starts from: a resume need not repeat the selection
     model.compile(optimizer=optimizer)
     state = train_epochs(model, source, epochs, state=state, checkpoint=checkpoint, logs=logs,
-                         verbose=config.verbose, say=say)
+                         hooks=epoch_hooks, verbose=config.verbose, say=say)
     if checkpoint is not None:
         checkpoint.save(state)  # the end state: a job killed after training does not train again
     if logs is not None:

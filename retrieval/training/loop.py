@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -116,6 +117,50 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+class TrainingDiverged(ValueError):
+    """A training step's loss was NaN or infinite: the weights it updated are lost.
+
+    Raised at that step, before anything saves its state, so the run's
+    checkpoints (if any) hold only steps with a finite loss; the job deletes
+    them, since training again with the same config diverges again.
+    """
+
+
+def _stop_if_diverged(values: dict[str, float], state: TrainingState, epochs: int, model: TwoTowerModel) -> None:
+    """Raise ``TrainingDiverged`` when a value the step logged (loss, regularization) is not finite."""
+    bad = {key: value for key, value in values.items() if not math.isfinite(value)}
+    if bad:
+        raise _diverged(", ".join(f"{key} {value}" for key, value in sorted(bad.items())), state, epochs, model)
+
+
+def _save_finite(checkpoint: TrainingCheckpoint, state: TrainingState, epochs: int, model: TwoTowerModel) -> None:
+    """``checkpoint.save(state)`` unless a weight is NaN or infinite (``TrainingDiverged`` then).
+
+    A step with a finite loss can still overflow the weights it updates; the next step's loss would
+    show it, but a checkpoint of those weights would already be on disk. A save reads every
+    variable anyway, so checking them first costs one more pass, at saves only.
+    """
+    for variable in model.trainable_variables:
+        if not bool(tf.reduce_all(tf.math.is_finite(variable))):
+            raise _diverged(f"the weights of {variable.name} are no longer finite", state, epochs, model)
+    checkpoint.save(state)
+
+
+def _diverged(what: str, state: TrainingState, epochs: int, model: TwoTowerModel) -> TrainingDiverged:
+    try:
+        rate = f" (now {float(model.optimizer.learning_rate):g})"
+    except (AttributeError, TypeError, ValueError):  # no optimizer, or a schedule
+        rate = ""
+    # A save at an epoch's last step comes after the epoch's logs, when the state points at the next epoch.
+    where = f"end of epoch {state.epoch}/{epochs}" if state.batch == 0 else (
+        f"epoch {state.epoch + 1}/{epochs}, batch {state.batch}")
+    return TrainingDiverged(
+        f"training diverged at step {state.steps} ({where}): "
+        f"{what}; lower train.learning_rate{rate}, or check the numeric feature values (huge or "
+        "heavy-tailed values: scale them or set log: true on the feature)"
+    )
+
+
 def step_function(model: TwoTowerModel, input_signature: list | None = None) -> Callable[[dict], dict]:
     """One training step of ``model`` (compiled with its optimizer) under the current strategy.
 
@@ -189,6 +234,9 @@ def train_epochs(
       epoch's batches of every value ``train_step`` logs (``loss``,
       ``regularization_loss``, ``total_loss``) and what the hooks added; its
       ``timing`` the wall time of each epoch.
+
+    Raises:
+      DataError: the source could not read a file mid-epoch (``ClickSource.check_epoch``).
     """
     state = state if state is not None else TrainingState()
     step = None
@@ -206,17 +254,19 @@ def train_epochs(
             # collectives alone waits for its peers.
             step = step_function(model, [batches.element_spec] if worker_count() > 1 else None)
         for batch in batches:
-            values = step(batch)
+            values = {key: float(value) for key, value in step(batch).items()}
             state.batch += 1
             state.steps += 1
+            _stop_if_diverged(values, state, epochs, model)  # before any save: a NaN state is never checkpointed
             for key, value in values.items():
-                state.epoch_sums[key] = state.epoch_sums.get(key, 0.0) + float(value)
+                state.epoch_sums[key] = state.epoch_sums.get(key, 0.0) + value
             progress.step(state)
             if checkpoint is not None and checkpoint.due(state):
                 if state.batch == source.steps_per_epoch:
                     save_at_epoch_end = True
                 else:
-                    checkpoint.save(state)
+                    _save_finite(checkpoint, state, epochs, model)
+        source.check_epoch()  # a shard unreadable mid-epoch: its DataError, raised out here
         if state.batch == 0:
             raise ValueError("the training data yielded no batch")
         seconds = time.perf_counter() - started
@@ -234,7 +284,7 @@ def train_epochs(
         if logs is not None:
             logs.write(state.history, range(state.epoch - 1, state.epoch))
         if save_at_epoch_end and checkpoint is not None:
-            checkpoint.save(state)
+            _save_finite(checkpoint, state, epochs, model)
         if stop:
             break
     return state

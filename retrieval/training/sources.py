@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
-from retrieval.data import ITEM, TIME, USER, WEIGHT, click_keys, epoch_order
+from retrieval.data import ITEM, TIME, USER, WEIGHT, DataError, click_keys, epoch_order
 from retrieval.data.streaming import ClickBatch, ClickShards, Plan, train_batches
 from retrieval.features import ExampleJoin, feature_arrays
 
@@ -46,6 +46,16 @@ class ClickSource(Protocol):
     def epoch(self, epoch: int, skip_batches: int = 0) -> tf.data.Dataset:
         """Epoch ``epoch``'s batches less its first ``skip_batches``: dicts of ``[batch]`` tensors
         (``user_id``, ``item_id`` tf.string, ``weight`` tf.float32, and every other column's feature)."""
+        ...
+
+    def check_epoch(self) -> None:
+        """Raise the error that ended the epoch just iterated early, if one did (call after each epoch).
+
+        A source that reads its files while ``tf.data`` iterates (``StreamedClicks``)
+        cannot raise there: TensorFlow would wrap the error in a ``tf.errors``
+        one and log its Python traceback. Such a source ends the epoch at the
+        error and keeps it for this call.
+        """
         ...
 
 
@@ -118,6 +128,9 @@ class FrameClicks:
     def epoch(self, epoch: int, skip_batches: int = 0) -> tf.data.Dataset:
         return self.epochs(epoch, 1, skip_batches)
 
+    def check_epoch(self) -> None:
+        """Nothing to raise: the batches are in memory."""
+
 
 def click_dataset(
     clicks: pd.DataFrame,
@@ -145,6 +158,10 @@ class StreamedClicks:
     Under ``MultiWorkerMirroredStrategy`` with several workers each worker reads
     only its own shards (``worker_epoch``), cut into exactly as many batches
     as every other worker's, so the collectives of each step meet.
+
+    A shard that cannot be read mid-epoch (deleted, rewritten, a bad value)
+    ends the epoch's dataset there; ``check_epoch`` raises its ``DataError``
+    (one line naming the shard) for the loop, outside ``tf.data``.
 
     Args:
       shards, plan: the shards and the split that marks their test rows.
@@ -175,6 +192,7 @@ class StreamedClicks:
         self._whole_epoch = steps_per_epoch(self.rows, self.batch_size)
         self.steps_per_epoch = self._whole_epoch if max_batches is None else min(self._whole_epoch, int(max_batches))
         self._worker_rows: dict[tuple[str, ...], int] = {}
+        self._read_error: DataError | None = None
 
     def epoch(self, epoch: int, skip_batches: int = 0) -> tf.data.Dataset:
         join = self.join
@@ -185,9 +203,22 @@ class StreamedClicks:
                 epoch=epoch, with_time=join is not None and join.needs_time,
             )
             batches = itertools.islice(batches, skip_batches, self.max_batches)
-            yield from (batches if join is None else map(join.batch, batches))
+            yield from self._until_read_error(batches if join is None else map(join.batch, batches))
 
         return tf.data.Dataset.from_generator(generate, output_signature=self._signature()).prefetch(2)
+
+    def check_epoch(self) -> None:
+        error, self._read_error = self._read_error, None
+        if error is not None:
+            raise error
+
+    def _until_read_error(self, batches: Iterator[dict[str, np.ndarray]]) -> Iterator[dict[str, np.ndarray]]:
+        """``batches``, ending at a ``DataError``, which is kept for ``check_epoch``."""
+        self._read_error = None
+        try:
+            yield from batches
+        except DataError as error:
+            self._read_error = error
 
     def _signature(self) -> dict[str, tf.TensorSpec]:
         if self.join is None:
@@ -248,7 +279,7 @@ class StreamedClicks:
                 with_time=join is not None and join.needs_time,
             )
             cut = itertools.islice(_cut(batches, sizes), skip_batches * replicas, self.steps_per_epoch * replicas)
-            yield from (cut if join is None else map(join.batch, cut))
+            yield from self._until_read_error(cut if join is None else map(join.batch, cut))
 
         return tf.data.Dataset.from_generator(generate, output_signature=self._signature()).prefetch(2)
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import optuna
 import yaml
 
-from retrieval.config import Config, ConfigError
+from retrieval.config import Config, ConfigError, read_yaml
 from retrieval.errors import UserError, yaml_problem
 
 # What every trial sets on top of the base config: they change what a trial costs, where it writes
@@ -178,7 +178,7 @@ def load_space(path: str | Path, base: Config) -> list[Param]:
       SearchSpaceError: naming the file, the key and what is wrong with it.
     """
     try:
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        raw = read_yaml(Path(path).read_text(encoding="utf-8"))  # as configs are read: 1e-5 is a number
     except FileNotFoundError:
         raise SearchSpaceError(f"search space file not found: {path}") from None
     except UnicodeDecodeError:

@@ -29,6 +29,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 import retrieval.tuning
 from retrieval.config import Config, ConfigError
+from retrieval.training import TrainingDiverged
 from retrieval.tuning.space import Param, TuneError, scored_on, trial_settings, value_at, with_values
 
 log = logging.getLogger("retrieval")
@@ -269,7 +270,8 @@ def run_study(
                 _objective(base, space, study_dir, settings),
                 n_trials=remaining,
                 timeout=settings.timeout,
-                catch=(ConfigError,),  # an invalid combination of values fails that trial only
+                # An invalid combination of values, or one that trains to a NaN loss, fails that trial only.
+                catch=(ConfigError, TrainingDiverged),
                 callbacks=[lambda s, _: write_outputs(s, study_dir, base, space)],
             )
         else:
