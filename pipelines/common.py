@@ -1,13 +1,16 @@
-"""Argument handling shared by the entry points."""
+"""Argument handling shared by the entry points.
+
+Every ``main`` is decorated with ``entry_point`` (``retrieval.errors``): a user error (config,
+data, bundle, paths, disk) is one line ``error: <message>`` on stderr and exit status 2, Ctrl-C
+``error: interrupted`` and 130; set ``RETRIEVAL_DEBUG=1`` for the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before anything imports TensorFlow)
-from retrieval.config import Config, ConfigError, load_config
 
 
 def config_arguments(parser: argparse.ArgumentParser, *, default_config: str | None) -> None:
@@ -22,12 +25,8 @@ def config_arguments(parser: argparse.ArgumentParser, *, default_config: str | N
     )
 
 
-def load_or_exit(path: str | None, overrides: list[str]) -> Config:
-    try:
-        return load_config(path, overrides)
-    except ConfigError as error:
-        sys.exit(f"error: {error}")
-
-
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    # faiss's loader says at INFO, over two lines ending in a ModuleNotFoundError, that it fell back
+    # from its AVX2 build: not a problem, but it reads like one beside a real error line.
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)

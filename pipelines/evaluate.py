@@ -15,8 +15,10 @@ import sys
 from pathlib import Path
 
 from pipelines.common import setup_logging
+from retrieval.errors import entry_point
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, help="bundle directory, e.g. artifacts/<run>")
@@ -26,15 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
 
     from retrieval.bundles import evaluate_bundle
-    from retrieval.config import ConfigError
-    from retrieval.data import DataError
     from retrieval.evaluation import format_table
 
     out = Path(args.out) if args.out else Path(args.run) / "reevaluated"
-    try:
-        metrics = evaluate_bundle(args.run, args.overrides, out=out)
-    except (ConfigError, DataError, FileNotFoundError) as error:
-        sys.exit(f"error: {error}")
+    metrics = evaluate_bundle(args.run, args.overrides, out=out)
     print(format_table(metrics))
     print(f"written to {out}")
     print(json.dumps({"counts": metrics["counts"]}))

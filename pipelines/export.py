@@ -12,8 +12,10 @@ import argparse
 import sys
 
 from pipelines.common import setup_logging
+from retrieval.errors import entry_point
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, help="source bundle directory")
@@ -23,15 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
 
     from retrieval.bundles import reindex_bundle
-    from retrieval.config import Config, ConfigError, apply_overrides
-    from retrieval.export import RunExistsError, read_manifest
+    from retrieval.config import Config, apply_overrides
+    from retrieval.export import read_manifest
 
-    try:
-        manifest = read_manifest(args.run)
-        config = Config.from_dict(apply_overrides(manifest["config"], args.overrides), source="--set")
-        out = reindex_bundle(args.run, args.out, config.index, overwrite=config.run.overwrite)
-    except (ConfigError, RunExistsError, FileNotFoundError, ValueError) as error:
-        sys.exit(f"error: {error}")
+    manifest = read_manifest(args.run)
+    config = Config.from_dict(apply_overrides(manifest["config"], args.overrides), source="--set")
+    out = reindex_bundle(args.run, args.out, config.index, overwrite=config.run.overwrite)
     print(f"bundle with index {config.index.factory!r}: {out}")
     return 0
 

@@ -7,25 +7,23 @@ import json
 import sys
 from pathlib import Path
 
-from pipelines.common import config_arguments, load_or_exit, setup_logging
+from pipelines.common import config_arguments, setup_logging
+from retrieval.config import load_config
+from retrieval.errors import entry_point
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     config_arguments(parser, default_config="configs/default.yaml")
     args = parser.parse_args(argv)
-    config = load_or_exit(args.config, args.overrides)
+    config = load_config(args.config, args.overrides)
     setup_logging()
 
-    from retrieval.data import DataError
     from retrieval.evaluation import format_table
-    from retrieval.export import RunExistsError
     from retrieval.jobs import train_evaluate_export
 
-    try:
-        result = train_evaluate_export(config, config_name=Path(args.config).stem if args.config else "default")
-    except (DataError, RunExistsError) as error:
-        sys.exit(f"error: {error}")
+    result = train_evaluate_export(config, config_name=Path(args.config).stem if args.config else "default")
     print()
     print(format_table(result.metrics))
     print(json.dumps({"counts": result.metrics["counts"]}))

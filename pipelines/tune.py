@@ -18,9 +18,12 @@ import json
 import sys
 from pathlib import Path
 
-from pipelines.common import config_arguments, load_or_exit, setup_logging
+from pipelines.common import config_arguments, setup_logging
+from retrieval.config import load_config
+from retrieval.errors import entry_point
 
 
+@entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -53,16 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, help="stop starting new trials after this many seconds")
     args = parser.parse_args(argv)
-    base = load_or_exit(args.config, args.overrides)
+    base = load_config(args.config, args.overrides)
     setup_logging()
 
-    from retrieval.data import DataError
-    from retrieval.tuning import TuneError, TuneSettings, load_space, run_study
+    from retrieval.tuning import TuneSettings, load_space, run_study
 
-    try:
-        space = load_space(args.space, base)
-    except TuneError as error:
-        sys.exit(f"error: {error}")
+    space = load_space(args.space, base)
     name = Path(args.config).stem if args.config else "default"
     study_dir = args.study_dir or Path(base.run.output_dir) / "tune" / name
     settings = TuneSettings(
@@ -74,10 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         baseline_trial=not args.no_baseline_trial,
         timeout=args.timeout,
     )
-    try:
-        run_study(base, space, study_dir, args.trials, settings)
-    except (TuneError, DataError) as error:
-        sys.exit(f"error: {error}")
+    run_study(base, space, study_dir, args.trials, settings)
     print()
     print((study_dir / "trials.csv").read_text())
     best = study_dir / "best.json"

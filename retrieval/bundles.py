@@ -13,11 +13,11 @@ import pandas as pd
 import tensorflow as tf
 
 from retrieval.config import Config, IndexConfig, apply_overrides
-from retrieval.data import ITEM, load_dataset
+from retrieval.data import ITEM, DataError, load_dataset
 from retrieval.evaluation import build_eval_set, evaluate_against_baselines, write_report
 from retrieval.export import BUNDLE_FORMAT_VERSION, MANIFEST_FILE, atomic_directory, probe_record, write_manifest
 from retrieval.features import TowerTables, feature_arrays
-from retrieval.index import INDEX_INFO_FILE, build_index
+from retrieval.index import INDEX_INFO_FILE, build_index, check_index_fits
 from retrieval.seen_items import SeenItems
 from retrieval.serving import Bundle
 
@@ -75,6 +75,7 @@ def reindex_bundle(
     source = Path(directory)
     bundle = Bundle.load(source)
     manifest, old_index = bundle.manifest, bundle.index
+    check_index_fits(index_config.factory, len(old_index), index_config.train_sample_size)
     doc_model = tf.saved_model.load(str(source / manifest["files"]["doc_model"]))
     serve = doc_model.signatures["serving_default"]
     ids = np.asarray(old_index.item_ids, dtype=object)
@@ -122,5 +123,5 @@ def _doc_inputs(manifest: dict[str, Any], ids: np.ndarray) -> dict[str, np.ndarr
     catalogue = TowerTables.from_dataset(dataset, config.towers).catalogue()
     rows = pd.Index(catalogue[ITEM].astype(str), dtype=object).get_indexer(pd.Index(ids.astype(str), dtype=object))
     if (rows < 0).any():
-        raise ValueError(f"{int((rows < 0).sum())} indexed items are no longer in the catalogue the config names")
+        raise DataError(f"{int((rows < 0).sum())} indexed items are no longer in the catalogue the config names")
     return feature_arrays(catalogue.iloc[rows].reset_index(drop=True), manifest["doc_features"])

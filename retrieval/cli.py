@@ -9,8 +9,10 @@ dropping requests (``POST /admin/reload``). Both read the admin token from
 ``RETRIEVAL_ADMIN_TOKEN`` when the flag is not given (a flag shows in ``ps``).
 ``serve`` takes one flag per ``ServiceLimits`` field (``--max-body-bytes``,
 ``--request-read-timeout``, ...; ``retrieval serve --help`` lists them with
-their defaults). A bundle it cannot load, or a non-loopback ``--host`` with
-admin on and no token, is one line on stderr and exit status 2.
+their defaults). A bundle it cannot load, a non-loopback ``--host`` with
+admin on and no token, a service ``reload`` cannot reach or that refuses the
+bundle, is one line on stderr and exit status 2 (``retrieval.errors``;
+``RETRIEVAL_DEBUG=1`` shows the traceback).
 """
 
 from __future__ import annotations
@@ -25,10 +27,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
+from retrieval.errors import UserError, entry_point
+
 # retrieval.service loads TensorFlow only when a bundle is loaded: `retrieval reload` and --help start fast.
 from retrieval.service import ADMIN_TOKEN_ENV, ServiceLimits
 
 
+@entry_point
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="retrieval", description="Serve top-k retrieval from a bundle.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -96,20 +101,20 @@ def _serve(args: argparse.Namespace) -> int:
 
     import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow loads)
     from retrieval.service import check_admin_exposure, create_app, server_config
-    from retrieval.serving import BundleError
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
-    try:
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port {args.port} is not a TCP port (0 to 65535)")
+    try:  # both check the flags' values: their ValueError is a bad command line
         limits = ServiceLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServiceLimits)})
         check_admin_exposure(args.host, not args.no_admin, token)
-        app = create_app(
-            args.bundle, admin=not args.no_admin, admin_token=token, limits=limits,
-            search_threads=args.search_threads or None, verify=args.verify,
-        )
-    except (BundleError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except ValueError as error:
+        raise UserError(str(error)) from error
+    app = create_app(
+        args.bundle, admin=not args.no_admin, admin_token=token, limits=limits,
+        search_threads=args.search_threads or None, verify=args.verify,
+    )
     sys.setswitchinterval(args.gil_switch_interval)
     config = server_config(
         app, limits, http=args.http, host=args.host, port=args.port, access_log=args.access_log,
@@ -120,6 +125,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _reload(args: argparse.Namespace) -> int:
+    if not args.url.startswith(("http://", "https://")):
+        raise UserError(f"--url {args.url!r} is not an http:// or https:// URL")
     headers = {"Content-Type": "application/json"}
     token = args.token or os.environ.get(ADMIN_TOKEN_ENV)
     if token:
@@ -134,11 +141,11 @@ def _reload(args: argparse.Namespace) -> int:
         with urllib.request.urlopen(request, timeout=args.timeout) as response:
             print(response.read().decode())
     except urllib.error.HTTPError as error:
-        print(f"error: {error.code} {error.read().decode()}", file=sys.stderr)
-        return 1
+        raise UserError(f"{args.url} refused the reload: {error.code} {error.read().decode()}") from None
     except urllib.error.URLError as error:
-        print(f"error: cannot reach {args.url}: {error.reason}", file=sys.stderr)
-        return 1
+        raise UserError(f"cannot reach {args.url}: {error.reason}") from None
+    except TimeoutError:
+        raise UserError(f"{args.url} did not answer within --timeout {args.timeout:g} s") from None
     return 0
 
 

@@ -18,8 +18,10 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from retrieval.errors import UserError, yaml_problem
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A configuration file or override is invalid; the message names the key."""
 
 
@@ -1075,10 +1077,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             text = Path(path).read_text(encoding="utf-8")
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not a text file (a YAML config is UTF-8 text)") from None
         try:
             raw = read_yaml(text) or {}
         except yaml.YAMLError as error:
-            raise ConfigError(f"{path}: not valid YAML: {error}") from None
+            raise ConfigError(f"{path}: not valid YAML: {yaml_problem(error)}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
     if overrides:

@@ -61,6 +61,7 @@ import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
 import retrieval
+from retrieval.errors import UserError
 from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, ItemIndex
 from retrieval.seen_items import SeenItems
 from retrieval.towers import id_lookups
@@ -83,7 +84,7 @@ PROBE_K = 10  # ids the probe query records (fewer for a smaller catalogue)
 log = logging.getLogger("retrieval.export")
 
 
-class RunExistsError(FileExistsError):
+class RunExistsError(UserError, FileExistsError):
     """The run directory exists and overwriting was not asked for."""
 
 

@@ -52,7 +52,7 @@ from retrieval.evaluation import (
 )
 from retrieval.export import atomic_directory, write_bundle
 from retrieval.features import ExampleJoin, FeatureStatistics, TowerStatistics, TowerTables
-from retrieval.index import ItemIndex, build_index
+from retrieval.index import ItemIndex, build_index, check_index_fits
 from retrieval.model import build_model
 from retrieval.objectives import resolved
 from retrieval.run_checkpoints import training_checkpoints
@@ -110,6 +110,7 @@ def train_evaluate_export(
         log.info("data: %s", json.dumps(dataset.summary()))
         # Who is evaluated follows from the split alone: an empty eval set fails here, not after training.
         catalogue_ids = dataset.items[ITEM].astype(str).tolist()
+        check_index_fits(config.index.factory, len(catalogue_ids), config.index.train_sample_size)
         eval_set = build_eval_set(dataset.train, dataset.test, catalogue_ids, config.evaluation)
         stats = FeatureStatistics.from_training_clicks(dataset.train)
         derived = derived_settings(config, stats)
@@ -318,6 +319,7 @@ def _train_evaluate_export_out_of_core(
         stats = FeatureStatistics.from_counts(counts.user_ids, counts.item_ids, counts.item_counts, counts.has_weights)
         tables, join = _streamed_tables(config, counts, shards.columns.timestamp is not None)
         catalogue_ids = tables.items[ITEM].tolist()  # the feature table's items first, as Dataset.items
+        check_index_fits(config.index.factory, len(catalogue_ids), config.index.train_sample_size)
         derived = derived_settings(config, stats)
         seconds["streaming_stats"] = time.perf_counter() - clock
         summary = {

@@ -24,6 +24,7 @@ import argparse
 import json
 import logging
 import reprlib
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ import tensorflow as tf
 
 from retrieval.data import USER
 from retrieval.data.values import finite_feature_value
+from retrieval.errors import UserError, entry_point
 from retrieval.export import check_fingerprints, read_manifest, served_files
 from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFilesError, ItemIndex
 from retrieval.seen_items import SeenItems
@@ -47,7 +49,7 @@ Verify = Literal["quick", "full"]
 PROBE_TOLERANCE = 1e-5
 
 
-class BundleError(ValueError):
+class BundleError(UserError, ValueError):
     """A bundle that cannot be served: one line naming the directory, the part and why.
 
     The message never quotes file contents (FAISS and TensorFlow errors echo
@@ -550,7 +552,9 @@ def _input_tensor(values: Sequence[Any], spec: tf.TensorSpec) -> tf.Tensor:
     return tf.constant(["" if v is None else str(v) for v in values], dtype=tf.string)
 
 
+@entry_point
 def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m retrieval.serving``: a user error is one line and status 2 (``retrieval.errors``)."""
     parser = argparse.ArgumentParser(description="Top-k item ids for a raw query from a bundle.")
     parser.add_argument("--bundle", required=True, help="bundle directory, e.g. artifacts/<run>")
     parser.add_argument("--user-id", required=True, action="append", help="query user id (repeatable)")
@@ -562,6 +566,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="also return the user's training items (excluded by default)",
     )
     args = parser.parse_args(argv)
+    if args.k <= 0:
+        raise UserError(f"-k must be a positive number of items, got {args.k}")
     bundle = Bundle.load(args.bundle)
     queries = [{"user_id": user} for user in args.user_id]
     results = bundle.recommend_batch(
@@ -572,4 +578,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -85,7 +85,7 @@ def test_the_command_line_says_which_set_value_is_not_yaml():
         [sys.executable, "-m", "pipelines.train", "--set", "train.epochs=[1", "--set", "run.output_dir=/nonexistent"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert "error: override 'train.epochs=[1': the value of train.epochs is not valid YAML" in done.stderr
 

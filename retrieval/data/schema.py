@@ -17,13 +17,15 @@ column         dtype    meaning
 
 from __future__ import annotations
 
+from retrieval.errors import UserError
+
 USER = "user_id"
 ITEM = "item_id"
 TIME = "timestamp"
 WEIGHT = "weight"
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Input data cannot be used; the message says where the problem is.
 
     The message starts with the location when it is known, e.g.

@@ -45,7 +45,9 @@ def build_eval_set(
       DataError: no test user is left to evaluate (every one was dropped or
         masked); the message counts what removed them and names the settings.
         Metrics over zero users would read 0.0000 and look like a result.
-      ValueError: a test click names an item missing from the catalogue.
+      DataError: a test click names an item missing from the catalogue (a
+        bundle re-evaluated on other data); the message says whether
+        ``evaluation.unseen_items: drop`` leaves those clicks out.
     """
     row_of = pd.Series(np.arange(len(catalogue_ids)), index=pd.Index(catalogue_ids, dtype=object))
     train_users = set(train[USER])
@@ -64,10 +66,14 @@ def build_eval_set(
         test = test[~unseen_item]
     missing = ~test[ITEM].isin(row_of.index)
     if missing.any():
-        raise ValueError(
-            f"{int(missing.sum())} test clicks name items missing from the catalogue "
-            f"(e.g. {test.loc[missing, ITEM].iloc[0]!r}); the catalogue must contain every logged item"
-        )
+        message = (f"{int(missing.sum())} test clicks name items missing from the catalogue "
+                   f"(e.g. {test.loc[missing, ITEM].iloc[0]!r})")
+        if not test.loc[missing, ITEM].isin(train_items).any():
+            raise DataError(f"{message}, none with training clicks: set evaluation.unseen_items=drop to leave out "
+                            "test clicks on items without training clicks")
+        raise DataError(f"{message}, some with training clicks: the catalogue (a re-evaluated bundle's index) must "
+                        "hold every logged item, so evaluate on the data it was built from (evaluation.unseen_items"
+                        "=drop leaves out only items without training clicks)")
     if config.exclude_train_items:
         # A test click on an item the user also clicked in training is a re-click:
         # with masking on it can never be retrieved, so it is not counted as relevant.

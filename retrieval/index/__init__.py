@@ -31,6 +31,7 @@ from retrieval.index.item_index import (
     IndexFilesError,
     ItemIndex,
     build_index,
+    check_index_fits,
 )
 from retrieval.index.search import TopK, exact_search, flat_vectors, recall_at_k, use_exact_top_k
 from retrieval.index.tuning import MAX_EF_SEARCH, Tuning
@@ -54,6 +55,7 @@ __all__ = [
     "TopK",
     "Tuning",
     "build_index",
+    "check_index_fits",
     "exact_search",
     "flat_vectors",
     "recall_at_k",

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +23,7 @@ import pandas as pd
 
 import retrieval.index
 from retrieval.arrays import drop_members
-from retrieval.config import IndexConfig
+from retrieval.config import ConfigError, IndexConfig
 from retrieval.exact_topk import ExactTopK, checked_search_args
 from retrieval.index.search import TopK, _pad, exact_search, flat_vectors, recall_at_k, use_exact_top_k
 from retrieval.index.tuning import Tuning, _explore
@@ -31,6 +33,66 @@ ITEM_IDS_FILE = "item_ids.parquet"
 INDEX_INFO_FILE = "index.json"
 
 log = logging.getLogger("retrieval.index")
+
+# FAISS's k-means (faiss.ClusteringParameters().min_points_per_centroid) warns below this many
+# training points per centroid; below one point per centroid it refuses to train.
+POINTS_PER_CENTROID = 39
+
+# The parts of a factory string that train k-means, and how many centroids each needs.
+_IVF = re.compile(r"(?<![A-Za-z])IVF(\d+)")  # the coarse quantizer: one centroid per list (IVF200_HNSW32 too)
+_IMI = re.compile(r"(?<![A-Za-z])IMI(\d+)x(\d+)")  # multi-index: 2^nbits centroids per sub-quantizer
+_OPQ = re.compile(r"(?<![A-Za-z])OPQ(\d+)")  # the rotation trains an 8-bit PQ of its own
+_PQ = re.compile(r"(?<![A-Za-z])PQ(\d+)(?:x(\d+))?")  # M codebooks of 2^nbits (default 8) centroids; fs too
+_RQ = re.compile(r"(?<![A-Za-z])RQ(\d+)x(\d+)")  # residual quantizer: 2^nbits centroids per step
+
+
+def check_index_fits(factory: str, num_items: int, train_sample_size: int | None = None) -> None:
+    """Raise ConfigError unless FAISS can train ``factory`` on a catalogue of ``num_items`` items.
+
+    A trainable index (IVF, IMI, PQ, OPQ, RQ) trains k-means on the
+    catalogue's embeddings (at most ``train_sample_size`` of them, as
+    ``ItemIndex.build`` samples), and FAISS refuses to train k centroids on
+    fewer than k vectors: IVF<n> needs n, PQ<M>x<b> (b = 8 by default), OPQ
+    and RQ<M>x<b> need 2^b. Flat, HNSW, SQ and the like train nothing and fit
+    any size. The job calls this as soon as the catalogue size is known, so a
+    misfit fails before training, not after it.
+    """
+    needs: list[tuple[int, str, str]] = []  # (centroids, what they are, what would fit)
+    n = min(num_items, train_sample_size or num_items)
+    for match in _IVF.finditer(factory):
+        lists = int(match.group(1))
+        needs.append((lists, f"its {lists} lists (FAISS wants ~{POINTS_PER_CENTROID} per list)",
+                      f"Flat or IVF<={max(1, num_items // POINTS_PER_CENTROID)}"))
+    # Codes of b bits: 2^b centroids; fewer bits only while FAISS still gets ~39 points per centroid.
+    bits = int(math.log2(num_items // POINTS_PER_CENTROID)) if num_items >= 2 * POINTS_PER_CENTROID else 0
+    fewer = f" or {{}}x{bits} (fewer bits per code)" if bits >= 4 else ""
+    for match in _IMI.finditer(factory):
+        b = int(match.group(2))
+        needs.append((2**b, f"its multi-index quantizers of 2^{b} = {2**b} centroids",
+                      "Flat" + fewer.format(f"IMI{match.group(1)}")))
+    for match in _OPQ.finditer(factory):
+        needs.append((256, f"its OPQ{match.group(1)} rotation (it trains a PQ of 2^8 = 256 centroids)",
+                      f"Flat or no OPQ{match.group(1)}"))
+    for match in _PQ.finditer(factory):
+        b = int(match.group(2) or 8)
+        needs.append((2**b, f"its PQ codebooks of 2^{b} = {2**b} centroids",
+                      "Flat" + fewer.format(f"PQ{match.group(1)}")))
+    for match in _RQ.finditer(factory):
+        b = int(match.group(2))
+        needs.append((2**b, f"its residual codebooks of 2^{b} = {2**b} centroids",
+                      "Flat" + fewer.format(f"RQ{match.group(1)}")))
+    for centroids, what, instead in sorted(needs, reverse=True):
+        if centroids <= n:
+            break
+        if num_items >= centroids:  # the catalogue is large enough, the training sample is not
+            raise ConfigError(
+                f"index.factory {factory} trains {what} on index.train_sample_size={train_sample_size} "
+                f"items, fewer than its {centroids} centroids: set index.train_sample_size >= {centroids}"
+            )
+        raise ConfigError(
+            f"index.factory {factory} needs at least {centroids} catalogue items to train {what}; "
+            f"the catalogue has {num_items}: use {instead}"
+        )
 
 
 class IndexFilesError(ValueError):
@@ -92,10 +154,11 @@ class ItemIndex:
             raise ValueError("embeddings contain NaN or inf")
         if train_sample_size is not None and train_sample_size <= 0:
             raise ValueError(f"train_sample_size must be positive, got {train_sample_size}")
+        check_index_fits(factory, len(embeddings), train_sample_size)
         try:
             index = faiss.index_factory(embeddings.shape[1], factory, faiss.METRIC_INNER_PRODUCT)
         except RuntimeError as error:
-            raise ValueError(f"index.factory {factory!r} is not a valid FAISS factory string: {error}") from None
+            raise ConfigError(f"index.factory {factory!r} is not a valid FAISS factory string: {error}") from None
         if not index.is_trained:
             sample = embeddings
             if train_sample_size is not None and len(embeddings) > train_sample_size:
@@ -105,7 +168,7 @@ class ItemIndex:
             try:
                 index.train(sample)
             except RuntimeError as error:
-                raise ValueError(
+                raise ConfigError(
                     f"index.factory {factory!r} cannot be trained on {len(sample)} vectors: {error}"
                 ) from None
             log.info("trained %s on %d vectors in %.1f s", factory, len(sample), time.perf_counter() - started)

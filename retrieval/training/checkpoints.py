@@ -164,19 +164,36 @@ class TrainingCheckpoint:
             self._saved_step, self._last_save = step, time.monotonic()
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        miner_index = self._miner is not None and self._miner.index is not None
-        if self._miner is not None and miner_index:
-            faiss.write_index(self._miner.index, str(self.directory / f".miner-{step}.tmp"))
-            os.replace(self.directory / f".miner-{step}.tmp", self.directory / f"miner-{step}.faiss")
-        saved = {**dataclasses.asdict(state), "miner_index": miner_index}
-        (self.directory / f".state-{step}.tmp").write_text(json.dumps(saved))
-        os.replace(self.directory / f".state-{step}.tmp", self.directory / f"state-{step}.json")
-        self._manager.save(checkpoint_number=step)
+        try:
+            miner_index = self._miner is not None and self._miner.index is not None
+            if self._miner is not None and miner_index:
+                faiss.write_index(self._miner.index, str(self.directory / f".miner-{step}.tmp"))
+                os.replace(self.directory / f".miner-{step}.tmp", self.directory / f"miner-{step}.faiss")
+            saved = {**dataclasses.asdict(state), "miner_index": miner_index}
+            (self.directory / f".state-{step}.tmp").write_text(json.dumps(saved))
+            os.replace(self.directory / f".state-{step}.tmp", self.directory / f"state-{step}.json")
+            self._manager.save(checkpoint_number=step)
+        except BaseException:  # a full disk, Ctrl-C: the previous checkpoint stays the one to resume from
+            self._discard(step)
+            raise
         self._saved_step, self._last_save = step, time.monotonic()
         kept = {path.rsplit("-", 1)[1] for path in self._manager.checkpoints}
         for side in [*self.directory.glob("state-*.json"), *self.directory.glob("miner-*.faiss")]:
             if side.stem.split("-", 1)[1] not in kept:
                 side.unlink()
+
+    def _discard(self, step: int) -> None:
+        """Delete what a failed save of ``step`` left: TensorFlow's ``ckpt-<step>_temp/`` (its shards
+        before they are merged), a partly merged ``ckpt-<step>.*`` and the side files. Not when the
+        ``checkpoint`` file already names ``ckpt-<step>`` (the save failed after it was complete)."""
+        latest = tf.train.latest_checkpoint(str(self.directory))
+        if latest is not None and Path(latest).name == f"ckpt-{step}":
+            return
+        for path in self.directory.glob(f"ckpt-{step}_temp*"):
+            shutil.rmtree(path, ignore_errors=True)
+        for path in [*self.directory.glob(f"ckpt-{step}.*"), *self.directory.glob(f".*-{step}.tmp"),
+                     self.directory / f"state-{step}.json", self.directory / f"miner-{step}.faiss"]:
+            path.unlink(missing_ok=True)
 
 
 def write_weights(checkpoint: tf.train.Checkpoint, prefix: str | Path) -> None:

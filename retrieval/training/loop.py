@@ -20,6 +20,7 @@ from pathlib import Path
 
 import tensorflow as tf
 
+from retrieval.errors import UserError
 from retrieval.model import TwoTowerModel
 from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState
 from retrieval.training.runtime import worker_count
@@ -117,8 +118,11 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-class TrainingDiverged(ValueError):
+class TrainingDiverged(UserError, ValueError):
     """A training step's loss was NaN or infinite: the weights it updated are lost.
+
+    A user error (one line and status 2 from an entry point): the message names the
+    learning rate and the feature values to change.
 
     Raised at that step, before anything saves its state, so the run's
     checkpoints (if any) hold only steps with a finite loss; the job deletes

@@ -20,6 +20,7 @@ import optuna
 import yaml
 
 from retrieval.config import Config, ConfigError, read_yaml
+from retrieval.errors import UserError, yaml_problem
 
 # What every trial sets on top of the base config: they change what a trial costs, where it writes
 # and which part scores it, not the settings searched, so best.yaml leaves them out (the base
@@ -57,7 +58,7 @@ def scored_on(base: Config) -> str:
             "(split.evaluate_on: validation); the test part is never read")
 
 
-class TuneError(ValueError):
+class TuneError(UserError, ValueError):
     """A study cannot run as asked (bad metric, another process, a resume with another config)."""
 
 
@@ -180,8 +181,10 @@ def load_space(path: str | Path, base: Config) -> list[Param]:
         raw = read_yaml(Path(path).read_text(encoding="utf-8"))  # as configs are read: 1e-5 is a number
     except FileNotFoundError:
         raise SearchSpaceError(f"search space file not found: {path}") from None
+    except UnicodeDecodeError:
+        raise SearchSpaceError(f"search space {path}: not a text file (a search space is UTF-8 YAML)") from None
     except yaml.YAMLError as error:
-        raise SearchSpaceError(f"search space {path}: not valid YAML: {error}") from None
+        raise SearchSpaceError(f"search space {path}: not valid YAML: {yaml_problem(error)}") from None
     if not isinstance(raw, dict) or not raw:
         raise SearchSpaceError(f"search space {path}: expected a non-empty mapping of config keys, got {raw!r}")
     space = [_param(str(path), str(key), spec) for key, spec in raw.items()]
