@@ -17,7 +17,7 @@ import pandas as pd
 import tensorflow as tf
 
 from retrieval.arrays import seeded_subset
-from retrieval.config import Config, save_config
+from retrieval.config import Config, ConfigError, save_config
 from retrieval.data import ITEM, USER, load_dataset, read_clicks
 from retrieval.data.dataset import catalogue_table, feature_tables
 from retrieval.data.fingerprint import RunInputs
@@ -198,7 +198,7 @@ def seen_items_of(train: pd.DataFrame, index: ItemIndex) -> SeenItems:
 def _require_servable(model, config: Config) -> None:
     """Refuse, before training, a model the FAISS inner-product index cannot rank (``servable_by_dot_product``)."""
     if not model.servable_by_dot_product:
-        raise ValueError(
+        raise ConfigError(
             f"model.loss.kind={config.model.loss.kind!r} scores items by tree paths, not dot products, "
             "so it cannot be served from the FAISS index; it is a comparison loss (make bench-losses)"
         )
