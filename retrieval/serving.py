@@ -394,10 +394,16 @@ class Bundle:
                 scores = top.scores[i][: len(rows)]
                 # Scores that overflow to inf - inf are NaN, which FAISS drops: fewer rows than the
                 # catalogue has left (``excluded_rows`` are distinct) is that, not a short catalogue.
-                short = len(rows) < min(k, len(self.index) - len(exclude[i]))
-                if short or not np.isfinite(scores).all():
+                available = min(k, len(self.index) - len(exclude[i]))
+                if not np.isfinite(scores).all():
                     raise ValueError(
                         f"embedding {i}: its scores overflow float32 (the embedding is finite but huge); "
+                        + _NON_FINITE_CAUSE
+                    )
+                if len(rows) < available:  # never an answer shorter than the catalogue allows
+                    raise ValueError(
+                        f"embedding {i}: its scores overflow float32 (NaN scores are dropped), or the index cannot "
+                        f"skip the excluded items: the search found {len(rows)} of the {available} items it should; "
                         + _NON_FINITE_CAUSE
                     )
                 fallback = None if known_ids[i] else "features"
