@@ -61,6 +61,7 @@ import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
 import retrieval
+from retrieval.data.fingerprint import blake2b_hex
 from retrieval.errors import UserError
 from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, ItemIndex
 from retrieval.seen_items import SeenItems
@@ -531,15 +532,13 @@ def _bounded(value: Any, quote: bool = True) -> str:
 
 def _digest(path: Path, *, head_tail: int | None = None) -> str:
     """blake2b-256 of the whole file, or of its first and last ``head_tail`` bytes."""
-    digest = hashlib.blake2b(digest_size=32)
     with open(path, "rb") as handle:
         if head_tail is None:
-            while chunk := handle.read(2**20):
-                digest.update(chunk)
-        else:
-            digest.update(handle.read(head_tail))
-            handle.seek(max(os.fstat(handle.fileno()).st_size - head_tail, 0))
-            digest.update(handle.read(head_tail))
+            return blake2b_hex(handle, digest_size=32)
+        digest = hashlib.blake2b(digest_size=32)
+        digest.update(handle.read(head_tail))
+        handle.seek(max(os.fstat(handle.fileno()).st_size - head_tail, 0))
+        digest.update(handle.read(head_tail))
     return digest.hexdigest()
 
 

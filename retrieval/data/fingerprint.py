@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import io
 import os
 import stat
 from collections.abc import Iterator, Sequence
@@ -127,14 +128,20 @@ def input_roles(data: DataConfig) -> dict[Path, str]:
 
 def fingerprint_file(path: str | Path) -> FileFingerprint:
     """Size, mtime and BLAKE2b of ``path``, read in 1 MiB chunks (see the module docstring for the cost)."""
-    digest = hashlib.blake2b()
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
     with open(path, "rb") as file:
         opened = os.fstat(file.fileno())
-        while size := file.readinto(buffer):
-            digest.update(view[:size])
-    return FileFingerprint(size=opened.st_size, mtime_ns=opened.st_mtime_ns, blake2b=digest.hexdigest())
+        digest = blake2b_hex(file)
+    return FileFingerprint(size=opened.st_size, mtime_ns=opened.st_mtime_ns, blake2b=digest)
+
+
+def blake2b_hex(file: io.BufferedIOBase, digest_size: int = 64) -> str:
+    """Hex BLAKE2b of what is left to read in the binary ``file``, read in 1 MiB chunks (constant memory)."""
+    digest = hashlib.blake2b(digest_size=digest_size)
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    while size := file.readinto(buffer):
+        digest.update(view[:size])
+    return digest.hexdigest()
 
 
 def stat_file(path: str | Path) -> FileStat | None:
