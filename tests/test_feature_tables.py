@@ -3,6 +3,8 @@
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from feature_fixtures import ALL_KINDS, small_tables
 
 from retrieval.data import DataError, hold_out_items
@@ -163,3 +165,35 @@ def test_hold_out_items_drops_only_their_training_clicks():
     assert not set(held) & set(kept["item_id"])
     assert len(kept) == int((~train["item_id"].isin(held)).sum())  # nothing else dropped
     assert hold_out_items(train, test, 0.3, seed=5)[1] == held != hold_out_items(train, test, 0.3, seed=6)[1]
+
+
+# --- Histories looked up in the coded training clicks (ClickHistories). ---
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 6), st.integers(0, 5)), min_size=1, max_size=40),
+    length=st.integers(1, 4),
+)
+def test_click_histories_give_the_histories_of_the_whole_frame(rows, length):
+    """Any batch of clicks, in any order, gets the history ``history_before`` gives it in the whole
+    training frame (ties in time never see each other), and every user, known or not, the
+    serving history ``latest_history`` gives."""
+    from retrieval.features.histories import ClickHistories
+
+    clicks = pd.DataFrame({
+        "user_id": [f"u{u}" for u, _, _ in rows],
+        "item_id": [f"i{i}" for _, i, _ in rows],
+        "timestamp": np.array([t for _, _, t in rows], dtype=np.int64),
+    })
+    users, items = pd.Index(sorted(set(clicks["user_id"]))), pd.Index(sorted(set(clicks["item_id"])))
+    histories = ClickHistories(users.get_indexer(clicks["user_id"]), items.get_indexer(clicks["item_id"]),
+                               clicks["timestamp"].to_numpy(), users.to_numpy(), items.to_numpy())
+    shuffled = np.random.default_rng(len(rows)).permutation(len(clicks))
+    expected = history_before(clicks, length)[shuffled]
+    got = histories.before(clicks["user_id"].to_numpy()[shuffled], clicks["timestamp"].to_numpy()[shuffled], length)
+    assert got.tolist() == expected.tolist()
+    asked = [*users, "nobody"]
+    assert histories.latest(asked, length).tolist() == latest_history(clicks, asked, length).tolist()
+    unknown = histories.before(["nobody"], np.array([99]), length)
+    assert unknown.tolist() == [[""] * length]

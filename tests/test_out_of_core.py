@@ -411,7 +411,7 @@ def test_click_level_plans_refuse_what_they_cannot_plan(tmp_path, tied_logs):
     _same_rows(untimed, plan_split(untimed, split, "first"), *split_clicks(untimed_kept, split))
 
 
-def test_unsupported_settings_are_refused_by_the_config():
+def test_every_setting_of_the_job_loads_out_of_core():
     base = ["data.source=files", "data.clicks.path=x/*.parquet", "data.out_of_core=true",
             "evaluation.baselines.rankers=[popularity]"]
     load_config(None, base)  # supported
@@ -421,11 +421,7 @@ def test_unsupported_settings_are_refused_by_the_config():
     load_config(None, base + ["split.kind=leave_last_k", "split.k=2", "data.duplicates=first",
                               "split.hold_out_items=0.1"])
     load_config(None, base + ["model.loss.hard_negatives=mined"])  # each user's items coded from the shards
-    for override, reason in [
-        ("towers.query.history={length: 5}", "towers.query.history .*earlier clicks.*sorted by user and time"),
-    ]:
-        with pytest.raises(ConfigError, match=f"not yet supported with data.out_of_core: .*{reason}"):
-            load_config(None, base + [override])
+    load_config(None, base + ["towers.query.history={length: 5}"])  # looked up in the coded training clicks
     with pytest.raises(ConfigError, match="data.out_of_core needs data.source: files"):
         load_config(None, ["data.out_of_core=true"])
 
@@ -567,6 +563,17 @@ def test_job_with_feature_towers_out_of_core_matches_the_in_memory_job(tmp_path,
     assert in_memory["reference"]["catalogue_items"] == streamed["reference"]["catalogue_items"] == len(items)
 
 
+@pytest.mark.slow
+def test_job_with_a_click_history_out_of_core_matches_the_in_memory_job(tmp_path, monkeypatch):
+    """The same contract with a query tower that pools each click's history: the streamed
+    batches' histories are looked up in the coded training clicks (``ClickHistories``), as the
+    in-memory examples take them from the whole training part."""
+    clicks, _, _ = generate_clicks(SyntheticConfig(n_users=500, n_items=300, mean_clicks_per_user=30, seed=0))
+    history = ["towers.query.features=[{name: user_id, kind: id}]",
+               "towers.query.history={length: 5, pooling: attention}"]
+    _job_both_ways(tmp_path, monkeypatch, "temporal", clicks, history)  # asserts the contract
+
+
 def _job_both_ways(tmp_path, monkeypatch, kind: str, clicks: pd.DataFrame, extra: list[str]):
     """The job's metrics in memory and out of core on the same clicks (split ``kind``, with
     ``-validation``: ``split.evaluate_on: validation``), after the checks both must pass."""
@@ -606,7 +613,7 @@ def _job_both_ways(tmp_path, monkeypatch, kind: str, clicks: pd.DataFrame, extra
     def refuse(*args, **kwargs):
         raise AssertionError("the out-of-core path must not load the log with pandas")
 
-    refused = ["retrieval.data.dataset.read_clicks", "retrieval.jobs.load_dataset"]
+    refused = ["retrieval.data.dataset.read_clicks", "retrieval.data.dataset.ClickTable.from_frame"]
     tables = any("_features.path=" in setting for setting in extra)
     if kind != "none" and not tables:  # the (small) test file and feature tables are read whole, by pandas
         refused += ["retrieval.data.loaders.read_clicks", "pandas.read_parquet", "pandas.read_csv"]

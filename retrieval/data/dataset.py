@@ -11,6 +11,7 @@ from retrieval.config import DataConfig, SplitConfig, TableConfig
 from retrieval.data.loaders import apply_duplicates, read_clicks, read_feature_table
 from retrieval.data.movielens import load_movielens_100k, locate_movielens_100k
 from retrieval.data.schema import ITEM, USER, DataError
+from retrieval.data.shards import ClickLog, ClickShards, ClickTable
 from retrieval.data.splits import hold_out_items, split_clicks, split_validation
 from retrieval.data.synthetic import generate_clicks
 
@@ -101,6 +102,80 @@ def load_dataset(data: DataConfig, split: SplitConfig) -> Dataset:
             ``split_clicks``).
         FileNotFoundError: MovieLens 100K was asked for but not found.
     """
+    raw = _read_source(data)
+    train, test = split_clicks(apply_duplicates(raw.clicks, data.duplicates), split, raw.test_clicks)
+    if split.evaluate_on == "validation":
+        # Tuning: the test part goes here, before anything (catalogue, hold-out draw) reads it.
+        train, test = split_validation(train, split)
+    held_out: tuple[str, ...] = ()
+    if split.hold_out_items > 0:
+        train, held_out = hold_out_items(train, test, split.hold_out_items, split.seed)
+    return Dataset(
+        train=train,
+        test=test,
+        items=catalogue_table(ITEM, raw.item_features, train, test),
+        users=catalogue_table(USER, raw.user_features, train, test),
+        source=raw.source,
+        held_out_items=held_out,
+        evaluated_on=split.evaluate_on,
+    )
+
+
+@dataclass(frozen=True)
+class LogSource:
+    """The configured click log, not yet split, and what comes with it.
+
+    Attributes:
+      clicks: the log behind the one interface every stage reads (``ClickLog``): its shards
+        (``data.out_of_core``) or the whole log in memory (``ClickTable``).
+      test_clicks: ``data.test_clicks`` as a canonical frame (``split.kind: none``; a test log is
+        small and read whole), ``data.duplicates`` applied; None when not given.
+      item_features, user_features: feature tables keyed ``item_id`` / ``user_id``, or None.
+      source: where the clicks came from, for logs and reports.
+      in_memory: the whole log is in memory: every stage may hold it (the shuffle buffer, the
+        evaluated users).
+    """
+
+    clicks: ClickLog
+    test_clicks: pd.DataFrame | None
+    item_features: pd.DataFrame | None
+    user_features: pd.DataFrame | None
+    source: str
+    in_memory: bool
+
+
+def open_log(data: DataConfig) -> LogSource:
+    """The configured click log behind ``ClickLog``, with its test log and feature tables.
+
+    ``data.out_of_core`` opens the shards of ``data.clicks`` (nothing read yet); every other
+    source is read whole (``load_dataset``'s readers) into one ``ClickTable``. ``data.duplicates``
+    is left to the split plan (``retrieval.data.streaming.plan_split``), which applies it to the log.
+    """
+    if data.out_of_core:
+        if data.clicks is None:
+            raise ValueError("data.out_of_core needs data.clicks (the click shards)")
+        shards = ClickShards.open(data.clicks, data.columns, data.stream.read_batch_size)
+        items, users = feature_tables(data)
+        source = f"files:{data.clicks.path} ({len(shards.files)} {shards.format} shards, out of core)"
+        return LogSource(shards, _test_log(data), items, users, source, in_memory=False)
+    raw = _read_source(data)
+    table = ClickTable.from_frame(raw.clicks, data.stream.read_batch_size)
+    return LogSource(table, raw.test_clicks, raw.item_features, raw.user_features, raw.source, in_memory=True)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """A source read whole: its clicks as read (duplicates kept), test log (``data.duplicates``
+    applied) and feature tables."""
+
+    clicks: pd.DataFrame
+    test_clicks: pd.DataFrame | None
+    item_features: pd.DataFrame | None
+    user_features: pd.DataFrame | None
+    source: str
+
+
+def _read_source(data: DataConfig) -> _Source:
     test_log = item_features = user_features = None
     if data.source == "synthetic":
         clicks, item_features, user_features = generate_clicks(data.synthetic)
@@ -113,29 +188,19 @@ def load_dataset(data: DataConfig, split: SplitConfig) -> Dataset:
         if data.clicks is None:
             raise ValueError("data.clicks is required when data.source is 'files'")
         clicks = read_clicks(data.clicks, data.columns)
-        if data.test_clicks is not None:
-            test_log = apply_duplicates(read_clicks(data.test_clicks, data.columns), data.duplicates)
+        test_log = _test_log(data)
         item_features, user_features = feature_tables(data)
         source = f"files:{data.clicks.path}"
     else:
         raise ValueError(f"unknown data.source {data.source!r}; valid: synthetic, movielens-100k, files")
-    clicks = apply_duplicates(clicks, data.duplicates)
-    train, test = split_clicks(clicks, split, test_log)
-    if split.evaluate_on == "validation":
-        # Tuning: the test part goes here, before anything (catalogue, hold-out draw) reads it.
-        train, test = split_validation(train, split)
-    held_out: tuple[str, ...] = ()
-    if split.hold_out_items > 0:
-        train, held_out = hold_out_items(train, test, split.hold_out_items, split.seed)
-    return Dataset(
-        train=train,
-        test=test,
-        items=catalogue_table(ITEM, item_features, train, test),
-        users=catalogue_table(USER, user_features, train, test),
-        source=source,
-        held_out_items=held_out,
-        evaluated_on=split.evaluate_on,
-    )
+    return _Source(clicks, test_log, item_features, user_features, source)
+
+
+def _test_log(data: DataConfig) -> pd.DataFrame | None:
+    """``data.test_clicks`` (small: read whole), ``data.duplicates`` applied; None when not given."""
+    if data.test_clicks is None:
+        return None
+    return read_clicks(data.test_clicks, data.columns, duplicates=data.duplicates)
 
 
 def feature_tables(data: DataConfig) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:

@@ -1,10 +1,17 @@
-"""Click shards: Parquet or CSV files read in record batches with pyarrow, validated as they stream.
+"""The click-log interface and its two backends: shards on disk and one table in memory.
 
-``ClickShards`` opens a file, a directory or a glob of shards and yields
-``ClickBatch`` es of canonical columns (user and item id strings, int64
-timestamps, float32 weights), every value checked by the rules the in-memory
-loader applies (``retrieval.data.values``), errors naming file, line or row,
-and column. ``retrieval.data.streaming`` makes its passes over them.
+A ``ClickLog`` is what every stage of the job reads (``retrieval.data.streaming``
+makes its passes over one, ``retrieval.training.StreamedClicks`` trains on one):
+``files`` (the parts, each read in log order), ``columns`` and ``scan``/``batches``
+yielding ``ClickBatch`` es of canonical columns (user and item id strings, int64
+timestamps, float32 weights) with row keys increasing in log order.
+
+- ``ClickShards`` opens a file, a directory or a glob of Parquet/CSV shards and
+  reads them in record batches with pyarrow, every value checked by the rules
+  the in-memory loader applies (``retrieval.data.values``), errors naming file,
+  line or row, and column.
+- ``ClickTable`` holds a canonical click frame (a generated log, MovieLens, a
+  file read whole) as one Arrow table: a log of one part whose passes cost no I/O.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
@@ -34,6 +41,34 @@ from retrieval.data.values import FLOAT32_MAX, BadValues, click_weights, id_stri
 ROW_KEY_BITS = 40
 _SHARD_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "tsv", ".txt": "tsv"}
 _SEPARATORS = {"csv": ",", "tsv": "\t"}
+
+
+class ClickLog(Protocol):
+    """A click log read part by part (``ClickShards``, ``ClickTable``).
+
+    Attributes:
+      files: the parts, in log order (shard paths, or ``ClickTable.PART`` alone).
+      columns: the canonical batch's sources; ``columns.timestamp`` is None when the log has no time.
+      reads_own_shards: each worker of a multi-worker run can read parts of its own
+        (``StreamedClicks.worker_epoch``); False: every worker reads the whole log.
+    """
+
+    @property
+    def files(self) -> tuple[str, ...]: ...
+
+    @property
+    def columns(self) -> ColumnsConfig: ...
+
+    @property
+    def reads_own_shards(self) -> bool: ...
+
+    def batches(self, file: str) -> Iterator[ClickBatch]:
+        """Canonical click batches of one part, in log order, with their row keys (``ROW_KEY_BITS``)."""
+        ...
+
+    def scan(self, files: Sequence[str] | None = None) -> Iterator[ClickBatch]:
+        """Canonical click batches of every part (or of ``files``), part by part."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -102,6 +137,10 @@ class ClickShards:
         for file in files:
             shards._check_columns(file)
         return shards
+
+    @property
+    def reads_own_shards(self) -> bool:
+        return True
 
     @property
     def wanted(self) -> list[str]:
@@ -197,6 +236,71 @@ class ClickShards:
 
     def scan(self, files: Sequence[str] | None = None) -> Iterator[ClickBatch]:
         """Canonical click batches of every shard (or of ``files``), shard by shard."""
+        for file in self.files if files is None else files:
+            yield from self.batches(file)
+
+
+@dataclass(frozen=True, eq=False)
+class ClickTable:
+    """A canonical click log held in memory as one Arrow table: a ``ClickLog`` of one part.
+
+    Row ``i`` of the table has row key ``i``, so the plans and passes of
+    ``retrieval.data.streaming`` see it as they see a single shard, and a
+    shuffle buffer holding every click gives the batches ``FrameClicks`` gives
+    the same frame. Its values are trusted: they come from a loader or the
+    generator, which checked them.
+
+    Attributes:
+      table: ``user_id``, ``item_id`` (string), ``timestamp`` (int64, optional), ``weight`` (float32).
+      read_batch_size: rows per batch of ``batches``.
+    """
+
+    PART = "<in memory>"
+    table: pa.Table
+    read_batch_size: int = 65_536
+    files: tuple[str, ...] = (PART,)
+
+    @classmethod
+    def from_frame(cls, clicks: pd.DataFrame, read_batch_size: int = 65_536) -> ClickTable:
+        """From a canonical click frame (``read_clicks``, ``generate_clicks``, ``load_movielens_100k``)."""
+        columns = {
+            USER: pa.array(clicks[USER].astype(str).to_numpy(dtype=object), pa.string()),
+            ITEM: pa.array(clicks[ITEM].astype(str).to_numpy(dtype=object), pa.string()),
+        }
+        if TIME in clicks:
+            columns[TIME] = pa.array(clicks[TIME].to_numpy(np.int64))
+        weights = clicks[WEIGHT].to_numpy(np.float32) if WEIGHT in clicks else np.ones(len(clicks), np.float32)
+        columns[WEIGHT] = pa.array(weights)
+        return cls(pa.table(columns).combine_chunks(), read_batch_size)
+
+    @property
+    def columns(self) -> ColumnsConfig:
+        has_time = TIME in self.table.column_names
+        return ColumnsConfig(user=USER, item=ITEM, timestamp=TIME if has_time else None, weight=WEIGHT)
+
+    @property
+    def reads_own_shards(self) -> bool:
+        return False  # one part: under multi_worker every worker holds it and takes its share of each batch
+
+    @property
+    def rows(self) -> int:
+        return self.table.num_rows
+
+    def batches(self, file: str) -> Iterator[ClickBatch]:
+        if file != self.PART:
+            raise ValueError(f"a ClickTable has one part, {self.PART!r}; got {file!r}")
+        has_time = TIME in self.table.column_names
+        for start in range(0, self.table.num_rows, self.read_batch_size):
+            part = self.table.slice(start, self.read_batch_size)
+            yield ClickBatch(
+                part.column(USER).combine_chunks(),
+                part.column(ITEM).combine_chunks(),
+                part.column(TIME).to_numpy() if has_time else None,
+                part.column(WEIGHT).to_numpy(),
+                np.arange(start, start + part.num_rows, dtype=np.int64),
+            )
+
+    def scan(self, files: Sequence[str] | None = None) -> Iterator[ClickBatch]:
         for file in self.files if files is None else files:
             yield from self.batches(file)
 

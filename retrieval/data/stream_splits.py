@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from retrieval.config import SplitConfig
 from retrieval.data.loaders import first_click_mask
 from retrieval.data.schema import DataError
-from retrieval.data.shards import ClickBatch, ClickShards, as_strings
+from retrieval.data.shards import ClickBatch, ClickLog, as_strings
 from retrieval.data.splits import draw_held_out_items, hashed_test_mask, last_k_mask, timestamp_cut, validation_carve
 
 
@@ -86,7 +86,7 @@ def random_test_mask(batch: ClickBatch, fraction: float, seed: int) -> np.ndarra
     return hashed_test_mask(as_strings(batch.users), as_strings(batch.items), batch.timestamps, fraction, seed)
 
 
-def plan_split(shards: ClickShards, split: SplitConfig, duplicates: str = "keep") -> SplitPlan:
+def plan_split(shards: ClickLog, split: SplitConfig, duplicates: str = "keep") -> SplitPlan:
     """Pass 1: row count, time range, and the exact cut of ``splits.temporal_cut`` (temporal) or
     the test clicks of ``splits.last_k_mask`` (leave_last_k), of the clicks ``duplicates`` keeps
     (``"first"``: ``first_clicks``, one pass before).
@@ -153,7 +153,7 @@ def plan_split(shards: ClickShards, split: SplitConfig, duplicates: str = "keep"
     return SplitPlan("temporal", rows, cut=cut, time_range=time_range, kept_keys=kept)
 
 
-def first_clicks(shards: ClickShards) -> np.ndarray:
+def first_clicks(shards: ClickLog) -> np.ndarray:
     """The pass of ``data.duplicates: first``: [distinct pairs] int64, the increasing row keys of each
     (user, item) pair's first click by ``loaders.first_click_mask`` (by timestamp, ties and logs
     without time by log order), the rows ``apply_duplicates`` keeps.
@@ -220,7 +220,7 @@ class CarvedPlan(_OnOuter):
         return ~self.drops(batch) & self.inner.is_test(batch)
 
 
-def plan_validation(shards: ClickShards, plan: Plan, fraction: float, split: SplitConfig | None) -> CarvedPlan:
+def plan_validation(shards: ClickLog, plan: Plan, fraction: float, split: SplitConfig | None) -> CarvedPlan:
     """The validation part carved from ``plan``'s training side as ``training.validation_split``
     carves it in memory (``splits.validation_carve``): the latest ``fraction`` of the training
     clicks (the exact cut of ``splits.timestamp_cut``, one more pass) when ``split`` is temporal or
@@ -289,7 +289,7 @@ class HeldOutPlan(_OnOuter):
 
 
 def plan_hold_out(
-    shards: ClickShards, plan: Plan, fraction: float, seed: int, test_items: Iterable[str] = ()
+    shards: ClickLog, plan: Plan, fraction: float, seed: int, test_items: Iterable[str] = ()
 ) -> HeldOutPlan:
     """``plan`` with the items ``splits.hold_out_items`` holds out made cold: one pass lists the
     items logged on either side (and in ``test_items``, a given test log's), and

@@ -52,7 +52,7 @@ import pyarrow.compute as pc
 
 from retrieval.arrays import seeded_subset
 from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
-from retrieval.data.shards import ClickBatch, ClickShards, as_strings, list_shard_files
+from retrieval.data.shards import ClickBatch, ClickLog, ClickShards, ClickTable, as_strings, list_shard_files
 from retrieval.data.shuffle import click_keys, epoch_order
 from retrieval.data.stream_splits import (
     CarvedPlan,
@@ -69,7 +69,9 @@ from retrieval.data.stream_splits import (
 __all__ = [  # the shard readers too: callers stream through this module
     "CarvedPlan",
     "ClickBatch",
+    "ClickLog",
     "ClickShards",
+    "ClickTable",
     "HeldOutPlan",
     "Plan",
     "SplitPlan",
@@ -182,7 +184,7 @@ class StreamCounts:
         return train + [i for i in self.test_item_ids.tolist() if i not in known]
 
 
-def scan_counts(shards: ClickShards, plan: Plan) -> StreamCounts:
+def scan_counts(shards: ClickLog, plan: Plan) -> StreamCounts:
     """Pass 2: per-id training counts and the test side's users and items.
 
     Raises:
@@ -227,7 +229,7 @@ def scan_counts(shards: ClickShards, plan: Plan) -> StreamCounts:
     )
 
 
-def scan_train_column(shards: ClickShards, plan: Plan, column: str) -> np.ndarray:
+def scan_train_column(shards: ClickLog, plan: Plan, column: str) -> np.ndarray:
     """One column of every training click, in log order: ``timestamp`` (int64) or ``weight``
     (float32), 8 (4) bytes a click (feature statistics of a click column, ``ExampleJoin``)."""
     if column not in (TIME, WEIGHT):
@@ -243,7 +245,7 @@ def scan_train_column(shards: ClickShards, plan: Plan, column: str) -> np.ndarra
 
 
 def scan_pairs(
-    shards: ClickShards, plan: Plan, user_ids: pd.Index, item_ids: pd.Index
+    shards: ClickLog, plan: Plan, user_ids: pd.Index, item_ids: pd.Index
 ) -> tuple[np.ndarray, np.ndarray]:
     """Every training click as a (row of ``user_ids``, row of ``item_ids``) pair: the click matrix of
     the ALS baseline, coded while streaming (8 bytes a click; the matrix sums repeated pairs).
@@ -275,7 +277,7 @@ def sample_test_users(counts: StreamCounts, max_users: int | None, seed: int) ->
 
 
 def collect_users(
-    shards: ClickShards, plan: Plan, user_ids: Sequence[str] | np.ndarray
+    shards: ClickLog, plan: Plan, user_ids: Sequence[str] | np.ndarray
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Pass 3: ``(train, test)`` canonical click frames of ``user_ids`` only, in log order."""
     wanted = pa.array(list(user_ids), pa.string())
@@ -301,7 +303,7 @@ def collect_users(
 
 
 def train_batches(
-    shards: ClickShards,
+    shards: ClickLog,
     plan: Plan,
     batch_size: int,
     *,
@@ -373,7 +375,7 @@ def train_batches(
         yield from drain(final=True)
 
 
-def _interleaved(shards: ClickShards, files: Sequence[str], cycle: int) -> Iterator[ClickBatch]:
+def _interleaved(shards: ClickLog, files: Sequence[str], cycle: int) -> Iterator[ClickBatch]:
     """Record batches of ``cycle`` shards at a time, one from each in turn; a finished shard's
     place goes to the next file."""
     pending = iter(files)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -33,6 +33,9 @@ import pandas as pd
 from retrieval.config import FeatureConfig, TowerConfig, TowersConfig
 from retrieval.data import ITEM, TIME, USER, WEIGHT, DataError
 from retrieval.data.values import BadValues, feature_numbers
+
+if TYPE_CHECKING:
+    from retrieval.features.histories import ClickHistories
 
 PAD = ""
 
@@ -222,12 +225,13 @@ def query_inputs(
     train: pd.DataFrame | None,
     towers: TowersConfig,
     reference_time: float | None,
+    histories: ClickHistories | None = None,
 ) -> pd.DataFrame:
     """Query-tower inputs for users queried after training, plus ``user_id``.
 
-    Their history is their last training clicks (``train``; None when the clicks are
-    streamed, which only a tower without a history allows); a click-log ``timestamp``
-    read by a query feature is ``reference_time`` (the end of training).
+    Their history is their last training clicks (``histories``, or else the clicks of
+    ``train``); a click-log ``timestamp`` read by a query feature is ``reference_time``
+    (the end of training).
     """
     ids = np.asarray(user_ids, dtype=object).astype(str).astype(object)
     rows = pd.DataFrame({USER: ids})
@@ -235,9 +239,12 @@ def query_inputs(
         rows[TIME] = np.full(len(ids), reference_time, dtype=np.float64)
     history = None
     if towers.query.history is not None:
-        if train is None:
-            raise ValueError("towers.query.history needs the training clicks (a streamed log holds none in memory)")
-        history = latest_history(train, ids, towers.query.history.length)
+        if histories is not None:
+            history = histories.latest(ids, towers.query.history.length)
+        elif train is not None:
+            history = latest_history(train, ids, towers.query.history.length)
+        else:
+            raise ValueError("towers.query.history needs the training clicks or their ClickHistories")
     query = tower_frame(towers.query, rows, users, USER, "query", history)
     if USER not in query:
         query.insert(0, USER, ids)
@@ -319,11 +326,12 @@ class TowerTables:
 
     Attributes:
       towers: the towers' features.
-      train: canonical training clicks; None when they are streamed (``data.out_of_core``: the
-        training examples are then joined batch by batch, ``retrieval.features.ExampleJoin``).
+      train: canonical training clicks; None when the job reads them part by part (the training
+        examples are then joined batch by batch, ``retrieval.features.ExampleJoin``).
       users: user feature table (``Dataset.users``), or None.
       items: the catalogue with item features (``Dataset.items``).
       end_time: the latest training click's time when ``train`` is None (else read from ``train``).
+      histories: the training clicks' histories when ``train`` is None and the query tower has one.
     """
 
     towers: TowersConfig
@@ -331,6 +339,7 @@ class TowerTables:
     users: pd.DataFrame | None
     items: pd.DataFrame
     end_time: float | None = None
+    histories: ClickHistories | None = None
 
     @classmethod
     def from_dataset(cls, dataset: Any, towers: TowersConfig) -> TowerTables:
@@ -353,4 +362,4 @@ class TowerTables:
 
     def queries(self, user_ids: Sequence[str] | np.ndarray) -> pd.DataFrame:
         """``query_inputs`` at the end of training: one row per user id."""
-        return query_inputs(user_ids, self.users, self.train, self.towers, self.reference_time)
+        return query_inputs(user_ids, self.users, self.train, self.towers, self.reference_time, self.histories)

@@ -193,12 +193,13 @@ def distributed_epoch(source: ClickSource, epoch: int, skip_batches: int = 0):
     each worker on its own shards (``StreamedClicks.worker_epoch``, through
     ``distribute_datasets_from_function``); otherwise every worker makes the
     whole epoch and ``experimental_distribute_dataset`` splits each global batch
-    over the replicas (under ``multi_worker`` each worker keeps its part).
+    over the replicas (under ``multi_worker`` each worker keeps its part): a
+    ``FrameClicks``, or a ``StreamedClicks`` of a log held in memory (``ClickTable``).
     """
     if not tf.distribute.has_strategy():
         return source.epoch(epoch, skip_batches=skip_batches)
     strategy = tf.distribute.get_strategy()
-    if isinstance(source, StreamedClicks) and worker_count(strategy) > 1:
+    if isinstance(source, StreamedClicks) and source.reads_own_shards and worker_count(strategy) > 1:
         return strategy.distribute_datasets_from_function(
             lambda context: source.worker_epoch(epoch, skip_batches, context)
         )

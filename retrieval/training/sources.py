@@ -26,7 +26,7 @@ import pandas as pd
 import tensorflow as tf
 
 from retrieval.data import ITEM, TIME, USER, WEIGHT, DataError, click_keys, epoch_order
-from retrieval.data.streaming import ClickBatch, ClickShards, Plan, train_batches
+from retrieval.data.streaming import ClickBatch, ClickLog, ClickShards, Plan, train_batches
 from retrieval.features import ExampleJoin, feature_arrays
 
 
@@ -37,11 +37,17 @@ class ClickSource(Protocol):
       batch_size: rows a batch (the last batch of an epoch may hold fewer).
       steps_per_epoch: batches in one epoch (an upper bound for a capped stream).
       rows: training examples in one epoch.
+      reads_own_shards: under ``multi_worker`` each worker reads its own part of the log
+        (``StreamedClicks.worker_epoch``); False: every worker makes the whole epoch and keeps
+        its share of each global batch.
     """
 
     batch_size: int
     steps_per_epoch: int
     rows: int
+
+    @property
+    def reads_own_shards(self) -> bool: ...
 
     def epoch(self, epoch: int, skip_batches: int = 0) -> tf.data.Dataset:
         """Epoch ``epoch``'s batches less its first ``skip_batches``: dicts of ``[batch]`` tensors
@@ -78,6 +84,8 @@ class FrameClicks:
     ``StreamedClicks`` whose buffer holds the same clicks yields the same
     batches. With ``shuffle=False`` the rows keep the frame's order.
     """
+
+    reads_own_shards = False
 
     def __init__(self, clicks: pd.DataFrame, batch_size: int, *, seed: int, shuffle: bool = True):
         if clicks.empty:
@@ -173,7 +181,7 @@ class StreamedClicks:
 
     def __init__(
         self,
-        shards: ClickShards,
+        shards: ClickLog,
         plan: Plan,
         batch_size: int,
         *,
@@ -193,6 +201,10 @@ class StreamedClicks:
         self.steps_per_epoch = self._whole_epoch if max_batches is None else min(self._whole_epoch, int(max_batches))
         self._worker_rows: dict[tuple[str, ...], int] = {}
         self._read_error: DataError | None = None
+
+    @property
+    def reads_own_shards(self) -> bool:
+        return self.shards.reads_own_shards
 
     def epoch(self, epoch: int, skip_batches: int = 0) -> tf.data.Dataset:
         join = self.join
@@ -269,6 +281,8 @@ class StreamedClicks:
                 "fewer workers, a larger train.batch_size or shards of more even sizes"
             )
         sizes = [rows // parts + (1 if part < rows % parts else 0) for part in range(parts)]
+        if not isinstance(self.shards, ClickShards):  # distributed_epoch asks reads_own_shards first
+            raise ValueError("a log held in memory is not read per worker: every worker takes its share of each batch")
         fields = {field.name: getattr(self.shards, field.name) for field in dataclasses.fields(self.shards)}
         shards = _WorkerShards(**{**fields, "files": files}, whole=self.shards.files)
         join = self.join

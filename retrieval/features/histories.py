@@ -1,0 +1,84 @@
+"""Click histories looked up for any click: each user's training clicks, coded and sorted once.
+
+``towers.query.history`` gives each training click the items its user clicked
+strictly before it (``tables.history_before`` over a whole click frame). A log
+read part by part (``retrieval.data.ClickLog``, shards or a table in memory)
+never holds that frame, so ``ClickHistories`` holds the training clicks coded
+instead: a user row and an item row (int32 each) and a timestamp (int64) a
+click, 16 bytes a click, sorted by (user, time, log order). A batch's histories
+are then two binary searches a row, whatever the batch's order: the values
+``history_before`` gives the same clicks, and at serving time the values
+``latest_history`` gives (``tests/test_feature_tables.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from retrieval.features.tables import PAD
+
+
+class ClickHistories:
+    """Each user's training clicks in time order, for the history of any click or user.
+
+    Args:
+      user_rows, item_rows: [n] int rows of ``user_ids`` / ``item_ids`` of every training click, in log order.
+      times: [n] int64 timestamps of those clicks.
+      user_ids, item_ids: the id strings the rows point to.
+    """
+
+    def __init__(self, user_rows: np.ndarray, item_rows: np.ndarray, times: np.ndarray,
+                 user_ids: Sequence[str] | np.ndarray, item_ids: Sequence[str] | np.ndarray):
+        if not len(user_rows) == len(item_rows) == len(times):
+            raise ValueError(f"user_rows, item_rows and times differ in length: "
+                             f"{len(user_rows)}, {len(item_rows)}, {len(times)}")
+        times = np.asarray(times, dtype=np.int64)
+        order = np.lexsort((np.arange(len(times)), times, user_rows))  # log order breaks ties, as history_before
+        self._users = np.asarray(user_rows, dtype=np.int64)[order]
+        self._items = np.asarray(item_rows, dtype=np.int32)[order]
+        # (user, time) as one sortable int64: the user row times the distinct times, plus the time's rank.
+        self._instants = np.unique(times)
+        self._keys = self._key(self._users, np.searchsorted(self._instants, times[order]))
+        self._user_index = pd.Index(np.asarray(user_ids, dtype=object), dtype=object)
+        self._item_ids = np.append(np.asarray(item_ids, dtype=object), PAD)  # the last slot pads
+
+    @property
+    def clicks(self) -> int:
+        return len(self._users)
+
+    def _key(self, users: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+        return users.astype(np.int64) * (len(self._instants) + 1) + ranks
+
+    def _rows(self, user_ids: Sequence[str] | np.ndarray) -> np.ndarray:
+        return self._user_index.get_indexer(pd.Index(np.asarray(user_ids, dtype=object).astype(str)))
+
+    def before(self, user_ids: Sequence[str] | np.ndarray, times: np.ndarray, length: int) -> np.ndarray:
+        """Each (user, time)'s last ``length`` items clicked strictly before ``time`` (``history_before``).
+
+        Returns:
+          [len(user_ids), length] object array of item ids, newest first, "" padded; all "" for
+          users without training clicks.
+        """
+        rows = self._rows(user_ids)
+        known = rows >= 0
+        start = np.searchsorted(self._users, rows, "left")
+        end = np.searchsorted(self._keys, self._key(rows, np.searchsorted(self._instants, times, "left")), "left")
+        return self._window(np.where(known, start, 0), np.where(known, end, 0), length)
+
+    def latest(self, user_ids: Sequence[str] | np.ndarray, length: int) -> np.ndarray:
+        """Each user's last ``length`` training clicks, all visible: the history at serving time
+        (``latest_history``). Same shape and padding as ``before``."""
+        rows = self._rows(user_ids)
+        known = rows >= 0
+        start, end = np.searchsorted(self._users, rows, "left"), np.searchsorted(self._users, rows, "right")
+        return self._window(np.where(known, start, 0), np.where(known, end, 0), length)
+
+    def _window(self, start: np.ndarray, end: np.ndarray, length: int) -> np.ndarray:
+        if length <= 0:
+            raise ValueError(f"history length must be positive, got {length}")
+        index = end[:, None] - 1 - np.arange(length)[None, :]
+        rows = np.append(self._items, len(self._item_ids) - 1)  # position n: the padding slot
+        return self._item_ids[rows[np.where(index >= start[:, None], index, len(self._items))]]
