@@ -1,7 +1,9 @@
-"""Work on an exported bundle: re-evaluate it on the data its config names, or rebuild its index."""
+"""Work on an exported bundle: re-evaluate it on the data its config names (the job's own phases), or
+rebuild its index."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from datetime import datetime, timezone
@@ -13,11 +15,12 @@ import pandas as pd
 import tensorflow as tf
 
 from retrieval.config import Config, IndexConfig, apply_overrides
-from retrieval.data import ITEM, DataError, load_dataset
-from retrieval.evaluation import build_eval_set, evaluate_against_baselines, write_report
+from retrieval.data import ITEM, DataError
+from retrieval.evaluation import write_report
 from retrieval.export import BUNDLE_FORMAT_VERSION, MANIFEST_FILE, atomic_directory, probe_record, write_manifest
-from retrieval.features import TowerTables, feature_arrays
+from retrieval.features import feature_arrays
 from retrieval.index import INDEX_INFO_FILE, build_index, check_index_fits
+from retrieval.jobs import evaluate, evaluation_clicks, read_and_split
 from retrieval.seen_items import SeenItems
 from retrieval.serving import Bundle
 
@@ -36,18 +39,14 @@ def evaluate_bundle(
     bundle = Bundle.load(directory)
     raw = apply_overrides(bundle.manifest["config"], overrides or [])
     config = Config.from_dict(raw, source=f"{directory}/manifest.json config")
-    dataset = load_dataset(config.data, config.split)
-    eval_set = build_eval_set(dataset.train, dataset.test, list(bundle.index.item_ids), config.evaluation)
+    # The job's own phases: the same split, evaluated users and baselines, over the bundle's catalogue.
+    data = dataclasses.replace(read_and_split(config), catalogue_ids=list(bundle.index.item_ids))
+    evaluated = evaluation_clicks(config, data)
     # Raw query features as a client would send them: user features and last training clicks.
-    queries = TowerTables.from_dataset(dataset, config.towers).queries(eval_set.user_ids).to_dict("records")
-    metrics = evaluate_against_baselines(
-        bundle.index,
-        bundle.embed(queries) if queries else np.zeros((0, bundle.index.dim), np.float32),
-        eval_set,
-        dataset.train,
-        config.evaluation,
-    )
-    metrics["data"] = dataset.summary()
+    queries = data.tables.queries(evaluated.eval_set.user_ids).to_dict("records")
+    embeddings = bundle.embed(queries) if queries else np.zeros((0, bundle.index.dim), np.float32)
+    metrics = evaluate(config, bundle.index, embeddings, data, evaluated)
+    metrics["data"] = data.summary(len(evaluated.eval_set.user_ids))
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
@@ -119,8 +118,7 @@ def _doc_inputs(manifest: dict[str, Any], ids: np.ndarray) -> dict[str, np.ndarr
     if manifest["doc_features"] == [ITEM]:
         return {ITEM: ids}
     config = Config.from_dict(manifest["config"], source="manifest.json config")
-    dataset = load_dataset(config.data, config.split)
-    catalogue = TowerTables.from_dataset(dataset, config.towers).catalogue()
+    catalogue = read_and_split(config).tables.catalogue()
     rows = pd.Index(catalogue[ITEM].astype(str), dtype=object).get_indexer(pd.Index(ids.astype(str), dtype=object))
     if (rows < 0).any():
         raise DataError(f"{int((rows < 0).sum())} indexed items are no longer in the catalogue the config names")

@@ -119,7 +119,8 @@ def train_evaluate_export(
         with _timed(seconds, "indexing"):
             index, item_embeddings, tuning_users = index_catalogue(config, model, data)
         with _timed(seconds, "evaluation"):
-            metrics = evaluate(config, model, index, data, evaluated)
+            queries = embed_frame(model.query_tower, data.tables.queries(evaluated.eval_set.user_ids))
+            metrics = evaluate(config, index, queries, data, evaluated)
         with _timed(seconds, "seen_items"):
             seen_items = seen_items_of(data, index)
         metrics["data"] = data.summary(len(evaluated.eval_set.user_ids))
@@ -361,7 +362,7 @@ class EvaluatedClicks:
 
 def evaluation_clicks(config: Config, data: JobData) -> EvaluatedClicks:
     """Every test user of a log in memory, or ``data.stream.max_test_users`` of them sampled
-    when streamed: their clicks are all the evaluation holds."""
+    when streamed: their clicks are all the evaluation holds. Ranked over ``data.catalogue_ids``."""
     stream = config.data.stream
     users = sample_test_users(data.counts, None if data.source.in_memory else stream.max_test_users, stream.seed)
     user_train, user_test = collect_users(data.clicks, data.plan, users)
@@ -444,12 +445,14 @@ def index_catalogue(config: Config, model, data: JobData) -> tuple[ItemIndex, np
     return index, item_embeddings, tuning_users
 
 
-def evaluate(config: Config, model, index: ItemIndex, data: JobData, evaluated: EvaluatedClicks) -> dict[str, Any]:
-    """The model and the baselines over the full catalogue: popularity from the counts, ALS on the
-    click matrix coded while scanning (``scan_pairs``)."""
+def evaluate(
+    config: Config, index: ItemIndex, query_embeddings: np.ndarray, data: JobData, evaluated: EvaluatedClicks
+) -> dict[str, Any]:
+    """The model (``query_embeddings`` [evaluated users, dim] searched in ``index``) and the
+    baselines over the full catalogue: popularity from the counts, ALS on the click matrix coded
+    while scanning (``scan_pairs``). The dict ``compare_rankers`` returns."""
     eval_set, evaluation = evaluated.eval_set, config.evaluation
     log.info("evaluating %d test users over the full corpus", len(eval_set.user_ids))
-    query_embeddings = embed_frame(model.query_tower, data.tables.queries(eval_set.user_ids))
     depth = max(evaluation.ks)
     catalogue = pd.Index(index.item_ids, dtype=object)
     stats = data.stats

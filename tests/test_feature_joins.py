@@ -19,6 +19,7 @@ from retrieval.features import (
     feature_arrays,
     training_examples,
 )
+from retrieval.features.histories import ClickHistories
 from retrieval.training import StreamedClicks
 
 # Every feature kind of ALL_KINDS but the history, plus features of the click's own columns, one
@@ -107,9 +108,33 @@ def test_statistics_from_per_id_counts_are_those_of_the_training_examples(seed):
             assert (got.mean, got.variance) == pytest.approx((want.mean, want.variance), rel=1e-12), name
 
 
-def test_click_history_is_not_joined():
-    with pytest.raises(ValueError, match="history .* earlier clicks, which the shuffled shards do not carry"):
-        ExampleJoin(ALL_KINDS, None, None, has_time=True)
+def _histories(clicks: pd.DataFrame) -> ClickHistories:
+    users, items = pd.Index(clicks["user_id"].unique()), pd.Index(clicks["item_id"].unique())
+    return ClickHistories(users.get_indexer(clicks["user_id"]), items.get_indexer(clicks["item_id"]),
+                          clicks["timestamp"].to_numpy(), users.to_numpy(), items.to_numpy())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_joined_batch_holds_each_clicks_history_in_the_whole_training_part(seed):
+    """Every input of ALL_KINDS, the history included: a batch (any rows, any order) and a
+    validation frame get the history each click has among all training clicks, as
+    ``training_examples`` of the whole training part gives it, not among their own rows."""
+    clicks, users, items = _clicks(seed)
+    with pytest.raises(ValueError, match="history is joined from the training clicks' ClickHistories"):
+        ExampleJoin(ALL_KINDS, users, items, has_time=True)
+    join = ExampleJoin(ALL_KINDS, users, items, has_time=True, histories=_histories(clicks))
+    assert join.needs_time
+    expected = training_examples(clicks, users, items, ALL_KINDS)
+    rows = clicks.sample(frac=0.5, random_state=seed)  # any batch, any order
+    joined = join.batch(_batch(rows.reset_index(drop=True)))
+    wanted = feature_arrays(expected.loc[rows.index].reset_index(drop=True))
+    for name, spec in join.specs.items():
+        if name in wanted:
+            assert _same(joined[name], wanted[name]), name
+        assert list(joined[name].shape[1:]) == spec.shape[1:], name
+    assert (joined["history"] != "").any()
+    frame = join.examples(rows.reset_index(drop=True))
+    assert frame["history"].tolist() == expected.loc[rows.index, "history"].tolist()
 
 
 def test_a_feature_reading_a_missing_column_is_named_as_in_memory():

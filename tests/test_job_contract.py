@@ -57,13 +57,42 @@ def test_a_model_the_index_cannot_rank_is_refused_before_training(shards, tmp_pa
     assert not (tmp_path / "runs" / "contract").exists()
 
 
+@pytest.fixture(scope="module")
+def runs(shards, tmp_path_factory) -> dict[str, tuple[dict, list[tuple[int, float]]]]:
+    """Each source's run with early stopping: its metrics and what the epoch hook saw."""
+    out = {}
+    for source in SOURCES:
+        seen: list[tuple[int, float]] = []
+        config = _config(shards, tmp_path_factory.mktemp(source), source, "train.epochs=3",
+                         "train.validation_fraction=0.1", "train.early_stopping_patience=5", "train.refit=false")
+        result = jobs.train_evaluate_export(
+            config, on_epoch_end=lambda epoch, logs, seen=seen: seen.append((epoch, logs["val_recall@20"]))
+        )
+        out[source] = (result.metrics, seen)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("source", SOURCES)
-def test_the_epoch_hook_sees_each_early_stopping_epoch(shards, tmp_path, source):
+def test_the_epoch_hook_sees_each_early_stopping_epoch(runs, source):
     """``make tune`` prunes trials through this hook, on streamed logs as on loaded ones."""
-    seen: list[tuple[int, float]] = []
-    config = _config(shards, tmp_path, source, "train.epochs=3", "train.validation_fraction=0.1",
-                     "train.early_stopping_patience=5", "train.refit=false")
-    jobs.train_evaluate_export(config, on_epoch_end=lambda epoch, logs: seen.append((epoch, logs["val_recall@20"])))
+    _, seen = runs[source]
     assert [epoch for epoch, _ in seen] == [0, 1, 2]
     assert all(0.0 <= recall <= 1.0 for _, recall in seen)
+
+
+def _shape(value):
+    """The keys of nested dicts, with each leaf's type: what a reader of metrics.json relies on."""
+    if isinstance(value, dict):
+        return {key: _shape(inner) for key, inner in value.items()}
+    return type(value).__name__ if value is not None else "null"
+
+
+@pytest.mark.slow
+def test_metrics_have_one_shape_whatever_the_source(runs):
+    """``metrics.json`` is read by reports, ``make tune`` and benchmarks: the same keys from both."""
+    (in_memory, _), (streamed, _) = runs["in_memory"], runs["streamed"]
+    assert _shape(in_memory) == _shape(streamed)
+    assert {"data", "derived", "final_train_loss", "timing", "model", "popularity", "counts"} <= set(in_memory)
+    assert in_memory["data"]["source"] != streamed["data"]["source"]  # each says where its clicks came from
+    assert in_memory["counts"] == streamed["counts"]

@@ -24,9 +24,9 @@ STAGES = [
     "export",
     "serving",
     "service",
-    "bundles",  # re-evaluating and re-indexing an exported bundle
     "run_checkpoints",  # a run's checkpoint directory: lock, resume checks, cleanup
     "jobs",
+    "bundles",  # re-evaluating (with the job's phases) and re-indexing an exported bundle
     "tuning",  # hyper-parameter search: runs the job per trial
     "cli",
 ]

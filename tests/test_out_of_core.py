@@ -613,10 +613,11 @@ def _job_both_ways(tmp_path, monkeypatch, kind: str, clicks: pd.DataFrame, extra
     def refuse(*args, **kwargs):
         raise AssertionError("the out-of-core path must not load the log with pandas")
 
-    refused = ["retrieval.data.dataset.read_clicks", "retrieval.data.dataset.ClickTable.from_frame"]
+    refused = ["retrieval.data.dataset._read_source", "retrieval.data.dataset.ClickTable.from_frame"]
     tables = any("_features.path=" in setting for setting in extra)
     if kind != "none" and not tables:  # the (small) test file and feature tables are read whole, by pandas
-        refused += ["retrieval.data.loaders.read_clicks", "pandas.read_parquet", "pandas.read_csv"]
+        refused += ["retrieval.data.dataset.read_clicks", "retrieval.data.loaders.read_clicks",
+                    "pandas.read_parquet", "pandas.read_csv"]
     for target in refused:
         monkeypatch.setattr(target, refuse)
     streamed = jobs.train_evaluate_export(
