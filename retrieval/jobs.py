@@ -19,7 +19,7 @@ import tensorflow as tf
 from retrieval.arrays import seeded_subset
 from retrieval.config import Config, ConfigError, save_config
 from retrieval.data import ITEM, TIME, USER
-from retrieval.data.dataset import LogSource, catalogue_table, open_log
+from retrieval.data.dataset import LogSource, catalogue_table, open_log, split_summary
 from retrieval.data.fingerprint import RunInputs
 from retrieval.data.splits import training_split
 from retrieval.data.streaming import (
@@ -279,24 +279,15 @@ class JobData:
     def summary(self, evaluated_users: int) -> dict[str, Any]:
         """Counts for logs and run reports (plain ints and strings)."""
         counts = self.counts
-        train_users, train_items = set(counts.user_ids), set(counts.item_ids)
-        test_users, test_items = set(counts.test_user_ids), set(counts.test_item_ids)
+        summary = split_summary(
+            self.source.source, (set(counts.user_ids), set(counts.test_user_ids)),
+            (set(counts.item_ids), set(counts.test_item_ids)), (counts.train_rows, counts.test_rows),
+            self.catalogue_ids, None if self.tables.users is None else len(self.tables.users),
+            len(self.held_out), self.evaluated_on,
+        )
         return {
-            "source": self.source.source,
+            **summary,
             "clicks": self.plan.rows,
-            "train_clicks": counts.train_rows,
-            "test_clicks": counts.test_rows,
-            "train_users": len(train_users),
-            "train_items": len(train_items),
-            "test_users": len(test_users),
-            "test_items": len(test_items),
-            "test_users_unseen_in_train": len(test_users - train_users),
-            "test_items_unseen_in_train": len(test_items - train_items),
-            "catalogue_items": len(self.catalogue_ids),
-            "catalogue_items_without_train_clicks": len(set(self.catalogue_ids) - train_items),
-            "catalogue_users": None if self.tables.users is None else len(self.tables.users),
-            "held_out_items": len(self.held_out),
-            "evaluated_on": self.evaluated_on,
             "evaluated_users": evaluated_users,
             "time_range": list(self.plan.time_range) if self.plan.time_range else None,
             "temporal_cut": self.plan.cut,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -49,25 +50,45 @@ class Dataset:
 
     def summary(self) -> dict[str, Any]:
         """Counts for logs and run reports (plain ints and strings)."""
-        train_users, test_users = set(self.train[USER]), set(self.test[USER])
-        train_items, test_items = set(self.train[ITEM]), set(self.test[ITEM])
-        return {
-            "source": self.source,
-            "train_clicks": len(self.train),
-            "test_clicks": len(self.test),
-            "train_users": len(train_users),
-            "train_items": len(train_items),
-            "test_users": len(test_users),
-            "test_items": len(test_items),
-            "test_users_unseen_in_train": len(test_users - train_users),
-            "test_items_unseen_in_train": len(test_items - train_items),
-            "test_clicks_on_unseen_items": int((~self.test[ITEM].isin(train_items)).sum()),
-            "catalogue_items": len(self.items),
-            "catalogue_items_without_train_clicks": int((~self.items[ITEM].isin(train_items)).sum()),
-            "catalogue_users": None if self.users is None else len(self.users),
-            "held_out_items": len(self.held_out_items),
-            "evaluated_on": self.evaluated_on,
-        }
+        train_items = set(self.train[ITEM])
+        summary = split_summary(
+            self.source, (set(self.train[USER]), set(self.test[USER])), (train_items, set(self.test[ITEM])),
+            (len(self.train), len(self.test)), self.items[ITEM], None if self.users is None else len(self.users),
+            len(self.held_out_items), self.evaluated_on,
+        )
+        summary["test_clicks_on_unseen_items"] = int((~self.test[ITEM].isin(train_items)).sum())
+        return summary
+
+
+def split_summary(
+    source: str,
+    users: tuple[set[str], set[str]],
+    items: tuple[set[str], set[str]],
+    clicks: tuple[int, int],
+    catalogue_ids: Iterable[str],
+    catalogue_users: int | None,
+    held_out_items: int,
+    evaluated_on: str,
+) -> dict[str, Any]:
+    """The counts a run reports of its split: ``users``, ``items`` and ``clicks`` are (train, test)."""
+    (train_users, test_users), (train_items, test_items) = users, items
+    catalogue = set(catalogue_ids)
+    return {
+        "source": source,
+        "train_clicks": clicks[0],
+        "test_clicks": clicks[1],
+        "train_users": len(train_users),
+        "train_items": len(train_items),
+        "test_users": len(test_users),
+        "test_items": len(test_items),
+        "test_users_unseen_in_train": len(test_users - train_users),
+        "test_items_unseen_in_train": len(test_items - train_items),
+        "catalogue_items": len(catalogue),
+        "catalogue_items_without_train_clicks": len(catalogue - train_items),
+        "catalogue_users": catalogue_users,
+        "held_out_items": held_out_items,
+        "evaluated_on": evaluated_on,
+    }
 
 
 def load_dataset(data: DataConfig, split: SplitConfig) -> Dataset:
