@@ -135,6 +135,7 @@ TableFormat = Literal[
     "movielens-100k",  # u.data: user<TAB>item<TAB>rating<TAB>timestamp, no header
     "movielens-1m",  # ratings.dat: user::item::rating::timestamp, no header
     "user-items",  # "uid iid iid ...", one user a line, whitespace-separated, no header (LightGCN train.txt)
+    "sequences",  # as user-items, the items in time order: each click's timestamp is its position
 ]
 
 
@@ -566,14 +567,28 @@ FeatureConfig = Annotated[
 ]
 
 
+class TransformerConfig(_Section):
+    """The causal self-attention encoder of ``history.pooling: transformer`` (SASRec, Kang & McAuley 2018)."""
+
+    blocks: int = Field(2, gt=0, description="Self-attention blocks (attention then a feed-forward layer each).")
+    heads: int = Field(1, gt=0, description="Attention heads; the item dimension must divide by it.")
+    dropout: float = Field(
+        0.2, ge=0, lt=1, description="On the embedded inputs and after each sub-layer, training only."
+    )
+
+
 class HistoryConfig(_Section):
     """The user's last clicked items, strictly before each example (YouTube DNN, Covington et al. 2016)."""
 
     name: str = Field("history", pattern=_FEATURE_NAME, description="Input name; served as [batch, length].")
     length: int = Field(20, gt=0, description="Most recent clicks kept (most recent first, '' padded).")
-    pooling: Literal["mean", "attention"] = Field(
-        "mean", description="mean, or attention: learned scores plus a learned bias per position."
+    pooling: Literal["mean", "attention", "transformer"] = Field(
+        "mean",
+        description="mean; attention: learned scores plus a learned bias per position; transformer: causal "
+        "self-attention over the items in time order with learned positions, the newest item's state "
+        "(section `transformer`).",
     )
+    transformer: TransformerConfig = Field(TransformerConfig(), description="Encoder of pooling: transformer.")
     share_item_embedding: bool = Field(
         True, description="Use the doc tower's item-id embedding (needs an id feature on item_id there)."
     )
@@ -678,6 +693,13 @@ class TrainConfig(_Section):
         description="Early stopping: hold out this share of the training part, carved like split.kind "
         "(temporal: the latest clicks), and stop when its recall@validation_k has not improved for "
         "early_stopping_patience epochs; `epochs` is then the maximum. 0 = train `epochs` epochs.",
+    )
+    examples: Literal["clicks", "sequences"] = Field(
+        "clicks",
+        description="clicks: one training example per click, its query the user's history before it; "
+        "sequences: one per user, the query state at every position of its training clicks in time order "
+        "predicting the next item (the last towers.query.history.length + 1 clicks), all in one pass of a "
+        "transformer history (needs a query tower of that history alone).",
     )
     early_stopping_patience: int = Field(2, gt=0, description="Epochs without a better validation recall.")
     validation_k: int = Field(20, gt=0, description="k of the validation recall early stopping watches.")
@@ -891,9 +913,30 @@ class Config(_Section):
         if self.towers.query.history is not None and clicks is not None and clicks.format == "user-items":
             raise ValueError(
                 "towers.query.history pools each user's clicks before each click, so it needs timestamps, and "
-                "data.clicks.format 'user-items' has none: drop the history, or give the log as a table with a "
-                "timestamp column (data.columns.timestamp)"
+                "data.clicks.format 'user-items' has none: drop the history, use format: sequences when each "
+                "line's items are in time order, or give the log as a table with a timestamp column "
+                "(data.columns.timestamp)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _sequences_need_a_sequence_tower(self) -> Config:
+        if self.train.examples != "sequences":
+            return self
+        history = self.towers.query.history
+        if history is None or history.pooling != "transformer":
+            raise ValueError(
+                "train.examples: sequences trains the query state at every position of a history, so it needs "
+                "towers.query.history with pooling: transformer"
+            )
+        others = [f.name for f in self.towers.query.features if f.column != "user_id"]
+        if others:
+            raise ValueError(
+                f"not yet supported with train.examples: sequences: query features other than the user id "
+                f"({', '.join(others)}); a sequence batch carries the user id, the history and the next items"
+            )
+        if self.model.loss.hard_negatives == "mined":
+            raise ValueError("not yet supported with train.examples: sequences: model.loss.hard_negatives: mined")
         return self
 
     @model_validator(mode="after")

@@ -59,6 +59,7 @@ from retrieval.samplers import UserHistory
 from retrieval.seen_items import SeenItems
 from retrieval.towers import build_towers
 from retrieval.training import (
+    SequenceClicks,
     StreamedClicks,
     ValidationData,
     distribution_strategy,
@@ -314,14 +315,20 @@ def read_and_split(config: Config) -> JobData:
     stats = FeatureStatistics.from_counts(counts.user_ids, counts.item_ids, counts.item_counts, counts.has_weights)
     histories = None
     if config.towers.query.history is not None:  # each click's earlier clicks, coded once (16 bytes a click)
-        histories = ClickHistories(*scan_pairs(clicks, plan, pd.Index(stats.users.ids), pd.Index(stats.items.ids)),
-                                   scan_train_column(clicks, plan, TIME), stats.users.ids, stats.items.ids)
+        histories = _histories(clicks, plan, stats)
     tables, join = _tower_tables(config, source, counts, histories)
     catalogue_ids = tables.items[ITEM].tolist()  # the feature table's items first, then the log's
     check_index_fits(config.index.factory, len(catalogue_ids), config.index.train_sample_size)
     data = JobData(source, plan, counts, stats, tables, join, catalogue_ids, held_out, split.evaluate_on)
     log.info("data: %s", json.dumps(data.summary(0)))
     return data
+
+
+def _histories(clicks: ClickLog, plan: Plan, stats: FeatureStatistics) -> ClickHistories:
+    """The plan's training clicks coded in time order (``ClickHistories``)."""
+    users, items = pd.Index(stats.users.ids), pd.Index(stats.items.ids)
+    return ClickHistories(*scan_pairs(clicks, plan, users, items), scan_train_column(clicks, plan, TIME),
+                          stats.users.ids, stats.items.ids)
 
 
 def _tower_tables(
@@ -401,8 +408,15 @@ def train(
     return history, timing
 
 
-def _click_source(config: Config, data: JobData, plan: Plan, rows: int) -> StreamedClicks:
+def _click_source(config: Config, data: JobData, plan: Plan, rows: int) -> StreamedClicks | SequenceClicks:
+    """The training batches of ``plan``'s training side: clicks, or each user's sequence of them."""
     stream, train = config.data.stream, config.train
+    if train.examples == "sequences":
+        history = config.towers.query.history
+        assert history is not None  # the config refuses sequences without a history
+        histories = data.tables.histories if plan is data.plan else None
+        return SequenceClicks(histories or _histories(data.clicks, plan, data.stats), history.name, history.length,
+                              train.batch_size, seed=train.seed)
     return StreamedClicks(
         data.clicks, plan, train.batch_size, shuffle_buffer=data.shuffle_buffer(config), seed=train.seed,
         train_rows=rows, max_batches=stream.max_train_batches, join=data.join,

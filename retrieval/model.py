@@ -30,7 +30,7 @@ from retrieval.samplers import (
     across_replicas,
     replicas_in_step,
 )
-from retrieval.towers import id_tower
+from retrieval.towers import id_tower, position_states
 from retrieval.towers.id import lookup_vocabulary
 
 # Placeholder id of catalogue row 0 (the OOV row): blank ids never reach a vocabulary.
@@ -206,9 +206,16 @@ class TwoTowerModel(tfrs.Model):
         return self.objective.item_scores(query_embeddings, item_embeddings)
 
     def compute_loss(self, features, training: bool = False) -> tf.Tensor:
-        queries = self.query_tower(tower_inputs(self.query_tower, features), training=training)
-        positives = self.doc_tower(tower_inputs(self.doc_tower, features), training=training)
-        positive_ids = self._item_index(features[ITEM])
+        """The batch's loss: one (query, positive) pair a row, or with ``[batch, L]`` item ids
+        (``training.SequenceClicks``) one pair a non-padded position of each sequence."""
+        if features[ITEM].shape.rank == 2:
+            queries, positive_ids, sample_weight = self._position_pairs(features, training)
+            positives = self.embed_items(positive_ids, training)
+        else:
+            queries = self.query_tower(tower_inputs(self.query_tower, features), training=training)
+            positives = self.doc_tower(tower_inputs(self.doc_tower, features), training=training)
+            positive_ids = self._item_index(features[ITEM])
+            sample_weight = features[WEIGHT] if self.use_weights else None
         if training:
             # Under tf.distribute every replica observes the global batch (once per step, as on one device).
             self.sampler.observe(across_replicas(positive_ids))
@@ -224,10 +231,25 @@ class TwoTowerModel(tfrs.Model):
             negatives=tuple(negatives),
             negative_embeddings=tuple(self.embed_items(n.ids, training) for n in negatives),
             includes_batch_positives=self.sampler.includes_batch_positives,
-            sample_weight=features[WEIGHT] if self.use_weights else None,
+            sample_weight=sample_weight,
         )
         # Under tf.distribute: in-batch candidates from every replica; this replica's share of the loss.
         return self.objective.compute(gather_across_replicas(inputs))
+
+    def _position_pairs(self, features, training: bool) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
+        """``(queries [N, dim], positive tower indices [N], weights [N] or None)`` of a sequence
+        batch: the query tower's state at every position whose next item is not padding."""
+        states = position_states(self.query_tower)
+        if states is None:
+            raise ValueError("a batch of sequences needs a query tower with a transformer history "
+                             "(towers.query.history.pooling: transformer)")
+        if self.miner is not None:
+            raise ValueError("model.loss.hard_negatives='mined' is not yet supported with train.examples: sequences")
+        per_position = states.model(tower_inputs(states.model, features), training=training)  # [B, L, dim]
+        targets = features[ITEM]
+        trained = tf.not_equal(targets, "")
+        weights = tf.boolean_mask(features[WEIGHT], trained) if self.use_weights else None
+        return tf.boolean_mask(per_position, trained), self._item_index(tf.boolean_mask(targets, trained)), weights
 
     def train_step(self, inputs):
         """``tfrs.Model.train_step``, exact under a ``tf.distribute`` strategy.

@@ -66,6 +66,9 @@ def read_clicks(
             ``train.txt``/``test.txt``: ``uid iid iid ...``, one user a line,
             split on any whitespace (or on ``separator`` when set), no header;
             ``columns`` and ``header`` are ignored and there is no timestamp.
+            ``format="sequences"`` is the same lines with the items in time
+            order (SASRec/BERT4Rec releases): each click's timestamp is its
+            0-based place on the line.
         columns: Names of the user, item, timestamp and weight columns in the file.
         duplicates: Repeated (user, item) clicks. ``"keep"`` keeps every click
             (each is a training example, so re-consumed items weigh more);
@@ -86,8 +89,8 @@ def read_clicks(
             and column.
     """
     fmt = resolve_format(table)
-    if fmt == "user-items":
-        return apply_duplicates(_read_user_items(table), duplicates)
+    if fmt in ("user-items", "sequences"):
+        return apply_duplicates(_read_user_items(table, ordered=fmt == "sequences"), duplicates)
     raw = _read_raw(table, fmt)
     if fmt.startswith("movielens"):
         columns = _MOVIELENS_COLUMNS
@@ -128,7 +131,7 @@ def read_feature_table(table: TableConfig, id_column: str) -> pd.DataFrame:
             number that is infinite, NaN or beyond float32.
     """
     fmt = resolve_format(table)
-    if fmt.startswith("movielens") or fmt == "user-items":
+    if fmt.startswith("movielens") or fmt in ("user-items", "sequences"):
         raise DataError(
             f"format {fmt!r} is a click-log format; feature tables are csv, tsv or parquet",
             file=table.path,
@@ -212,7 +215,7 @@ def resolve_format(table: TableConfig) -> str:
     if suffix not in _FORMAT_BY_EXTENSION:
         raise DataError(
             f"cannot tell the format from the extension {suffix!r}; set format to one of "
-            "csv, tsv, parquet, movielens-100k, movielens-1m, user-items",
+            "csv, tsv, parquet, movielens-100k, movielens-1m, user-items, sequences",
             file=table.path,
         )
     return _FORMAT_BY_EXTENSION[suffix]
@@ -246,16 +249,19 @@ def _check_file(table: TableConfig) -> Path:
     return path
 
 
-def _read_user_items(table: TableConfig) -> pd.DataFrame:
-    """Canonical clicks (no timestamp) from ``uid iid iid ...`` lines.
+def _read_user_items(table: TableConfig, *, ordered: bool = False) -> pd.DataFrame:
+    """Canonical clicks from ``uid iid iid ...`` lines: no timestamp, or with ``ordered``
+    (``format: sequences``, the items in time order) each click's 0-based place on its line.
 
     A line holding a user id alone is a user without clicks (it adds none);
     blank lines are skipped. Items keep their order on the line.
     """
+    fmt = "sequences" if ordered else "user-items"
     path = _check_file(table)
     text = _decode(path.read_bytes(), table.encoding, table.path)
     users: list[str] = []
     items: list[str] = []
+    positions: list[int] = []
     first_line: dict[str, int] = {}
     for number, line in enumerate(text.split("\n"), start=1):
         if table.separator is None:
@@ -269,14 +275,14 @@ def _read_user_items(table: TableConfig) -> pd.DataFrame:
         if "" in fields:
             position = fields.index("") + 1
             raise DataError(
-                f"field {position} is empty (separator {table.separator!r}); the user-items format is "
+                f"field {position} is empty (separator {table.separator!r}); the {fmt} format is "
                 "'uid iid iid ...'",
                 file=table.path,
                 line=number,
             )
         if table.separator is None and "," in line:
             raise DataError(
-                f"found ',' in {line.strip()[:40]!r}: user-items ids are separated by whitespace; for a "
+                f"found ',' in {line.strip()[:40]!r}: {fmt} ids are separated by whitespace; for a "
                 "comma-separated log set format: csv (or separator: ',')",
                 file=table.path,
                 line=number,
@@ -284,7 +290,7 @@ def _read_user_items(table: TableConfig) -> pd.DataFrame:
         user = fields[0]
         if user in first_line:
             raise DataError(
-                f"user {user!r} already has a line (line {first_line[user]}); the user-items format has "
+                f"user {user!r} already has a line (line {first_line[user]}); the {fmt} format has "
                 "one line per user",
                 file=table.path,
                 line=number,
@@ -292,10 +298,13 @@ def _read_user_items(table: TableConfig) -> pd.DataFrame:
         first_line[user] = number
         users.extend([user] * (len(fields) - 1))
         items.extend(fields[1:])
+        positions.extend(range(len(fields) - 1))
     if not items:
         what = "no lines" if not first_line else "user ids but no item ids"
         raise DataError(f"no clicks: the file holds {what} ('uid iid iid ...' expected)", file=table.path)
     clicks = pd.DataFrame({USER: users, ITEM: items}).astype(str)  # the same string dtype as the other readers
+    if ordered:  # positions as seconds: every time-based rule (splits, histories) reads the order
+        clicks[TIME] = np.asarray(positions, dtype=np.int64)
     clicks[WEIGHT] = np.ones(len(clicks), dtype=np.float32)
     return clicks
 

@@ -49,6 +49,11 @@ class ClickHistories:
     def clicks(self) -> int:
         return len(self._users)
 
+    @property
+    def user_ids(self) -> np.ndarray:
+        """The ids ``user_rows`` point to, [users] object."""
+        return self._user_index.to_numpy()
+
     def _key(self, users: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         return users.astype(np.int64) * (len(self._instants) + 1) + ranks
 

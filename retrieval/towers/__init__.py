@@ -9,7 +9,7 @@ exported tower takes raw values exactly as the log has them.
 - ``layers``: the preprocessing and pooling layers they are made of.
 """
 
-from retrieval.towers.feature import build_towers, feature_tower
+from retrieval.towers.feature import PositionStates, build_towers, feature_tower, position_states
 from retrieval.towers.id import IdEmbedding, IdLookup, id_lookups, id_tower
 from retrieval.towers.layers import (
     AttentionPooling,
@@ -25,6 +25,7 @@ from retrieval.towers.layers import (
 )
 
 __all__ = [
+    "PositionStates",
     "AttentionPooling",
     "HashedText",
     "IdDropout",
@@ -38,6 +39,7 @@ __all__ = [
     "TimestampAge",
     "build_towers",
     "feature_tower",
+    "position_states",
     "id_lookups",
     "id_tower",
     "text_tokens",

@@ -15,7 +15,8 @@ multi_categorical         [split] -> lookup/hash -> mean over non-""        dim
 numeric                   (x - mean) / std, is-missing                      2
 timestamp                 age in days and log-days (normalised), missing    3
 text                      hashed trigrams/words -> mean embedding           dim
-history (query)           item lookup -> embedding -> mean / attention      item dim
+history (query)           item lookup -> embedding -> mean / attention /    item dim
+                          causal transformer (newest state)
 ========================  ================================================  ==========
 
 The history can share the doc tower's item-id embedding table, so a clicked
@@ -42,12 +43,15 @@ from retrieval.features import TowerStatistics, Vocabulary, feature_input
 from retrieval.towers.id import IdEmbedding, lookup_vocabulary
 from retrieval.towers.layers import (
     AttentionPooling,
+    CausalSequenceEncoder,
     HashedText,
     IdDropout,
     MaskedMean,
+    Newest,
     NormalizedNumber,
     NotPadding,
     Prefix,
+    RepeatOverPositions,
     SplitPad,
     TimestampAge,
 )
@@ -128,19 +132,55 @@ def feature_tower(
             shape=() if spec.width is None else (spec.width,), dtype=_DTYPES[spec.dtype], name=feature.name
         )
         parts.append(_ENCODERS[feature.kind](feature, stats[feature.name], context, inputs[feature.name]))
+    states = None
     if tower.history is not None:
         history = tower.history
         inputs[history.name] = tf.keras.Input(shape=(history.length,), dtype=tf.string, name=history.name)
-        parts.append(_encode_history(history, stats, context, inputs[history.name]))
-    x = parts[0] if len(parts) == 1 else tf.keras.layers.Concatenate(name="features")(parts)
-    for i, width in enumerate(tower.mlp.widths):
-        x = tf.keras.layers.Dense(width, activation=tower.mlp.activation, name=f"hidden_{i}")(x)
-        if tower.mlp.dropout:
-            x = tf.keras.layers.Dropout(tower.mlp.dropout, name=f"dropout_{i}")(x)
-    outputs = tf.keras.layers.Dense(embedding_dim, name="projection")(x)
+        pooled, states = _encode_history(history, stats, context, inputs[history.name])
+        parts.append(pooled)
+    head = [
+        layer
+        for i, width in enumerate(tower.mlp.widths)
+        for layer in [tf.keras.layers.Dense(width, activation=tower.mlp.activation, name=f"hidden_{i}"),
+                      *([tf.keras.layers.Dropout(tower.mlp.dropout, name=f"dropout_{i}")] if tower.mlp.dropout else [])]
+    ]
+    head.append(tf.keras.layers.Dense(embedding_dim, name="projection"))
     if normalize:
-        outputs = tf.keras.layers.UnitNormalization(axis=-1, name="l2_normalize")(outputs)
-    return tf.keras.Model(inputs, outputs, name=name)
+        head.append(tf.keras.layers.UnitNormalization(axis=-1, name="l2_normalize"))
+
+    def output(parts: list, concatenate_name: str):
+        x = parts[0] if len(parts) == 1 else tf.keras.layers.Concatenate(axis=-1, name=concatenate_name)(parts)
+        for layer in head:
+            x = layer(x)
+        return x
+
+    model = tf.keras.Model(inputs, output(parts, "features"), name=name)
+    if states is not None:  # the same layers at every position of the history: training on all of them
+        assert tower.history is not None
+        repeated = [RepeatOverPositions(tower.history.length, name=f"repeat_{i}")(part)
+                    for i, part in enumerate(parts[:-1])]
+        positions = tf.keras.Model(inputs, output([*repeated, states], "position_features"), name=f"{name}_positions")
+        model.position_states = PositionStates(positions)
+    return model
+
+
+@dataclass(frozen=True)
+class PositionStates:
+    """A sequence tower's output at every position of its history (``history.pooling: transformer``).
+
+    ``model`` takes the tower's inputs and returns ``[batch, L, dim]``, newest first: position ``p``
+    is the tower's output had the history been ``history[p:]`` (the items from ``p`` on, older),
+    so position 0 is the tower's own output. It shares every layer with the tower. Held outside
+    Keras' tracking (a plain attribute of the tower), so a SavedModel of the tower holds the tower.
+    """
+
+    model: tf.keras.Model
+
+
+def position_states(tower: tf.keras.Model) -> PositionStates | None:
+    """The ``PositionStates`` of a tower built with a transformer history, else None."""
+    states = getattr(tower, "position_states", None)
+    return states if isinstance(states, PositionStates) else None
 
 
 @dataclass(frozen=True)
@@ -221,8 +261,13 @@ def _encode_history(history: HistoryConfig, stats: TowerStatistics, context: _Co
         dim = history.embedding_dim or context.embedding_dim
         table = IdEmbedding.build(history.name, stats.items, dim, context.l2_regularization)
     mask = NotPadding(name=f"{history.name}_mask")(x)
+    if history.pooling == "transformer":
+        encoder = history.transformer
+        states = CausalSequenceEncoder(history.length, encoder.blocks, encoder.heads, encoder.dropout,
+                                       name=f"{history.name}_transformer")(table(x), mask)
+        return Newest(name=f"{history.name}_newest")(states), states
     pooling = MaskedMean if history.pooling == "mean" else AttentionPooling
-    return pooling(name=f"{history.name}_{history.pooling}")(table(x), mask)
+    return pooling(name=f"{history.name}_{history.pooling}")(table(x), mask), None
 
 
 def _category_ids(feature: CategoricalFeature | MultiCategoricalFeature, vocabulary: Vocabulary | None, x):

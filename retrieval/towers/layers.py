@@ -232,3 +232,91 @@ class IdDropout(tf.keras.layers.Layer):
 
     def get_config(self):
         return super().get_config() | {"rate": self.rate}
+
+
+class CausalSequenceEncoder(tf.keras.layers.Layer):
+    """Causal self-attention over a history in time order (SASRec, Kang & McAuley 2018): the state of
+    every position, each seeing only itself and older items.
+
+    Inputs ``[batch, L, dim]`` item embeddings and their ``[batch, L]`` bool mask, **newest first**
+    (the project's history layout: position 0 is the latest click, "" padding at the end). Inside,
+    the history is reversed to time order with the padding first, so the newest item always sits at
+    the last learned position; each of ``blocks`` blocks is pre-norm multi-head attention under a
+    causal and a padding mask, then a two-layer feed-forward network, both residual, with dropout.
+    Output ``[batch, L, dim]``, newest first again: position ``p`` is the state after the items at
+    ``p, p + 1, ...`` (older), so position 0 encodes the whole history; padded positions are zeros.
+    """
+
+    def __init__(self, length: int, blocks: int, heads: int, dropout: float, **kwargs):
+        super().__init__(**kwargs)
+        self.length, self.blocks, self.heads, self.dropout = int(length), int(blocks), int(heads), float(dropout)
+
+    def build(self, input_shape):
+        dim = int(input_shape[-1])
+        if dim % self.heads:
+            raise ValueError(f"the item dimension {dim} does not divide by {self.heads} attention heads")
+        self.positions = self.add_weight(
+            name="positions", shape=(self.length, dim), initializer=tf.keras.initializers.TruncatedNormal(stddev=0.02)
+        )
+        self.attention = [
+            tf.keras.layers.MultiHeadAttention(
+                self.heads, dim // self.heads, dropout=self.dropout, name=f"attention_{b}"
+            )
+            for b in range(self.blocks)
+        ]
+        self.feed_forward = [
+            (tf.keras.layers.Dense(dim, activation="relu", name=f"feed_forward_{b}_in"),
+             tf.keras.layers.Dense(dim, name=f"feed_forward_{b}_out"))
+            for b in range(self.blocks)
+        ]
+        self.norms = [
+            (tf.keras.layers.LayerNormalization(epsilon=1e-6, name=f"attention_norm_{b}"),
+             tf.keras.layers.LayerNormalization(epsilon=1e-6, name=f"feed_forward_norm_{b}"))
+            for b in range(self.blocks)
+        ]
+        self.final_norm = tf.keras.layers.LayerNormalization(epsilon=1e-6, name="final_norm")
+        self.drop = tf.keras.layers.Dropout(self.dropout)
+        super().build(input_shape)
+
+    def call(self, embeddings, mask, training=None):
+        x = tf.reverse(embeddings, axis=[1])  # time order, padding first
+        keep = tf.reverse(mask, axis=[1])
+        keep_f = tf.cast(keep, x.dtype)[..., None]
+        x = self.drop(x + self.positions[None], training=training) * keep_f
+        causal = tf.linalg.band_part(tf.ones([self.length, self.length], tf.bool), -1, 0)  # [query, key]: key <= query
+        attend = tf.logical_and(causal[None], keep[:, None, :])
+        for (attention, (inner, outer), (attention_norm, feed_norm)) in zip(
+            self.attention, self.feed_forward, self.norms, strict=True
+        ):
+            h = attention_norm(x)
+            x = x + self.drop(attention(h, x, attention_mask=attend, training=training), training=training)
+            h = feed_norm(x)
+            x = x + self.drop(outer(self.drop(inner(h), training=training)), training=training)
+            x = x * keep_f
+        return tf.reverse(self.final_norm(x) * keep_f, axis=[1])
+
+    def get_config(self):
+        return super().get_config() | {
+            "length": self.length, "blocks": self.blocks, "heads": self.heads, "dropout": self.dropout
+        }
+
+
+class Newest(tf.keras.layers.Layer):
+    """Position 0 of a newest-first sequence of states: ``[batch, L, dim] -> [batch, dim]``."""
+
+    def call(self, states):
+        return states[:, 0]
+
+
+class RepeatOverPositions(tf.keras.layers.Layer):
+    """A per-user encoding for every position of a sequence: ``[batch, w] -> [batch, length, w]``."""
+
+    def __init__(self, length: int, **kwargs):
+        super().__init__(**kwargs)
+        self.length = int(length)
+
+    def call(self, values):
+        return tf.repeat(values[:, None], self.length, axis=1)
+
+    def get_config(self):
+        return super().get_config() | {"length": self.length}

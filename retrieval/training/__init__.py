@@ -13,7 +13,14 @@ from retrieval.training.fit import fit, select_epochs
 from retrieval.training.loop import RunLogs, TrainingDiverged, train_epochs
 from retrieval.training.optimizers import OPTIMIZERS, LazyAdam, RowWiseAdagrad, make_optimizer
 from retrieval.training.runtime import distribution_strategy, seed_everything
-from retrieval.training.sources import ClickSource, FrameClicks, StreamedClicks, click_dataset, steps_per_epoch
+from retrieval.training.sources import (
+    ClickSource,
+    FrameClicks,
+    SequenceClicks,
+    StreamedClicks,
+    click_dataset,
+    steps_per_epoch,
+)
 
 __all__ = [
     "OPTIMIZERS",
@@ -22,6 +29,7 @@ __all__ = [
     "LazyAdam",
     "RowWiseAdagrad",
     "RunLogs",
+    "SequenceClicks",
     "StreamedClicks",
     "TrainingCheckpoint",
     "TrainingDiverged",

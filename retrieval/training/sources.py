@@ -28,6 +28,7 @@ import tensorflow as tf
 from retrieval.data import ITEM, TIME, USER, WEIGHT, DataError, click_keys, epoch_order
 from retrieval.data.streaming import ClickBatch, ClickLog, ClickShards, Plan, train_batches
 from retrieval.features import ExampleJoin, feature_arrays
+from retrieval.features.histories import ClickHistories
 
 
 class ClickSource(Protocol):
@@ -152,6 +153,56 @@ def click_dataset(
 ) -> tf.data.Dataset:
     """``FrameClicks(clicks, ...)``'s epochs ``start_epoch ..`` as one dataset (for Keras ``fit`` and tests)."""
     return FrameClicks(clicks, batch_size, seed=seed, shuffle=shuffle).epochs(start_epoch, epochs, skip_batches)
+
+
+class SequenceClicks:
+    """Users' training clicks in time order as a ``ClickSource`` of sequences (``train.examples: sequences``).
+
+    One example per user with at least two training clicks: its last ``length + 1`` items,
+    newest first (``ClickHistories.latest``), as a ``history`` of the ``length`` items before
+    the newest (``[batch, length]``, "" padded) and the next item after each of them
+    (``item_id`` ``[batch, length]``: position ``p`` holds the item clicked right after
+    ``history[p]``, "" where ``history[p]`` is padding). A query tower's state at position ``p``
+    (``towers.PositionStates``: it sees ``history[p:]``) is trained on ``item_id[p]``, every
+    position of every sequence in one pass (SASRec's all-positions objective). Epoch ``e``
+    visits the users in an order drawn from ``(seed, e)``; ``weight`` is 1 at every position.
+
+    Attributes:
+      rows: sequences an epoch; positions: (query state, next item) pairs an epoch.
+    """
+
+    reads_own_shards = False
+
+    def __init__(self, histories: ClickHistories, history_name: str, length: int, batch_size: int, *, seed: int):
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        users = histories.user_ids
+        windows = histories.latest(users, length + 1)
+        keep = windows[:, 1] != ""  # a single click has no history to predict it from
+        if not keep.any():
+            raise ValueError("no user has two training clicks: no sequence to train on")
+        windows, users = windows[keep], users[keep]
+        history, targets = windows[:, 1:], windows[:, :-1].copy()
+        targets[history == ""] = ""
+        self.history_name, self.batch_size, self.seed = history_name, int(batch_size), int(seed)
+        self.rows, self.positions = len(users), int((history != "").sum())
+        self.steps_per_epoch = steps_per_epoch(self.rows, self.batch_size)
+        self._columns = {
+            USER: tf.constant(users.astype(str).astype(object)),
+            history_name: tf.constant(history),
+            ITEM: tf.constant(targets),
+            WEIGHT: tf.ones(targets.shape, tf.float32),
+        }
+
+    def epoch(self, epoch: int, skip_batches: int = 0) -> tf.data.Dataset:
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.rows)
+        columns = self._columns
+        dataset = tf.data.Dataset.from_tensor_slices(order).batch(self.batch_size).skip(skip_batches)
+        dataset = dataset.map(lambda rows: {name: tf.gather(values, rows) for name, values in columns.items()})
+        return dataset.prefetch(tf.data.AUTOTUNE)
+
+    def check_epoch(self) -> None:
+        """Nothing to raise: the sequences are in memory."""
 
 
 class StreamedClicks:
