@@ -701,6 +701,13 @@ class TrainConfig(_Section):
         "predicting the next item (the last towers.query.history.length + 1 clicks), all in one pass of a "
         "transformer history (needs a query tower of that history alone).",
     )
+    validation_users: int | None = Field(
+        None,
+        gt=0,
+        description="Early stopping watches the validation clicks of at most this many users, drawn with "
+        "data.stream.seed (each epoch ranks them over the catalogue); None = every validation user of a log "
+        "in memory, data.stream.max_test_users of a streamed one.",
+    )
     early_stopping_patience: int = Field(2, gt=0, description="Epochs without a better validation recall.")
     validation_k: int = Field(20, gt=0, description="k of the validation recall early stopping watches.")
     refit: bool = Field(

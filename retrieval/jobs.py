@@ -426,11 +426,15 @@ def _click_source(config: Config, data: JobData, plan: Plan, rows: int) -> Strea
 def _validation(config: Config, data: JobData) -> ValidationData:
     """Early stopping's data: the validation part carved from the training side (``plan_validation``:
     as the test part was carved), the fit part batched, and the validation clicks (of up to
-    ``data.stream.max_test_users`` sampled users when streamed) with the query tower's inputs."""
+    ``train.validation_users`` sampled users; ``data.stream.max_test_users`` when streamed) with
+    the query tower's inputs."""
     stream = config.data.stream
     carved = plan_validation(data.clicks, data.plan, config.train.validation_fraction, training_split(config.split))
     counts = scan_counts(data.clicks, carved)
-    users = sample_test_users(counts, None if data.source.in_memory else stream.max_test_users, stream.seed)
+    cap = config.train.validation_users
+    if not data.source.in_memory:
+        cap = stream.max_test_users if cap is None else min(cap, stream.max_test_users or cap)
+    users = sample_test_users(counts, cap, stream.seed)
     fit_clicks, validation = collect_users(data.clicks, carved, users)
     log.info("early stopping: %d fit-part clicks, validation on %d clicks of %d users",
              counts.train_rows, len(validation), len(users))

@@ -1,0 +1,175 @@
+"""Sequence training: ordered logs, the causal transformer history and the all-positions loss.
+
+The transformer tower is checked for causality and for serving what it trains; the loss over every
+position of a batch of sequences against the in-batch softmax computed in numpy on the same
+(query state, next item) pairs (``tests/reference_losses.py``); the source against the clicks it
+is built from.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import tensorflow as tf
+from reference_losses import numpy_in_batch_loss
+
+import retrieval  # noqa: F401
+from retrieval.config import ConfigError, ModelConfig, TableConfig, TowersConfig, load_config
+from retrieval.data import DataError, read_clicks
+from retrieval.features import FeatureStatistics, TowerStatistics
+from retrieval.features.histories import ClickHistories
+from retrieval.model import build_model
+from retrieval.towers import build_towers, position_states
+from retrieval.training import SequenceClicks
+
+LENGTH = 6
+TOWERS = TowersConfig.model_validate({
+    "query": {"features": [], "history": {"length": LENGTH, "pooling": "transformer",
+                                          "transformer": {"blocks": 2, "heads": 2, "dropout": 0.1}}},
+    "doc": {"features": [{"name": "item_id", "kind": "id"}]},
+})
+
+
+def _clicks(seed: int = 0, users: int = 12, items: int = 15) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    rows = [(f"u{u}", f"i{rng.integers(items)}", t) for u in range(users) for t in range(rng.integers(1, 10))]
+    frame = pd.DataFrame(rows, columns=["user_id", "item_id", "timestamp"])
+    frame["weight"] = np.float32(1.0)
+    return frame
+
+
+def _model(clicks: pd.DataFrame, **settings):
+    """A transformer-history model on ``clicks``' vocabularies (``settings``: ModelConfig keys)."""
+    stats = FeatureStatistics.from_training_clicks(clicks)
+    tf.keras.utils.set_random_seed(0)
+    config = ModelConfig(embedding_dim=8, temperature=0.2, **settings)
+    statistics = TowerStatistics.fit(TOWERS, clicks.assign(history=""), None)
+    return build_model(config, stats, towers=build_towers(TOWERS, config, statistics)), stats
+
+
+def _histories(clicks: pd.DataFrame, stats: FeatureStatistics) -> ClickHistories:
+    users, items = pd.Index(stats.users.ids), pd.Index(stats.items.ids)
+    return ClickHistories(users.get_indexer(clicks["user_id"]), items.get_indexer(clicks["item_id"]),
+                          clicks["timestamp"].to_numpy(), stats.users.ids, stats.items.ids)
+
+
+def test_a_state_never_sees_a_later_item_and_the_newest_state_is_what_the_tower_serves():
+    model, stats = _model(_clicks())
+    states = position_states(model.query_tower)
+    assert states is not None
+    rng = np.random.default_rng(1)
+    items = np.asarray(stats.items.ids, dtype=object)
+    history = rng.choice(items, size=(4, LENGTH)).astype(object)
+    history[1, 4:] = ""  # a short history: padding after its oldest item
+    out = states.model({"history": tf.constant(history)}, training=False).numpy()
+    np.testing.assert_allclose(out[:, 0], model.query_tower({"history": tf.constant(history)}).numpy(), atol=1e-6)
+    for p in range(LENGTH - 1):  # newest first: position p is later in time than p + 1, p + 2, ...
+        changed = history.copy()
+        changed[:, p] = np.where(changed[:, p] == items[0], items[1], items[0])
+        changed[1, 4:] = ""
+        again = states.model({"history": tf.constant(changed)}, training=False).numpy()
+        np.testing.assert_allclose(again[:, p + 1:], out[:, p + 1:], atol=1e-6)  # older states: untouched
+        assert not np.allclose(again[0, : p + 1], out[0, : p + 1], atol=1e-4)  # this one and newer: moved
+
+
+def test_sequences_are_each_users_latest_clicks_with_the_next_item_at_every_position():
+    clicks = _clicks(seed=2)
+    stats = FeatureStatistics.from_training_clicks(clicks)
+    source = SequenceClicks(_histories(clicks, stats), "history", LENGTH, batch_size=5, seed=0)
+    batches = [{k: v.numpy() for k, v in batch.items()} for batch in source.epoch(0)]
+    seen = {}
+    for batch in batches:
+        for user, history, targets in zip(batch["user_id"], batch["history"], batch["item_id"], strict=True):
+            seen[user.decode()] = (history.astype(str), targets.astype(str))
+    for user, group in clicks.groupby("user_id"):
+        items = group.sort_values("timestamp", kind="stable")["item_id"].tolist()[::-1]  # newest first
+        if len(items) < 2:
+            assert user not in seen  # nothing to predict a single click from
+            continue
+        history, targets = seen[user]
+        window = items[: LENGTH + 1]
+        assert list(history) == window[1:] + [""] * (LENGTH + 1 - len(window))
+        assert list(targets) == window[:-1][: len(window) - 1] + [""] * (LENGTH + 1 - len(window))
+    assert source.positions == sum(min(n, LENGTH + 1) - 1 for n in clicks.groupby("user_id").size() if n > 1)
+    assert [b["user_id"].numpy().tolist() for b in source.epoch(3)] == [b["user_id"].numpy().tolist() for b in source.epoch(3)]
+    assert [b["user_id"].numpy().tolist() for b in source.epoch(3)] != [b["user_id"].numpy().tolist() for b in source.epoch(4)]
+
+
+@pytest.mark.parametrize("remove_hits", [True, False])
+@pytest.mark.parametrize("log_q", [True, False])
+def test_the_all_positions_loss_is_the_in_batch_loss_of_its_pairs(remove_hits, log_q):
+    clicks = _clicks(seed=3)
+    model, stats = _model(clicks, log_q_correction=log_q, remove_accidental_hits=remove_hits)
+    source = SequenceClicks(_histories(clicks, stats), "history", LENGTH, batch_size=8, seed=0)
+    batch = next(iter(source.epoch(0)))
+    loss = float(model.compute_loss(batch, training=False))
+    per_position = position_states(model.query_tower).model({"history": batch["history"]}, training=False).numpy()
+    targets = batch["item_id"].numpy().astype(str)
+    trained = targets != ""
+    q = per_position[trained]
+    d = model.doc_tower({"item_id": tf.constant(targets[trained])}).numpy()
+    counts = clicks["item_id"].value_counts()
+    log_prob = np.log(counts.reindex(targets[trained]).to_numpy() / len(clicks))
+    ids = pd.factorize(targets[trained])[0]
+    expected = numpy_in_batch_loss(q, d, log_prob if log_q else np.zeros(len(q)), ids, 0.2, remove_hits=remove_hits)
+    assert len(q) > 8 and len(set(ids)) < len(ids)  # more pairs than sequences, and accidental hits among them
+    assert loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_sequence_files_read_in_order_with_positions_as_time(tmp_path):
+    path = tmp_path / "sequences.txt"
+    path.write_text("1 5 3 9\n\n2 7\n3  4 4 \n")
+    clicks = read_clicks(TableConfig(path=str(path), format="sequences"), load_config(None, []).data.columns)
+    assert clicks["user_id"].tolist() == ["1", "1", "1", "2", "3", "3"]
+    assert clicks["item_id"].tolist() == ["5", "3", "9", "7", "4", "4"]
+    assert clicks["timestamp"].tolist() == [0, 1, 2, 0, 0, 1]
+    path.write_text("1 5 3\n1 4\n")
+    with pytest.raises(DataError, match=r"line 2.*user '1' already has a line \(line 1\); the sequences format"):
+        read_clicks(TableConfig(path=str(path), format="sequences"), load_config(None, []).data.columns)
+    path.write_text("1,5,3\n")
+    with pytest.raises(DataError, match="line 1.*sequences ids are separated by whitespace"):
+        read_clicks(TableConfig(path=str(path), format="sequences"), load_config(None, []).data.columns)
+
+
+def test_sequence_training_needs_a_transformer_history_alone():
+    base = ["train.examples=sequences", "towers.doc.features=[{name: item_id, kind: id}]"]
+    with pytest.raises(ConfigError, match="needs towers.query.history with pooling: transformer"):
+        load_config(None, [*base, "towers.query.features=[]", "towers.query.history={pooling: mean}"])
+    with pytest.raises(ConfigError, match=r"not yet supported with train.examples: sequences: query features.*age"):
+        load_config(None, [*base, "towers.query.features=[{name: age, kind: numeric}]",
+                           "towers.query.history={pooling: transformer}"])
+    load_config(None, [*base, "towers.query.features=[{name: user_id, kind: id}]",
+                       "towers.query.history={pooling: transformer}"])
+
+
+@pytest.mark.slow
+def test_a_sequence_job_exports_a_bundle_that_serves_a_history(tmp_path):
+    """The job on an ordered log (leave-one-out, early stopping on each user's last training
+    item): its bundle reproduces the trained tower's probe at load and serves a raw history,
+    the history's own items excluded."""
+    from retrieval.jobs import train_evaluate_export
+    from retrieval.serving import Bundle
+
+    clicks = _clicks(seed=4, users=80, items=40)
+    lines = [" ".join([user, *group.sort_values("timestamp")["item_id"]]) for user, group in clicks.groupby("user_id")]
+    path = tmp_path / "sequences.txt"
+    path.write_text("\n".join(lines) + "\n")
+    config = load_config(None, [
+        "data.source=files", f"data.clicks.path={path}", "data.clicks.format=sequences",
+        "split.kind=leave_last_k", "split.k=1", "towers.query.features=[]",
+        f"towers.query.history={{length: {LENGTH}, pooling: transformer}}",
+        "towers.doc.features=[{name: item_id, kind: id}]", "model.embedding_dim=8",
+        "train.examples=sequences", "train.epochs=2", "train.batch_size=16", "train.validation_fraction=0.1",
+        "train.refit=false", "train.verbose=0", "evaluation.baselines.rankers=[popularity]", "evaluation.plots=false",
+        f"run.output_dir={tmp_path / 'runs'}", "run.name=seq",
+    ])
+    result = train_evaluate_export(config)
+    several = int((clicks.groupby("user_id").size() > 1).sum())  # a user's only click stays in training
+    assert result.metrics["data"]["test_clicks"] == several
+    log = pd.read_csv(result.directory / "train_log.csv")
+    assert len(log) == 2 and log["val_recall@20"].between(0, 1).all()  # early stopping watched both epochs
+    bundle = Bundle.load(result.directory)  # reruns the probe: the SavedModel is the trained tower
+    history = ["i3", "i7", "i1"]
+    served = bundle.recommend({"history": history}, k=10)
+    assert len(served.item_ids) == 10 and not set(history) & set(served.item_ids)
