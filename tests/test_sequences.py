@@ -73,6 +73,16 @@ def test_a_state_never_sees_a_later_item_and_the_newest_state_is_what_the_tower_
         assert not np.allclose(again[0, : p + 1], out[0, : p + 1], atol=1e-4)  # this one and newer: moved
 
 
+def test_unknown_items_are_skipped_and_a_history_of_none_embeds_to_zero():
+    model, stats = _model(_clicks())
+    a, b = stats.items.ids[:2]
+    embed = lambda rows: model.query_tower({"history": tf.constant(rows, dtype=tf.string)}).numpy()  # noqa: E731
+    with_unknown, with_padding = embed([[a, "never-seen", b, "", "", ""]]), embed([[a, "", b, "", "", ""]])
+    np.testing.assert_allclose(with_unknown, with_padding, atol=1e-6)
+    assert np.linalg.norm(with_padding) == pytest.approx(1.0, rel=1e-5)
+    np.testing.assert_array_equal(embed([[""] * LENGTH, ["nope", "", "", "", "", ""]]), np.zeros((2, 8)))
+
+
 def test_sequences_are_each_users_latest_clicks_with_the_next_item_at_every_position():
     clicks = _clicks(seed=2)
     stats = FeatureStatistics.from_training_clicks(clicks)
@@ -172,4 +182,6 @@ def test_a_sequence_job_exports_a_bundle_that_serves_a_history(tmp_path):
     bundle = Bundle.load(result.directory)  # reruns the probe: the SavedModel is the trained tower
     history = ["i3", "i7", "i1"]
     served = bundle.recommend({"history": history}, k=10)
-    assert len(served.item_ids) == 10 and not set(history) & set(served.item_ids)
+    assert len(served.item_ids) == 10 and not set(history) & set(served.item_ids) and served.fallback is None
+    empty = bundle.recommend({"history": []}, k=5)  # nothing known to read: the popular items, said so
+    assert empty.fallback == "popular" and empty.item_ids == bundle.manifest["popular_item_ids"][:5]

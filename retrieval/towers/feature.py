@@ -46,6 +46,7 @@ from retrieval.towers.layers import (
     CausalSequenceEncoder,
     HashedText,
     IdDropout,
+    Known,
     MaskedMean,
     Newest,
     NormalizedNumber,
@@ -54,6 +55,7 @@ from retrieval.towers.layers import (
     RepeatOverPositions,
     SplitPad,
     TimestampAge,
+    ZeroUnlessAny,
 )
 
 _DTYPES = {"string": tf.string, "float32": tf.float32, "float64": tf.float64}
@@ -154,12 +156,18 @@ def feature_tower(
             x = layer(x)
         return x
 
-    model = tf.keras.Model(inputs, output(parts, "features"), name=name)
+    outputs = output(parts, "features")
+    if states is not None and len(parts) == 1:
+        # A history alone, all of it padding or unknown: the zero embedding, which serving answers
+        # with the popular items and says so (``Recommendations.fallback``).
+        outputs = ZeroUnlessAny(name="no_history_no_embedding")(outputs, states[1])
+    model = tf.keras.Model(inputs, outputs, name=name)
     if states is not None:  # the same layers at every position of the history: training on all of them
         assert tower.history is not None
         repeated = [RepeatOverPositions(tower.history.length, name=f"repeat_{i}")(part)
                     for i, part in enumerate(parts[:-1])]
-        positions = tf.keras.Model(inputs, output([*repeated, states], "position_features"), name=f"{name}_positions")
+        positions = tf.keras.Model(inputs, output([*repeated, states[0]], "position_features"),
+                                   name=f"{name}_positions")
         model.position_states = PositionStates(positions)
     return model
 
@@ -169,7 +177,8 @@ class PositionStates:
     """A sequence tower's output at every position of its history (``history.pooling: transformer``).
 
     ``model`` takes the tower's inputs and returns ``[batch, L, dim]``, newest first: position ``p``
-    is the tower's output had the history been ``history[p:]`` (the items from ``p`` on, older),
+    is the tower's output from the encoder's state at ``p``, which has seen the items at ``p`` and
+    older only (``CausalSequenceEncoder``; learned positions are those of the window, as SASRec's),
     so position 0 is the tower's own output. It shares every layer with the tower. Held outside
     Keras' tracking (a plain attribute of the tower), so a SavedModel of the tower holds the tower.
     """
@@ -260,12 +269,15 @@ def _encode_history(history: HistoryConfig, stats: TowerStatistics, context: _Co
     else:
         dim = history.embedding_dim or context.embedding_dim
         table = IdEmbedding.build(history.name, stats.items, dim, context.l2_regularization)
-    mask = NotPadding(name=f"{history.name}_mask")(x)
     if history.pooling == "transformer":
+        # Items unknown to training are skipped like padding: they keep their places, unattended.
+        rows = table.lookup(x)
+        known = Known(name=f"{history.name}_known")(rows)
         encoder = history.transformer
         states = CausalSequenceEncoder(history.length, encoder.blocks, encoder.heads, encoder.dropout,
-                                       name=f"{history.name}_transformer")(table(x), mask)
-        return Newest(name=f"{history.name}_newest")(states), states
+                                       name=f"{history.name}_transformer")(table.embedding(rows), known)
+        return Newest(name=f"{history.name}_newest")(states), (states, known)
+    mask = NotPadding(name=f"{history.name}_mask")(x)
     pooling = MaskedMean if history.pooling == "mean" else AttentionPooling
     return pooling(name=f"{history.name}_{history.pooling}")(table(x), mask), None
 

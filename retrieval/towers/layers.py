@@ -320,3 +320,17 @@ class RepeatOverPositions(tf.keras.layers.Layer):
 
     def get_config(self):
         return super().get_config() | {"length": self.length}
+
+
+class Known(tf.keras.layers.Layer):
+    """``rows > 0``: the ids a StringLookup found (row 0 is out of vocabulary, "" included). Same shape, bool."""
+
+    def call(self, rows):
+        return tf.greater(rows, 0)
+
+
+class ZeroUnlessAny(tf.keras.layers.Layer):
+    """``[batch, dim]`` values, zeroed in the rows whose ``[batch, L]`` mask holds no True."""
+
+    def call(self, values, mask):
+        return values * tf.cast(tf.reduce_any(mask, axis=1), values.dtype)[:, None]

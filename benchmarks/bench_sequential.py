@@ -1,0 +1,170 @@
+"""Sequential recommendation on Amazon Beauty: the transformer history against pooled history and the baselines.
+
+    python benchmarks/bench_sequential.py                                  # or: make bench-sequential
+    python benchmarks/bench_sequential.py --variants pooled-mean,transformer-in-batch
+    python benchmarks/bench_sequential.py --report                         # rewrite md/png from the JSON
+
+The data is ``beauty/`` under ``--data-dir`` (``$RETRIEVAL_DATA_DIR`` or ``../shared/datasets``):
+each user's items in time order, the file's last item per user held back elsewhere and never
+read. ``configs/beauty.yaml`` holds out the last item here as the evaluation target and carves
+the one before it for early stopping (leave-one-out one position earlier than the papers): full
+ranking over the whole catalogue (``items.txt``), each user's training items excluded. A target
+the user already has in training cannot be recommended, so the job drops those users from the
+evaluation and says how many (``counts.test_clicks_repeating_a_training_click``); with one
+target a user, HR@k is recall@k.
+
+Rows: each variant is the whole ``make train`` job on configs/beauty.yaml with its overrides
+(``VARIANTS``), its seconds the job's wall time; popularity and ALS are the job's own baselines,
+taken from the first variant's run. Each finished row is appended to ``bench_sequential.json`` at
+once (a killed run keeps what finished) and the Markdown and PNG are rewritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+
+import retrieval  # noqa: E402, F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from retrieval.config import load_config  # noqa: E402
+from retrieval.jobs import train_evaluate_export  # noqa: E402
+
+CONFIG = ROOT / "configs/beauty.yaml"
+RESULTS = ROOT / "benchmarks/results"
+METRICS = ["recall@10", "ndcg@10", "recall@20", "ndcg@20"]
+SASREC_PLUS = {"recall@10": 0.0533, "ndcg@10": 0.0327}  # Klenitskiy & Vasilev 2023, on the held-back item
+
+# name -> overrides on configs/beauty.yaml; the first is the recipe the config states.
+VARIANTS: dict[str, list[str]] = {
+    "transformer-in-batch": [],
+    "transformer-mixed-2048": ["model.loss.negatives=mixed", "model.loss.num_negatives=2048"],
+    "transformer-uniform-3000": ["model.loss.negatives=uniform", "model.loss.num_negatives=3000"],
+    # The query tower before this benchmark: attention-pooled last items, one example a click.
+    "pooled-attention": ["train.examples=clicks", "towers.query.history.pooling=attention"],
+    "pooled-mean": ["train.examples=clicks", "towers.query.history.pooling=mean"],
+    "transformer-full-softmax": ["model.loss.kind=full_softmax"],
+}
+
+
+def _machine() -> dict[str, Any]:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "load": os.getloadavg(),
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                     text=True).stdout.strip()}
+
+
+def run_variant(name: str, overrides: list[str], data_dir: Path, extra: list[str]) -> dict[str, Any]:
+    """The job on configs/beauty.yaml with ``overrides``; its metrics and wall time."""
+    beauty = data_dir / "beauty"
+    with tempfile.TemporaryDirectory() as runs:
+        config = load_config(CONFIG, [
+            f"data.clicks.path={beauty / 'sequences.txt'}", f"data.item_features.path={beauty / 'items.txt'}",
+            *overrides, *extra, f"run.output_dir={runs}", f"run.name={name}", "export.topk_model=false",
+            "evaluation.plots=false",
+        ])
+        result = train_evaluate_export(config, config_name=name)
+    metrics = result.metrics
+    return {
+        "variant": name,
+        "overrides": overrides + extra,
+        "seconds": round(result.seconds, 1),
+        "model": {key: metrics["model"][key] for key in METRICS},
+        "baselines": {ranker: {key: metrics[ranker][key] for key in METRICS}
+                      for ranker in ("popularity", "als") if ranker in metrics},
+        "counts": metrics["counts"],
+        "epochs": metrics["timing"].get("epoch_seconds") and len(metrics["timing"]["epoch_seconds"]),
+        "machine": _machine(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def write_report(rows: list[dict[str, Any]]) -> None:
+    lines = [
+        "# Sequential recommendation: Amazon Beauty",
+        "",
+        "`python benchmarks/bench_sequential.py` (configs/beauty.yaml and each row's overrides): the last item of",
+        "each user's sequence here is the target, the one before it early stopping's; full ranking over the",
+        "54,542-item catalogue, training items excluded; users whose target repeats a training item are not",
+        "evaluated (the count below). HR@k = recall@k (one target a user). SASRec+ (full cross-entropy,",
+        f"Klenitskiy & Vasilev 2023) reports HR@10 {SASREC_PLUS['recall@10']} / NDCG@10 {SASREC_PLUS['ndcg@10']} "
+        "on the item held back one position later (not the same target: a reference level, not a comparison).",
+        "",
+        "| row | HR@10 | NDCG@10 | HR@20 | NDCG@20 | epochs | seconds | overrides |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    baselines = next((row["baselines"] for row in rows if row.get("baselines")), {})
+    for ranker, values in baselines.items():
+        lines.append(f"| {ranker} | " + " | ".join(f"{values[k]:.4f}" for k in METRICS) + " | | | |")
+    for row in rows:
+        values = row["model"]
+        overrides = " ".join(shlex.quote(o) for o in row["overrides"]) or "(configs/beauty.yaml)"
+        lines.append(f"| {row['variant']} | " + " | ".join(f"{values[k]:.4f}" for k in METRICS)
+                     + f" | {row['epochs']} | {row['seconds']:.0f} | `{overrides}` |")
+    if rows:
+        counts, machine = rows[0]["counts"], rows[-1]["machine"]
+        lines += ["", f"Evaluated users: {counts.get('evaluated_users')}; targets repeating a training item: "
+                  f"{counts.get('test_clicks_repeating_a_training_click')}. Machine: {machine['cpu']}, "
+                  f"{machine['cores']} cores; commit {machine['commit']}, {rows[-1]['date']}."]
+    (RESULTS / "bench_sequential.md").write_text("\n".join(lines) + "\n")
+    _plot(rows)
+
+
+def _plot(rows: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [row["variant"] for row in rows]
+    baselines = next((row["baselines"] for row in rows if row.get("baselines")), {})
+    names = list(baselines) + names
+    values = [baselines[n]["recall@10"] for n in baselines] + [row["model"]["recall@10"] for row in rows]
+    figure, axis = plt.subplots(figsize=(8, 0.45 * len(names) + 1.2))
+    axis.barh(names, values, color="#4a7ab5")
+    axis.axvline(SASREC_PLUS["recall@10"], color="#b5544a", linestyle="--", label="SASRec+ (held-back item)")
+    axis.set_xlabel("HR@10 (the last item here)")
+    axis.invert_yaxis()
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(RESULTS / "bench_sequential.png", dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated rows of VARIANTS")
+    parser.add_argument("--data-dir", type=Path,
+                        default=Path(os.environ.get("RETRIEVAL_DATA_DIR", ROOT.parent / "shared/datasets")))
+    parser.add_argument("--set", dest="extra", action="append", default=[], help="an override for every row")
+    parser.add_argument("--report", action="store_true", help="rewrite the md/png from the JSON only")
+    args = parser.parse_args(argv)
+    results = RESULTS / "bench_sequential.json"
+    rows = json.loads(results.read_text()) if results.exists() else []
+    if not args.report:
+        if not (args.data_dir / "beauty" / "sequences.txt").is_file():
+            raise SystemExit(f"no beauty/sequences.txt under {args.data_dir}: set --data-dir or $RETRIEVAL_DATA_DIR")
+        for name in args.variants.split(","):
+            if name not in VARIANTS:
+                raise SystemExit(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+            row = run_variant(name, VARIANTS[name], args.data_dir, args.extra)
+            rows = [r for r in rows if r["variant"] != name] + [row]
+            results.write_text(json.dumps(rows, indent=2) + "\n")
+            write_report(rows)
+            print(json.dumps({"variant": name, **row["model"], "seconds": row["seconds"]}))
+    write_report(rows)
+
+
+if __name__ == "__main__":
+    main()
