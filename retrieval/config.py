@@ -712,10 +712,17 @@ class TrainConfig(_Section):
     validation_k: int = Field(20, gt=0, description="k of the validation recall early stopping watches.")
     refit: bool = Field(
         True,
-        description="After early stopping, retrain from the initial weights on the whole training part "
-        "for the best number of epochs (the held-out latest clicks matter on a temporal split); false "
-        "keeps the best weights of the run on the reduced part.",
+        description="After early stopping, train again on the whole training part (the held-out latest "
+        "clicks matter on a temporal split), from where refit_from says; false keeps the best weights of "
+        "the run on the reduced part.",
     )
+    refit_from: Literal["initial", "best"] = Field(
+        "initial",
+        description="Where a refit starts: the initial weights, retrained for the best number of epochs; or "
+        "the best epoch's weights, trained refit_epochs more epochs on the whole training part (the held-out "
+        "part included), which costs refit_epochs instead of the best number.",
+    )
+    refit_epochs: int = Field(1, gt=0, description="Epochs of a refit from the best weights (refit_from: best).")
     checkpoint_every_seconds: float | None = Field(
         300.0,
         ge=0,

@@ -121,3 +121,22 @@ def test_without_refit_the_best_weights_are_kept():
     fit_part, validation = validation_split(train, 0.2, None)
     again = ValidationRecall(model, validation, fit_part, k=20, patience=1).recall()
     assert again == pytest.approx(max(history["val_recall@20"]))
+
+
+@pytest.mark.slow
+def test_a_refit_from_the_best_weights_trains_on_from_them():
+    """``refit_from: best``: the final run starts from the best epoch's weights (its first loss is
+    that of a trained model, below the first epoch's from scratch) for ``refit_epochs`` epochs."""
+    train = _clicks(4)
+    stats = FeatureStatistics.from_training_clicks(train)
+    common = dict(epochs=8, batch_size=256, learning_rate=0.05, validation_fraction=0.2,
+                  early_stopping_patience=2, verbose=0)
+    runs = {}
+    for start in ("initial", "best"):
+        seed_everything(0)
+        model = build_model(ModelConfig(embedding_dim=8), stats)
+        runs[start] = fit(model, train, TrainConfig(**common, refit_from=start, refit_epochs=2))
+    scratch, onward = runs["initial"], runs["best"]
+    assert onward["best_epoch"] == scratch["best_epoch"] and onward["val_recall@20"] == scratch["val_recall@20"]
+    assert len(scratch["loss"]) == int(scratch["best_epoch"][0]) and len(onward["loss"]) == 2
+    assert onward["loss"][0] < scratch["loss"][0] - 0.1  # it did not start again from the initial weights

@@ -95,7 +95,7 @@ def fit(
     epochs, selection = config.epochs, dict[str, list[float]]()
     if checkpoint is not None and state is not None:
         if state.selection:
-            epochs = int(state.selection["best_epoch"][0])
+            epochs = _refit_epochs(config, int(state.selection["best_epoch"][0]))
             log.info("early-stopping selection was done before the checkpoint (best epoch %d): not repeated", epochs)
         log.info("resuming from step %d (epoch %d/%d, batch %d/%d) of %s",
                  state.steps, state.epoch + 1, epochs, state.batch, source.steps_per_epoch, checkpoint.latest)
@@ -116,8 +116,9 @@ def fit(
             )
         hooks = [*epoch_hooks, *([] if on_epoch_end is None else [on_epoch_end])]
         # Without a refit the selection run is the training run: it gets the logs.
-        epochs, selection = select_epochs(model, validation, config, hooks, None if config.refit else logs, say,
-                                          checkpoint_dir=selection_dir, timing=None if config.refit else timing)
+        best, selection = select_epochs(model, validation, config, hooks, None if config.refit else logs, say,
+                                        checkpoint_dir=selection_dir, timing=None if config.refit else timing)
+        epochs = _refit_epochs(config, best)
         if not config.refit:
             if logs is not None:
                 logs.close()
@@ -149,9 +150,10 @@ def select_epochs(
 ) -> tuple[int, dict[str, list[float]]]:
     """Early stopping: train on the fit part, watch ``ValidationRecall``, pick the best epoch.
 
-    With ``config.refit`` the model is put back to its initial weights (the
-    caller retrains on all of ``train`` for the returned number of epochs);
-    otherwise it keeps the best epoch's weights.
+    With ``config.refit`` and ``refit_from: initial`` the model is put back to
+    its initial weights (the caller retrains on all of ``train`` for the
+    returned number of epochs); otherwise it keeps the best epoch's weights
+    (which ``refit_from: best`` trains on from there).
 
     With ``checkpoint_dir`` the run is checkpointed there (``TrainingCheckpoint``,
     the final run's interval) and a call that finds a checkpoint resumes it,
@@ -164,12 +166,13 @@ def select_epochs(
       ``selection_loss`` and ``val_recall@k`` per epoch and ``best_epoch``
       (without a refit, also everything the selection run logged).
     """
+    restart = config.refit and config.refit_from == "initial"  # else the run keeps the best weights
     # Before a restore: the weights the seed built, where a refit starts (a copy of every table,
-    # so only when there is a refit).
-    initial = model.get_weights() if config.refit else None
+    # so only when there is one).
+    initial = model.get_weights() if restart else None
     # Without checkpoints the best epoch's weights are copied in memory; with them, saved beside them.
     watch = ValidationRecall(model, validation.validation, validation.fit_clicks, config.validation_k,
-                             config.early_stopping_patience, keep_weights=not config.refit and checkpoint_dir is None)
+                             config.early_stopping_patience, keep_weights=not restart and checkpoint_dir is None)
     all_hooks: list = [watch]
     optimizer = make_optimizer(config)
     checkpoint, state = None, None
@@ -184,7 +187,7 @@ def select_epochs(
             watch.resume(state.history.get(watch.key, []))
             log.info("early-stopping selection resumed (%d epochs done, best so far: epoch %d)",
                      state.epoch, watch.best_epoch)
-        if not config.refit:
+        if not restart:
 
             def save_best(epoch: int, logs: dict) -> None:
                 if watch.best_epoch == epoch + 1:
@@ -211,6 +214,12 @@ def select_epochs(
         watch.key: watch.recalls,
         "best_epoch": [float(watch.best_epoch)],
     }
+
+
+def _refit_epochs(config: TrainConfig, best_epoch: int) -> int:
+    """Epochs of the final run after the selection: the best number from the initial weights,
+    ``refit_epochs`` from the best weights."""
+    return best_epoch if config.refit_from == "initial" else config.refit_epochs
 
 
 def _has_dropout(model: tf.keras.Model) -> bool:
