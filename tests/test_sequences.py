@@ -185,3 +185,22 @@ def test_a_sequence_job_exports_a_bundle_that_serves_a_history(tmp_path):
     assert len(served.item_ids) == 10 and not set(history) & set(served.item_ids) and served.fallback is None
     empty = bundle.recommend({"history": []}, k=5)  # nothing known to read: the popular items, said so
     assert empty.fallback == "popular" and empty.item_ids == bundle.manifest["popular_item_ids"][:5]
+
+
+def test_parquet_sequences_are_lists_in_time_order(tmp_path):
+    columns = load_config(None, []).data.columns
+    path = tmp_path / "sequences.parquet"
+    pd.DataFrame({"user_id": ["a", "b", "c"], "item_id": [["5", "3"], [], [" 7 ", "9", "5"]]}).to_parquet(path)
+    clicks = read_clicks(TableConfig(path=str(path), format="sequences"), columns)
+    assert clicks["user_id"].tolist() == ["a", "a", "c", "c", "c"]
+    assert clicks["item_id"].tolist() == ["5", "3", "7", "9", "5"]
+    assert clicks["timestamp"].tolist() == [0, 1, 0, 1, 2]
+    pd.DataFrame({"user_id": ["a", "b"], "item_id": ["5 3", "7"]}).to_parquet(path)
+    with pytest.raises(DataError, match=r"row 1, column 'item_id': a sequence is a list of item ids, got str"):
+        read_clicks(TableConfig(path=str(path), format="sequences"), columns)
+    pd.DataFrame({"user_id": ["a", "a"], "item_id": [["5"], ["7"]]}).to_parquet(path)
+    with pytest.raises(DataError, match=r"row 2, column 'user_id': user 'a' already has a row"):
+        read_clicks(TableConfig(path=str(path), format="sequences"), columns)
+    pd.DataFrame({"user_id": ["a"], "item_id": [["5", ""]]}).to_parquet(path)
+    with pytest.raises(DataError, match=r"row 1, column 'item_id': empty item id"):
+        read_clicks(TableConfig(path=str(path), format="sequences"), columns)

@@ -68,7 +68,9 @@ def read_clicks(
             ``columns`` and ``header`` are ignored and there is no timestamp.
             ``format="sequences"`` is the same lines with the items in time
             order (SASRec/BERT4Rec releases): each click's timestamp is its
-            0-based place on the line.
+            0-based place on the line; a ``.parquet`` file in this format has
+            one row per user, ``columns.user`` and a list of item ids in time
+            order in ``columns.item``.
         columns: Names of the user, item, timestamp and weight columns in the file.
         duplicates: Repeated (user, item) clicks. ``"keep"`` keeps every click
             (each is a training example, so re-consumed items weigh more);
@@ -89,6 +91,8 @@ def read_clicks(
             and column.
     """
     fmt = resolve_format(table)
+    if fmt == "sequences" and Path(table.path).suffix.lower() in (".parquet", ".pq"):
+        return apply_duplicates(_read_parquet_sequences(table, columns), duplicates)
     if fmt in ("user-items", "sequences"):
         return apply_duplicates(_read_user_items(table, ordered=fmt == "sequences"), duplicates)
     raw = _read_raw(table, fmt)
@@ -305,6 +309,34 @@ def _read_user_items(table: TableConfig, *, ordered: bool = False) -> pd.DataFra
     clicks = pd.DataFrame({USER: users, ITEM: items}).astype(str)  # the same string dtype as the other readers
     if ordered:  # positions as seconds: every time-based rule (splits, histories) reads the order
         clicks[TIME] = np.asarray(positions, dtype=np.int64)
+    clicks[WEIGHT] = np.ones(len(clicks), dtype=np.float32)
+    return clicks
+
+
+def _read_parquet_sequences(table: TableConfig, columns: ColumnsConfig) -> pd.DataFrame:
+    """Canonical clicks from a Parquet file of one row per user: ``columns.user`` and, in
+    ``columns.item``, a list of item ids in time order (each click's timestamp is its place)."""
+    frame = _read_parquet(str(_check_file(table))).frame
+    raw = _Raw(frame, table.path, np.arange(1, len(frame) + 1), is_text=False)
+    _require_columns(raw, [columns.user, columns.item], header=True)
+    lists = frame[columns.item]
+    for row, value in enumerate(lists):
+        if value is not None and not isinstance(value, (list, tuple, np.ndarray)):
+            raise raw.error(f"a sequence is a list of item ids, got {type(value).__name__} {str(value)[:40]!r}",
+                            row, columns.item)
+    lengths = np.array([0 if value is None else len(value) for value in lists], dtype=np.int64)
+    if not lengths.any():
+        raise DataError("no clicks: every sequence is empty", file=table.path, column=columns.item)
+    users = _ids(raw, columns.user, "user")
+    repeated = users.duplicated(keep="first").to_numpy()
+    if repeated.any():
+        raise raw.error(f"user {users[repeated].iloc[0]!r} already has a row; a sequence file has one row per user",
+                        int(np.argmax(repeated)), columns.user)
+    row_of_click = np.repeat(np.arange(len(frame)), lengths)
+    items = pd.Series([item for value in lists if value is not None for item in value], dtype=object)
+    flat = _Raw(pd.DataFrame({columns.item: items}), table.path, row_of_click + 1, is_text=False)
+    clicks = pd.DataFrame({USER: users.to_numpy()[row_of_click], ITEM: _ids(flat, columns.item, "item").to_numpy()})
+    clicks[TIME] = np.concatenate([np.arange(n) for n in lengths]).astype(np.int64)
     clicks[WEIGHT] = np.ones(len(clicks), dtype=np.float32)
     return clicks
 
