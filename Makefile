@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 SET    ?=
 
-.PHONY: install test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call
+.PHONY: install test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -115,6 +115,11 @@ bench-steps:
 # --variants default,popularity,als --seeds 2 --max-epochs 3 --set k=v --force"
 bench-public:
 	nice -n 10 $(BIN)/python benchmarks/bench_public.py $(ARGS)
+
+# Amazon Beauty, leave-one-out: the transformer history vs pooled history, popularity and ALS
+# (each row a whole job on configs/beauty.yaml); ARGS="--throughput" measures trained pairs/s instead.
+bench-sequential:
+	nice -n 10 $(BIN)/python benchmarks/bench_sequential.py $(ARGS)
 
 # Execute notebooks/*.ipynb at full settings and save their outputs (tables, PNG plots) into the
 # committed files, volatile metadata stripped (~9 min on 2 busy cores). The tests run them small.

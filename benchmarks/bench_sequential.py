@@ -90,6 +90,58 @@ def run_variant(name: str, overrides: list[str], data_dir: Path, extra: list[str
     }
 
 
+def throughput(data_dir: Path, lengths: tuple[int, ...] = (50, 200), steps: int = 20) -> list[dict[str, Any]]:
+    """Trained (query state, next item) pairs a second: the transformer's all-positions pass against
+    the same tower trained one click a row (each row its own history), and the ID tower's step."""
+    import time
+
+    import tensorflow as tf
+
+    from retrieval import jobs
+    from retrieval.training import make_optimizer
+
+    beauty = data_dir / "beauty"
+    out = []
+    for length in lengths:
+        for examples in ("sequences", "clicks", "id"):
+            overrides = [f"data.clicks.path={beauty / 'sequences.txt'}",
+                         f"data.item_features.path={beauty / 'items.txt'}",
+                         f"towers.query.history.length={length}", "train.batch_size=256"]
+            if examples == "id":
+                overrides += ["train.examples=clicks", "towers.query.features=[{name: user_id, kind: id}]",
+                              "towers.query.history=null"]
+            else:
+                overrides.append(f"train.examples={examples}")
+            config = load_config(CONFIG, overrides)
+            data = jobs.read_and_split(config)
+            model = jobs.build_job_model(config, data)
+            source = jobs._click_source(config, data, data.plan, data.counts.train_rows)
+            optimizer = make_optimizer(config.train)
+            model.compile(optimizer=optimizer)
+
+            @tf.function
+            def step(batch, model=model, optimizer=optimizer):
+                with tf.GradientTape() as tape:
+                    loss = model.compute_loss(batch, training=True)
+                gradients = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+                return loss
+
+            batches = iter(source.epoch(0).repeat())
+            for _ in range(3):
+                step(next(batches))
+            pairs, clock = 0, time.perf_counter()
+            for _ in range(steps):
+                batch = next(batches)
+                pairs += int(tf.reduce_sum(tf.cast(tf.not_equal(batch["item_id"], ""), tf.int32)))
+                step(batch)
+            seconds = time.perf_counter() - clock
+            out.append({"length": length, "examples": examples, "pairs_per_second": round(pairs / seconds),
+                        "step_ms": round(1000 * seconds / steps, 1), "pairs_per_step": pairs / steps})
+            print(json.dumps(out[-1]))
+    return out
+
+
 def write_report(rows: list[dict[str, Any]]) -> None:
     lines = [
         "# Sequential recommendation: Amazon Beauty",
@@ -149,7 +201,13 @@ def main(argv: list[str] | None = None) -> None:
                         default=Path(os.environ.get("RETRIEVAL_DATA_DIR", ROOT.parent / "shared/datasets")))
     parser.add_argument("--set", dest="extra", action="append", default=[], help="an override for every row")
     parser.add_argument("--report", action="store_true", help="rewrite the md/png from the JSON only")
+    parser.add_argument("--throughput", action="store_true", help="measure trained pairs/s instead of the rows")
     args = parser.parse_args(argv)
+    if args.throughput:
+        rates = throughput(args.data_dir)
+        (RESULTS / "bench_sequential_throughput.json").write_text(json.dumps(
+            {"rows": rates, "machine": _machine(), "date": datetime.date.today().isoformat()}, indent=2) + "\n")
+        return
     results = RESULTS / "bench_sequential.json"
     rows = json.loads(results.read_text()) if results.exists() else []
     if not args.report:
