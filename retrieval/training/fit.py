@@ -116,8 +116,12 @@ def fit(
             )
         hooks = [*epoch_hooks, *([] if on_epoch_end is None else [on_epoch_end])]
         # Without a refit the selection run is the training run: it gets the logs.
+        # A refit from the best weights goes on with the selection's optimizer: fresh Adam moments
+        # would make its first steps as large as training from scratch.
+        onward = optimizer if config.refit and config.refit_from == "best" else None
         best, selection = select_epochs(model, validation, config, hooks, None if config.refit else logs, say,
-                                        checkpoint_dir=selection_dir, timing=None if config.refit else timing)
+                                        checkpoint_dir=selection_dir, timing=None if config.refit else timing,
+                                        optimizer=onward)
         epochs = _refit_epochs(config, best)
         if not config.refit:
             if logs is not None:
@@ -147,6 +151,7 @@ def select_epochs(
     say: Callable[[str], None] = print,
     checkpoint_dir: Path | None = None,
     timing: dict[str, list[float]] | None = None,
+    optimizer: tf.keras.optimizers.Optimizer | None = None,
 ) -> tuple[int, dict[str, list[float]]]:
     """Early stopping: train on the fit part, watch ``ValidationRecall``, pick the best epoch.
 
@@ -160,6 +165,8 @@ def select_epochs(
     the validation recalls so far coming back with its state; without a refit
     each new best epoch's weights are written to ``checkpoint_dir/best``.
     ``timing``, if given, gets the run's ``epoch_seconds`` and ``clicks_per_second``.
+    ``optimizer``: the one to train with (a refit from the best weights goes on with its moments);
+    None = a new one.
 
     Returns:
       ``(best_epoch, history)``, the history holding the selection run's
@@ -174,7 +181,7 @@ def select_epochs(
     watch = ValidationRecall(model, validation.validation, validation.fit_clicks, config.validation_k,
                              config.early_stopping_patience, keep_weights=not restart and checkpoint_dir is None)
     all_hooks: list = [watch]
-    optimizer = make_optimizer(config)
+    optimizer = optimizer or make_optimizer(config)
     checkpoint, state = None, None
     best = tf.train.Checkpoint(model=model)
     best_prefix = str(Path(checkpoint_dir or ".") / "best" / "weights")
