@@ -45,18 +45,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pandas as pd
 from bench_losses import VARIANTS as LOSS_VARIANTS  # benchmarks/ is on sys.path; it imports retrieval first
-from scipy import sparse
 
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 from retrieval.config import ALSConfig, BaselinesConfig, Config, ConfigError, load_config
 from retrieval.data import ITEM, USER, load_dataset
 from retrieval.evaluation import EvalSet, build_eval_set, compare_rankers, item_click_counts
-from retrieval.evaluation.baselines import als_ranking, popularity_ranking
-from retrieval.evaluation.protocol import index_ranking
-from retrieval.index import ItemIndex
+from retrieval.evaluation.baselines import als_ranking, ease_ranking, popularity_ranking
 from retrieval.jobs import train_evaluate_export
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,33 +202,6 @@ class Baselines:
     def als(self, point: dict, seed: int) -> dict:
         als = ALSConfig(**point, seed=seed)
         return self.score("als", partial(als_ranking, config=BaselinesConfig(rankers=("als",), als=als)))
-
-
-def ease_ranking(train, catalogue_ids, eval_set: EvalSet, depth: int, l2: float) -> np.ndarray:
-    """Top-``depth`` rows by EASE score, masked and ranked by ``index_ranking`` as the model is.
-
-    B = I - P / diag(P) with P = (X'X + l2 I)^-1 (zero diagonal); a user's scores are
-    x_u B, so the index holds the columns of B and the query is the user's click row x_u.
-    """
-    items = pd.Index(catalogue_ids, dtype=object)
-    users = pd.Index(eval_set.user_ids, dtype=object)
-    user_codes, user_ids = pd.factorize(train[USER].astype(str))
-    # Sparse [users, items] 0/1 matrix (repeats count once): only the Gram matrix is dense.
-    clicks = sparse.csr_matrix(
-        (np.ones(len(train), np.float32), (user_codes, items.get_indexer(train[ITEM].astype(str)))),
-        shape=(len(user_ids), len(items)),
-    )
-    clicks.data[:] = 1.0
-    gram = (clicks.T @ clicks).toarray()
-    gram[np.diag_indices_from(gram)] += l2
-    precision = np.linalg.inv(gram)
-    weights = -precision / np.diag(precision)
-    np.fill_diagonal(weights, 0.0)
-    rows = pd.Index(user_ids, dtype=object).get_indexer(users)
-    queries = clicks[np.maximum(rows, 0)].toarray()
-    queries[rows < 0] = 0.0  # evaluated users without training clicks
-    index = ItemIndex.build(list(catalogue_ids), np.ascontiguousarray(weights.T), "Flat")
-    return index_ranking(index, queries, eval_set, depth)
 
 
 @functools.lru_cache(maxsize=1)  # the rows of one dataset share it; the next dataset replaces it
