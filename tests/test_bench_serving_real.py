@@ -1,9 +1,7 @@
-"""Helpers of benchmarks/bench_serving.py's real mode (--embeddings): the disjoint tuning / evaluation
+"""Helpers of benchmarks.bench_serving_real (the serving benchmark on real embeddings): the disjoint tuning / evaluation
 users, the tiled memory catalogue, the nprobe x k_factor_rf sweep and the target bookkeeping."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,11 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "benchmarks/bench_serving.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = module
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import bench_serving_real
+
+    return bench_serving_real
 
 
 def _unit(rng, n, dim=16):
