@@ -94,6 +94,11 @@ def machine(*libraries: str, **extra: Any) -> dict[str, Any]:
     }
 
 
+def versions_of(record: dict[str, Any]) -> dict[str, Any]:
+    """Library versions of a machine record (older results files hold them at its top level)."""
+    return record.get("versions", record)
+
+
 def describe_machine(m: dict[str, Any] | str) -> str:
     """One line for a Markdown report: CPU, core count, platform (a string, as older reports hold, as is)."""
     if isinstance(m, str):
@@ -106,7 +111,7 @@ def describe_machine(m: dict[str, Any] | str) -> str:
 
 def command(module: str, argv: Sequence[str] | None = None) -> str:
     """The command line that reruns this benchmark: ``python -m benchmarks.<module> <argv>``."""
-    return f"python -m benchmarks.{module} " + shlex.join(list(sys.argv[1:] if argv is None else argv))
+    return shlex.join(["python", "-m", f"benchmarks.{module}", *(sys.argv[1:] if argv is None else argv)])
 
 
 def _write_atomically(path: Path, text: str) -> None:

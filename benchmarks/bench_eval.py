@@ -62,7 +62,7 @@ import tensorflow_recommenders as tfrs  # noqa: E402
 from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
 
 import retrieval.index as index_module  # noqa: E402
-from benchmarks._harness import RESULTS, command, load_average, machine, write_report  # noqa: E402
+from benchmarks._harness import RESULTS, command, load_average, machine, versions_of, write_report  # noqa: E402
 from retrieval.arrays import drop_members  # noqa: E402
 from retrieval.evaluation import EvalSet, index_ranking  # noqa: E402
 from retrieval.exact_topk import ExactTopK  # noqa: E402
@@ -210,9 +210,9 @@ def _markdown_tfrs(results: dict) -> str:
     lines = [
         "## Evaluation top-k: FAISS vs TFRS (mode tfrs)",
         "",
-        f"`{results['command']}` on {env['cpus']} CPU cores ({env['processor']}); faiss {_versions(env)['faiss']} "
-        f"({env['faiss_threads']} OpenMP threads), tensorflow {_versions(env)['tensorflow']}, "
-        f"tfrs {_versions(env)['tfrs']}. Methods "
+        f"`{results['command']}` on {env['cpus']} CPU cores ({env['processor']}); faiss {versions_of(env)['faiss']} "
+        f"({env['faiss_threads']} OpenMP threads), tensorflow {versions_of(env)['tensorflow']}, "
+        f"tfrs {versions_of(env)['tfrs']}. Methods "
         f"interleaved over {results['repeats']} rounds after a warm-up: median seconds, and the median per-round "
         "ratio as the FAISS speed-up; exact inner-product top-k of L2-normalised embeddings; TFRS queries in "
         f"batches of {results['query_batch']}. Load average (1, 5, 15 min) at start / end: "
@@ -404,20 +404,15 @@ def _environment(load_at_start) -> dict:
     )
 
 
-def _versions(env: dict) -> dict:
-    """Library versions of an environment record (older records hold them at the top level)."""
-    return env.get("versions", env)
-
-
 def _markdown_topk(results: dict) -> str:
     env = results["environment"]
     lines = [
         "## Exact top-k against the matrix-product bound (mode topk)",
         "",
         f"`{results['command']}` on {env['cpus']} CPU cores ({env['processor']}); BLAS: {'; '.join(env['blas'])}"
-        f"{', env ' + str(env['openblas_env']) if env['openblas_env'] else ''}; faiss {_versions(env)['faiss']} "
-        f"({env['faiss_threads']} OpenMP threads), tensorflow {_versions(env)['tensorflow']}, "
-        f"tfrs {_versions(env)['tfrs']}. "
+        f"{', env ' + str(env['openblas_env']) if env['openblas_env'] else ''}; faiss {versions_of(env)['faiss']} "
+        f"({env['faiss_threads']} OpenMP threads), tensorflow {versions_of(env)['tensorflow']}, "
+        f"tfrs {versions_of(env)['tfrs']}. "
         f"{results['items']:,} x {results['dim']} unit item vectors, {results['queries']} unit queries in one batch "
         f"(TFRS: batches of {results['query_batch']}). Masks: training items per query, mean "
         f"{results['mask_sizes']['mean']:.0f}, max {results['mask_sizes']['max']}. Load average (1, 5, 15 min) at "

@@ -50,7 +50,7 @@ import pandas as pd
 import tensorflow as tf
 
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before tf.keras is first used)
-from benchmarks._harness import RESULTS, command, load_average, machine, write_report
+from benchmarks._harness import RESULTS, command, load_average, machine, versions_of, write_report
 from retrieval.config import ModelConfig, TrainConfig
 from retrieval.data import ITEM, USER
 from retrieval.features import FeatureStatistics
@@ -238,7 +238,7 @@ def markdown(result: dict[str, Any]) -> str:
         "# Step time of the training loop (retrieval.training.loop) vs ID-table size, and checkpoint overhead",
         "",
         f"`{result['command']}` on {result['machine']['cpus']} CPUs ({result['machine']['platform']}, "
-        f"TensorFlow {result['machine']['versions']['tensorflow']}), {result['date']}. 1-min load average during the "
+        f"TensorFlow {versions_of(result['machine'])['tensorflow']}), {result['date']}. 1-min load average during the "
         f"runs: {result['load_1min']['min']:.2f}-{result['load_1min']['max']:.2f} "
         f"(mean {result['load_1min']['mean']:.2f}).",
         "",

@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks._harness import RESULTS, machine, write_report
+from benchmarks._harness import RESULTS, machine, versions_of, write_report
 from retrieval.config import SyntheticConfig
 from retrieval.data import generate_clicks
 
@@ -53,7 +53,7 @@ def _markdown(results: dict) -> str:
         "# Synthetic click log generation",
         "",
         f"`python -m benchmarks.bench_synthetic` (`make bench-synthetic`) on {env['cpus']} CPU cores "
-        f"({env['processor']}); numpy {env['versions']['numpy']}, pandas {env['versions']['pandas']}. "
+        f"({env['processor']}); numpy {versions_of(env)['numpy']}, pandas {versions_of(env)['pandas']}. "
         f"Median of {results['repeats']} "
         f"runs after a warm-up. Load average (1, 5, 15 min) at start: {env['load_average']}.",
         "",

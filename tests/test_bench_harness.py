@@ -56,6 +56,7 @@ def test_command_reruns_the_module():
     assert harness.command("bench_eval", ["--mode", "tfrs", "--set", "a b"]) == (
         "python -m benchmarks.bench_eval --mode tfrs --set 'a b'"
     )
+    assert harness.command("bench_serving", []) == "python -m benchmarks.bench_serving"
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
