@@ -12,7 +12,7 @@
    (``ru_maxrss`` and an RSS sampled every second from /proc/self/status, with
    the phase it was in) and the bundle size, to
    ``benchmarks/results/bench_scale.{json,md}``.
-4. Saves the trained model's embeddings for ``benchmarks/bench_serving.py
+4. Saves the trained model's embeddings for ``benchmarks/bench_serving_real.py
    --embeddings`` (ANN measured on real embeddings): every catalogue item's
    (the bundle's doc SavedModel over ``item_ids.parquet``, in index-row order)
    and those of ``--query-users`` training users drawn at random (the query
@@ -233,7 +233,7 @@ class PhaseFromLog(logging.Handler):
                 self.sampler.phase = phase
 
 
-# --- Embeddings of the trained model, for bench_serving.py --embeddings. ---
+# --- Embeddings of the trained model, for bench_serving_real --embeddings. ---
 
 EMBEDDINGS_MANIFEST = "manifest.json"
 
