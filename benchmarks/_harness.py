@@ -134,9 +134,15 @@ def write_report(stem: Path | str, report: Any, markdown: str | None = None) -> 
         _write_atomically(stem.with_name(stem.name + ".md"), markdown if markdown.endswith("\n") else markdown + "\n")
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-    """A GitHub Markdown table, one line each: the header, the rule, then ``rows`` (cells as ``str``)."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> list[str]:
+    """A GitHub Markdown table, one line each: the header, the rule, then ``rows`` (cells as ``str``).
+
+    ``align``: one letter a column, "l" or "r" (right-aligned numbers); "" leaves every column left.
+    """
+    if align and (len(align) != len(header) or set(align) - {"l", "r"}):
+        raise ValueError(f"markdown_table: align {align!r} needs one of l/r for each of {len(header)} columns")
+    rule = [("---:" if a == "r" else "---") for a in (align or "l" * len(header))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
     for row in rows:
         if len(row) != len(header):
             raise ValueError(f"markdown_table: a row has {len(row)} cells for {len(header)} columns: {row}")

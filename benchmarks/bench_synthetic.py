@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks._harness import RESULTS, machine, versions_of, write_report
+from benchmarks._harness import RESULTS, machine, markdown_table, versions_of, write_report
 from retrieval.config import SyntheticConfig
 from retrieval.data import generate_clicks
 
@@ -57,14 +57,12 @@ def _markdown(results: dict) -> str:
         f"Median of {results['repeats']} "
         f"runs after a warm-up. Load average (1, 5, 15 min) at start: {env['load_average']}.",
         "",
-        "| users | items | clicks | seconds (median) | seconds (min) | clicks/s |",
-        "|---|---|---|---|---|---|",
+        *markdown_table(
+            ["users", "items", "clicks", "seconds (median)", "seconds (min)", "clicks/s"],
+            [[r["users"], r["items"], r["clicks"], f"{r['seconds']:.3f}", f"{r['min_seconds']:.3f}",
+              f"{r['clicks_per_second']:,}"] for r in results["rows"]],
+        ),
     ]
-    for row in results["rows"]:
-        lines.append(
-            f"| {row['users']} | {row['items']} | {row['clicks']} | {row['seconds']:.3f} | {row['min_seconds']:.3f} "
-            f"| {row['clicks_per_second']:,} |"
-        )
     return "\n".join(lines) + "\n"
 
 

@@ -10,7 +10,6 @@ Writes ``benchmarks/results/bench_tower_call.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS and TF_ENABLE_ONEDNN_OPTS before TensorFlow is imported)
@@ -19,7 +18,7 @@ import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS and TF_ENABLE_ONEDNN_OPTS b
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from benchmarks._harness import RESULTS, command, load_average, machine, write_report  # noqa: E402
+from benchmarks._harness import RESULTS, command, load_average, machine, markdown_table, write_report  # noqa: E402
 from retrieval.towers.id import lookup_vocabulary  # noqa: E402
 
 
@@ -57,18 +56,23 @@ def main() -> None:
     report = {"command": command("bench_tower_call"), "ids": args.ids, "batch": args.batch,
               "repeats": args.repeats, "rows": rows, "load_average_end": load_average(),
               "machine": machine("tensorflow")}
+    write_report(args.out, report, markdown(report))
+    print(markdown(report))
+
+
+def markdown(report: dict) -> str:
     lines = [
         "# Eager call of an ID tower over a large vocabulary",
         "",
-        f"`{report['command']}`: {args.ids:,} ids, batches of {args.batch:,}, mean of {args.repeats} calls after a "
-        f"warm-up, {os.cpu_count()} CPUs, load average {report['load_average_end'][0]:.1f} at the end.",
+        f"`{report['command']}`: {report['ids']:,} ids, batches of {report['batch']:,}, mean of {report['repeats']} "
+        f"calls after a warm-up, {report['machine']['cpus']} CPUs, load average {report['load_average_end'][0]:.1f} "
+        "at the end.",
         "",
-        "| StringLookup vocabulary | call | ms per call |",
-        "|---|---|---:|",
-        *(f"| {r['vocabulary']} | {r['call']} | {r['seconds'] * 1000:.1f} |" for r in rows),
+        *markdown_table(["StringLookup vocabulary", "call", "ms per call"],
+                        [[r["vocabulary"], r["call"], f"{r['seconds'] * 1000:.1f}"] for r in report["rows"]],
+                        align="llr"),
     ]
-    write_report(args.out, report, "\n".join(lines))
-    print("\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,9 @@ def test_markdown_table_and_report_writers(tmp_path):
         "| Flat | 1.000 |",
         "| HNSW16 | 0.97 |",
     ]
+    assert harness.markdown_table(["call", "ms"], [["eager", "1.0"]], align="lr")[1] == "|---|---:|"
+    with pytest.raises(ValueError, match="align 'x'"):
+        harness.markdown_table(["a"], [], align="x")
     with pytest.raises(ValueError, match="1 cells for 2 columns"):
         harness.markdown_table(["a", "b"], [["only one"]])
     report = {"seconds": np.float32(0.5), "rows": [1, 2]}
