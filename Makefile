@@ -49,19 +49,19 @@ tune:
 bench: bench-eval bench-synthetic
 
 bench-eval:
-	$(BIN)/python benchmarks/bench_eval.py
+	$(BIN)/python -m benchmarks.bench_eval
 
 # Seconds to generate synthetic click logs of 100k and 1M clicks (the timing the unit tests do not assert).
 bench-synthetic:
-	$(BIN)/python benchmarks/bench_synthetic.py
+	$(BIN)/python -m benchmarks.bench_synthetic
 
 # ID-only vs feature towers vs + history on MovieLens 100K, with cold-start users and items (~40 min on 2 cores).
 bench-features:
-	$(BIN)/python benchmarks/bench_features.py
+	$(BIN)/python -m benchmarks.bench_features
 
 # Flat vs IVF vs HNSW on 1M clustered synthetic items x 64 dims, HTTP end to end, FAISS vs TFRS BruteForce.
 bench-serving:
-	nice -n 10 $(BIN)/python benchmarks/bench_serving.py
+	nice -n 10 $(BIN)/python -m benchmarks.bench_serving
 
 # The same on the real embeddings of the model make bench-scale trained (it saves them to
 # $RETRIEVAL_SCALE_DIR/embeddings, default /tmp/retrieval-scale/embeddings), the synthetic clusters as a
@@ -69,23 +69,23 @@ bench-serving:
 # Not niced: beside un-niced jobs on a shared machine, a niced server would measure their load, not its latency.
 RETRIEVAL_SCALE_DIR ?= /tmp/retrieval-scale
 bench-serving-real:
-	$(BIN)/python benchmarks/bench_serving.py --embeddings $(RETRIEVAL_SCALE_DIR)/embeddings $(ARGS)
+	$(BIN)/python -m benchmarks.bench_serving_real --embeddings $(RETRIEVAL_SCALE_DIR)/embeddings $(ARGS)
 
 # Step time of each loss at 10k/100k/1M items, and recall/NDCG/tail recall of every loss vs ALS,
 # popularity and the TFRS tutorial recipe on ML-100K and the synthetic default (long: ~1-2 h on 2 cores).
 bench-losses:
-	nice -n 10 $(BIN)/python benchmarks/bench_losses.py
+	nice -n 10 $(BIN)/python -m benchmarks.bench_losses
 
 # Kernel-based sampled softmax (Blanc & Rendle 2018) vs uniform / unigram^0.75 / popularity sampling and
 # full softmax, m = 8..512 negatives, on ML-100K and a 100k-item synthetic log (~40 min on 2 cores).
 bench-kernel:
-	nice -n 10 $(BIN)/python benchmarks/bench_kernel.py
+	nice -n 10 $(BIN)/python -m benchmarks.bench_kernel
 
 # Out of core: 20M synthetic clicks over 1M items as Parquet shards (in $RETRIEVAL_SCALE_DIR, default
 # /tmp/retrieval-scale, ~300 MB), streamed through the job of configs/scale.yaml; peak RSS and throughput.
 # ARGS="--clicks 1000000 --items 100000" for a small run; ARGS="--set data.stream.max_train_batches=1500" caps training.
 bench-scale:
-	nice -n 10 $(BIN)/python benchmarks/bench_scale.py $(ARGS)
+	nice -n 10 $(BIN)/python -m benchmarks.bench_scale $(ARGS)
 
 # The same log with item and user feature tables and a feature tower (configs/scale_features.yaml:
 # early stopping and checkpoints on), training capped at 3000 batches an epoch, then the SIGKILL check
@@ -93,28 +93,28 @@ bench-scale:
 # restarted; equal metrics, train_log.csv and weights), into bench_scale_features.{json,md} (~50 min on
 # 2 cores). The recorded check ran on its own (bench_scale_resume.md has its command).
 bench-scale-features:
-	nice -n 10 $(BIN)/python benchmarks/bench_scale.py --features --out benchmarks/results/bench_scale_features \
+	nice -n 10 $(BIN)/python -m benchmarks.bench_scale --features --out benchmarks/results/bench_scale_features \
 		--set data.stream.max_train_batches=3000 --resume-check 500 $(ARGS)
 
 # A 2M-click log (100k users, ~430k items) trained in memory and streamed by the same job: equal metrics,
 # with each run's wall time and peak RSS, into bench_scale_both_ways.{json,md} (~9 min on 2 cores).
 bench-scale-both-ways:
-	nice -n 10 $(BIN)/python benchmarks/bench_both_ways.py $(ARGS)
+	nice -n 10 $(BIN)/python -m benchmarks.bench_both_ways $(ARGS)
 
 # Eager call of an ID tower over 1M ids, StringLookup vocabulary as a list vs an array (~1 min).
 bench-tower-call:
-	$(BIN)/python benchmarks/bench_tower_call.py $(ARGS)
+	$(BIN)/python -m benchmarks.bench_tower_call $(ARGS)
 
 # Keras fit step time at 10k/100k/1M users x items (adam, lazy_adam) and checkpoint overhead (~15 min on 2 cores).
 bench-steps:
-	nice -n 10 $(BIN)/python benchmarks/bench_steps.py $(ARGS)
+	nice -n 10 $(BIN)/python -m benchmarks.bench_steps $(ARGS)
 
 # The default config, its variants, popularity, ALS (a grid tuned on valid) and the TFRS tutorial recipe on
 # every ../shared/datasets/<name>/{train,valid}.txt (LightGCN format); rows append to bench_public.json as
 # they finish and are skipped on rerun (hours on 2 cores with Gowalla). ARGS="--datasets ml-1m
 # --variants default,popularity,als --seeds 2 --max-epochs 3 --set k=v --force"
 bench-public:
-	nice -n 10 $(BIN)/python benchmarks/bench_public.py $(ARGS)
+	nice -n 10 $(BIN)/python -m benchmarks.bench_public $(ARGS)
 
 # Amazon Beauty, leave-one-out: the transformer history vs pooled history, popularity and ALS
 # (each row a whole job on configs/beauty.yaml); ARGS="--throughput" measures trained pairs/s instead.

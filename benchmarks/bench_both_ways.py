@@ -18,8 +18,8 @@ each costs:
    difference, wall time and peak RSS, to
    ``benchmarks/results/bench_scale_both_ways.{json,md}``.
 
-    python benchmarks/bench_both_ways.py                     # ~9 min on 2 cores
-    python benchmarks/bench_both_ways.py --clicks 200000 --items 20000 --out /tmp/both
+    python -m benchmarks.bench_both_ways                     # ~9 min on 2 cores
+    python -m benchmarks.bench_both_ways --clicks 200000 --items 20000 --out /tmp/both
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_scale import RESULTS, ensure_shards, log_name  # noqa: E402
+from benchmarks._harness import command as command_line
+from benchmarks._harness import machine, write_report
+from benchmarks.bench_scale import RESULTS, ROOT, ensure_shards, log_name
 
 SOURCES = {"in memory": "false", "streamed": "true"}
 COMPARED = ("model", "popularity")
@@ -135,7 +134,8 @@ def main() -> None:
     if memory["counts"] != streamed["counts"]:
         print(f"different evaluation sets: {memory['counts']} vs {streamed['counts']}", file=sys.stderr)
     report = {
-        "command": " ".join(["python", *sys.argv]),
+        "command": command_line("bench_both_ways"),
+        "machine": machine("numpy", "tensorflow", "faiss"),
         "log": f"{args.clicks:,} clicks over {args.items:,} items ({shards.name})",
         "runs": runs,
         "same_evaluation_set": memory["counts"] == streamed["counts"],
@@ -145,9 +145,7 @@ def main() -> None:
             / abs(memory["final_train_loss"]),
         },
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{args.out}.json").write_text(json.dumps(report, indent=2))
-    Path(f"{args.out}.md").write_text(markdown(report) + "\n")
+    write_report(args.out, report, markdown(report))
     print(markdown(report))
 
 

@@ -1,8 +1,8 @@
 """Exact top-k for evaluation and Flat search: ExactTopK vs FAISS vs TFRS, against the matrix-product bound.
 
-    python benchmarks/bench_eval.py                 # or: make bench-eval (mode topk, ~10 min on 2 cores)
-    python benchmarks/bench_eval.py --items 100000 --eval-users 2000 --repeats 1   # quick
-    python benchmarks/bench_eval.py --mode tfrs     # the earlier FAISS-vs-TFRS evaluation comparison
+    python -m benchmarks.bench_eval                 # or: make bench-eval (mode topk, ~10 min on 2 cores)
+    python -m benchmarks.bench_eval --items 100000 --eval-users 2000 --repeats 1   # quick
+    python -m benchmarks.bench_eval --mode tfrs     # the earlier FAISS-vs-TFRS evaluation comparison
 
 Mode ``topk`` (default), on one seeded set of L2-normalised item and query
 embeddings (1M x 64, 1000 queries):
@@ -46,7 +46,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -63,6 +62,7 @@ import tensorflow_recommenders as tfrs  # noqa: E402
 from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
 
 import retrieval.index as index_module  # noqa: E402
+from benchmarks._harness import RESULTS, command, load_average, machine, versions_of, write_report  # noqa: E402
 from retrieval.arrays import drop_members  # noqa: E402
 from retrieval.evaluation import EvalSet, index_ranking  # noqa: E402
 from retrieval.exact_topk import ExactTopK  # noqa: E402
@@ -210,8 +210,9 @@ def _markdown_tfrs(results: dict) -> str:
     lines = [
         "## Evaluation top-k: FAISS vs TFRS (mode tfrs)",
         "",
-        f"`{results['command']}` on {env['cpus']} CPU cores ({env['processor']}); faiss {env['faiss']} "
-        f"({env['faiss_threads']} OpenMP threads), tensorflow {env['tensorflow']}, tfrs {env['tfrs']}. Methods "
+        f"`{results['command']}` on {env['cpus']} CPU cores ({env['processor']}); faiss {versions_of(env)['faiss']} "
+        f"({env['faiss_threads']} OpenMP threads), tensorflow {versions_of(env)['tensorflow']}, "
+        f"tfrs {versions_of(env)['tfrs']}. Methods "
         f"interleaved over {results['repeats']} rounds after a warm-up: median seconds, and the median per-round "
         "ratio as the FAISS speed-up; exact inner-product top-k of L2-normalised embeddings; TFRS queries in "
         f"batches of {results['query_batch']}. Load average (1, 5, 15 min) at start / end: "
@@ -394,19 +395,13 @@ def bench_full_eval(args, rng: np.random.Generator, items: np.ndarray, brute) ->
 def _environment(load_at_start) -> dict:
     blas = [f"{i['internal_api']} {i['version']} {i.get('architecture', '')} ({i['filepath'].rsplit('/', 1)[-1]})"
             for i in threadpool_info() if i["user_api"] == "blas"]
-    return {
-        "cpus": os.cpu_count(),
-        "load_average_1_5_15_min": {"start": load_at_start, "end": [round(x, 2) for x in os.getloadavg()]},
-        "processor": platform.processor() or platform.machine(),
-        "blas": blas,
-        "openblas_env": {key: os.environ[key] for key in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-                         if key in os.environ},
-        "faiss": faiss.__version__,
-        "faiss_threads": faiss.omp_get_max_threads(),
-        "tensorflow": tf.__version__,
-        "tfrs": tfrs.__version__,
-        "numpy": np.__version__,
-    }
+    return machine(
+        "faiss", "tensorflow", "tfrs", "numpy",
+        load_average_1_5_15_min={"start": load_at_start, "end": load_average()},
+        blas=blas,
+        openblas_env={key: os.environ[key] for key in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if key in os.environ},
+        faiss_threads=faiss.omp_get_max_threads(),
+    )
 
 
 def _markdown_topk(results: dict) -> str:
@@ -415,8 +410,9 @@ def _markdown_topk(results: dict) -> str:
         "## Exact top-k against the matrix-product bound (mode topk)",
         "",
         f"`{results['command']}` on {env['cpus']} CPU cores ({env['processor']}); BLAS: {'; '.join(env['blas'])}"
-        f"{', env ' + str(env['openblas_env']) if env['openblas_env'] else ''}; faiss {env['faiss']} "
-        f"({env['faiss_threads']} OpenMP threads), tensorflow {env['tensorflow']}, tfrs {env['tfrs']}. "
+        f"{', env ' + str(env['openblas_env']) if env['openblas_env'] else ''}; faiss {versions_of(env)['faiss']} "
+        f"({env['faiss_threads']} OpenMP threads), tensorflow {versions_of(env)['tensorflow']}, "
+        f"tfrs {versions_of(env)['tfrs']}. "
         f"{results['items']:,} x {results['dim']} unit item vectors, {results['queries']} unit queries in one batch "
         f"(TFRS: batches of {results['query_batch']}). Masks: training items per query, mean "
         f"{results['mask_sizes']['mean']:.0f}, max {results['mask_sizes']['max']}. Load average (1, 5, 15 min) at "
@@ -487,9 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repeats", type=int, default=None, help="rounds (topk: 5, tfrs: 3)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
-    command = " ".join(["python benchmarks/bench_eval.py", *(argv if argv is not None else sys.argv[1:])])
+    command_line = command("bench_eval", argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sections = {}
@@ -498,14 +494,14 @@ def main(argv: list[str] | None = None) -> int:
         if "runs" in sections:  # written before the topk mode existed: all of it is the tfrs section
             sections = {"tfrs": sections | {"note": "Measured before ExactTopK existed (the Flat index ran FAISS)."}}
 
-    load_at_start = [round(x, 2) for x in os.getloadavg()]
+    load_at_start = load_average()
     if args.mode == "topk":
         args.items = (args.items or [1_000_000])[0]
         args.queries = args.queries or 1000
         args.batch = args.batch or 1000
         args.repeats = args.repeats or 5
         measured = bench_topk(args)
-        sections["topk"] = {"command": command, "items": args.items, "dim": args.dim, "queries": args.queries,
+        sections["topk"] = {"command": command_line, "items": args.items, "dim": args.dim, "queries": args.queries,
                             "repeats": args.repeats, "query_batch": args.batch, **measured,
                             "environment": _environment(load_at_start)}
     else:
@@ -518,10 +514,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({key: row[key] for key in ("items", "method", "seconds", "faiss_speedup")}),
                       flush=True)
             runs += rows
-        sections["tfrs"] = {"command": command, "repeats": args.repeats, "query_batch": args.batch or 1024,
+        sections["tfrs"] = {"command": command_line, "repeats": args.repeats, "query_batch": args.batch or 1024,
                             "environment": _environment(load_at_start), "runs": runs}
-    (out / "bench_eval.json").write_text(json.dumps(sections, indent=2) + "\n")
-    (out / "bench_eval.md").write_text(_markdown(sections))
+    write_report(out / "bench_eval", sections, _markdown(sections))
     print(_markdown(sections))
     return 0
 

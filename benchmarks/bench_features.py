@@ -1,7 +1,7 @@
 """Feature towers on MovieLens 100K: ID-only vs features vs features + click history.
 
-    python benchmarks/bench_features.py                 # or: make bench-features
-    python benchmarks/bench_features.py --seeds 0       # one seed (about a third of the time)
+    python -m benchmarks.bench_features                 # or: make bench-features
+    python -m benchmarks.bench_features --seeds 0       # one seed (about a third of the time)
 
 For each config (``configs/ml100k.yaml``, ``ml100k_features.yaml``,
 ``ml100k_features_history.yaml`` with mean and attention pooling,
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from benchmarks._harness import RESULTS, machine, write_report
 from retrieval.config import Config, EvaluationConfig, load_config
 from retrieval.data import ITEM, USER, load_dataset
 from retrieval.evaluation import build_eval_set, ranking_metrics
@@ -175,7 +175,7 @@ def markdown(rows: list[dict], seeds: list[int]) -> str:
         f"{first['cold_items']['held_out_items']} held out, {first['cold_items']['relevant_pairs']} test pairs over "
         f"{first['cold_items']['users']} users (seed {first['seed']}).",
         "",
-        "Reproduce: `make bench-features` (or `python benchmarks/bench_features.py --seeds 0 1 2`). A command "
+        "Reproduce: `make bench-features` (or `python -m benchmarks.bench_features --seeds 0 1 2`). A command "
         "above is one run of its row; the benchmark adds `train.seed=S split.seed=S` per seed, and "
         f"`split.hold_out_items={HOLD_OUT}` for the cold-item run.",
     ]
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-features-") as scratch:
@@ -195,11 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = run(name, seed, Path(scratch))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"k": K, "hold_out_items": HOLD_OUT, "seeds": args.seeds, "machine": platform.platform(), "runs": rows}
-    (out / "bench_features.json").write_text(json.dumps(report, indent=2))
-    (out / "bench_features.md").write_text(markdown(rows, args.seeds))
+    report = {"k": K, "hold_out_items": HOLD_OUT, "seeds": args.seeds, "machine": machine("tensorflow"), "runs": rows}
+    write_report(Path(args.out) / "bench_features", report, markdown(rows, args.seeds))
     print(markdown(rows, args.seeds))
     return 0
 

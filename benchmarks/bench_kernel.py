@@ -1,9 +1,9 @@
 """Kernel-based sampled softmax (Blanc & Rendle, ICML 2018) against static samplers and full softmax.
 
-    python benchmarks/bench_kernel.py                          # or: make bench-kernel
-    python benchmarks/bench_kernel.py --datasets ml100k --m 8 64 --samplers uniform kernel --epochs 1  # quick
-    python benchmarks/bench_kernel.py --part report            # rewrite md/png from the JSON
-    python benchmarks/bench_kernel.py --part curve             # step time at 10k/100k/1M items alone (~10 min)
+    python -m benchmarks.bench_kernel                          # or: make bench-kernel
+    python -m benchmarks.bench_kernel --datasets ml100k --m 8 64 --samplers uniform kernel --epochs 1  # quick
+    python -m benchmarks.bench_kernel --part report            # rewrite md/png from the JSON
+    python -m benchmarks.bench_kernel --part curve             # step time at 10k/100k/1M items alone (~10 min)
 
 For m in ``--m`` negatives per step, sampled softmax with uniform, unigram^0.75,
 popularity (unigram^1) and kernel negatives, against the exact full softmax,
@@ -37,8 +37,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
-import shlex  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -46,9 +44,19 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from bench_losses import Prepared, metrics_of, prepare_config  # noqa: E402  (benchmarks/ is on sys.path)
 
 import retrieval  # noqa: E402,F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from benchmarks._harness import (  # noqa: E402
+    RESULTS,
+    command,
+    describe_machine,
+    load_average,
+    machine,
+    pyplot,
+    save_figure,
+    write_report,
+)
+from benchmarks._quality import Prepared, metrics_of, prepare_config  # noqa: E402
 from retrieval.config import load_config  # noqa: E402
 from retrieval.data import ITEM, USER, locate_movielens_100k  # noqa: E402
 from retrieval.model import build_model  # noqa: E402
@@ -80,7 +88,7 @@ DEFAULT_EPOCHS = {"ml100k": 3, "synthetic100k": 2}
 # Kernel rows of the default run; the others use every m. At 100k items a kernel draw walks
 # ~13 tree levels at O(D^2) each (see bench_kernel.md for the measured cost), so the default run
 # leaves the synthetic kernel rows at m = 8, 32, 128; the rest:
-#   python benchmarks/bench_kernel.py --datasets synthetic100k --samplers kernel --kernel-m 16 64 256 512
+#   python -m benchmarks.bench_kernel --datasets synthetic100k --samplers kernel --kernel-m 16 64 256 512
 DEFAULT_KERNEL_M = {"ml100k": M_VALUES, "synthetic100k": [8, 32, 128]}
 NOTES = [
     "- Budget (2 shared CPU cores, ~40 min for `make bench-kernel`): ML-100K 3 epochs of batch 1024 "
@@ -297,15 +305,12 @@ def markdown(report: dict) -> str:
     if "notes" in report:
         lines += ["## Budget and notes\n", *report["notes"], ""]
     if "machine" in report:
-        lines.append(f"Machine: {report['machine']}\n")
+        lines.append(f"Machine: {describe_machine(report['machine'])}\n")
     return "\n".join(lines)
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     datasets = list(report.get("datasets", {}))
     if not datasets:
@@ -332,14 +337,11 @@ def plot(report: dict, path: Path) -> None:
             ax.set_title(f"{name}: {label}")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def write(report: dict, out: Path) -> None:
-    (out / "bench_kernel.json").write_text(json.dumps(report, indent=2))
-    (out / "bench_kernel.md").write_text(markdown(report))
+    write_report(out / "bench_kernel", report, markdown(report))
     plot(report, out / "bench_kernel.png")
 
 
@@ -495,9 +497,9 @@ def curve_point(num_items: int, *, dim: int, batch: int, m: int, repeats: int, s
 def run_curve(args: argparse.Namespace, command: str) -> None:
     path = args.out / "bench_kernel.json"
     for num_items in args.sizes:
-        load = os.getloadavg()[0]
+        load = load_average()[0]
         point = curve_point(num_items, dim=args.dim, batch=args.batch, m=args.kernel_m_curve, repeats=args.repeats)
-        point["load_average_1min"] = [load, os.getloadavg()[0]]
+        point["load_average_1min"] = [load, load_average()[0]]
         print(json.dumps(point), flush=True)
         report = json.loads(path.read_text()) if path.exists() else {}
         curve = report.setdefault("curve", {})
@@ -507,7 +509,7 @@ def run_curve(args: argparse.Namespace, command: str) -> None:
             notes=CURVE_NOTES,
         )
         curve.setdefault("points", {})[str(num_items)] = point
-        report["machine"] = f"{platform.platform()}, {os.cpu_count()} CPUs, TensorFlow {tf.__version__}"
+        report["machine"] = machine("tensorflow", "numpy")
         write(report, args.out)
 
 
@@ -570,10 +572,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1024, help="curve: batch size")
     parser.add_argument("--curve-m", dest="kernel_m_curve", type=int, default=64, help="curve: draws per query")
     parser.add_argument("--repeats", type=int, default=5, help="curve: timed steps per row and size")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/bench_kernel.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command_line = command("bench_kernel", argv)
     path = args.out / "bench_kernel.json"
     report = json.loads(path.read_text()) if path.exists() else {}
     if args.part == "report":
@@ -582,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(report))
         return 0
     if args.part == "curve":
-        run_curve(args, command)
+        run_curve(args, command_line)
         print(markdown(json.loads(path.read_text())))
         return 0
 
@@ -602,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(data.eval_set.user_ids)} evaluated users, {epochs} epochs of batch {data.config.train.batch_size} "
             f"({DATASETS[name][0].relative_to(ROOT)} {' '.join(DATASETS[name][1])})"
         )
-        part["commands"] = [*[c for c in part["commands"] if c != command], command]
+        part["commands"] = [*[c for c in part["commands"] if c != command_line], command_line]
         plan = []
         for sampler in args.samplers:
             if sampler == "full":
@@ -624,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
                 part["rows"].setdefault(sampler, {})[str(m)] = summary
             merge(part, name, args.out)  # after every row: a partial run keeps what it measured
     if args.part == "all":
-        run_curve(args, command)
+        run_curve(args, command_line)
     report = json.loads(path.read_text()) if path.exists() else report
     print(markdown(report))
     return 0
@@ -637,7 +639,7 @@ def merge(part: dict, name: str, out: Path) -> None:
     report = json.loads(path.read_text()) if path.exists() else {}
     report.setdefault("datasets", {})[name] = part
     report["notes"] = NOTES
-    report["machine"] = f"{platform.platform()}, {os.cpu_count()} CPUs, TensorFlow {tf.__version__}"
+    report["machine"] = machine("tensorflow", "numpy")
     write(report, out)
 
 

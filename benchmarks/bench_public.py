@@ -1,9 +1,9 @@
 """Public benchmark splits: the default config and its variants vs popularity, tuned ALS and TFRS.
 
-    python benchmarks/bench_public.py                       # or: make bench-public
-    python benchmarks/bench_public.py --datasets ml-1m --variants default,popularity,als
-    python benchmarks/bench_public.py --datasets ml-1m --variants default --max-epochs 1    # quick
-    python benchmarks/bench_public.py --report              # rewrite md/png from the JSON
+    python -m benchmarks.bench_public                       # or: make bench-public
+    python -m benchmarks.bench_public --datasets ml-1m --variants default,popularity,als
+    python -m benchmarks.bench_public --datasets ml-1m --variants default --max-epochs 1    # quick
+    python -m benchmarks.bench_public --report              # rewrite md/png from the JSON
 
 Every dataset folder under ``--data-dir`` (``$RETRIEVAL_DATA_DIR`` or ``../shared/datasets``)
 that holds ``train.txt`` and ``valid.txt`` (the LightGCN format: ``uid iid iid ...``) is trained on
@@ -34,8 +34,6 @@ import functools
 import itertools
 import json
 import os
-import platform
-import shlex
 import shutil
 import statistics
 import sys
@@ -45,18 +43,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pandas as pd
-from bench_losses import VARIANTS as LOSS_VARIANTS  # benchmarks/ is on sys.path; it imports retrieval first
-from scipy import sparse
-
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from benchmarks._harness import RESULTS, command, cpu_model, machine, pyplot, save_figure, write_json
+from benchmarks._quality import VARIANTS as LOSS_VARIANTS
 from retrieval.config import ALSConfig, BaselinesConfig, Config, ConfigError, load_config
 from retrieval.data import ITEM, USER, load_dataset
 from retrieval.evaluation import EvalSet, build_eval_set, compare_rankers, item_click_counts
-from retrieval.evaluation.baselines import als_ranking, popularity_ranking
-from retrieval.evaluation.protocol import index_ranking
-from retrieval.index import ItemIndex
+from retrieval.evaluation.baselines import als_ranking, ease_ranking, popularity_ranking
 from retrieval.jobs import train_evaluate_export
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,33 +202,6 @@ class Baselines:
         return self.score("als", partial(als_ranking, config=BaselinesConfig(rankers=("als",), als=als)))
 
 
-def ease_ranking(train, catalogue_ids, eval_set: EvalSet, depth: int, l2: float) -> np.ndarray:
-    """Top-``depth`` rows by EASE score, masked and ranked by ``index_ranking`` as the model is.
-
-    B = I - P / diag(P) with P = (X'X + l2 I)^-1 (zero diagonal); a user's scores are
-    x_u B, so the index holds the columns of B and the query is the user's click row x_u.
-    """
-    items = pd.Index(catalogue_ids, dtype=object)
-    users = pd.Index(eval_set.user_ids, dtype=object)
-    user_codes, user_ids = pd.factorize(train[USER].astype(str))
-    # Sparse [users, items] 0/1 matrix (repeats count once): only the Gram matrix is dense.
-    clicks = sparse.csr_matrix(
-        (np.ones(len(train), np.float32), (user_codes, items.get_indexer(train[ITEM].astype(str)))),
-        shape=(len(user_ids), len(items)),
-    )
-    clicks.data[:] = 1.0
-    gram = (clicks.T @ clicks).toarray()
-    gram[np.diag_indices_from(gram)] += l2
-    precision = np.linalg.inv(gram)
-    weights = -precision / np.diag(precision)
-    np.fill_diagonal(weights, 0.0)
-    rows = pd.Index(user_ids, dtype=object).get_indexer(users)
-    queries = clicks[np.maximum(rows, 0)].toarray()
-    queries[rows < 0] = 0.0  # evaluated users without training clicks
-    index = ItemIndex.build(list(catalogue_ids), np.ascontiguousarray(weights.T), "Flat")
-    return index_ranking(index, queries, eval_set, depth)
-
-
 @functools.lru_cache(maxsize=1)  # the rows of one dataset share it; the next dataset replaces it
 def baselines_of(folder: Path) -> Baselines:
     return Baselines(folder)
@@ -270,32 +236,12 @@ def read_report(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {"rows": []}
 
 
-def cpu_model() -> str:
-    """The CPU's model name, with its widest vector extension: rows' seconds compare only on one model.
-
-    The VMs these benchmarks run on change between sessions (an AMD EPYC with AVX2, an Intel Xeon with
-    AVX-512 and AMX), and ``platform.processor()`` is empty on Linux.
-    """
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    pairs = (line.split(":", 1) for line in info.splitlines() if ":" in line)
-    fields = {key.strip(): value.strip() for key, value in pairs}
-    flags = set(fields.get("flags", "").split())
-    vector = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags), "")
-    matrix = "AMX" if "amx_tile" in flags else ""
-    return ", ".join(part for part in (fields.get("model name", platform.machine()), vector, matrix) if part)
-
-
 def append_row(path: Path, entry: dict) -> dict:
     """Add ``entry`` to the JSON file (replacing one with the same key), written whole or not at all."""
     report = read_report(path)
     report["rows"] = [r for r in report["rows"] if row_key(r) != row_key(entry)] + [entry]
-    report["machine"] = {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()}
-    partial_file = path.with_name(f".{path.name}.tmp")
-    partial_file.write_text(json.dumps(report, indent=2))
-    partial_file.replace(path)
+    report["machine"] = machine("numpy", "tensorflow", "faiss", "implicit")
+    write_json(path, report)
     return report
 
 
@@ -409,10 +355,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     summary = summarise(report["rows"])
@@ -432,9 +375,7 @@ def plot(report: dict, path: Path) -> None:
     ax.set_title("Public benchmark splits (train.txt -> valid.txt)")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_report(report: dict, out: Path) -> None:
@@ -468,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="override applied to every model row (repeatable)")
     parser.add_argument("--force", action="store_true", help="rerun rows already in the JSON")
     parser.add_argument("--report", action="store_true", help="only rewrite md/png from the JSON")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bench_public.json"
@@ -491,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                 load_config(CONFIG, model_overrides(row, 0, args.extra, args.max_epochs, found[datasets[0]]))
             except ConfigError as error:
                 raise SystemExit(f"error: row {row}: {error}") from None
-    command = "python benchmarks/bench_public.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command_line = command("bench_public", argv)
     done = {row_key(r) for r in read_report(path)["rows"]}
     cpu = cpu_model()  # once: every row of this run ran on it
 
@@ -502,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             return
         entry.update(run())
         finished = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        entry.update(command=command, finished=finished, cpu=cpu)
+        entry.update(command=command_line, finished=finished, cpu=cpu)
         write_report(append_row(path, entry), args.out)
         print(f"{dataset} | {row} {' '.join(overrides)} | seed {seed}: {RECALL} {entry[RECALL]:.4f}, "
               f"{NDCG} {entry[NDCG]:.4f}, {entry['seconds']:.0f} s", flush=True)

@@ -12,17 +12,17 @@
    (``ru_maxrss`` and an RSS sampled every second from /proc/self/status, with
    the phase it was in) and the bundle size, to
    ``benchmarks/results/bench_scale.{json,md}``.
-4. Saves the trained model's embeddings for ``benchmarks/bench_serving.py
+4. Saves the trained model's embeddings for ``benchmarks/bench_serving_real.py
    --embeddings`` (ANN measured on real embeddings): every catalogue item's
    (the bundle's doc SavedModel over ``item_ids.parquet``, in index-row order)
    and those of ``--query-users`` training users drawn at random (the query
    SavedModel; users it does not know are skipped), with a manifest, to
    ``$RETRIEVAL_SCALE_DIR/embeddings`` (``--embeddings-dir``).
 
-    python benchmarks/bench_scale.py                                  # 20M clicks / 1M items, 1 epoch
-    python benchmarks/bench_scale.py --clicks 1000000 --items 100000  # a couple of minutes
-    python benchmarks/bench_scale.py --features --out benchmarks/results/bench_scale_features  # feature tower
-    python benchmarks/bench_scale.py --from-bundle /tmp/retrieval-scale/runs/<run>   # step 4 only, no training
+    python -m benchmarks.bench_scale                                  # 20M clicks / 1M items, 1 epoch
+    python -m benchmarks.bench_scale --clicks 1000000 --items 100000  # a couple of minutes
+    python -m benchmarks.bench_scale --features --out benchmarks/results/bench_scale_features  # feature tower
+    python -m benchmarks.bench_scale --from-bundle /tmp/retrieval-scale/runs/<run>   # step 4 only, no training
 
 The data goes to ``$RETRIEVAL_SCALE_DIR`` (default /tmp/retrieval-scale), never
 into the repository; an existing log with the same parameters is reused.
@@ -35,7 +35,6 @@ import glob
 import json
 import logging
 import os
-import platform
 import resource
 import shutil
 import sys
@@ -50,10 +49,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks._harness import command as command_line
+from benchmarks._harness import load_average, machine, write_report
+from benchmarks.scale_resume import markdown_row
 
-from scale_resume import markdown_row  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 from retrieval.config import SyntheticConfig, load_config  # noqa: E402
 from retrieval.data import synthetic  # noqa: E402
@@ -233,7 +233,7 @@ class PhaseFromLog(logging.Handler):
                 self.sampler.phase = phase
 
 
-# --- Embeddings of the trained model, for bench_serving.py --embeddings. ---
+# --- Embeddings of the trained model, for bench_serving_real --embeddings. ---
 
 EMBEDDINGS_MANIFEST = "manifest.json"
 
@@ -391,7 +391,7 @@ def main() -> None:
                                          seed=args.seed)))
         return
 
-    load_average_start = os.getloadavg()
+    load_average_start = load_average()
     sampler = RssSampler()
     sampler.start()
     base = Path(args.dir)
@@ -469,9 +469,9 @@ def main() -> None:
         },
     }
     report = {
-        "command": " ".join(["python", *sys.argv]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "load_average_start": load_average_start, "load_average_end": os.getloadavg()},
+        "command": command_line("bench_scale"),
+        "machine": machine("numpy", "tensorflow", "faiss", "pyarrow", load_average_start=load_average_start,
+                           load_average_end=load_average()),
         "generation": generation,
         "config": args.config,
         "overrides": overrides,
@@ -517,20 +517,18 @@ def main() -> None:
 
 
 def _resume_check(args, overrides: list[str], base: Path, name: str) -> dict:
-    from scale_resume import resume_check
+    from benchmarks.scale_resume import resume_check
 
     batches = args.resume_check or 1500
     check = resume_check(args.config, overrides, base / "resume-check", name, batches=batches,
                          checkpoint_seconds=args.resume_check_seconds, log=log.info)
-    check["command"] = " ".join(["python", *sys.argv])
+    check["command"] = command_line("bench_scale")
     shutil.rmtree(base / "resume-check", ignore_errors=True)
     return check
 
 
 def _write(report: dict, out: str) -> None:
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(report, indent=2))
-    Path(f"{out}.md").write_text(markdown(report) + "\n")
+    write_report(out, report, markdown(report))
 
 
 def _gib(n: int) -> str:

@@ -1,7 +1,7 @@
 """Step time of the training loop (``retrieval.training.loop``) vs ID-table size, and checkpoint overhead.
 
-    python benchmarks/bench_steps.py                      # or: make bench-steps (~15 min on 2 busy cores)
-    python benchmarks/bench_steps.py --part tables --sizes 10000 100000 --rounds 1   # quick
+    python -m benchmarks.bench_steps                      # or: make bench-steps (~15 min on 2 busy cores)
+    python -m benchmarks.bench_steps --part tables --sizes 10000 100000 --rounds 1   # quick
 
 Both parts call the project's own training code, ``retrieval.training.fit`` on a
 model from ``retrieval.model.build_model(ModelConfig())`` (the default model: ID
@@ -39,12 +39,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import platform
-import shlex
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -55,13 +50,13 @@ import pandas as pd
 import tensorflow as tf
 
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before tf.keras is first used)
+from benchmarks._harness import RESULTS, command, load_average, machine, versions_of, write_report
 from retrieval.config import ModelConfig, TrainConfig
 from retrieval.data import ITEM, USER
 from retrieval.features import FeatureStatistics
 from retrieval.model import build_model
 from retrieval.training import TrainingCheckpoint, fit, loop, seed_everything
 
-ROOT = Path(__file__).resolve().parents[1]
 BATCH = 1024
 TARGET_RATIO = 1.5  # the scale target: step(1M) <= 1.5 x step(10k)
 TARGET_CHECKPOINT_FRACTION = 0.05  # the scale target: checkpoints <= 5 % of training time
@@ -116,7 +111,7 @@ def timed_run(
     began = time.perf_counter()
     model = build_model(ModelConfig(), stats)
     build = time.perf_counter() - began
-    load_before = os.getloadavg()[0]
+    load_before = load_average()[0]
     start = time.perf_counter()
     saves: list[float] = []
     save = TrainingCheckpoint.save
@@ -149,7 +144,7 @@ def timed_run(
         "to_first_step_end_s": float(ends[0] - start),  # dataset, compile, tracing, optimizer slots
         "loss": float(history["loss"][-1]),
         "save_seconds": saves,  # every call, the final one (often of an already saved step: ~0 s) included
-        "load_1min": [load_before, os.getloadavg()[0]],
+        "load_1min": [load_before, load_average()[0]],
     }
     del model
     return result
@@ -243,7 +238,7 @@ def markdown(result: dict[str, Any]) -> str:
         "# Step time of the training loop (retrieval.training.loop) vs ID-table size, and checkpoint overhead",
         "",
         f"`{result['command']}` on {result['machine']['cpus']} CPUs ({result['machine']['platform']}, "
-        f"TensorFlow {result['machine']['tensorflow']}), {result['date']}. 1-min load average during the "
+        f"TensorFlow {versions_of(result['machine'])['tensorflow']}), {result['date']}. 1-min load average during the "
         f"runs: {result['load_1min']['min']:.2f}-{result['load_1min']['max']:.2f} "
         f"(mean {result['load_1min']['mean']:.2f}).",
         "",
@@ -320,7 +315,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the tables part")
     parser.add_argument("--checkpoint-rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.part in ("all", "checkpoints") and "0" not in args.every:
         parser.error("--every must include 0 (the baseline without checkpoints)")
@@ -331,14 +326,9 @@ def main() -> None:
         print(f"[{time.perf_counter() - began:7.1f}s] {message}", flush=True)
 
     result: dict[str, Any] = {
-        "command": "python " + shlex.join(["benchmarks/bench_steps.py", *sys.argv[1:]]),
+        "command": command("bench_steps"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "tensorflow": tf.__version__,
-        },
+        "machine": machine("tensorflow"),
         "args": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
     }
     if args.part in ("all", "tables"):
@@ -349,9 +339,7 @@ def main() -> None:
              for runs in result[part]["runs"].values() for run in runs for load in run["load_1min"]]
     result["load_1min"] = {"min": min(loads), "max": max(loads), "mean": float(np.mean(loads))}
     result["total_s"] = time.perf_counter() - began
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_steps.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "bench_steps.md").write_text(markdown(result))
+    write_report(args.out / "bench_steps", result, markdown(result))
     print(markdown(result))
 
 

@@ -1,7 +1,7 @@
 """Seconds to generate the synthetic click log (``retrieval.data.generate_clicks``).
 
-    python benchmarks/bench_synthetic.py            # or: make bench-synthetic
-    python benchmarks/bench_synthetic.py --repeats 1   # quick
+    python -m benchmarks.bench_synthetic            # or: make bench-synthetic
+    python -m benchmarks.bench_synthetic --repeats 1   # quick
 
 The generator is meant to be cheap enough to call in every test and notebook:
 ~100k clicks in well under a second. That is a timing, so it lives here rather
@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
-import numpy as np
-import pandas as pd
-
+from benchmarks._harness import RESULTS, machine, markdown_table, versions_of, write_report
 from retrieval.config import SyntheticConfig
 from retrieval.data import generate_clicks
 
@@ -56,18 +52,17 @@ def _markdown(results: dict) -> str:
     lines = [
         "# Synthetic click log generation",
         "",
-        f"`python benchmarks/bench_synthetic.py` (`make bench-synthetic`) on {env['cpus']} CPU cores "
-        f"({env['processor']}); numpy {env['numpy']}, pandas {env['pandas']}. Median of {results['repeats']} "
+        f"`python -m benchmarks.bench_synthetic` (`make bench-synthetic`) on {env['cpus']} CPU cores "
+        f"({env['processor']}); numpy {versions_of(env)['numpy']}, pandas {versions_of(env)['pandas']}. "
+        f"Median of {results['repeats']} "
         f"runs after a warm-up. Load average (1, 5, 15 min) at start: {env['load_average']}.",
         "",
-        "| users | items | clicks | seconds (median) | seconds (min) | clicks/s |",
-        "|---|---|---|---|---|---|",
+        *markdown_table(
+            ["users", "items", "clicks", "seconds (median)", "seconds (min)", "clicks/s"],
+            [[r["users"], r["items"], r["clicks"], f"{r['seconds']:.3f}", f"{r['min_seconds']:.3f}",
+              f"{r['clicks_per_second']:,}"] for r in results["rows"]],
+        ),
     ]
-    for row in results["rows"]:
-        lines.append(
-            f"| {row['users']} | {row['items']} | {row['clicks']} | {row['seconds']:.3f} | {row['min_seconds']:.3f} "
-            f"| {row['clicks_per_second']:,} |"
-        )
     return "\n".join(lines) + "\n"
 
 
@@ -75,27 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     results = {
         "repeats": args.repeats,
-        "environment": {
-            "cpus": os.cpu_count(),
-            "processor": platform.processor() or platform.machine(),
-            "numpy": np.__version__,
-            "pandas": pd.__version__,
-            "load_average": [round(x, 2) for x in os.getloadavg()],
-        },
+        "environment": machine("numpy", "pandas"),
         "rows": [],
     }
     for n_users, n_items, mean_clicks in SIZES:
         row = bench(n_users, n_items, mean_clicks, args.repeats, args.seed)
         print(json.dumps(row), flush=True)
         results["rows"].append(row)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_synthetic.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "bench_synthetic.md").write_text(_markdown(results))
+    write_report(Path(args.out) / "bench_synthetic", results, _markdown(results))
     return 0
 
 

@@ -2,7 +2,7 @@
 (tf-keras tracks it as a ``ListWrapper`` and walks it on every eager call) against the object array
 the towers now pass (``retrieval.towers.id.lookup_vocabulary``), and a ``tf.function`` call beside them.
 
-    python benchmarks/bench_tower_call.py            # 1M ids, ~1 min on 2 cores
+    python -m benchmarks.bench_tower_call            # 1M ids, ~1 min on 2 cores
 
 Writes ``benchmarks/results/bench_tower_call.{json,md}``.
 """
@@ -10,22 +10,15 @@ Writes ``benchmarks/results/bench_tower_call.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import retrieval  # noqa: E402,F401  (TF_USE_LEGACY_KERAS and TF_ENABLE_ONEDNN_OPTS before TensorFlow is imported)
+import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS and TF_ENABLE_ONEDNN_OPTS before TensorFlow is imported)
 
 # isort: split
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from benchmarks._harness import RESULTS, command, load_average, machine, markdown_table, write_report  # noqa: E402
 from retrieval.towers.id import lookup_vocabulary  # noqa: E402
 
 
@@ -48,7 +41,7 @@ def main() -> None:
     parser.add_argument("--ids", type=int, default=1_000_000)
     parser.add_argument("--batch", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_tower_call"))
+    parser.add_argument("--out", default=str(RESULTS / "bench_tower_call"))
     args = parser.parse_args()
     ids = [f"i{i}" for i in range(args.ids)]
     batch = {"item_id": tf.constant(np.asarray(ids[: args.batch], dtype=object))}
@@ -60,22 +53,26 @@ def main() -> None:
         graph = tf.function(lambda x, m=model: m(x, training=False))
         rows.append({"vocabulary": name, "call": "tf.function",
                      "seconds": seconds_per_call(graph, batch, args.repeats)})
-    report = {"command": " ".join(["python", *sys.argv]), "ids": args.ids, "batch": args.batch,
-              "repeats": args.repeats, "rows": rows, "load_average_end": os.getloadavg(),
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
-    Path(f"{args.out}.json").write_text(json.dumps(report, indent=2))
+    report = {"command": command("bench_tower_call"), "ids": args.ids, "batch": args.batch,
+              "repeats": args.repeats, "rows": rows, "load_average_end": load_average(),
+              "machine": machine("tensorflow")}
+    write_report(args.out, report, markdown(report))
+    print(markdown(report))
+
+
+def markdown(report: dict) -> str:
     lines = [
         "# Eager call of an ID tower over a large vocabulary",
         "",
-        f"`{report['command']}`: {args.ids:,} ids, batches of {args.batch:,}, mean of {args.repeats} calls after a "
-        f"warm-up, {os.cpu_count()} CPUs, load average {report['load_average_end'][0]:.1f} at the end.",
+        f"`{report['command']}`: {report['ids']:,} ids, batches of {report['batch']:,}, mean of {report['repeats']} "
+        f"calls after a warm-up, {report['machine']['cpus']} CPUs, load average {report['load_average_end'][0]:.1f} "
+        "at the end.",
         "",
-        "| StringLookup vocabulary | call | ms per call |",
-        "|---|---|---:|",
-        *(f"| {r['vocabulary']} | {r['call']} | {r['seconds'] * 1000:.1f} |" for r in rows),
+        *markdown_table(["StringLookup vocabulary", "call", "ms per call"],
+                        [[r["vocabulary"], r["call"], f"{r['seconds'] * 1000:.1f}"] for r in report["rows"]],
+                        align="llr"),
     ]
-    Path(f"{args.out}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""benchmarks/bench_both_ways.py runs end to end at toy size: it writes the whole-log file beside
+"""benchmarks.bench_both_ways runs end to end at toy size: it writes the whole-log file beside
 the shards, trains the same job in memory and streamed, and the two runs agree.
 
 No timing is asserted; the agreement is the contract ``tests/test_out_of_core.py`` proves on its
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_both_ways_runs_at_toy_size_and_the_sources_agree(tmp_path):
     out = tmp_path / "both"
     command = [
-        sys.executable, str(ROOT / "benchmarks/bench_both_ways.py"), "--clicks", "20000", "--items", "2000",
+        sys.executable, "-m", "benchmarks.bench_both_ways", "--clicks", "20000", "--items", "2000",
         "--shard-clicks", "5000", "--dir", str(tmp_path / "scale"), "--out", str(out),
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)

@@ -1,4 +1,4 @@
-"""benchmarks/bench_public.py on a tiny LightGCN-format dataset: rows land in the JSON with recall@20
+"""benchmarks.bench_public on a tiny LightGCN-format dataset: rows land in the JSON with recall@20
 (popularity checked against an independent numpy computation), the Markdown table and the PNG are
 written, and a rerun skips the rows already there."""
 
@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks/bench_public.py"
 N_ITEMS = 30
 
 
@@ -48,15 +47,14 @@ def _popularity_recall(train, valid, k=20):
 @pytest.fixture
 def bench(monkeypatch):
     """The script as a module (in-process runs skip a TensorFlow import per call)."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import bench_public
+    from benchmarks import bench_public
 
     return bench_public
 
 
 def _run(data_dir, out, *args):
     return subprocess.run(
-        [sys.executable, str(SCRIPT), "--data-dir", str(data_dir), "--out", str(out), *args],
+        [sys.executable, "-m", "benchmarks.bench_public", "--data-dir", str(data_dir), "--out", str(out), *args],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )
 

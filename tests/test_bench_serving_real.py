@@ -1,9 +1,7 @@
-"""Helpers of benchmarks/bench_serving.py's real mode (--embeddings): the disjoint tuning / evaluation
+"""Helpers of benchmarks.bench_serving_real (the serving benchmark on real embeddings): the disjoint tuning / evaluation
 users, the tiled memory catalogue, the nprobe x k_factor_rf sweep and the target bookkeeping."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,11 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "benchmarks/bench_serving.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = module
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import bench_serving_real
+
+    return bench_serving_real
 
 
 def _unit(rng, n, dim=16):
@@ -113,3 +109,23 @@ def test_real_targets_need_all_three_from_one_index(bench):
     assert bench.real_targets(results)["real"]["met_by"] == ["D"]
     assert bench.real_targets(results)["memory"] == {
         "target": "index <= 1 GiB at recall@k >= 0.9", "met_by": ["N"], "met": True}
+
+
+def test_sweep_is_the_library_sweep_once_per_refine_factor(bench, monkeypatch):
+    # The memory row's nprobe sweep is retrieval.index.tuning.sweep_parameter, not a copy of it.
+    import faiss
+
+    calls = []
+
+    def fake(index, queries, exact_rows, k, target, name, values, fixed=""):
+        calls.append((name, tuple(values), fixed))
+        recall = 0.5 + 0.1 * len(calls)
+        return None, [{"params": f"{name}=8,{fixed}", "recall": recall, "recall_lower_bound": recall,
+                       "ms_per_query": 1.0}]
+
+    monkeypatch.setattr(bench, "sweep_parameter", fake)
+    refine = faiss.index_factory(8, "IVF4,PQ2x4,Refine(SQ8)", faiss.METRIC_INNER_PRODUCT)
+    params, points = bench.sweep(refine, None, None, 10, 0.99)
+    assert [c[2] for c in calls] == ["k_factor_rf=2", "k_factor_rf=4", "k_factor_rf=8", "k_factor_rf=16"]
+    assert all(c[0] == "nprobe" and c[1] == bench.NPROBES for c in calls)
+    assert params == "nprobe=8,k_factor_rf=16" and len(points) == 4  # none reached: the most accurate

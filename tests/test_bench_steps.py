@@ -1,4 +1,4 @@
-"""benchmarks/bench_steps.py runs end to end at toy size: every (size, optimizer) gets a step time,
+"""benchmarks.bench_steps runs end to end at toy size: every (size, optimizer) gets a step time,
 the checkpoint part counts the saves it asked for, and the JSON and Markdown are written.
 
 No timing is asserted (speed belongs to the benchmark itself); this keeps the harness working
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_bench_steps_runs_at_toy_size(tmp_path):
     command = [
-        sys.executable, str(ROOT / "benchmarks/bench_steps.py"), "--sizes", "300", "600",
+        sys.executable, "-m", "benchmarks.bench_steps", "--sizes", "300", "600",
         "--optimizers", "lazy_adam", "rowwise_adagrad", "--steps", "8", "--rounds", "1", "--warmup", "2",
         "--checkpoint-size", "300", "--every", "0", "4", "--checkpoint-steps", "12", "--checkpoint-rounds", "1",
         "--out", str(tmp_path),

@@ -21,6 +21,8 @@ from retrieval.evaluation import (
     als_ranking,
     baseline_ranking,
     build_eval_set,
+    ease_ranking,
+    ease_weights,
     evaluate_against_baselines,
     fit_als,
     popularity_ranking,
@@ -133,3 +135,41 @@ def test_unknown_or_repeated_baselines_are_named():
         load_config(None, ["evaluation.activity_edges=[10, 5]"])
     config = load_config(None, ["evaluation.baselines.als.factors=8", "evaluation.baselines.rankers=[als]"])
     assert config.evaluation.baselines.als.factors == 8 and config.evaluation.baselines.rankers == ("als",)
+
+
+def test_ease_weights_match_per_item_ridge_regressions_and_rank_like_the_model():
+    # EASE's closed form B = I - P / diag(P) equals, column by column, the ridge regression of
+    # item j's clicks on the other items' clicks (the diagonal constraint drops item j).
+    train = _clicks([("a", "x"), ("a", "y"), ("b", "y"), ("b", "z"), ("c", "x"), ("c", "z"), ("c", "y"),
+                     ("d", "w"), ("d", "x"), ("a", "x")])  # a->x twice counts once
+    catalogue = ["w", "x", "y", "z", "v"]  # v has no training click
+    l2 = 0.7
+    X = np.zeros((4, 5))
+    for user, item in train.itertuples(index=False):
+        X["abcd".index(user), catalogue.index(item)] = 1.0
+    expected = np.zeros((5, 5))
+    for j in range(5):
+        others = [i for i in range(5) if i != j]
+        A = X[:, others]
+        expected[others, j] = np.linalg.solve(A.T @ A + l2 * np.eye(4), A.T @ X[:, j])
+    B = ease_weights(train, catalogue, l2)
+    assert B.shape == (5, 5)
+    np.testing.assert_allclose(B, expected, atol=1e-5)
+
+    test = _clicks([("a", "z"), ("b", "x"), ("e", "y")])  # e has no training click: a zero query
+    eval_set = build_eval_set(train, test, catalogue, EvaluationConfig())
+    ranked = ease_ranking(train, catalogue, eval_set, depth=5, l2=l2)
+    for u, user in enumerate(eval_set.user_ids):
+        scores = X["abcd".index(user)] @ expected if user in "abcd" else np.zeros(5)
+        allowed = [r for r in np.argsort(-scores, kind="stable") if r not in set(eval_set.exclude[u])]
+        got = [r for r in ranked[u] if r >= 0]
+        assert sorted(got) == sorted(allowed)  # every unclicked item, own clicks masked
+        np.testing.assert_allclose(scores[got], np.sort(scores[allowed])[::-1], atol=1e-5)  # best first
+
+
+def test_ease_refuses_a_non_positive_l2_and_unknown_items():
+    train = _clicks([("a", "x")])
+    with pytest.raises(ValueError, match="l2 must be > 0"):
+        ease_weights(train, ["x"], 0.0)
+    with pytest.raises(ValueError, match="outside the catalogue"):
+        ease_weights(train, ["y"], 1.0)

@@ -2,7 +2,7 @@
 
 - ``protocol``: who is evaluated on what (``build_eval_set``), the model's FAISS ranking;
 - ``metrics``: metric functions and their formulas;
-- ``baselines``: popularity and implicit ALS rankers under the same protocol;
+- ``baselines``: popularity, implicit ALS and EASE rankers under the same protocol;
 - ``compare``: every ranker and metric on one ``EvalSet``;
 - ``report``: Markdown tables, ``report.md`` and PNG plots.
 """
@@ -12,6 +12,8 @@ from retrieval.evaluation.baselines import (
     als_factors_ranking,
     als_ranking,
     baseline_ranking,
+    ease_ranking,
+    ease_weights,
     fit_als,
     fit_als_pairs,
     popularity_ranking,
@@ -41,6 +43,8 @@ __all__ = [
     "build_eval_set",
     "coverage_at_k",
     "compare_rankers",
+    "ease_ranking",
+    "ease_weights",
     "evaluate_against_baselines",
     "fit_als",
     "fit_als_pairs",

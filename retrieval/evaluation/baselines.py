@@ -15,6 +15,10 @@ results table differ only in the scorer.
   pair's number of training clicks, times ``alpha``, as its confidence. Items
   without training clicks get a zero factor (as the two-tower model's
   out-of-vocabulary row), and so do test users without training clicks.
+- ``ease``: EASE, "Embarrassingly Shallow Autoencoders for Sparse Data" (Steck,
+  WWW 2019): an item-item weight matrix in closed form, a strong reference on
+  dense logs. It inverts a dense [items, items] Gram matrix, so it is for
+  catalogues of tens of thousands of items at most; it is not in ``BASELINES``.
 """
 
 from __future__ import annotations
@@ -165,6 +169,75 @@ def als_factors_ranking(
     """Top-``depth`` rows of fitted ALS factors, ranked by ``index_ranking`` as the model is."""
     index = ItemIndex.build(list(catalogue_ids), factors.item_factors, "Flat")
     return index_ranking(index, factors.users(eval_set.user_ids), eval_set, depth, batch_size)
+
+
+def ease_weights(train: pd.DataFrame, catalogue_ids: Sequence[str], l2: float) -> np.ndarray:
+    """EASE's item-item weights B = I - P / diag(P), P = (X'X + l2 I)^-1, diagonal zero.
+
+    ``X`` is the [users, items] 0/1 matrix of training clicks (a pair clicked
+    several times counts once). B minimises ||X - XB||^2 + l2 ||B||^2 under
+    diag(B) = 0; a user's scores are x_u B.
+
+    Args:
+      train: clicks with USER and ITEM columns, every ITEM in ``catalogue_ids``.
+      catalogue_ids: [num_items] item ids, the rows and columns of B.
+      l2: ridge strength (> 0).
+
+    Returns:
+      [num_items, num_items] float32 B.
+    """
+    return _ease_fit(train, catalogue_ids, l2)[0]
+
+
+def _ease_fit(train: pd.DataFrame, catalogue_ids: Sequence[str], l2: float):
+    """(B, X as sparse [users, items] 0/1, user ids in X's row order)."""
+    from scipy.sparse import csr_matrix
+
+    if l2 <= 0:
+        raise ValueError(f"ease: l2 must be > 0 (X'X alone may be singular), got {l2}")
+    item_rows = pd.Index(catalogue_ids, dtype=object).get_indexer(train[ITEM].astype(str))
+    if (item_rows < 0).any():
+        raise ValueError(f"ease: {int((item_rows < 0).sum())} training clicks name items outside the catalogue")
+    user_codes, user_ids = pd.factorize(train[USER].astype(str))
+    clicks = csr_matrix(
+        (np.ones(len(train), np.float32), (user_codes, item_rows)), shape=(len(user_ids), len(catalogue_ids))
+    )
+    clicks.data[:] = 1.0  # repeats count once (csr_matrix summed them)
+    # Only the Gram matrix is dense: [items, items].
+    gram = (clicks.T @ clicks).toarray()
+    gram[np.diag_indices_from(gram)] += l2
+    precision = np.linalg.inv(gram)
+    weights = -precision / np.diag(precision)
+    np.fill_diagonal(weights, 0.0)
+    return weights, clicks, pd.Index(user_ids, dtype=object)
+
+
+def ease_ranking(
+    train: pd.DataFrame,
+    catalogue_ids: Sequence[str],
+    eval_set: EvalSet,
+    depth: int,
+    config: BaselinesConfig | None = None,
+    *,
+    l2: float = 500.0,
+    batch_size: int = 4096,
+) -> np.ndarray:
+    """Top-``depth`` rows by EASE score x_u B, masked and ranked by ``index_ranking`` as the model is.
+
+    The exact index holds the columns of B (``ease_weights``) and the query is
+    the user's 0/1 click row, so the inner product is the EASE score. Evaluated
+    users without training clicks get a zero query. ``config`` is unused
+    (uniform signature).
+
+    Returns:
+      [num_users, depth] catalogue rows, -1 where the catalogue ran out.
+    """
+    weights, clicks, user_ids = _ease_fit(train, catalogue_ids, l2)
+    rows = user_ids.get_indexer(pd.Index(eval_set.user_ids, dtype=object))
+    queries = clicks[np.maximum(rows, 0)].toarray()
+    queries[rows < 0] = 0.0  # evaluated users without training clicks
+    index = ItemIndex.build(list(catalogue_ids), np.ascontiguousarray(weights.T), "Flat")
+    return index_ranking(index, queries, eval_set, depth, batch_size)
 
 
 def als_skip_reason(train_clicks: int, config: ALSConfig) -> str | None:

@@ -1,7 +1,7 @@
 """Tuning of an approximate index's search parameters against exact search.
 
 ``Tuning`` records how the parameters (nprobe, efSearch, ...) were chosen and
-the recall they reach; ``_explore`` chooses them with FAISS's
+the recall they reach; ``_explore`` chooses them (``sweep_parameter`` for one) with FAISS's
 ``ParameterSpace``: a sweep of the one parameter upwards, or the Pareto front
 of several, taking the fastest setting that reaches the target recall.
 """
@@ -9,6 +9,7 @@ of several, taking the fastest setting that reaches the target recall.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -58,19 +59,57 @@ class Tuning:
         return asdict(self)
 
 
+def sweep_parameter(
+    index: faiss.Index, queries: np.ndarray, exact_rows: np.ndarray, k: int, target_recall: float,
+    name: str, values: Sequence[float], fixed: str = "",
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """Sweep one search parameter upwards until recall@k's one-sided 95% lower bound reaches the target.
+
+    Recall and cost both grow with the parameter (nprobe, efSearch), so the first
+    value that reaches the target is the fastest one that does. "Reaching" means
+    mean - 1.645 standard errors of the per-query recall is at least
+    ``target_recall``, so that recall measured afterwards on other queries is not
+    below the target half of the time.
+
+    Args:
+      index: the FAISS index; its search parameters are left at the last value tried.
+      queries: [num_queries, dim] float32, num_queries >= 2.
+      exact_rows: [num_queries, k] rows exact search returns for ``queries``.
+      name: the parameter, e.g. "nprobe"; ``values`` in increasing order.
+      fixed: other parameters set with each value, appended as ",<fixed>" (e.g. "k_factor_rf=4").
+
+    Returns:
+      (the params string of the first value reaching the target, or None; every
+      point tried, ``{"params", "recall", "recall_lower_bound", "ms_per_query"}``).
+    """
+    space = faiss.ParameterSpace()
+    points: list[dict[str, Any]] = []
+    for value in values:
+        params = f"{name}={int(value) if float(value).is_integer() else value}" + (f",{fixed}" if fixed else "")
+        # faiss's stub lists the (cno: int) and (param_string: str) overloads without @overload.
+        space.set_index_parameters(index, params)  # type: ignore[arg-type]
+        started = time.perf_counter()
+        rows = index.search(queries, k)[1]
+        seconds = time.perf_counter() - started
+        per_query = np.array([np.intersect1d(f[f >= 0], e).size / k for f, e in zip(rows, exact_rows)])
+        lower = per_query.mean() - 1.645 * per_query.std(ddof=1) / np.sqrt(len(per_query))
+        points.append({"params": params, "recall": float(per_query.mean()), "recall_lower_bound": float(lower),
+                       "ms_per_query": 1e3 * seconds / len(queries)})
+        if lower >= target_recall:
+            return params, points
+    return None, points
+
+
 def _explore(
     index: faiss.Index, queries: np.ndarray, exact_scores: np.ndarray, exact_rows: np.ndarray, k: int,
     target_recall: float,
 ) -> tuple[str, list[dict[str, Any]]]:
     """Choose search parameters with FAISS's ParameterSpace; return (params, operating points).
 
-    One parameter (nprobe for IVF, efSearch for HNSW): recall and cost both
-    grow with it, so its FAISS range is swept upwards and the first value
-    reaching the target is the fastest; this is deterministic, unlike a
-    choice among timings. "Reaching" means the one-sided 95% lower bound of
-    the mean recall (mean - 1.645 standard errors over the queries) is at
-    least the target, so that the recall measured afterwards on other
-    queries is not below the target half of the time. Several parameters (e.g. nprobe and the coarse
+    One parameter (nprobe for IVF, efSearch for HNSW): its FAISS range is
+    swept upwards by ``sweep_parameter`` and the first value reaching the
+    target is taken (deterministic, unlike a choice among timings); none
+    reaching it, the most accurate. Several parameters (e.g. nprobe and the coarse
     quantizer's efSearch, or PQ's Hamming threshold): ``ParameterSpace.explore``
     finds the recall/time Pareto front and the fastest point reaching the
     target is taken.
@@ -90,21 +129,8 @@ def _explore(
             values = sorted({float(k), *(v for v in values if v > k)})
             while values[-1] < MAX_EF_SEARCH:
                 values.append(values[-1] * 2)
-        points: list[dict[str, Any]] = []
-        for value in values:
-            params = f"{name}={int(value) if float(value).is_integer() else value}"
-            # faiss's stub lists the (cno: int) and (param_string: str) overloads without @overload.
-            space.set_index_parameters(index, params)  # type: ignore[arg-type]
-            started = time.perf_counter()
-            rows = index.search(queries, k)[1]
-            seconds = time.perf_counter() - started
-            per_query = np.array([np.intersect1d(f[f >= 0], e).size / k for f, e in zip(rows, exact_rows)])
-            lower = per_query.mean() - 1.645 * per_query.std(ddof=1) / np.sqrt(len(per_query))
-            points.append({"params": params, "recall": float(per_query.mean()), "recall_lower_bound": float(lower),
-                           "ms_per_query": 1e3 * seconds / len(queries)})
-            if lower >= target_recall:
-                return params, points
-        return max(points, key=lambda point: point["recall"])["params"], points
+        reached, points = sweep_parameter(index, queries, exact_rows, k, target_recall, name, values)
+        return reached or max(points, key=lambda point: point["recall"])["params"], points
     criterion = faiss.IntersectionCriterion(len(queries), k)
     # faiss's Python wrapper replaces set_groundtruth(gt_nnn, D, I) and explore(index, nq, xq, crit, ops)
     # with (D, I) and (index, xq, crit) -> OperatingPoints; its stub still describes the SWIG signatures.
