@@ -119,7 +119,7 @@ bench-public:
 # Amazon Beauty, leave-one-out: the transformer history vs pooled history, popularity and ALS
 # (each row a whole job on configs/beauty.yaml); ARGS="--throughput" measures trained pairs/s instead.
 bench-sequential:
-	nice -n 10 $(BIN)/python benchmarks/bench_sequential.py $(ARGS)
+	nice -n 10 $(BIN)/python -m benchmarks.bench_sequential $(ARGS)
 
 # Execute notebooks/*.ipynb at full settings and save their outputs (tables, PNG plots) into the
 # committed files, volatile metadata stripped (~9 min on 2 busy cores). The tests run them small.

@@ -460,7 +460,7 @@ def main() -> None:
     sampler.stop()
 
     metrics = result.metrics
-    ooc = metrics["out_of_core"]
+    ooc = metrics["timing"]
     bundle = {
         "bytes": directory_bytes(result.directory),
         "files": {

@@ -1,8 +1,9 @@
 """Sequential recommendation on Amazon Beauty: the transformer history against pooled history and the baselines.
 
-    python benchmarks/bench_sequential.py                                  # or: make bench-sequential
-    python benchmarks/bench_sequential.py --variants pooled-mean,transformer-in-batch
-    python benchmarks/bench_sequential.py --report                         # rewrite md/png from the JSON
+    python -m benchmarks.bench_sequential                                  # or: make bench-sequential
+    python -m benchmarks.bench_sequential --variants pooled-mean,transformer-in-batch
+    python -m benchmarks.bench_sequential --throughput                     # trained pairs/s
+    python -m benchmarks.bench_sequential --report                         # rewrite md/png from the JSON
 
 The data is ``beauty/`` under ``--data-dir`` (``$RETRIEVAL_DATA_DIR`` or ``../shared/datasets``):
 each user's items in time order, the file's last item per user held back elsewhere and never
@@ -25,23 +26,18 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script from anywhere
-
-import retrieval  # noqa: E402, F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-from retrieval.config import load_config  # noqa: E402
-from retrieval.jobs import train_evaluate_export  # noqa: E402
+import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
+from benchmarks._harness import RESULTS, ROOT, describe_machine, machine, pyplot, save_figure, write_json
+from retrieval.config import load_config
+from retrieval.jobs import train_evaluate_export
 
 CONFIG = ROOT / "configs/beauty.yaml"
-RESULTS = ROOT / "benchmarks/results"
 METRICS = ["recall@10", "ndcg@10", "recall@20", "ndcg@20"]
 SASREC_PLUS = {"recall@10": 0.0533, "ndcg@10": 0.0327}  # Klenitskiy & Vasilev 2023, on the held-back item
 
@@ -64,11 +60,8 @@ VARIANTS: dict[str, list[str]] = {
 
 
 def _machine() -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "load": os.getloadavg(),
-            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                     text=True).stdout.strip()}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return machine("tensorflow", "faiss", commit=commit.stdout.strip())
 
 
 def run_variant(name: str, overrides: list[str], data_dir: Path, extra: list[str]) -> dict[str, Any]:
@@ -152,7 +145,7 @@ def write_report(rows: list[dict[str, Any]]) -> None:
     lines = [
         "# Sequential recommendation: Amazon Beauty",
         "",
-        "`python benchmarks/bench_sequential.py` (configs/beauty.yaml and each row's overrides): the last item of",
+        "`python -m benchmarks.bench_sequential` (configs/beauty.yaml and each row's overrides): the last item of",
         "each user's sequence here is the target, the one before it early stopping's; full ranking over the",
         "54,542-item catalogue, training items excluded; users whose target repeats a training item are not",
         "evaluated (the count below). HR@k = recall@k (one target a user). SASRec+ (full cross-entropy,",
@@ -173,21 +166,16 @@ def write_report(rows: list[dict[str, Any]]) -> None:
     if rows:
         counts, machine = rows[0]["counts"], rows[-1]["machine"]
         lines += ["", f"Evaluated users: {counts.get('evaluated_users')}; targets repeating a training item: "
-                  f"{counts.get('test_clicks_repeating_a_training_click')}. Machine: {machine['cpu']}, "
-                  f"{machine['cores']} cores; commit {machine['commit']}, {rows[-1]['date']}."]
-    (RESULTS / "bench_sequential.md").write_text("\n".join(lines) + "\n")
+                  f"{counts.get('test_clicks_repeating_a_training_click')}. Machine: {describe_machine(machine)}; "
+                  f"commit {machine['commit']}, {rows[-1]['date']}."]
+    (RESULTS / "bench_sequential.md").write_text("\n".join(lines) + "\n")  # the JSON is written row by row
     _plot(rows)
 
 
 def _plot(rows: list[dict[str, Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [row["variant"] for row in rows]
+    plt = pyplot()
     baselines = next((row["baselines"] for row in rows if row.get("baselines")), {})
-    names = list(baselines) + names
+    names = list(baselines) + [row["variant"] for row in rows]
     values = [baselines[n]["recall@10"] for n in baselines] + [row["model"]["recall@10"] for row in rows]
     figure, axis = plt.subplots(figsize=(8, 0.45 * len(names) + 1.2))
     axis.barh(names, values, color="#4a7ab5")
@@ -195,9 +183,7 @@ def _plot(rows: list[dict[str, Any]]) -> None:
     axis.set_xlabel("HR@10 (the last item here)")
     axis.invert_yaxis()
     axis.legend(loc="lower right")
-    figure.tight_layout()
-    figure.savefig(RESULTS / "bench_sequential.png", dpi=110)
-    plt.close(figure)
+    save_figure(figure, RESULTS / "bench_sequential.png", dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -211,8 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.throughput:
         rates = throughput(args.data_dir)
-        (RESULTS / "bench_sequential_throughput.json").write_text(json.dumps(
-            {"rows": rates, "machine": _machine(), "date": datetime.date.today().isoformat()}, indent=2) + "\n")
+        write_json(RESULTS / "bench_sequential_throughput.json",
+                   {"rows": rates, "machine": _machine(), "date": datetime.date.today().isoformat()})
         return
     results = RESULTS / "bench_sequential.json"
     rows = json.loads(results.read_text()) if results.exists() else []
@@ -224,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
             row = run_variant(name, VARIANTS[name], args.data_dir, args.extra)
             rows = [r for r in rows if r["variant"] != name] + [row]
-            results.write_text(json.dumps(rows, indent=2) + "\n")
+            write_json(results, rows)
             write_report(rows)
             print(json.dumps({"variant": name, **row["model"], "seconds": row["seconds"]}))
     write_report(rows)
