@@ -44,7 +44,7 @@ SASREC_PLUS = {"recall@10": 0.0533, "ndcg@10": 0.0327}  # Klenitskiy & Vasilev 2
 # name -> overrides on configs/beauty.yaml; the first is the recipe the config states.
 VARIANTS: dict[str, list[str]] = {
     "transformer-in-batch": [],
-    "transformer-in-batch-no-refit": ["train.refit=false"],
+    "transformer-in-batch-refit-best": ["train.refit=true", "train.refit_from=best", "train.refit_epochs=1"],
     "transformer-mixed-2048": ["model.loss.negatives=mixed", "model.loss.num_negatives=2048"],
     "transformer-uniform-3000": ["model.loss.negatives=uniform", "model.loss.num_negatives=3000"],
     "transformer-full-softmax": ["model.loss.kind=full_softmax"],
@@ -64,13 +64,23 @@ def _machine() -> dict[str, Any]:
     return machine("tensorflow", "faiss", commit=commit.stdout.strip())
 
 
-def run_variant(name: str, overrides: list[str], data_dir: Path, extra: list[str]) -> dict[str, Any]:
-    """The job on configs/beauty.yaml with ``overrides``; its metrics and wall time."""
+# MovieLens-100K, where sequences are long (~106 ratings a user): the same recipe, leave-one-out on
+# u.data's timestamps, a 50-item window.
+MOVIELENS = ["data.source=movielens-100k", "data.clicks=null", "data.item_features=null", "data.item_id_column=item_id",
+             "towers.query.history.length=50", "train.batch_size=128", "train.validation_users=null"]
+MOVIELENS_VARIANTS = ["transformer-in-batch", "pooled-attention"]
+
+
+def run_variant(name: str, overrides: list[str], data_dir: Path, extra: list[str],
+                dataset: str = "beauty") -> dict[str, Any]:
+    """The job on configs/beauty.yaml (on ``dataset``) with ``overrides``; its metrics and wall time."""
     beauty = data_dir / "beauty"
+    where = [f"data.clicks.path={beauty / 'sequences.txt'}", f"data.item_features.path={beauty / 'items.txt'}"]
+    if dataset == "ml-100k":
+        where = [*MOVIELENS, f"data.movielens_dir={data_dir / 'ml-100k'}"]
     with tempfile.TemporaryDirectory() as runs:
         config = load_config(CONFIG, [
-            f"data.clicks.path={beauty / 'sequences.txt'}", f"data.item_features.path={beauty / 'items.txt'}",
-            *overrides, *extra, f"run.output_dir={runs}", f"run.name={name}", "export.topk_model=false",
+            *where, *overrides, *extra, f"run.output_dir={runs}", f"run.name={name}", "export.topk_model=false",
             "evaluation.plots=false",
         ])
         result = train_evaluate_export(config, config_name=name)
@@ -152,7 +162,7 @@ def write_report(rows: list[dict[str, Any]]) -> None:
         f"Klenitskiy & Vasilev 2023) reports HR@10 {SASREC_PLUS['recall@10']} / NDCG@10 {SASREC_PLUS['ndcg@10']} "
         "on the item held back one position later (not the same target: a reference level, not a comparison).",
         "",
-        "| row | HR@10 | NDCG@10 | HR@20 | NDCG@20 | epochs | seconds | overrides |",
+        "| row | HR@10 | NDCG@10 | HR@20 | NDCG@20 | epochs of its last run | seconds | overrides |",
         "|---|---|---|---|---|---|---|---|",
     ]
     baselines = next((row["baselines"] for row in rows if row.get("baselines")), {})
@@ -163,13 +173,69 @@ def write_report(rows: list[dict[str, Any]]) -> None:
         overrides = " ".join(shlex.quote(o) for o in row["overrides"]) or "(configs/beauty.yaml)"
         lines.append(f"| {row['variant']} | " + " | ".join(f"{values[k]:.4f}" for k in METRICS)
                      + f" | {row['epochs']} | {row['seconds']:.0f} | `{overrides}` |")
+    notes = [f"- {row['variant']}: {row['note']}" for row in rows if row.get("note")]
+    if notes:
+        lines += ["", *notes]
     if rows:
         counts, machine = rows[0]["counts"], rows[-1]["machine"]
         lines += ["", f"Evaluated users: {counts.get('evaluated_users')}; targets repeating a training item: "
                   f"{counts.get('test_clicks_repeating_a_training_click')}. Machine: {describe_machine(machine)}; "
-                  f"commit {machine['commit']}, {rows[-1]['date']}."]
+                  f"commits {', '.join(sorted({row['machine']['commit'] for row in rows}))}, {rows[-1]['date']}."]
+    lines += _movielens_lines() + _throughput_lines()
     (RESULTS / "bench_sequential.md").write_text("\n".join(lines) + "\n")  # the JSON is written row by row
     _plot(rows)
+
+
+def _movielens_lines() -> list[str]:
+    path = RESULTS / "bench_sequential_ml100k.json"
+    if not path.exists():
+        return []
+    import statistics
+
+    runs = json.loads(path.read_text())
+    lines = ["", "## MovieLens-100K: long sequences", "",
+             "`python -m benchmarks.bench_sequential --movielens-seeds 0,1,2`: the same recipe on u.data "
+             f"(`{' '.join(MOVIELENS)}`), leave-one-out by timestamp, each row at every train.seed; mean ± "
+             "standard deviation over the seeds (943 users: the spread matters).", "",
+             "| row | seeds | HR@10 | NDCG@10 | HR@20 | seconds |", "|---|---|---|---|---|---|"]
+    for name in MOVIELENS_VARIANTS:
+        mine = [r for r in runs if r["variant"] == name]
+        if not mine:
+            continue
+
+        def spread(key: str, mine=mine) -> str:
+            values = [r["model"][key] for r in mine]
+            deviation = statistics.stdev(values) if len(values) > 1 else 0.0
+            return f"{statistics.mean(values):.4f} ± {deviation:.4f}"
+
+        seconds = statistics.mean(r["seconds"] for r in mine)
+        lines.append(f"| {name} | {len(mine)} | {spread('recall@10')} | {spread('ndcg@10')} | {spread('recall@20')} "
+                     f"| {seconds:.0f} |")
+    baselines = runs[0].get("baselines", {}) if runs else {}
+    for ranker, values in baselines.items():
+        cells = " | ".join(f"{values[key]:.4f}" for key in ("recall@10", "ndcg@10", "recall@20"))
+        lines.append(f"| {ranker} | | {cells} | |")
+    return lines
+
+
+def _throughput_lines() -> list[str]:
+    path = RESULTS / "bench_sequential_throughput.json"
+    if not path.exists():
+        return []
+    record = json.loads(path.read_text())
+    what = {"sequences": "transformer, every position of 256 sequences a step (train.examples: sequences)",
+            "clicks": "transformer, 256 clicks a step, each its own window (train.examples: clicks)",
+            "id": "ID towers, 256 clicks a step"}
+    lines = ["", "## Throughput", "",
+             "`python -m benchmarks.bench_sequential --throughput`: trained (query state, next item) pairs a "
+             "second on Beauty, in-batch softmax, Adam, one process; the rows ran one after another in one run.", "",
+             "| history length | step | pairs a step | ms a step | pairs/s |", "|---|---|---|---|---|"]
+    for row in record["rows"]:
+        lines.append(f"| {row['length']} | {what[row['examples']]} | {row['pairs_per_step']:.0f} | {row['step_ms']} "
+                     f"| {row['pairs_per_second']:,} |")
+    lines += ["", f"Machine: {describe_machine(record['machine'])}; commit {record['machine']['commit']}, "
+              f"{record['date']}."]
+    return lines
 
 
 def _plot(rows: list[dict[str, Any]]) -> None:
@@ -194,18 +260,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", dest="extra", action="append", default=[], help="an override for every row")
     parser.add_argument("--report", action="store_true", help="rewrite the md/png from the JSON only")
     parser.add_argument("--throughput", action="store_true", help="measure trained pairs/s instead of the rows")
+    parser.add_argument("--movielens-seeds", default=None,
+                        help="e.g. 0,1,2: the transformer and pooled rows on MovieLens-100K at each train.seed")
     args = parser.parse_args(argv)
     if args.throughput:
         rates = throughput(args.data_dir)
         write_json(RESULTS / "bench_sequential_throughput.json",
                    {"rows": rates, "machine": _machine(), "date": datetime.date.today().isoformat()})
         return
+    if args.movielens_seeds:
+        path = RESULTS / "bench_sequential_ml100k.json"
+        runs = json.loads(path.read_text()) if path.exists() else []
+        for seed in args.movielens_seeds.split(","):
+            for name in MOVIELENS_VARIANTS:
+                row = run_variant(name, [*VARIANTS[name], f"train.seed={seed}"], args.data_dir, args.extra, "ml-100k")
+                row["seed"] = int(seed)
+                runs = [r for r in runs if (r["variant"], r["seed"]) != (name, int(seed))] + [row]
+                write_json(path, runs)
+                print(json.dumps({"variant": name, "seed": seed, **row["model"], "seconds": row["seconds"]}))
     results = RESULTS / "bench_sequential.json"
     rows = json.loads(results.read_text()) if results.exists() else []
     if not args.report:
         if not (args.data_dir / "beauty" / "sequences.txt").is_file():
             raise SystemExit(f"no beauty/sequences.txt under {args.data_dir}: set --data-dir or $RETRIEVAL_DATA_DIR")
-        for name in args.variants.split(","):
+        for name in filter(None, args.variants.split(",")):
             if name not in VARIANTS:
                 raise SystemExit(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
             row = run_variant(name, VARIANTS[name], args.data_dir, args.extra)
