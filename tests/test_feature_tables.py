@@ -3,9 +3,9 @@
 import numpy as np
 import pandas as pd
 import pytest
+from feature_fixtures import ALL_KINDS, small_tables
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from feature_fixtures import ALL_KINDS, small_tables
 
 from retrieval.data import DataError, hold_out_items
 from retrieval.features import (
