@@ -43,7 +43,6 @@ in ``--out`` and keeps the other's.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -61,12 +60,11 @@ import tensorflow as tf  # noqa: E402
 import tensorflow_recommenders as tfrs  # noqa: E402
 from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
 
-import retrieval.index as index_module  # noqa: E402
 from benchmarks._harness import RESULTS, command, load_average, machine, versions_of, write_report  # noqa: E402
 from retrieval.arrays import drop_members  # noqa: E402
 from retrieval.evaluation import EvalSet, index_ranking  # noqa: E402
 from retrieval.exact_topk import ExactTopK  # noqa: E402
-from retrieval.index import ItemIndex  # noqa: E402
+from retrieval.index import FAISS_ONLY, MEASURED_ROUTING, ItemIndex  # noqa: E402
 
 FAISS = "faiss (index_ranking, IndexFlatIP)"
 BRUTE_FORCE = "tfrs BruteForce"
@@ -113,21 +111,9 @@ def _agreement(reference_rows, reference_scores, rows, scores) -> dict:
 def bench(num_items: int, dim: int, num_queries: int, k: int, batch: int, candidate_batches, repeats: int, seed: int):
     """Time every method on one seeded set of embeddings; returns one dict per method.
 
-    The Flat ``ItemIndex`` is kept on FAISS here (``_faiss_only``), as when this comparison was made.
+    The Flat ``ItemIndex`` is kept on FAISS here (``FAISS_ONLY`` routing), as when this comparison was made.
     """
-    with _faiss_only():
-        return _bench(num_items, dim, num_queries, k, batch, candidate_batches, repeats, seed)
-
-
-@contextlib.contextmanager
-def _faiss_only():
-    """Keep Flat ``ItemIndex`` searches on FAISS (no ExactTopK) inside the block."""
-    saved = index_module.EXACT_MIN_ITEMS
-    index_module.EXACT_MIN_ITEMS = sys.maxsize
-    try:
-        yield
-    finally:
-        index_module.EXACT_MIN_ITEMS = saved
+    return _bench(num_items, dim, num_queries, k, batch, candidate_batches, repeats, seed)
 
 
 def _bench(num_items, dim, num_queries, k, batch, candidate_batches, repeats, seed):
@@ -141,6 +127,7 @@ def _bench(num_items, dim, num_queries, k, batch, candidate_batches, repeats, se
         return EvalSet(np.arange(n), [np.zeros(1, np.int64)] * n, [np.zeros(0, np.int64)] * n)
 
     index = ItemIndex.build(ids, items, "Flat")
+    index.routing = FAISS_ONLY
     everyone, first_batch = eval_set(num_queries), eval_set(batch)
     methods = {
         FAISS: (
@@ -378,9 +365,10 @@ def bench_full_eval(args, rng: np.random.Generator, items: np.ndarray, brute) ->
 
     exact_ranked = timed("ExactTopK (index_ranking, Flat ItemIndex)", args.eval_users,
                          lambda: index_ranking(index, users, eval_set, depth))
-    with _faiss_only():
-        faiss_ranked = timed("faiss IndexFlatIP (index_ranking, over-fetch + drop)", few,
-                             lambda: index_ranking(index, users[sample], sample_set, depth))
+    index.routing = FAISS_ONLY
+    faiss_ranked = timed("faiss IndexFlatIP (index_ranking, over-fetch + drop)", few,
+                         lambda: index_ranking(index, users[sample], sample_set, depth))
+    index.routing = MEASURED_ROUTING
     tfrs_ranked = timed("tfrs BruteForce (over-fetch + drop)", few,
                         lambda: _tfrs_ranking(brute, users[sample_order], [masks[i] for i in sample_order], depth,
                                               args.batch))

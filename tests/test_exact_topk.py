@@ -160,11 +160,9 @@ def test_item_index_flat_search_takes_the_exact_path_and_matches_faiss(monkeypat
     rng, items, queries = _data(9, 3_000, 150)
     index = ItemIndex.build([f"i{i}" for i in range(len(items))], items, "Flat")
     exclude = _exclusions(rng, len(queries), len(items), most=40)
-    monkeypatch.setattr(index_module, "EXACT_MIN_ITEMS", 10**9)  # FAISS path
-    assert not index_module.use_exact_top_k(len(queries), len(items))
+    assert not index.routing.uses_exact_top_k(len(queries), len(items)), "3k items go to FAISS by default"
     by_faiss = index.search(queries, 25, exclude=exclude)
-    monkeypatch.setattr(index_module, "EXACT_MIN_ITEMS", 1)
-    monkeypatch.setattr(index_module, "EXACT_MIN_QUERIES", 1)
+    index.routing = index_module.EXACT_ALWAYS
     used = []
     original = ExactTopK.search
     monkeypatch.setattr(ExactTopK, "search", lambda self, *a, **kw: used.append(1) or original(self, *a, **kw))

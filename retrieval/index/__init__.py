@@ -19,9 +19,10 @@ searches exactly as measured.
 
 The package's modules: ``item_index`` (``ItemIndex``, ``build_index``, the
 saved files), ``search`` (``TopK``, exact search, ``recall_at_k``),
-``tuning`` (the ``Tuning`` record and the parameter search). The tunables
-below are read through this package at call time, so setting them here (as
-tests and ``benchmarks/bench_eval.py`` do) takes effect.
+``tuning`` (the ``Tuning`` record and the parameter search). Exact search
+picks ``ExactTopK`` or FAISS by an ``ExactRouting`` (``ItemIndex.routing``,
+``exact_search(..., routing=)``), so a benchmark or test pins a path by passing
+one, not by setting module globals.
 """
 
 from retrieval.index.item_index import (
@@ -33,19 +34,26 @@ from retrieval.index.item_index import (
     build_index,
     check_index_fits,
 )
-from retrieval.index.search import TopK, exact_search, flat_vectors, recall_at_k, use_exact_top_k
+from retrieval.index.search import (
+    EXACT_ALWAYS,
+    FAISS_ONLY,
+    MEASURED_ROUTING,
+    ExactRouting,
+    TopK,
+    exact_search,
+    flat_vectors,
+    recall_at_k,
+)
 from retrieval.index.tuning import MAX_EF_SEARCH, Tuning
 
 ADD_BATCH_SIZE = 100_000  # vectors per index.add call: bounds the progress interval
-# Exact search runs on ``ExactTopK`` (blocked sgemm + threshold selection) from this many
-# queries and items on, FAISS's IndexFlatIP below (see ``use_exact_top_k``).
-EXACT_MIN_QUERIES = 64
-EXACT_MIN_ITEMS = 50_000
 
 __all__ = [
     "ADD_BATCH_SIZE",
-    "EXACT_MIN_ITEMS",
-    "EXACT_MIN_QUERIES",
+    "EXACT_ALWAYS",
+    "FAISS_ONLY",
+    "MEASURED_ROUTING",
+    "ExactRouting",
     "INDEX_FILE",
     "INDEX_INFO_FILE",
     "ITEM_IDS_FILE",
@@ -59,5 +67,4 @@ __all__ = [
     "exact_search",
     "flat_vectors",
     "recall_at_k",
-    "use_exact_top_k",
 ]

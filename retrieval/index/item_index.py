@@ -25,7 +25,15 @@ import retrieval.index
 from retrieval.arrays import drop_members
 from retrieval.config import ConfigError, IndexConfig
 from retrieval.exact_topk import ExactTopK, checked_search_args
-from retrieval.index.search import TopK, _pad, exact_search, flat_vectors, recall_at_k, use_exact_top_k
+from retrieval.index.search import (
+    MEASURED_ROUTING,
+    ExactRouting,
+    TopK,
+    _pad,
+    exact_search,
+    flat_vectors,
+    recall_at_k,
+)
 from retrieval.index.tuning import Tuning, _explore
 
 INDEX_FILE = "index.faiss"
@@ -111,6 +119,7 @@ class ItemIndex:
         normalized: bool = False,
         search_params: str = "",
         tuning: Tuning | None = None,
+        routing: ExactRouting = MEASURED_ROUTING,
     ):
         if index.ntotal != len(item_ids):
             raise ValueError(f"index holds {index.ntotal} vectors but {len(item_ids)} item ids were given")
@@ -120,6 +129,7 @@ class ItemIndex:
         self.factory = factory
         self.normalized = normalized
         self.tuning = tuning
+        self.routing = routing  # when a Flat index's search runs on ExactTopK instead of FAISS
         self.search_params = ""
         self.set_search_params(search_params)
 
@@ -214,13 +224,13 @@ class ItemIndex:
         Returns:
           TopK with [num_queries, k] scores and rows.
 
-        A Flat index searches with ``ExactTopK`` when ``use_exact_top_k`` says
+        A Flat index searches with ``ExactTopK`` when ``self.routing`` says
         it is faster (it masks ``exclude`` in place instead of over-fetching),
         with FAISS otherwise; both return the exact top-k.
         """
         queries = checked_search_args(queries, self.dim, k, exclude)
         if isinstance(self.index, faiss.IndexFlat) and self.index.metric_type == faiss.METRIC_INNER_PRODUCT:
-            if use_exact_top_k(len(queries), len(self)) and np.all(np.isfinite(queries)):
+            if self.routing.uses_exact_top_k(len(queries), len(self)) and np.all(np.isfinite(queries)):
                 scores, rows = ExactTopK(flat_vectors(self.index)).search(queries, k, exclude)
                 return TopK(scores=scores, rows=rows)
         if exclude is None or not any(len(rows) for rows in exclude):

@@ -1,19 +1,19 @@
 """Exact inner-product top-k: the result type, the oracle approximate indexes are measured against.
 
 ``TopK`` (scores and rows, best first), ``exact_search`` (brute force with
-``ExactTopK`` or FAISS's IndexFlatIP, whichever ``use_exact_top_k`` picks),
+``ExactTopK`` or FAISS's IndexFlatIP, whichever an ``ExactRouting`` picks),
 ``flat_vectors`` (a Flat index's vectors without a copy) and ``recall_at_k``
 (the share of the exact top-k an approximate search finds).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import faiss
 import numpy as np
 
-import retrieval.index
 from retrieval.exact_topk import ExactTopK
 
 
@@ -31,21 +31,32 @@ class TopK:
     rows: np.ndarray
 
 
-def use_exact_top_k(num_queries: int, num_items: int) -> bool:
-    """Whether ``ExactTopK`` beats FAISS's ``IndexFlatIP`` on a batch of this size.
+@dataclass(frozen=True)
+class ExactRouting:
+    """When exact search runs on ``ExactTopK`` rather than FAISS's ``IndexFlatIP``.
 
-    Measured on 2 cores, 64-d unit vectors: from 64 queries over 100k items,
-    ``ExactTopK`` runs 1.1-2.8x FAISS's speed; over 1M items with 1000 queries,
-    at k = 10-1000, 0.65-0.91 of the bare matrix product's speed against
-    FAISS's 0.12-0.17 (``benchmarks/results/bench_eval.md``; FAISS selects
-    through a heap per score, ``ExactTopK`` with one vectorised comparison).
-    Below that its fixed cost per call (thread pool, BLAS thread
-    setting, per-block numpy calls) loses: 10-100x slower than FAISS for a few
-    queries over 1.7k-10k items, 0.4-1.1x over 10k items at any batch size.
+    ``ExactTopK`` wins from ``min_queries`` queries over ``min_items`` items on. Measured on 2 cores,
+    64-d unit vectors: from 64 queries over 100k items it runs 1.1-2.8x FAISS's speed; over 1M items
+    with 1000 queries, at k = 10-1000, 0.65-0.91 of the bare matrix product's speed against FAISS's
+    0.12-0.17 (``benchmarks/results/bench_eval.md``; FAISS selects through a heap per score,
+    ``ExactTopK`` with one vectorised comparison). Below that its fixed cost per call (thread pool,
+    BLAS thread setting, per-block numpy calls) loses: 10-100x slower than FAISS for a few queries
+    over 1.7k-10k items, 0.4-1.1x over 10k items at any batch size.
+
+    ``FAISS_ONLY`` and ``EXACT_ALWAYS`` pin one path (benchmarks and tests compare the two).
     """
-    # The thresholds are read through the package (retrieval/index/__init__.py), where tests and
-    # benchmarks set them.
-    return num_queries >= retrieval.index.EXACT_MIN_QUERIES and num_items >= retrieval.index.EXACT_MIN_ITEMS
+
+    min_queries: int = 64
+    min_items: int = 50_000
+
+    def uses_exact_top_k(self, num_queries: int, num_items: int) -> bool:
+        """Whether a batch of ``num_queries`` over ``num_items`` goes to ``ExactTopK``."""
+        return num_queries >= self.min_queries and num_items >= self.min_items
+
+
+MEASURED_ROUTING = ExactRouting()
+FAISS_ONLY = ExactRouting(min_queries=sys.maxsize, min_items=sys.maxsize)
+EXACT_ALWAYS = ExactRouting(min_queries=1, min_items=1)
 
 
 def flat_vectors(index: faiss.IndexFlat) -> np.ndarray:
@@ -53,17 +64,20 @@ def flat_vectors(index: faiss.IndexFlat) -> np.ndarray:
     return faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d)
 
 
-def exact_search(embeddings: np.ndarray, queries: np.ndarray, k: int) -> TopK:
+def exact_search(
+    embeddings: np.ndarray, queries: np.ndarray, k: int, routing: ExactRouting = MEASURED_ROUTING
+) -> TopK:
     """Brute-force inner-product top-k: the oracle approximate indexes are measured against.
 
-    ``ExactTopK`` or FAISS's IndexFlatIP, whichever ``use_exact_top_k`` picks.
+    ``ExactTopK`` or FAISS's IndexFlatIP, whichever ``routing`` picks.
 
     Args:
       embeddings: [num_items, dim] float32.
       queries: [num_queries, dim] float32.
       k: results per query (<= num_items).
+      routing: when ``ExactTopK`` runs instead of FAISS.
     """
-    if use_exact_top_k(len(queries), len(embeddings)) and np.all(np.isfinite(queries)):
+    if routing.uses_exact_top_k(len(queries), len(embeddings)) and np.all(np.isfinite(queries)):
         scores, rows = ExactTopK(embeddings).search(np.asarray(queries, dtype=np.float32), k)
         return TopK(scores=scores, rows=rows)
     flat = faiss.IndexFlatIP(embeddings.shape[1])
