@@ -269,12 +269,6 @@ class TwoTowerModel(tfrs.Model):
         self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
         return self._step_logs(loss, regularization_loss, total_loss)
 
-    def test_step(self, inputs):
-        """``tfrs.Model.test_step`` with the replica shares of ``train_step``."""
-        loss = self.compute_loss(inputs, training=False)
-        regularization_loss = self._regularization_share()
-        return self._step_logs(loss, regularization_loss, loss + regularization_loss)
-
     def _regularization_share(self) -> tf.Tensor:
         return tf.nn.scale_regularization_loss(tf.reduce_sum([tf.reduce_sum(loss) for loss in self.losses]))
 

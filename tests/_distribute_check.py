@@ -29,7 +29,7 @@ from retrieval.config import LossConfig, ModelConfig, TrainConfig
 from retrieval.features import FeatureStatistics
 from retrieval.losses import LossInputs, gather_across_replicas
 from retrieval.model import build_model, tower_inputs
-from retrieval.training import click_dataset, distribution_strategy, fit
+from retrieval.training import FrameClicks, distribution_strategy, fit, train_epochs
 
 BATCH = 16
 ROWS = 2 * BATCH - 1  # the second batch has 15 rows: 8 on one replica, 7 on the other
@@ -135,6 +135,12 @@ def _max_difference(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
+def _one_epoch(model, clicks: pd.DataFrame, strategy) -> dict[str, list[float]]:
+    """One epoch of the project's training loop (``train_epochs``) under ``strategy``: its history."""
+    with strategy.scope():
+        return train_epochs(model, FrameClicks(clicks, BATCH, seed=0, shuffle=False), 1, verbose=0).history
+
+
 def _exact(name, config, use_weights, strategy, clicks, stats) -> dict:
     one = _build(config, stats, use_weights, tf.distribute.get_strategy())
     two = _build(config, stats, use_weights, strategy)
@@ -164,9 +170,8 @@ def _exact(name, config, use_weights, strategy, clicks, stats) -> dict:
             }
         )
 
-    dataset = click_dataset(clicks, BATCH, seed=0, shuffle=False)
-    history_one = one.fit(dataset, epochs=1, verbose=0).history
-    history_two = two.fit(dataset, epochs=1, verbose=0).history
+    history_one = _one_epoch(one, clicks, tf.distribute.get_strategy())
+    history_two = _one_epoch(two, clicks, strategy)
     for key in ("loss", "regularization_loss", "total_loss"):
         out[f"fit_{key}"] = [history_one[key][-1], history_two[key][-1]]
     out["trained_weight_difference"] = _max_difference(one.get_weights(), two.get_weights())
@@ -204,7 +209,7 @@ def mirrored() -> dict:
         print(f"{time.perf_counter() - START:.1f}s {name}", file=sys.stderr)
     for name, config in SMOKE.items():
         model = _build(config, stats, False, strategy)
-        history = model.fit(click_dataset(clicks, BATCH, seed=0, shuffle=False), epochs=1, verbose=0).history
+        history = _one_epoch(model, clicks, strategy)
         result["smoke"][name] = history["loss"]
     with strategy.scope():
         miner = build_model(
@@ -215,7 +220,7 @@ def mirrored() -> dict:
         miner.compile(optimizer=tf.keras.optimizers.SGD(learning_rate=0.5))
     print(f"{time.perf_counter() - START:.1f}s smoke", file=sys.stderr)
     try:
-        miner.fit(click_dataset(clicks, BATCH, seed=0, shuffle=False), epochs=1, verbose=0)
+        _one_epoch(miner, clicks, strategy)
         result["mined_error"] = None
     except ValueError as error:
         result["mined_error"] = str(error)
@@ -239,12 +244,13 @@ def multi_worker() -> dict:
         tf.keras.utils.set_random_seed(0)
         model = build_model(ModelConfig(embedding_dim=8), stats)
         model.compile(optimizer=tf.keras.optimizers.SGD(learning_rate=0.5))
-    history = model.fit(click_dataset(clicks, BATCH, seed=0, shuffle=True), epochs=2, verbose=0).history
+    with strategy.scope():
+        history = train_epochs(model, FrameClicks(clicks, BATCH, seed=0), 2, verbose=0).history
     # The same model and global batches on this process alone (the default strategy).
     tf.keras.utils.set_random_seed(0)
     reference = build_model(ModelConfig(embedding_dim=8), stats)
     reference.compile(optimizer=tf.keras.optimizers.SGD(learning_rate=0.5))
-    one_device = reference.fit(click_dataset(clicks, BATCH, seed=0, shuffle=True), epochs=2, verbose=0).history
+    one_device = train_epochs(reference, FrameClicks(clicks, BATCH, seed=0), 2, verbose=0).history
     return {
         "is_multi_worker": isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy),
         "replicas": strategy.num_replicas_in_sync,

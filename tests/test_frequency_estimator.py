@@ -184,14 +184,15 @@ def test_bad_arguments():
 
 
 @pytest.mark.slow
-def test_keras_fit_advances_the_estimator_once_per_batch():
-    """Inside Keras's train function the step must not count the call that finds the end of the data."""
+def test_the_training_loop_advances_the_estimator_once_per_batch():
+    """The step counter counts training steps only: not the read that finds the end of an epoch."""
     import pandas as pd
 
     from retrieval.config import LossConfig, ModelConfig
     from retrieval.features import FeatureStatistics
     from retrieval.model import build_model
-    from retrieval.training import click_dataset
+    from retrieval.training import FrameClicks, train_epochs
+    from retrieval.training.loop import step_function
 
     rng = np.random.default_rng(0)
     clicks = pd.DataFrame({
@@ -203,9 +204,11 @@ def test_keras_fit_advances_the_estimator_once_per_batch():
         FeatureStatistics.from_training_clicks(clicks),
     )
     model.compile(optimizer=tf.keras.optimizers.SGD(0.1))
-    dataset = click_dataset(clicks, 160, seed=0)  # 2 batches
+    source = FrameClicks(clicks, 160, seed=0)  # 2 batches an epoch
     estimator = model.sampler.frequency
-    model.fit(dataset, epochs=2, verbose=0)
+    train_epochs(model, source, 2, verbose=0)
     assert int(estimator.step.numpy()) == 4
-    model.fit(dataset.take(1), epochs=1, verbose=0)
+    step = step_function(model)
+    for batch in source.epoch(2).take(1):
+        step(batch)
     assert int(estimator.step.numpy()) == 5

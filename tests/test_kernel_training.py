@@ -12,7 +12,8 @@ from retrieval.features import FeatureStatistics
 from retrieval.model import build_model
 from retrieval.objectives import build_sampler
 from retrieval.samplers import KernelSampler
-from retrieval.training import click_dataset, seed_everything
+from retrieval.training import FrameClicks, seed_everything, train_epochs
+from retrieval.training.loop import step_function
 
 
 def _brute_probability(queries, catalogue, alpha):
@@ -147,8 +148,8 @@ def test_a_tiny_model_trains_with_kernel_negatives():
     model = _kernel_model(clicks, refresh_steps=3)
     assert isinstance(model.sampler, KernelSampler)
     before = _full_softmax_loss(model, clicks)
-    history = model.fit(click_dataset(clicks, 128, seed=0), epochs=4, verbose=0)
-    losses = history.history["loss"]
+    history = train_epochs(model, FrameClicks(clicks, 128, seed=0), 4, verbose=0).history
+    losses = history["loss"]
     assert np.all(np.isfinite(losses))
     assert losses[-1] < losses[0]
     after = _full_softmax_loss(model, clicks)
@@ -161,13 +162,16 @@ def test_a_tiny_model_trains_with_kernel_negatives():
 def test_training_refreshes_the_tree_from_the_current_embeddings():
     clicks = _tiny_clicks()
     model = _kernel_model(clicks, refresh_steps=4)
-    batches = click_dataset(clicks, 64, seed=0)
-    model.fit(batches.take(4), epochs=1, verbose=0)  # steps 0..3: one refresh, at step 0
+    batches = FrameClicks(clicks, 64, seed=0).epoch(0)
+    step = step_function(model)
+    for batch in batches.take(4):  # steps 0..3: one refresh, at step 0
+        step(batch)
     assert model.sampler.refreshes == 1
     current = model.embed_catalogue().numpy().astype(np.float64)[1:]
     stale = model.sampler.tree.sums[0]
     assert not np.allclose(stale, current.T @ current, atol=1e-4)  # the model moved since step 0
-    model.fit(batches.take(1), epochs=1, verbose=0)  # step 4: refreshed before its update
+    for batch in batches.skip(4).take(1):  # step 4: refreshed before its update
+        step(batch)
     assert model.sampler.refreshes == 2
     np.testing.assert_allclose(model.sampler.tree.sums[0], current.T @ current, rtol=1e-5, atol=1e-6)
 

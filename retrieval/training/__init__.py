@@ -18,7 +18,6 @@ from retrieval.training.sources import (
     FrameClicks,
     SequenceClicks,
     StreamedClicks,
-    click_dataset,
     steps_per_epoch,
 )
 
@@ -36,7 +35,6 @@ __all__ = [
     "TrainingState",
     "ValidationData",
     "ValidationRecall",
-    "click_dataset",
     "distribution_strategy",
     "embed",
     "embed_frame",

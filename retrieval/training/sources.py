@@ -141,20 +141,6 @@ class FrameClicks:
         """Nothing to raise: the batches are in memory."""
 
 
-def click_dataset(
-    clicks: pd.DataFrame,
-    batch_size: int,
-    *,
-    seed: int,
-    shuffle: bool = True,
-    epochs: int = 1,
-    start_epoch: int = 0,
-    skip_batches: int = 0,
-) -> tf.data.Dataset:
-    """``FrameClicks(clicks, ...)``'s epochs ``start_epoch ..`` as one dataset (for Keras ``fit`` and tests)."""
-    return FrameClicks(clicks, batch_size, seed=seed, shuffle=shuffle).epochs(start_epoch, epochs, skip_batches)
-
-
 class SequenceClicks:
     """Users' training clicks in time order as a ``ClickSource`` of sequences (``train.examples: sequences``).
 
