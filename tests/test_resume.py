@@ -32,9 +32,9 @@ from retrieval.jobs import train_evaluate_export
 from retrieval.model import build_model
 from retrieval.run_checkpoints import UnfinishedRunError, training_checkpoints
 from retrieval.training import (
+    FrameClicks,
     StreamedClicks,
     TrainingCheckpoint,
-    click_dataset,
     fit,
     seed_everything,
     steps_per_epoch,
@@ -253,7 +253,7 @@ def test_epoch_order_is_a_pure_function_of_seed_and_epoch():
     """Epoch e's batches are the log in epoch_order(click_keys, seed, e) order, wherever a dataset starts."""
     clicks = _clicks()
     n, batch = len(clicks), 64
-    whole = [b["item_id"].numpy() for b in click_dataset(clicks, batch, seed=3, epochs=3)]
+    whole = [b["item_id"].numpy() for b in FrameClicks(clicks, batch, seed=3).epochs(0, 3)]
     assert len(whole) == 3 * steps_per_epoch(n, batch)
     items = clicks["item_id"].to_numpy(dtype=object).astype(bytes)
     keys = click_keys(clicks["user_id"].to_numpy(dtype=object), clicks["item_id"].to_numpy(dtype=object),
@@ -263,7 +263,7 @@ def test_epoch_order_is_a_pure_function_of_seed_and_epoch():
         assert sorted(order) == list(range(n))  # a permutation: every click once per epoch
         got = np.concatenate(whole[epoch * 8 : (epoch + 1) * 8])
         np.testing.assert_array_equal(got, items[order])
-    tail = click_dataset(clicks, batch, seed=3, start_epoch=1, skip_batches=5)
+    tail = FrameClicks(clicks, batch, seed=3).epochs(1, 1, skip_batches=5)
     resumed = [b["item_id"].numpy() for b in tail]
     assert len(resumed) == 3 and all((a == b).all() for a, b in zip(resumed, whole[13:16]))
     assert not np.array_equal(whole[0], whole[8])  # reshuffled between epochs
