@@ -51,7 +51,7 @@ def test_bounds_are_the_ones_the_consumers_have():
     "overrides,message",
     [
         (["index.factory=IVF64,Flatt"], r"index\.factory 'IVF64,Flatt' is not a FAISS index.*could not parse"),
-        (["index.factory=PQ7"], r"index\.factory 'PQ7' .*model\.embedding_dim=64.*multiple"),
+        (["model.embedding_dim=64", "index.factory=PQ7"], r"index\.factory 'PQ7' .*model\.embedding_dim=64.*multiple"),
         (["index.factory=HNSW32", "index.search_params=nprobe=8"], r"index\.search_params 'nprobe=8' do not apply"),
         (["index.factory=IVF64,Flat", "index.search_params=nprobe=0"], r"nprobe must be a number >= 1, got '0'"),
         (["index.factory=IVF64,Flat", "index.search_params=nprobe"], r"index\.search_params 'nprobe'"),

@@ -198,6 +198,7 @@ DIVERGING = [  # plain SGD at a learning rate that sends the weights past float3
     "data.synthetic.n_users=60", "data.synthetic.n_items=40", "data.synthetic.mean_clicks_per_user=10",
     "model.embedding_dim=8", "model.normalize=false", "train.optimizer=sgd", "train.learning_rate=1e30",
     "train.epochs=2", "train.batch_size=32", "train.verbose=0", "train.checkpoint_every_steps=1",
+    "train.validation_fraction=0",
     "evaluation.baselines.rankers=[]", "evaluation.plots=false", "export.topk_model=false",
 ]
 
@@ -230,7 +231,7 @@ def test_a_diverging_fit_stops_at_the_step_and_never_checkpoints_it(tmp_path):
 def test_weights_overflowed_by_a_finite_loss_step_are_not_saved(tmp_path, monkeypatch):
     """A step can overflow the weights while its own loss is still finite: the save refuses them."""
     config = load_config(None, [*DIVERGING[:5], "train.checkpoint_every_steps=1", "train.verbose=0", "train.epochs=2",
-                                "train.batch_size=32"])
+                                "train.batch_size=32", "train.validation_fraction=0"])
     clicks, _, _ = generate_clicks(config.data.synthetic)
     model = build_model(config.model, FeatureStatistics.from_training_clicks(clicks))
     train_step = type(model).train_step

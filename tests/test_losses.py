@@ -12,7 +12,7 @@ import tensorflow_recommenders as tfrs
 from reference_losses import in_batch_softmax_task, numpy_in_batch_loss, relative_sampling_probability
 
 import retrieval  # noqa: F401
-from retrieval.config import ModelConfig
+from retrieval.config import LossConfig, ModelConfig
 from retrieval.features import FeatureStatistics
 from retrieval.losses import (
     LossInputs,
@@ -176,6 +176,7 @@ def test_model_loss_uses_training_popularity_as_q(correction, strength, remove_h
         log_q_correction=correction,
         log_q_strength=strength,
         remove_accidental_hits=remove_hits,
+        loss=LossConfig(log_q_source="static"),  # Q = the training popularity this test computes
     )
     tf.keras.utils.set_random_seed(0)
     model = build_model(config, stats)

@@ -15,7 +15,7 @@ import tensorflow as tf
 from reference_losses import numpy_in_batch_loss
 
 import retrieval  # noqa: F401
-from retrieval.config import ConfigError, ModelConfig, TableConfig, TowersConfig, load_config
+from retrieval.config import ConfigError, LossConfig, ModelConfig, TableConfig, TowersConfig, load_config
 from retrieval.data import DataError, read_clicks
 from retrieval.features import FeatureStatistics, TowerStatistics
 from retrieval.features.histories import ClickHistories
@@ -43,7 +43,7 @@ def _model(clicks: pd.DataFrame, **settings):
     """A transformer-history model on ``clicks``' vocabularies (``settings``: ModelConfig keys)."""
     stats = FeatureStatistics.from_training_clicks(clicks)
     tf.keras.utils.set_random_seed(0)
-    config = ModelConfig(embedding_dim=8, temperature=0.2, **settings)
+    config = ModelConfig(embedding_dim=8, temperature=0.2, loss=LossConfig(log_q_source="static"), **settings)
     statistics = TowerStatistics.fit(TOWERS, clicks.assign(history=""), None)
     return build_model(config, stats, towers=build_towers(TOWERS, config, statistics)), stats
 
