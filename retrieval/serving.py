@@ -64,6 +64,7 @@ class RequestError(UserError, ValueError):
     one line naming the value. A ValueError, so the HTTP service answers it with a 422."""
 
 
+
 def _short(value: Any) -> str:
     """A bounded repr for error messages: a client's deeply nested or huge value is not echoed whole."""
     short = reprlib.Repr()
@@ -423,15 +424,16 @@ class Bundle:
         The item's vector is its doc-tower embedding as the bundle's index holds it
         (``ItemIndex.vectors``), searched in that index like a query: scores are inner products
         (cosine when the towers normalise). Every catalogue item is indexed, clicked in training
-        or not, so every one has neighbours. Exact for Flat, IVF*,Flat and HNSW indexes; with a
-        lossy code (PQ, SQ) the vector is its decoded code, so the neighbours are approximate
-        as the index's own scores are. An item at the all-zero (out-of-vocabulary) row, which is
+        or not, so every one has neighbours. The vector is exact for Flat, IVF*,Flat and HNSW
+        indexes; with a lossy code (PQ, SQ) it is the item's decoded code, so the neighbours are
+        approximate as that index's own scores are (and the search is the index's, tuned
+        ``nprobe``/``efSearch`` included). An item at the all-zero (out-of-vocabulary) row, which is
         where an ID-only doc tower puts items without training clicks, ties with every item:
         it gets the most popular items, scores None, ``fallback="popular"``, as a query would.
 
         Raises:
           RequestError: ``item_id`` is not in the bundle's catalogue, or k is not a positive integer.
-          BundleError: the index cannot give back its vectors (no FAISS index the config builds).
+          BundleError: the index is of a type FAISS cannot read vectors back from (``ItemIndex.vectors``).
         """
         return self.similar_items_batch([item_id], k, [exclude_item_ids])[0]
 
@@ -459,11 +461,11 @@ class Bundle:
             vectors = self.index.vectors(rows)
         except ValueError as error:  # an index type FAISS cannot read vectors back from
             raise BundleError(f"bundle {self.version!r}: {error}") from None
-        # The item itself first among its exclusions: its own vector is always its nearest.
+        # The item is excluded like any other: its own vector is its nearest when the towers normalise,
+        # and near the top otherwise.
         excluded = [[item, *extra] for item, extra in zip(item_ids, exclude_item_ids or [()] * len(item_ids))]
-        return self.recommend_embedded(
-            vectors, np.ones(len(rows), dtype=bool), int(k), excluded, exclude_seen=False
-        )
+        # known_ids all True: an indexed item is never the "features" fallback of an unseen query id.
+        return self.recommend_embedded(vectors, np.ones(len(rows), dtype=bool), int(k), excluded, exclude_seen=False)
 
     def excluded_rows(
         self,

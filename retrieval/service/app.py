@@ -1,8 +1,8 @@
 """The ASGI app of the HTTP service: routes, the bundle being served, the bulk lane.
 
 ``create_app`` builds the Starlette app (``/recommend``, ``/similar``,
-``/healthz``, ``/metadata``, ``/admin/reload``) over a ``BundleHolder``, whose ``reload``
-swaps a new bundle in with one reference assignment; large batches run in
+``/healthz``, ``/metadata``, ``/admin/reload``) over a ``BundleHolder``,
+whose ``reload`` swaps a new bundle in with one reference assignment; large batches run in
 the bulk lane (``_bulk_executor``) in chunks, apart from small requests; the
 exception handlers turn errors into ``{"error": ...}`` replies.
 """
