@@ -5,10 +5,12 @@ code needed to run it), the FAISS index and the row -> item-id map::
 
     bundle = Bundle.load("artifacts/my-run")
     bundle.recommend({"user_id": "196"}, k=10, exclude_item_ids=["242"])
+    bundle.similar_items("242", k=10)  # the items nearest item 242's embedding, never 242 itself
 
 or from a shell::
 
     python -m retrieval.serving --bundle artifacts/my-run --user-id 196 -k 10
+    python -m retrieval.serving --bundle artifacts/my-run --similar 242 -k 10
 
 What a user already has is never served by default: the user's training
 items (the bundle's ``seen_items/``, ``retrieval.seen_items``) and the items
@@ -55,6 +57,11 @@ class BundleError(UserError, ValueError):
     The message never quotes file contents (FAISS and TensorFlow errors echo
     bytes of the file they failed on), so it is safe to print or send back.
     """
+
+
+class RequestError(UserError, ValueError):
+    """A request the bundle cannot answer as asked (an item id not in its catalogue, k below 1):
+    one line naming the value. A ValueError, so the HTTP service answers it with a 422."""
 
 
 
@@ -410,6 +417,56 @@ class Bundle:
                 results.append(Recommendations(self._ids(rows), scores.tolist(), fallback))
         return results
 
+    def similar_items(self, item_id: str, k: int = 10, *, exclude_item_ids: Sequence[str] = ()) -> Recommendations:
+        """The k items nearest ``item_id``'s own embedding, best first; never the item itself nor
+        ``exclude_item_ids`` (ids not in the catalogue are ignored).
+
+        The item's vector is its doc-tower embedding as the bundle's index holds it
+        (``ItemIndex.vectors``), searched in that index like a query: scores are inner products
+        (cosine when the towers normalise). Every catalogue item is indexed, clicked in training
+        or not, so every one has neighbours. The vector is exact for Flat, IVF*,Flat and HNSW
+        indexes; with a lossy code (PQ, SQ) it is the item's decoded code, so the neighbours are
+        approximate as that index's own scores are (and the search is the index's, tuned
+        ``nprobe``/``efSearch`` included). An item at the all-zero (out-of-vocabulary) row, which is
+        where an ID-only doc tower puts items without training clicks, ties with every item:
+        it gets the most popular items, scores None, ``fallback="popular"``, as a query would.
+
+        Raises:
+          RequestError: ``item_id`` is not in the bundle's catalogue, or k is not a positive integer.
+          BundleError: the index is of a type FAISS cannot read vectors back from (``ItemIndex.vectors``).
+        """
+        return self.similar_items_batch([item_id], k, [exclude_item_ids])[0]
+
+    def similar_items_batch(
+        self,
+        item_ids: Sequence[str],
+        k: int = 10,
+        exclude_item_ids: Sequence[Sequence[str]] | None = None,
+    ) -> list[Recommendations]:
+        """``similar_items`` for [n] item ids (one FAISS search); ``exclude_item_ids`` [n] lists or None."""
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+            raise RequestError(f"k must be a positive integer (the number of similar items), got {_short(k)}")
+        if exclude_item_ids is not None and len(exclude_item_ids) != len(item_ids):
+            raise ValueError(f"exclude_item_ids has {len(exclude_item_ids)} lists for {len(item_ids)} item ids")
+        rows = []
+        for item in item_ids:
+            row = self._row_of.get(item) if isinstance(item, str) else None
+            if row is None:
+                raise RequestError(f"item id {_short(item)} is not in the catalogue of bundle {self.version!r} "
+                                   f"({len(self.index)} items)")
+            rows.append(row)
+        if not rows:
+            return []
+        try:
+            vectors = self.index.vectors(rows)
+        except ValueError as error:  # an index type FAISS cannot read vectors back from
+            raise BundleError(f"bundle {self.version!r}: {error}") from None
+        # The item is excluded like any other: its own vector is its nearest when the towers normalise,
+        # and near the top otherwise.
+        excluded = [[item, *extra] for item, extra in zip(item_ids, exclude_item_ids or [()] * len(item_ids))]
+        # known_ids all True: an indexed item is never the "features" fallback of an unseen query id.
+        return self.recommend_embedded(vectors, np.ones(len(rows), dtype=bool), int(k), excluded, exclude_seen=False)
+
     def excluded_rows(
         self,
         num_queries: int,
@@ -561,20 +618,35 @@ def _input_tensor(values: Sequence[Any], spec: tf.TensorSpec) -> tf.Tensor:
 @entry_point
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m retrieval.serving``: a user error is one line and status 2 (``retrieval.errors``)."""
-    parser = argparse.ArgumentParser(description="Top-k item ids for a raw query from a bundle.")
+    parser = argparse.ArgumentParser(
+        description="Top-k item ids for a raw query (--user-id), or the items most similar to an item "
+        "(--similar), from a bundle."
+    )
     parser.add_argument("--bundle", required=True, help="bundle directory, e.g. artifacts/<run>")
-    parser.add_argument("--user-id", required=True, action="append", help="query user id (repeatable)")
+    asked = parser.add_mutually_exclusive_group(required=True)
+    asked.add_argument("--user-id", action="append", help="query user id (repeatable)")
+    asked.add_argument(
+        "--similar", action="append", metavar="ITEM_ID",
+        help="catalogue item id: its nearest items, never itself (repeatable)",
+    )
     parser.add_argument("-k", type=int, default=10)
     parser.add_argument("--exclude", nargs="*", default=[], help="item ids never to return")
     parser.add_argument(
         "--include-seen",
         action="store_true",
-        help="also return the user's training items (excluded by default)",
+        help="also return the user's training items (excluded by default; --user-id only)",
     )
     args = parser.parse_args(argv)
     if args.k <= 0:
         raise UserError(f"-k must be a positive number of items, got {args.k}")
+    if args.similar and args.include_seen:
+        raise UserError("--include-seen applies to --user-id queries; --similar has no user whose items to keep")
     bundle = Bundle.load(args.bundle)
+    if args.similar:
+        similar = bundle.similar_items_batch(args.similar, args.k, [args.exclude] * len(args.similar))
+        for item, result in zip(args.similar, similar):
+            print(json.dumps({"item_id": item, **asdict(result)}))
+        return
     queries = [{"user_id": user} for user in args.user_id]
     results = bundle.recommend_batch(
         queries, args.k, [args.exclude] * len(queries), exclude_seen=not args.include_seen

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import re
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -132,6 +133,7 @@ class ItemIndex:
         self.routing = routing  # when a Flat index's search runs on ExactTopK instead of FAISS
         self.search_params = ""
         self.set_search_params(search_params)
+        self._direct_map_lock = threading.Lock()
 
     @classmethod
     def build(
@@ -196,6 +198,35 @@ class ItemIndex:
     def is_exact(self) -> bool:
         """True when search is brute force (results equal a full argsort)."""
         return isinstance(self.index, (faiss.IndexFlatIP, faiss.IndexFlat))
+
+    def vectors(self, rows: np.ndarray | Sequence[int]) -> np.ndarray:
+        """The vectors the index holds at ``rows`` [n]: [n, dim] float32, read back from FAISS.
+
+        Exact for indexes that store the vectors whole (Flat, IVF*,Flat, HNSW*, a refined
+        index's ``RFlat``); approximate for lossy codes (PQ, SQ, RQ, a PCA before the index):
+        their decoded vectors, which are what the index scores against. An IVF index gets its
+        direct map (row -> list position, 8 bytes a vector, in memory only) on the first call.
+
+        Raises:
+          ValueError: a row outside 0..ntotal-1, or an index type FAISS cannot read vectors back from.
+        """
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        outside = rows[(rows < 0) | (rows >= len(self))]
+        if len(outside):
+            raise ValueError(f"row {int(outside[0])} is not in the index (rows 0..{len(self) - 1})")
+        ivf = faiss.try_extract_index_ivf(self.index)
+        if ivf is not None and ivf.direct_map.no():
+            with self._direct_map_lock:  # concurrent first calls build it once; searches never read it
+                if ivf.direct_map.no():
+                    ivf.make_direct_map()
+        try:
+            return np.asarray(self.index.reconstruct_batch(rows), dtype=np.float32).reshape(len(rows), self.dim)
+        except RuntimeError as error:  # "Error in <signature> at <file>:<line>: <reason>", nested
+            reason = " ".join(str(error).rsplit(": ", 1)[-1].split()) or type(error).__name__
+            raise ValueError(
+                f"index.factory {self.factory!r} cannot give back its vectors ({reason}); re-index the bundle with "
+                "one that can, e.g. Flat, IVF<n>,Flat or HNSW<m> (python -m pipelines.export --set index.factory=...)"
+            ) from None
 
     def set_search_params(self, params: str) -> None:
         """Apply a FAISS parameter string such as ``"nprobe=16"`` or ``"efSearch=128"``."""

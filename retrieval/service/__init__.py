@@ -21,6 +21,14 @@ Endpoints (request and response bodies are JSON):
     scores null; ``"features"`` when a feature tower embedded an unseen user id
     from the query's other features; null otherwise.
     Excluded ids the catalogue does not hold are ignored.
+``POST /similar``
+    The items nearest one catalogue item's embedding (``Bundle.similar_items``),
+    never the item itself nor ``exclude_item_ids``; ``k`` as for ``/recommend``::
+
+        {"item_id": "242", "k": 10, "exclude_item_ids": ["302"]}
+        -> {"bundle": "<run>", "item_id": "242", "item_ids": [...], "scores": [...], "fallback": null}
+
+    An item id the catalogue does not hold is a 422 naming it.
 ``GET /healthz``
     ``{"status": "ok", "bundle": "<run>", "num_items": n}``.
 ``GET /metadata``
@@ -64,7 +72,7 @@ exposure), ``inputs`` (request models, body reading and parsing), ``connection``
 
 from retrieval.service.app import BundleHolder, create_app
 from retrieval.service.connection import BoundedH11Protocol, BoundedHttpToolsProtocol, server_config
-from retrieval.service.inputs import RecommendRequest, ReloadRequest
+from retrieval.service.inputs import RecommendRequest, ReloadRequest, SimilarRequest
 from retrieval.service.limits import (
     ADMIN_TOKEN_ENV,
     INLINE_PARSE_BYTES,
@@ -92,6 +100,7 @@ __all__ = [
     "RecommendRequest",
     "ReloadRequest",
     "ServiceLimits",
+    "SimilarRequest",
     "check_admin_exposure",
     "create_app",
     "is_loopback",

@@ -1,8 +1,8 @@
 """The ASGI app of the HTTP service: routes, the bundle being served, the bulk lane.
 
-``create_app`` builds the Starlette app (``/recommend``, ``/healthz``,
-``/metadata``, ``/admin/reload``) over a ``BundleHolder``, whose ``reload``
-swaps a new bundle in with one reference assignment; large batches run in
+``create_app`` builds the Starlette app (``/recommend``, ``/similar``,
+``/healthz``, ``/metadata``, ``/admin/reload``) over a ``BundleHolder``,
+whose ``reload`` swaps a new bundle in with one reference assignment; large batches run in
 the bulk lane (``_bulk_executor``) in chunks, apart from small requests; the
 exception handlers turn errors into ``{"error": ...}`` replies.
 """
@@ -31,7 +31,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from retrieval.service.inputs import (
+    RecommendRequest,
     ReloadRequest,
+    SimilarRequest,
     _describe,
     _error,
     _HeaderCount,
@@ -108,13 +110,16 @@ def create_app(
     bulk_lane = _bulk_executor(limits)
     expected_authorization = None if admin_token is None else f"Bearer {admin_token}".encode()
 
-    def answer(current: Bundle, payload: dict[str, Any] | bytes, chunk: int | None) -> bytes:
-        """The JSON reply to one /recommend body, computed in a worker thread."""
-        parsed = _validated(_parse_object(payload) if isinstance(payload, bytes) else payload)
-        queries, excluded = parsed.batch()
+    def limit_search_threads() -> None:
         if search_threads:
             # OpenMP thread counts are per calling thread: set it in the worker thread itself.
             faiss.omp_set_num_threads(search_threads)
+
+    def answer(current: Bundle, payload: dict[str, Any] | bytes, chunk: int | None) -> bytes:
+        """The JSON reply to one /recommend body, computed in a worker thread."""
+        parsed = _validated(_parse_object(payload) if isinstance(payload, bytes) else payload, RecommendRequest)
+        queries, excluded = parsed.batch()
+        limit_search_threads()
         step = chunk or len(queries)
         pieces = []
         try:
@@ -148,6 +153,22 @@ def create_app(
             work = functools.partial(answer, current, body if payload is None else payload, limits.bulk_chunk)
             content = await asyncio.get_running_loop().run_in_executor(bulk_lane, work)
         return Response(content, media_type="application/json")
+
+    def answer_similar(current: Bundle, body: bytes) -> bytes:
+        """The JSON reply to one /similar body, parsed and computed in a worker thread (an exclusion
+        list of 10,000 ids is too large a body to parse on the event loop)."""
+        parsed = _validated(_parse_object(body), SimilarRequest)
+        limit_search_threads()
+        try:
+            result = current.similar_items(parsed.item_id, parsed.k, exclude_item_ids=parsed.exclude_item_ids)
+        except ValueError as error:  # RequestError: an item id not in the catalogue
+            raise HTTPException(422, str(error)) from None
+        return _dumps({"bundle": current.version, "item_id": parsed.item_id, **_result(result)})
+
+    async def similar(request: Request) -> Response:
+        current = holder.current  # read once: a reload mid-request does not affect this request
+        body = await _read_body(request, limits.max_body_bytes)
+        return Response(await run_in_threadpool(answer_similar, current, body), media_type="application/json")
 
     async def healthz(request: Request) -> JSONResponse:
         current = holder.current
@@ -191,6 +212,7 @@ def create_app(
 
     routes = [
         Route("/recommend", recommend, methods=["POST"]),
+        Route("/similar", similar, methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metadata", metadata, methods=["GET"]),
     ]

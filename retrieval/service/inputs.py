@@ -1,6 +1,6 @@
 """Hostile-input handling of the HTTP app: what a request may carry and how it is read.
 
-The request bodies' pydantic models (``RecommendRequest``, ``ReloadRequest``),
+The request bodies' pydantic models (``RecommendRequest``, ``SimilarRequest``, ``ReloadRequest``),
 reading a body under a byte limit (413), parsing it into a JSON object (400)
 and validating it (422), the middleware refusing too many headers (431), and
 the ``{"error": ...}`` replies these failures get.
@@ -9,7 +9,7 @@ the ``{"error": ...}`` replies these failures get.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException
@@ -18,6 +18,8 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from retrieval.service.limits import MAX_BATCH, MAX_EXCLUDED, MAX_K
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 class RecommendRequest(BaseModel):
@@ -63,6 +65,16 @@ class RecommendRequest(BaseModel):
             return [self.query], [list(self.exclude_item_ids or [])]
         assert self.queries is not None  # _one_shape: exactly one of query and queries is set
         return list(self.queries), [list(items) for items in (self.exclude_item_ids or [[]] * len(self.queries))]
+
+
+class SimilarRequest(BaseModel):
+    """Body of ``POST /similar``: one catalogue item id, ``k`` and ``exclude_item_ids`` as ``/recommend`` takes them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    item_id: str = Field(strict=True)
+    k: int = Field(10, ge=1, le=MAX_K, strict=True)  # strict: true is not 1, nor 10.0 or "10" ten
+    exclude_item_ids: list[str] = Field([], max_length=MAX_EXCLUDED)
 
 
 class ReloadRequest(BaseModel):
@@ -117,9 +129,10 @@ def _parse_object(body: bytes) -> dict[str, Any]:
     return payload
 
 
-def _validated(payload: dict[str, Any]) -> RecommendRequest:
+def _validated(payload: dict[str, Any], model: type[Body]) -> Body:
+    """``payload`` as a ``model`` (``RecommendRequest``, ``SimilarRequest``), or 422 naming every wrong field."""
     try:
-        return RecommendRequest.model_validate(payload)
+        return model.model_validate(payload)
     except ValidationError as error:
         raise HTTPException(422, _describe(error)) from None
 
