@@ -453,3 +453,16 @@ def test_parquet_binary_ids_read_as_utf8_text_in_both_readers(tmp_path):
     for read in _both_readers(path, COLUMNS):
         with pytest.raises(DataError, match=r"c\.parquet, row 2, column 'user_id': user id b'\\xff' is bytes"):
             read()
+
+
+def test_float_ids_read_the_same_in_memory_and_streamed(tmp_path):
+    """Cell by cell, in any batch: whole floats read as integers, others keep their digits."""
+    from retrieval.data.streaming import ClickShards
+
+    path = str(tmp_path / "c.parquet")
+    pd.DataFrame({"user_id": [196.0, 7.0, 3.5], "item_id": ["a", "b", "c"]}).to_parquet(path)
+    columns = ColumnsConfig(timestamp=None)
+    whole = read_clicks(table(path), columns)[USER].tolist()
+    streamed = ClickShards.open(table(path), columns, read_batch_size=2)
+    batches = [user for batch in streamed.scan() for user in batch.frame()[USER]]
+    assert whole == batches == ["196", "7", "3.5"]
