@@ -191,7 +191,8 @@ def test_unparsable_timestamp_counts_all_bad_rows(tmp_path):
     path = write(tmp_path, "c.csv", "user_id,item_id,when\n1,a,2026-13-45\n2,b,\n3,c,5\n")
     with pytest.raises(
         DataError,
-        match=r"line 2, column 'when': cannot read timestamp '2026-13-45'.*ISO-8601.* \(2 bad rows in all\)",
+        match=r"line 2, column 'when': cannot read timestamp '2026-13-45'.*ISO-8601.* "
+        r"\(2 bad rows among data rows 1-3\)",
     ):
         read_clicks(table(path), ColumnsConfig(timestamp="when"))
 
@@ -342,10 +343,15 @@ def test_load_dataset_rejects_a_test_log_with_another_split(tmp_path):
         load_dataset(data, SplitConfig(kind="temporal"))
 
 
-def test_trailing_separator_does_not_shift_columns(tmp_path):
-    path = write(tmp_path, "c.csv", "user_id,item_id,timestamp\n1,a,5,\n2,b,6,\n")
-    clicks = read_clicks(table(path), COLUMNS)
-    assert clicks[[USER, ITEM, TIME]].values.tolist() == [["1", "a", 5], ["2", "b", 6]]
+def test_a_trailing_separator_is_refused_at_its_line_with_the_fix(tmp_path):
+    """A field more than the header, even an empty one, never shifts the columns: the line is named."""
+    path = write(tmp_path, "c.csv", "user_id,item_id,timestamp\n1,a,5\n2,b,6,\n")
+    with pytest.raises(DataError, match=r"c\.csv, line 3: expected 3 fields separated by ',', found 4 "
+                       r"\(a trailing ',': remove it, or name the extra column in the header\)$"):
+        read_clicks(table(path), COLUMNS)
+    header_too = write(tmp_path, "d.csv", "user_id,item_id,timestamp,\n1,a,5,\n")
+    clicks = read_clicks(table(header_too), COLUMNS)  # the header names the empty column: nothing to refuse
+    assert clicks[[USER, ITEM, TIME]].values.tolist() == [["1", "a", 5]]
 
 
 @pytest.mark.parametrize(
@@ -447,3 +453,16 @@ def test_parquet_binary_ids_read_as_utf8_text_in_both_readers(tmp_path):
     for read in _both_readers(path, COLUMNS):
         with pytest.raises(DataError, match=r"c\.parquet, row 2, column 'user_id': user id b'\\xff' is bytes"):
             read()
+
+
+def test_float_ids_read_the_same_in_memory_and_streamed(tmp_path):
+    """Cell by cell, in any batch: whole floats read as integers, others keep their digits."""
+    from retrieval.data.streaming import ClickShards
+
+    path = str(tmp_path / "c.parquet")
+    pd.DataFrame({"user_id": [196.0, 7.0, 3.5], "item_id": ["a", "b", "c"]}).to_parquet(path)
+    columns = ColumnsConfig(timestamp=None)
+    whole = read_clicks(table(path), columns)[USER].tolist()
+    streamed = ClickShards.open(table(path), columns, read_batch_size=2)
+    batches = [user for batch in streamed.scan() for user in batch.frame()[USER]]
+    assert whole == batches == ["196", "7", "3.5"]

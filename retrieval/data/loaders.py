@@ -23,6 +23,7 @@ import pandas as pd
 
 from retrieval.config import ColumnsConfig, TableConfig
 from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
+from retrieval.data.shards import SHARD_FORMATS, ClickShards, decode_text
 from retrieval.data.values import BadValues, click_weights, feature_numbers, id_strings, timestamp_seconds
 
 Duplicates = Literal["keep", "first"]
@@ -95,6 +96,12 @@ def read_clicks(
         return apply_duplicates(_read_parquet_sequences(table, columns), duplicates)
     if fmt in ("user-items", "sequences"):
         return apply_duplicates(_read_user_items(table, ordered=fmt == "sequences"), duplicates)
+    if fmt in SHARD_FORMATS:
+        _check_file(table)
+        batches = [batch.frame() for batch in ClickShards.open(table, columns).scan()]
+        if not batches or not sum(len(batch) for batch in batches):
+            raise DataError("no data rows", file=table.path)
+        return apply_duplicates(pd.concat(batches, ignore_index=True), duplicates)
     raw = _read_raw(table, fmt)
     if fmt.startswith("movielens"):
         columns = _MOVIELENS_COLUMNS
@@ -262,7 +269,7 @@ def _read_user_items(table: TableConfig, *, ordered: bool = False) -> pd.DataFra
     """
     fmt = "sequences" if ordered else "user-items"
     path = _check_file(table)
-    text = _decode(path.read_bytes(), table.encoding, table.path)
+    text = decode_text(path.read_bytes(), table.encoding, table.path)
     users: list[str] = []
     items: list[str] = []
     positions: list[int] = []
@@ -345,7 +352,7 @@ def _read_raw(table: TableConfig, fmt: str) -> _Raw:
     path = _check_file(table)
     if fmt == "parquet":
         return _read_parquet(table.path)
-    text = _decode(path.read_bytes(), table.encoding, table.path)
+    text = decode_text(path.read_bytes(), table.encoding, table.path)
     movielens = fmt.startswith("movielens")
     header = table.header and not movielens
     separator = table.separator or _DEFAULT_SEPARATOR[fmt]
@@ -426,24 +433,6 @@ def _read_raw(table: TableConfig, fmt: str) -> _Raw:
             )
         frame.columns = _MOVIELENS_FIELDS
     return _Raw(frame, table.path, numbers, is_text=True)
-
-
-def _decode(data: bytes, encoding: str, file: str) -> str:
-    try:
-        text = data.decode(encoding)
-    except LookupError:
-        message = f"unknown encoding {encoding!r}; set encoding to e.g. utf-8 or latin-1"
-        raise DataError(message, file=file) from None
-    except UnicodeDecodeError as error:
-        bad = data[error.start : error.start + 1]
-        raise DataError(
-            f"byte 0x{bad.hex()} is not valid {encoding}; the file uses another encoding: "
-            "set the table's encoding key (e.g. encoding: latin-1)",
-            file=file,
-            line=data.count(b"\n", 0, error.start) + 1,
-        ) from None
-    # A UTF-8 byte-order mark would otherwise become part of the first column's name.
-    return text.removeprefix("\ufeff")
 
 
 def _read_parquet(file: str) -> _Raw:

@@ -40,6 +40,7 @@ from retrieval.data.values import FLOAT32_MAX, BadValues, click_weights, id_stri
 # pass to count each shard's rows first. 2**40 rows a shard, 2**23 shards.
 ROW_KEY_BITS = 40
 _SHARD_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "tsv", ".txt": "tsv"}
+SHARD_FORMATS = ("parquet", "csv", "tsv")  # read by ``ClickShards``, whole (read_clicks) or streamed
 _SEPARATORS = {"csv": ",", "tsv": "\t"}
 
 
@@ -120,7 +121,7 @@ class ClickShards:
                 f"the shards mix formats: {examples}; one click log has one format", file=table.path
             )
         (fmt,) = formats
-        if fmt not in ("parquet", "csv", "tsv"):
+        if fmt not in SHARD_FORMATS:
             raise DataError(
                 f"format {fmt!r} cannot be streamed out of core; use parquet, csv or tsv shards",
                 file=table.path,
@@ -148,18 +149,30 @@ class ClickShards:
         c = self.columns
         return [name for name in (c.user, c.item, c.timestamp, c.weight) if name]
 
-    def _text_names(self, file: str) -> list[str]:
-        """Column names of a text shard: its header line, or positions ``"0"``, ``"1"``, ..."""
-        with open(file, encoding=self.encoding, newline="") as handle:
-            first = handle.readline().removeprefix("\ufeff").rstrip("\r\n")
-        if not first.strip():
-            raise DataError("the shard is empty or starts with a blank line", file=file)
+    def _text_start(self, file: str) -> tuple[int, list[str]]:
+        """(lines before the data: leading blank lines and the header; the column names: the header's
+        fields, or positions ``"0"``, ``"1"``, ... without a header)."""
+        skipped = 0
+        try:
+            with open(file, encoding=self.encoding, newline="") as handle:
+                for line in handle:
+                    first = line.removeprefix("\ufeff").rstrip("\r\n")
+                    if first.strip():
+                        break
+                    skipped += 1
+                else:
+                    raise DataError("the file is empty: no data rows", file=file)
+        except (UnicodeDecodeError, LookupError):
+            decode_text(Path(file).read_bytes(), self.encoding, file)  # raises, naming the line and byte
+            raise
         fields = first.split(self.separator or _SEPARATORS[self.format])
-        return [f.strip() for f in fields] if self.header else [str(i) for i in range(len(fields))]
+        if self.header:
+            return skipped + 1, [f.strip() for f in fields]
+        return skipped, [str(i) for i in range(len(fields))]
 
     def _check_columns(self, file: str) -> None:
         try:
-            found = pq.read_schema(file).names if self.format == "parquet" else self._text_names(file)
+            found = pq.read_schema(file).names if self.format == "parquet" else self._text_start(file)[1]
         except DataError:
             raise
         except Exception as error:  # pyarrow raises several unrelated types for bad files
@@ -167,21 +180,24 @@ class ClickShards:
         missing = [c for c in self.wanted if c not in found]
         if missing:
             plural = "s" if len(missing) > 1 else ""
+            hint = ""
+            if self.format != "parquet" and not self.header:
+                hint = " (the file is read without a header, so columns are named by position: '0', '1', ...)"
             raise DataError(
-                f"missing column{plural} {', '.join(map(repr, missing))}; columns found: {found}", file=file
+                f"missing column{plural} {', '.join(map(repr, missing))}; columns found: {found}{hint}", file=file
             )
 
     def _dataset(self, file: str) -> pads.Dataset:
         if self.format == "parquet":
             return pads.dataset(file, format="parquet")
-        names = self._text_names(file)
+        skipped, names = self._text_start(file)
         # Every column is read as text, so the cells are parsed by the rules read_clicks applies
         # (retrieval.data.values), not by Arrow's per-block type inference.
         ids = {name: pa.string() for name in self.wanted}
         fmt = pads.CsvFileFormat(
             parse_options=pacsv.ParseOptions(delimiter=self.separator or _SEPARATORS[self.format]),
             read_options=pacsv.ReadOptions(
-                column_names=names, skip_rows=1 if self.header else 0, encoding=self.encoding
+                column_names=names, skip_rows=skipped, encoding=self.encoding
             ),
             convert_options=pacsv.ConvertOptions(column_types=ids, strings_can_be_null=False),
         )
@@ -203,18 +219,22 @@ class ClickShards:
                 first_row += batch.num_rows
         except DataError:
             raise
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as error:
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, UnicodeDecodeError) as error:
             if not Path(file).is_file():  # Arrow's message does not say so plainly
                 raise DataError("the shard is missing: deleted or moved since the run listed it", file=file) from None
+            if line_of is not None:
+                decode_text(Path(file).read_bytes(), self.encoding, file)  # an undecodable byte: named at its line
             found = re.search(r"CSV parse error: Row #(\d+): Expected (\d+) columns, got (\d+)", str(error))
             if found is None or line_of is None:
                 raise DataError(f"cannot read the {self.format} shard: {error}", file=file) from None
             row, expected, saw = map(int, found.groups())  # Arrow's row counts the header, not empty lines
             separator = self.separator or _SEPARATORS[self.format]
+            line = line_of(row - int(self.header))
+            hint = ""
+            if saw == expected + 1 and self._line(file, line).rstrip("\r\n").endswith(separator):
+                hint = f" (a trailing {separator!r}: remove it, or name the extra column in the header)"
             raise DataError(
-                f"expected {expected} fields separated by {separator!r}, found {saw}",
-                file=file,
-                line=line_of(row - int(self.header)),
+                f"expected {expected} fields separated by {separator!r}, found {saw}{hint}", file=file, line=line
             ) from None
 
     def _text_line(self, file: str, data_row: int) -> int:
@@ -224,15 +244,23 @@ class ClickShards:
         a text editor shows, as ``read_clicks`` does, so they are counted here
         (only when an error needs a line).
         """
+        skipped, _ = self._text_start(file)
         number = rows = 0
         with open(file, encoding=self.encoding, errors="replace", newline="") as handle:
             for number, line in enumerate(handle, start=1):
-                if (self.header and number == 1) or not line.rstrip("\r\n"):
+                if number <= skipped or not line.rstrip("\r\n"):
                     continue
                 rows += 1
                 if rows == data_row:
                     return number
         return number
+
+    def _line(self, file: str, number: int) -> str:
+        with open(file, encoding=self.encoding, errors="replace", newline="") as handle:
+            for at, line in enumerate(handle, start=1):
+                if at == number:
+                    return line
+        return ""
 
     def scan(self, files: Sequence[str] | None = None) -> Iterator[ClickBatch]:
         """Canonical click batches of every shard (or of ``files``), shard by shard."""
@@ -360,6 +388,25 @@ class ClickBatch:
         return frame
 
 
+def decode_text(data: bytes, encoding: str, file: str) -> str:
+    """``data`` decoded; a bad byte or an unknown encoding is a ``DataError`` naming the line and
+    the ``encoding`` key. A UTF-8 byte-order mark is dropped (else it joins the first column's name)."""
+    try:
+        text = data.decode(encoding)
+    except LookupError:
+        message = f"unknown encoding {encoding!r}; set encoding to e.g. utf-8 or latin-1"
+        raise DataError(message, file=file) from None
+    except UnicodeDecodeError as error:
+        bad = data[error.start : error.start + 1]
+        raise DataError(
+            f"byte 0x{bad.hex()} is not valid {encoding}; the file uses another encoding: "
+            "set the table's encoding key (e.g. encoding: latin-1)",
+            file=file,
+            line=data.count(b"\n", 0, error.start) + 1,
+        ) from None
+    return text.removeprefix("\ufeff")
+
+
 def as_strings(values: pa.Array) -> np.ndarray:
     return np.asarray(values.to_numpy(zero_copy_only=False), dtype=object)
 
@@ -381,11 +428,12 @@ def _canonical(
     ``line_of(row)`` gives a text shard's line of a data row (None: Parquet,
     errors name the row); ``keys`` are the rows' keys (``ROW_KEY_BITS``).
     """
+    rows = f"data rows {first_row}-{first_row + batch.num_rows - 1}"
 
     def fail(message: str, bad: np.ndarray, column: str) -> DataError:
         position = first_row + int(np.argmax(bad))
         count = int(bad.sum())
-        more = f" ({count} bad rows in this batch)" if count > 1 else ""
+        more = f" ({count} bad rows among {rows})" if count > 1 else ""
         return DataError(
             message + more,
             file=file,
@@ -401,19 +449,16 @@ def _canonical(
             position, count, message = error.first()
             bad = np.zeros(batch.num_rows, bool)
             bad[position] = True
-            more = f" ({count} bad rows in this batch)" if count > 1 else ""
+            more = f" ({count} bad rows among {rows})" if count > 1 else ""
             raise fail(message + more, bad, column) from None
 
     def ids(column: str, what: str) -> pa.Array:
         values = batch.column(column)
         if pa.types.is_dictionary(values.type):
             values = values.dictionary_decode()
-        if pa.types.is_floating(values.type):
-            message = f"{what} ids are stored as floats; write them as integers or strings"
-            raise fail(message, np.ones(1, bool), column)
         if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
                 or pa.types.is_integer(values.type)):
-            # Lists, structs, booleans, bytes, dates...: refused or converted as read_clicks does.
+            # Floats, lists, structs, booleans, bytes, dates...: converted or refused by the shared rules.
             return pa.array(checked(column, lambda cells: id_strings(cells, what)).to_numpy(), pa.string())
         values = pc.utf8_trim_whitespace(pc.cast(values, pa.string()))
         empty = pc.fill_null(pc.equal(values, ""), True).to_numpy(zero_copy_only=False)

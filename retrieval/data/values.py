@@ -124,10 +124,12 @@ def id_strings(values: pd.Series, what: str) -> pd.Series:
                 raise BadValues(f"{what} id {{value!r}} is bytes that are not UTF-8", undecodable, values)
             values = decoded
     elif pd.api.types.is_float_dtype(values):
-        # A parquet integer id column with nulls is stored as float: 7.0 must read "7".
-        present = values.dropna()
-        if (present == np.floor(present)).all() and (present.abs() < 2.0**63).all():
-            values = values.astype("Int64")
+        # A parquet integer id column with nulls is stored as float: 7.0 must read "7". Cell by cell, so
+        # a cell reads the same whichever batch of a streamed shard it falls in.
+        whole = values.notna() & (values == np.floor(values)) & (values.abs() < 2.0**63)
+        text = values.astype(object)
+        text[whole] = values[whole].astype(np.int64).astype(str)
+        values = text
     ids = _stripped_text(values)
     empty = (ids == "").to_numpy()
     if empty.any():
