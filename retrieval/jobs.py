@@ -17,6 +17,7 @@ import pandas as pd
 import tensorflow as tf
 
 from retrieval.arrays import seeded_subset
+from retrieval.checkpoint_directory import training_checkpoints
 from retrieval.config import Config, ConfigError, save_config
 from retrieval.data import ITEM, TIME, USER
 from retrieval.data.dataset import LogSource, catalogue_table, open_log, split_summary
@@ -53,8 +54,7 @@ from retrieval.features import ExampleJoin, FeatureStatistics, TowerTables
 from retrieval.features.histories import ClickHistories
 from retrieval.index import ItemIndex, build_index, check_index_fits
 from retrieval.model import build_model
-from retrieval.objectives import resolved
-from retrieval.run_checkpoints import training_checkpoints
+from retrieval.model_parts import resolved
 from retrieval.samplers import UserHistory
 from retrieval.seen_items import SeenItems
 from retrieval.towers import build_towers

@@ -1,7 +1,7 @@
 """The two-tower model: wires towers, sampler and loss, and nothing else.
 
 ``build_model`` builds it from the config, with the parts that
-``retrieval.objectives`` maps the config's names to.
+``retrieval.model_parts`` maps the config's names to.
 """
 
 from __future__ import annotations
@@ -22,14 +22,9 @@ from retrieval.losses import (
     RetrievalLoss,
     gather_across_replicas,
 )
-from retrieval.objectives import build_miner, build_objective, build_sampler, resolved
-from retrieval.samplers import (
-    FaissHardNegativeMiner,
-    Sampler,
-    UserHistory,
-    across_replicas,
-    replicas_in_step,
-)
+from retrieval.model_parts import build_miner, build_objective, build_sampler, resolved
+from retrieval.replicas import across_replicas, replicas_in_step
+from retrieval.samplers import FaissHardNegativeMiner, Sampler, UserHistory
 from retrieval.towers import id_tower, position_states
 from retrieval.towers.id import lookup_vocabulary
 

@@ -26,7 +26,8 @@ from pydantic import ValidationError
 import retrieval  # noqa: F401
 from retrieval.config import TrainConfig
 from retrieval.losses import LossInputs, gather_across_replicas
-from retrieval.samplers import Negatives, global_batch_size, replica_row_offset
+from retrieval.replicas import global_batch_size, replica_row_offset
+from retrieval.samplers import Negatives
 from retrieval.training import distribution_strategy
 
 ROOT = Path(__file__).resolve().parents[1]

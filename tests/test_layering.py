@@ -9,12 +9,13 @@ STAGES = [
     "config",
     "config_reference",  # docs/configuration.md, generated from config only
     "arrays",
+    "replicas",  # tf.distribute helpers: one global batch over several replicas
     "data",
     "features",
     "towers",
     "samplers",
     "losses",
-    "objectives",  # config names -> samplers, log-Q sources, losses, miner
+    "model_parts",  # config names -> samplers, log-Q sources, losses, miner
     "model",
     "exact_topk",  # brute-force top-k: early stopping's validation recall and the Flat index search with it
     "training",
@@ -24,7 +25,7 @@ STAGES = [
     "export",
     "serving",
     "service",
-    "run_checkpoints",  # a run's checkpoint directory: lock, resume checks, cleanup
+    "checkpoint_directory",  # a run's checkpoint directory: lock, resume checks, cleanup
     "jobs",
     "bundles",  # re-evaluating (with the job's phases) and re-indexing an exported bundle
     "tuning",  # hyper-parameter search: runs the job per trial

@@ -24,13 +24,13 @@ import pytest
 import tensorflow as tf
 
 import retrieval  # noqa: F401
+from retrieval.checkpoint_directory import UnfinishedRunError, training_checkpoints
 from retrieval.config import ColumnsConfig, ModelConfig, TableConfig, TrainConfig, load_config
 from retrieval.data import click_keys, epoch_order, load_dataset
 from retrieval.data.streaming import ClickShards, SplitPlan
 from retrieval.features import FeatureStatistics
 from retrieval.jobs import train_evaluate_export
 from retrieval.model import build_model
-from retrieval.run_checkpoints import UnfinishedRunError, training_checkpoints
 from retrieval.training import (
     FrameClicks,
     StreamedClicks,

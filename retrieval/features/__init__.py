@@ -3,7 +3,7 @@
 - ``statistics``: id vocabularies and item popularity (log-Q) from training clicks;
 - ``tables``: raw tower inputs per training example, catalogue item and query
   (user/item features joined on, click histories without leakage);
-- ``preprocessing``: per-feature vocabularies and normalisation statistics the
+- ``tower_statistics``: per-feature vocabularies and normalisation statistics the
   feature towers bake in;
 - ``joins``: the same tower inputs joined onto streamed click batches, and their
   statistics from per-id counts (``data.out_of_core``).
@@ -12,15 +12,6 @@ Plain numpy/pandas; importing it does not import TensorFlow.
 """
 
 from retrieval.features.joins import ExampleJoin
-from retrieval.features.preprocessing import (
-    NumericStatistics,
-    TimestampStatistics,
-    TowerStatistics,
-    age_days,
-    category_values,
-    fit_statistic,
-    numeric_values,
-)
 from retrieval.features.statistics import FeatureStatistics, ItemPopularity, Vocabulary
 from retrieval.features.tables import (
     PAD,
@@ -36,6 +27,15 @@ from retrieval.features.tables import (
     tower_frame,
     tower_inputs,
     training_examples,
+)
+from retrieval.features.tower_statistics import (
+    NumericStatistics,
+    TimestampStatistics,
+    TowerStatistics,
+    age_days,
+    category_values,
+    fit_statistic,
+    numeric_values,
 )
 
 __all__ = [

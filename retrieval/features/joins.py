@@ -37,9 +37,9 @@ import pandas as pd
 from retrieval.config import TowerConfig, TowersConfig
 from retrieval.data import ITEM, TIME, USER, WEIGHT
 from retrieval.features.histories import ClickHistories
-from retrieval.features.preprocessing import TowerStatistics
 from retrieval.features.statistics import Vocabulary
 from retrieval.features.tables import InputSpec, feature_arrays, tower_frame, tower_inputs, training_examples
+from retrieval.features.tower_statistics import TowerStatistics
 
 _MISSING = ""  # the key of the row every id absent from a table joins (loaders refuse empty ids)
 

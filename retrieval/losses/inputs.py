@@ -11,7 +11,8 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from retrieval.samplers import Negatives, across_replicas, replica_row_offset, replicas_in_step
+from retrieval.replicas import across_replicas, replica_row_offset, replicas_in_step
+from retrieval.samplers import Negatives
 
 
 class BatchCandidates(NamedTuple):

@@ -17,11 +17,7 @@ from retrieval.samplers.base import (
     MASKED_LOG_Q,
     Negatives,
     Sampler,
-    across_replicas,
-    global_batch_size,
     log_expected_count,
-    replica_row_offset,
-    replicas_in_step,
 )
 from retrieval.samplers.corpus import (
     AllItems,
@@ -51,14 +47,10 @@ __all__ = [
     "StaticFrequency",
     "StreamingFrequency",
     "UserHistory",
-    "across_replicas",
     "frequency_ranks",
-    "global_batch_size",
     "log_expected_count",
     "log_uniform_probability",
     "log_uniform_sampler",
-    "replica_row_offset",
-    "replicas_in_step",
     "uniform_sampler",
     "unigram_sampler",
 ]

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
-from retrieval.samplers.base import Negatives, Sampler, replicas_in_step
+from retrieval.replicas import replicas_in_step
+from retrieval.samplers.base import Negatives, Sampler
 from retrieval.samplers.kernel_tree import KernelTreeStatistics
 
 # A level's left-child masses come from one matrix product over every (query, node) of the level

@@ -4,14 +4,14 @@ Each layer is plain TensorFlow ops on raw values, so it traces into the
 exported SavedModel and serving needs no project code. Statistics (means,
 variances, reference times) are baked in as constants from
 ``retrieval.features.TowerStatistics``; the numpy functions of
-``retrieval.features.preprocessing`` are the reference they are tested against.
+``retrieval.features.tower_statistics`` are the reference they are tested against.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from retrieval.features.preprocessing import DAYS_PER_YEAR, SECONDS_PER_DAY, UNIT_SECONDS
+from retrieval.features.tower_statistics import DAYS_PER_YEAR, SECONDS_PER_DAY, UNIT_SECONDS
 
 
 def text_tokens(texts: tf.Tensor, *, trigrams: bool = True, words: bool = True) -> tf.RaggedTensor:
