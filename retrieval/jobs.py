@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ import tensorflow as tf
 from retrieval.arrays import seeded_subset
 from retrieval.checkpoint_directory import training_checkpoints
 from retrieval.config import Config, ConfigError, save_config
-from retrieval.data import ITEM, TIME, USER
+from retrieval.data import ITEM, TIME, USER, DataError
 from retrieval.data.dataset import LogSource, catalogue_table, open_log, split_summary
 from retrieval.data.fingerprint import RunInputs
 from retrieval.data.splits import training_split
@@ -279,10 +279,19 @@ class JobData:
     catalogue_ids: list[str]
     held_out: tuple[str, ...]
     evaluated_on: str
+    _pairs: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def clicks(self) -> ClickLog:
         return self.source.clicks
+
+    def training_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every training click of ``plan`` as (row of ``stats.users.ids``, row of ``stats.items.ids``),
+        [train clicks] int32 each: coded in one pass over the log on first use (8 bytes a click) and
+        shared by the click histories, mined negatives, ALS and the bundle's seen items."""
+        if "train" not in self._pairs:
+            self._pairs["train"] = _training_pairs(self.clicks, self.plan, self.stats)
+        return self._pairs["train"]
 
     def shuffle_buffer(self, config: Config) -> int:
         """Training rows shuffled at a time: every click when the log is in memory (the batches
@@ -326,22 +335,38 @@ def read_and_split(config: Config) -> JobData:
     if given_test is not None:
         counts = counts.with_test(given_test)
     stats = FeatureStatistics.from_counts(counts.user_ids, counts.item_ids, counts.item_counts, counts.has_weights)
-    histories = None
+    histories, pairs = None, {}
     if config.towers.query.history is not None:  # each click's earlier clicks, coded once (16 bytes a click)
-        histories = _histories(clicks, plan, stats)
+        pairs["train"] = _training_pairs(clicks, plan, stats)
+        histories = _histories(clicks, plan, stats, pairs["train"])
     tables, join = _tower_tables(config, source, counts, histories)
     catalogue_ids = tables.items[ITEM].tolist()  # the feature table's items first, then the log's
     check_index_fits(config.index.factory, len(catalogue_ids), config.index.train_sample_size)
-    data = JobData(source, plan, counts, stats, tables, join, catalogue_ids, held_out, split.evaluate_on)
+    data = JobData(source, plan, counts, stats, tables, join, catalogue_ids, held_out, split.evaluate_on, pairs)
     log.info("data: %s", json.dumps(data.summary(0)))
     return data
 
 
-def _histories(clicks: ClickLog, plan: Plan, stats: FeatureStatistics) -> ClickHistories:
-    """The plan's training clicks coded in time order (``ClickHistories``)."""
-    users, items = pd.Index(stats.users.ids), pd.Index(stats.items.ids)
-    return ClickHistories(*scan_pairs(clicks, plan, users, items), scan_train_column(clicks, plan, TIME),
-                          stats.users.ids, stats.items.ids)
+def _training_pairs(clicks: ClickLog, plan: Plan, stats: FeatureStatistics) -> tuple[np.ndarray, np.ndarray]:
+    return scan_pairs(clicks, plan, pd.Index(stats.users.ids), pd.Index(stats.items.ids))
+
+
+def _recoded(rows: np.ndarray, ids, target) -> np.ndarray:
+    """``rows`` (rows of ``ids``) as rows of ``target``, which holds every id they name; int32."""
+    positions = pd.Index(target, dtype=object).get_indexer(pd.Index(ids, dtype=object))
+    recoded = positions[rows]
+    if (recoded < 0).any():
+        raise DataError("a training click's user or item is missing from the ids it is coded against")
+    return recoded.astype(np.int32)
+
+
+def _histories(
+    clicks: ClickLog, plan: Plan, stats: FeatureStatistics, pairs: tuple[np.ndarray, np.ndarray] | None = None
+) -> ClickHistories:
+    """The plan's training clicks coded in time order (``ClickHistories``); ``pairs``: the plan's
+    ``_training_pairs`` when already coded."""
+    pairs = pairs if pairs is not None else _training_pairs(clicks, plan, stats)
+    return ClickHistories(*pairs, scan_train_column(clicks, plan, TIME), stats.users.ids, stats.items.ids)
 
 
 def _tower_tables(
@@ -398,7 +423,7 @@ def build_job_model(config: Config, data: JobData):
         catalogue = data.tables.catalogue()  # sampled negatives are embedded from their raw features
     user_history = None
     if config.model.loss.hard_negatives == "mined":  # each user's training items, coded while scanning
-        user_rows, item_rows = scan_pairs(data.clicks, data.plan, pd.Index(stats.users.ids), pd.Index(stats.items.ids))
+        user_rows, item_rows = data.training_pairs()
         user_history = UserHistory(user_rows, item_rows.astype(np.int64) + 1, len(stats.users))  # +1: OOV is 0
     return build_model(config.model, stats, use_weights=config.train.use_weights, towers=towers,
                        catalogue_features=catalogue, user_history=user_history)
@@ -472,7 +497,7 @@ def evaluate(
 ) -> dict[str, Any]:
     """The model (``query_embeddings`` [evaluated users, dim] searched in ``index``) and the
     baselines over the full catalogue: popularity from the counts, ALS on the click matrix coded
-    while scanning (``scan_pairs``). The dict ``compare_rankers`` returns."""
+    once (``JobData.training_pairs``). The dict ``compare_rankers`` returns."""
     eval_set, evaluation = evaluated.eval_set, config.evaluation
     log.info("evaluating %d test users over the full corpus", len(eval_set.user_ids))
     depth = max(evaluation.ks)
@@ -494,8 +519,10 @@ def evaluate(
 
 def _als_ranking(data: JobData, catalogue: pd.Index, eval_set: EvalSet, depth: int, config) -> np.ndarray:
     """The ALS baseline fitted on the click matrix coded while scanning the training clicks."""
-    users = pd.Index(np.sort(np.asarray(data.stats.users.ids, dtype=object)), dtype=object)  # fit_als's order
-    user_rows, item_rows = scan_pairs(data.clicks, data.plan, users, catalogue)
+    stats = data.stats
+    users = pd.Index(np.sort(np.asarray(stats.users.ids, dtype=object)), dtype=object)  # fit_als's order
+    user_rows, item_rows = data.training_pairs()
+    user_rows, item_rows = _recoded(user_rows, stats.users.ids, users), _recoded(item_rows, stats.items.ids, catalogue)
     factors = fit_als_pairs(user_rows, item_rows, users, len(catalogue), config.baselines.als)
     return als_factors_ranking(factors, list(catalogue), eval_set, depth, config.query_batch_size)
 
@@ -503,9 +530,11 @@ def _als_ranking(data: JobData, catalogue: pd.Index, eval_set: EvalSet, depth: i
 def seen_items_of(data: JobData, index: ItemIndex) -> SeenItems:
     """Each training user's items as rows of ``index``: what serving excludes (every training
     click, the early-stopping validation part included, which the bundle's model trained on too),
-    coded while scanning (8 bytes a click) and sorted into the bundle's CSR arrays (~18 more)."""
+    from the shared training pairs (``JobData.training_pairs``) sorted into the bundle's CSR arrays
+    (~18 bytes a click)."""
     users = pd.Index(np.asarray(data.stats.users.ids, dtype=object), dtype=object)
-    user_rows, item_rows = scan_pairs(data.clicks, data.plan, users, pd.Index(index.item_ids, dtype=object))
+    user_rows, item_rows = data.training_pairs()
+    item_rows = _recoded(item_rows, data.stats.items.ids, index.item_ids)
     return SeenItems.from_coded_pairs(user_rows, item_rows, users.to_numpy())
 
 

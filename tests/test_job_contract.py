@@ -9,10 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from retrieval import jobs
-from retrieval.config import SyntheticConfig, load_config
+from retrieval.config import SplitConfig, SyntheticConfig, load_config
+from retrieval.data import ITEM, USER, split_clicks
 from retrieval.data.synthetic import generate_clicks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,3 +98,28 @@ def test_metrics_have_one_shape_whatever_the_source(runs):
     assert {"data", "derived", "final_train_loss", "timing", "model", "popularity", "counts"} <= set(in_memory)
     assert in_memory["data"]["source"] != streamed["data"]["source"]  # each says where its clicks came from
     assert in_memory["counts"] == streamed["counts"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", SOURCES)
+def test_the_training_clicks_are_coded_once_for_every_stage_that_needs_them(shards, tmp_path, monkeypatch, source):
+    """Mined negatives, ALS and the bundle's seen items read one coding of the training clicks:
+    one pass over the log, not one per stage."""
+    from retrieval.serving import Bundle
+
+    calls = []
+    scan_pairs = jobs.scan_pairs
+    monkeypatch.setattr(jobs, "scan_pairs", lambda *args: calls.append(1) or scan_pairs(*args))
+    config = _config(shards, tmp_path, source, "train.epochs=1", "train.validation_fraction=0",
+                     "model.loss.hard_negatives=mined", "model.loss.num_hard_negatives=2",
+                     "evaluation.baselines.rankers=[popularity, als]")
+    result = jobs.train_evaluate_export(config)
+    assert len(calls) == 1
+    assert {"model", "popularity", "als"} <= set(result.metrics)
+    # The seen items recoded from the shared pairs are each user's training items.
+    clicks = pd.read_parquet(shards.parent / "log.parquet")
+    train, _ = split_clicks(clicks, SplitConfig(kind="temporal", test_fraction=0.2))
+    bundle = Bundle.load(result.directory)
+    item_ids = np.asarray(bundle.index.item_ids, dtype=object)
+    for user, items in train.groupby(USER)[ITEM]:
+        assert set(item_ids[bundle.seen_items.rows_of(user)]) == set(items), user
