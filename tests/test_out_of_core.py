@@ -24,7 +24,8 @@ from retrieval.data import (
     split_clicks,
     temporal_cut,
 )
-from retrieval.data.splits import split_validation, training_split
+from retrieval.data.splits import training_split
+from retrieval.data.stream_splits import split_validation
 from retrieval.data.streaming import (
     ClickShards,
     collect_users,

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from retrieval.config import ConfigError, DataConfig, SplitConfig, load_config
 from retrieval.data import ITEM, TIME, USER, WEIGHT, DataError, load_dataset, split_clicks, temporal_cut
-from retrieval.data.splits import split_validation
+from retrieval.data.stream_splits import split_validation
 
 
 def make_log(rows):

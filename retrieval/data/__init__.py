@@ -8,7 +8,8 @@ from retrieval.data.loaders import apply_duplicates, read_clicks, read_feature_t
 from retrieval.data.movielens import load_movielens_100k, locate_movielens_100k
 from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
 from retrieval.data.shuffle import click_keys, epoch_order
-from retrieval.data.splits import hold_out_items, split_clicks, temporal_cut
+from retrieval.data.splits import hold_out_items, temporal_cut
+from retrieval.data.stream_splits import split_clicks
 from retrieval.data.synthetic import SyntheticTruth, generate_clicks, synthetic_truth
 
 __all__ = [

@@ -13,7 +13,8 @@ from retrieval.data.loaders import apply_duplicates, read_clicks, read_feature_t
 from retrieval.data.movielens import load_movielens_100k, locate_movielens_100k
 from retrieval.data.schema import ITEM, USER, DataError
 from retrieval.data.shards import ClickLog, ClickShards, ClickTable
-from retrieval.data.splits import hold_out_items, split_clicks, split_validation
+from retrieval.data.splits import hold_out_items
+from retrieval.data.stream_splits import split_clicks, split_validation
 from retrieval.data.synthetic import generate_clicks
 
 

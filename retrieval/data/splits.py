@@ -15,6 +15,10 @@ which question:
 part once more with the same split (``split_validation``): the model trains on
 the inner training part and is scored on the validation part, and the test part
 is never read, so choosing settings does not select on the test set.
+
+This module holds the rules (cuts, hashes, last-k masks, seeds), shared by every
+split; ``retrieval.data.stream_splits`` applies them, to a log streamed from
+shards or held in memory (``split_clicks`` on a frame is a plan of its rows).
 """
 
 from __future__ import annotations
@@ -23,121 +27,7 @@ import numpy as np
 import pandas as pd
 
 from retrieval.config import SEED_MAX, SplitConfig
-from retrieval.data.schema import ITEM, TIME, USER, DataError
-
-
-def split_clicks(
-    clicks: pd.DataFrame, cfg: SplitConfig, test_clicks: pd.DataFrame | None = None
-) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Split ``clicks`` as ``cfg.kind`` says.
-
-    Args:
-        clicks: Canonical clicks.
-        cfg: The split: ``temporal`` puts clicks after the timestamp at
-            quantile ``1 - test_fraction`` in test (ties at the cut go to
-            train); ``leave_last_k`` puts each user's last ``k`` clicks by
-            timestamp in test (ties broken by row order), users with ``k`` or
-            fewer clicks staying entirely in train; ``random`` puts each click
-            in test with probability ``test_fraction`` by a hash of the click
-            keyed by ``seed`` (``hashed_test_mask``: the streamed split holds out
-            the same rows); ``none`` returns ``clicks`` and ``test_clicks`` as they are.
-        test_clicks: The separately given test log; only with ``kind: none``.
-
-    Returns:
-        ``(train, test)``, neither empty.
-
-    Raises:
-        DataError: A needed timestamp or test log is missing, a test log is
-            given to another kind of split, or a part would be empty.
-    """
-    if cfg.kind == "none":
-        if test_clicks is None:
-            raise DataError("split.kind 'none' needs a separate test log: set data.test_clicks")
-        train, test = clicks.reset_index(drop=True), test_clicks.reset_index(drop=True)
-    elif test_clicks is not None:
-        raise DataError(
-            f"a separate test log was given but split.kind is {cfg.kind!r}: set split.kind: none "
-            "to use it, or remove data.test_clicks"
-        )
-    elif cfg.kind == "temporal":
-        _need_time(clicks, cfg.kind)
-        cut = temporal_cut(clicks, cfg.test_fraction)
-        train, test = _parts(clicks, clicks[TIME].to_numpy() > cut)
-        if test.empty:
-            raise DataError(
-                f"temporal split left the test part empty: no click is later than the cut at "
-                f"{cut} (quantile {1 - cfg.test_fraction:g} of {len(clicks)} clicks); the last "
-                "clicks share one timestamp or split.test_fraction is too small"
-            )
-    elif cfg.kind == "leave_last_k":
-        _need_time(clicks, cfg.kind)
-        train, test = _parts(clicks, _last_k(clicks, cfg.k))
-        if test.empty:
-            raise DataError(
-                f"leave_last_k split left the test part empty: no user has more than "
-                f"split.k={cfg.k} clicks; lower split.k"
-            )
-    elif cfg.kind == "random":
-        is_test = hashed_test_mask(
-            clicks[USER].astype(str).to_numpy(dtype=object),
-            clicks[ITEM].astype(str).to_numpy(dtype=object),
-            clicks[TIME].to_numpy(np.int64) if TIME in clicks else None,
-            cfg.test_fraction,
-            cfg.seed,
-        )
-        n_test = int(is_test.sum())
-        if not 0 < n_test < len(clicks):
-            raise DataError(
-                f"random split of {len(clicks)} clicks with split.test_fraction="
-                f"{cfg.test_fraction:g} leaves {n_test} test clicks; a part would be empty"
-            )
-        train, test = _parts(clicks, is_test)
-    else:
-        raise ValueError(f"unknown split.kind {cfg.kind!r}; valid: temporal, leave_last_k, random, none")
-    for name, part in (("train", train), ("test", test)):
-        if part.empty:
-            raise DataError(f"the {name} part of the {cfg.kind!r} split is empty")
-    return train, test
-
-
-def split_validation(train: pd.DataFrame, cfg: SplitConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Split the training part of ``split_clicks`` again, as ``cfg`` split the log.
-
-    The nested split of ``split.evaluate_on: validation``: ``temporal`` holds
-    out the latest ``test_fraction`` of the training clicks (cut at their own
-    quantile, so every validation click is later than every inner training
-    click and no later than the outer cut), ``leave_last_k`` each user's last
-    ``k`` training clicks, ``random`` a ``test_fraction`` of the training rows
-    (hash keyed by ``nested_seed(seed)``). The test part plays no role.
-
-    Args:
-        train: The training part of ``split_clicks(clicks, cfg)``.
-        cfg: The same split; its ``kind`` must not be ``none`` (a given test
-            log has no split to repeat).
-
-    Returns:
-        ``(inner train, validation)``: a partition of ``train``'s rows, each in
-        ``train``'s order with a fresh index, neither empty.
-
-    Raises:
-        ValueError: ``cfg.kind`` is ``none``.
-        DataError: The nested split would leave a part empty (the message
-            says it is the validation split).
-    """
-    if cfg.kind == "none":
-        raise ValueError(
-            "split.evaluate_on: validation cannot split again a split.kind: none log; "
-            "data.test_clicks is already the evaluation part"
-        )
-    if cfg.kind == "random":
-        cfg = cfg.model_copy(update={"seed": nested_seed(cfg.seed)})
-    try:
-        return split_clicks(train, cfg)
-    except DataError as error:
-        raise DataError(
-            f"split.evaluate_on: validation splits the training part ({len(train)} clicks) again, "
-            f"and there: {error}"
-        ) from None
+from retrieval.data.schema import ITEM, TIME, DataError
 
 
 def hold_out_items(
@@ -192,7 +82,11 @@ def temporal_cut(clicks: pd.DataFrame, test_fraction: float) -> int:
     The cut is an actual timestamp of the log (numpy's ``"lower"`` quantile),
     so at least one click is always in train.
     """
-    _need_time(clicks, "temporal")
+    if TIME not in clicks:
+        raise DataError(
+            "split.kind 'temporal' needs timestamps but the log has none: set "
+            "data.columns.timestamp to the log's time column, or use split.kind: random"
+        )
     return timestamp_cut(clicks[TIME].to_numpy(), test_fraction)
 
 
@@ -264,24 +158,6 @@ def hashed_test_mask(
 def timestamp_cut(timestamps: np.ndarray, test_fraction: float) -> int:
     """``temporal_cut`` of an array of every click's timestamp (the out-of-core split uses it too)."""
     return int(np.quantile(timestamps, 1 - test_fraction, method="lower"))
-
-
-def _need_time(clicks: pd.DataFrame, kind: str) -> None:
-    if TIME not in clicks:
-        raise DataError(
-            f"split.kind {kind!r} needs timestamps but the log has none: set "
-            "data.columns.timestamp to the log's time column, or use split.kind: random"
-        )
-
-
-def _parts(clicks: pd.DataFrame, is_test: np.ndarray) -> tuple[pd.DataFrame, pd.DataFrame]:
-    return clicks[~is_test].reset_index(drop=True), clicks[is_test].reset_index(drop=True)
-
-
-def _last_k(clicks: pd.DataFrame, k: int) -> np.ndarray:
-    """Mask of each user's last ``k`` clicks, for users with more than ``k``."""
-    users = pd.factorize(clicks[USER])[0]
-    return last_k_mask(users, clicks[TIME].to_numpy(), np.arange(len(clicks)), k)
 
 
 def last_k_mask(users: np.ndarray, timestamps: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:

@@ -28,8 +28,15 @@ import pyarrow.compute as pc
 from retrieval.config import SplitConfig
 from retrieval.data.loaders import first_click_mask
 from retrieval.data.schema import DataError
-from retrieval.data.shards import ClickBatch, ClickLog, as_strings
-from retrieval.data.splits import draw_held_out_items, hashed_test_mask, last_k_mask, timestamp_cut, validation_carve
+from retrieval.data.shards import ClickBatch, ClickLog, ClickTable, as_strings
+from retrieval.data.splits import (
+    draw_held_out_items,
+    hashed_test_mask,
+    last_k_mask,
+    nested_seed,
+    timestamp_cut,
+    validation_carve,
+)
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: array fields
@@ -148,7 +155,8 @@ def plan_split(shards: ClickLog, split: SplitConfig, duplicates: str = "keep") -
     if not (everything > cut).any():
         raise DataError(
             f"temporal split left the test part empty: no click is later than the cut at {cut} "
-            f"(quantile {1 - split.test_fraction:g} of {rows} clicks)"
+            f"(quantile {1 - split.test_fraction:g} of {rows} clicks); the last clicks share one timestamp or "
+            "split.test_fraction is too small"
         )
     return SplitPlan("temporal", rows, cut=cut, time_range=time_range, kept_keys=kept)
 
@@ -373,3 +381,97 @@ def _has_key(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
 
 # A split of the log, of its training side again (early stopping), or less its held-out items.
 Plan = SplitPlan | CarvedPlan | HeldOutPlan
+
+
+# -- frames: the plans applied to a click frame held in memory -----------------------------
+
+
+def split_clicks(
+    clicks: pd.DataFrame, cfg: SplitConfig, test_clicks: pd.DataFrame | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Split ``clicks`` as ``cfg.kind`` says: ``plan_split`` of the frame's rows (``ClickTable``).
+
+    Args:
+        clicks: Canonical clicks.
+        cfg: The split: ``temporal`` puts clicks after the timestamp at
+            quantile ``1 - test_fraction`` in test (ties at the cut go to
+            train); ``leave_last_k`` puts each user's last ``k`` clicks by
+            timestamp in test (ties broken by row order), users with ``k`` or
+            fewer clicks staying entirely in train; ``random`` puts each click
+            in test with probability ``test_fraction`` by a hash of the click
+            keyed by ``seed`` (``hashed_test_mask``: the streamed split holds out
+            the same rows); ``none`` returns ``clicks`` and ``test_clicks`` as they are.
+        test_clicks: The separately given test log; only with ``kind: none``.
+
+    Returns:
+        ``(train, test)``, neither empty.
+
+    Raises:
+        DataError: A needed timestamp or test log is missing, a test log is
+            given to another kind of split, or a part would be empty.
+    """
+    if cfg.kind == "none":
+        if test_clicks is None:
+            raise DataError("split.kind 'none' needs a separate test log: set data.test_clicks")
+        train, test = clicks.reset_index(drop=True), test_clicks.reset_index(drop=True)
+    elif test_clicks is not None:
+        raise DataError(
+            f"a separate test log was given but split.kind is {cfg.kind!r}: set split.kind: none "
+            "to use it, or remove data.test_clicks"
+        )
+    else:
+        # The plan a streamed log gets, made of the frame's rows: one implementation of every split.
+        log = ClickTable.from_frame(clicks)
+        plan = plan_split(log, cfg)
+        is_test = np.concatenate([plan.is_test(batch) for batch in log.scan()])
+        n_test = int(is_test.sum())
+        if cfg.kind == "random" and not 0 < n_test < len(clicks):
+            raise DataError(
+                f"random split of {len(clicks)} clicks with split.test_fraction="
+                f"{cfg.test_fraction:g} leaves {n_test} test clicks; a part would be empty"
+            )
+        train, test = clicks[~is_test].reset_index(drop=True), clicks[is_test].reset_index(drop=True)
+    for name, part in (("train", train), ("test", test)):
+        if part.empty:
+            raise DataError(f"the {name} part of the {cfg.kind!r} split is empty")
+    return train, test
+
+
+def split_validation(train: pd.DataFrame, cfg: SplitConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Split the training part of ``split_clicks`` again, as ``cfg`` split the log.
+
+    The nested split of ``split.evaluate_on: validation``: ``temporal`` holds
+    out the latest ``test_fraction`` of the training clicks (cut at their own
+    quantile, so every validation click is later than every inner training
+    click and no later than the outer cut), ``leave_last_k`` each user's last
+    ``k`` training clicks, ``random`` a ``test_fraction`` of the training rows
+    (hash keyed by ``nested_seed(seed)``). The test part plays no role.
+
+    Args:
+        train: The training part of ``split_clicks(clicks, cfg)``.
+        cfg: The same split; its ``kind`` must not be ``none`` (a given test
+            log has no split to repeat).
+
+    Returns:
+        ``(inner train, validation)``: a partition of ``train``'s rows, each in
+        ``train``'s order with a fresh index, neither empty.
+
+    Raises:
+        ValueError: ``cfg.kind`` is ``none``.
+        DataError: The nested split would leave a part empty (the message
+            says it is the validation split).
+    """
+    if cfg.kind == "none":
+        raise ValueError(
+            "split.evaluate_on: validation cannot split again a split.kind: none log; "
+            "data.test_clicks is already the evaluation part"
+        )
+    if cfg.kind == "random":
+        cfg = cfg.model_copy(update={"seed": nested_seed(cfg.seed)})
+    try:
+        return split_clicks(train, cfg)
+    except DataError as error:
+        raise DataError(
+            f"split.evaluate_on: validation splits the training part ({len(train)} clicks) again, "
+            f"and there: {error}"
+        ) from None
