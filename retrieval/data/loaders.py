@@ -22,22 +22,22 @@ import numpy as np
 import pandas as pd
 
 from retrieval.config import ColumnsConfig, TableConfig
-from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
-from retrieval.data.shards import SHARD_FORMATS, ClickShards, decode_text
+from retrieval.data.schema import (
+    FORMAT_BY_EXTENSION,
+    ITEM,
+    SHARD_FORMATS,
+    TABLE_FORMATS,
+    TIME,
+    USER,
+    WEIGHT,
+    DataError,
+)
+from retrieval.data.shards import ClickShards, decode_text
 from retrieval.data.values import BadValues, click_weights, feature_numbers, id_strings, timestamp_seconds
 
 Duplicates = Literal["keep", "first"]
 T = TypeVar("T")
 
-_FORMAT_BY_EXTENSION = {
-    ".csv": "csv",
-    ".tsv": "tsv",
-    ".txt": "tsv",
-    ".parquet": "parquet",
-    ".pq": "parquet",
-    ".dat": "movielens-1m",
-    ".data": "movielens-100k",
-}
 _DEFAULT_SEPARATOR = {"csv": ",", "tsv": "\t", "movielens-100k": "\t", "movielens-1m": "::"}
 _MOVIELENS_FIELDS = ["user_id", "item_id", "rating", "timestamp"]
 # MovieLens files name their own columns; the rating is the click weight.
@@ -142,9 +142,9 @@ def read_feature_table(table: TableConfig, id_column: str) -> pd.DataFrame:
             number that is infinite, NaN or beyond float32.
     """
     fmt = resolve_format(table)
-    if fmt.startswith("movielens") or fmt in ("user-items", "sequences"):
+    if fmt not in SHARD_FORMATS:
         raise DataError(
-            f"format {fmt!r} is a click-log format; feature tables are csv, tsv or parquet",
+            f"format {fmt!r} is a click-log format; feature tables are {', '.join(SHARD_FORMATS)}",
             file=table.path,
         )
     raw = _read_raw(table, fmt)
@@ -223,13 +223,13 @@ def resolve_format(table: TableConfig) -> str:
     if table.format != "auto":
         return table.format
     suffix = Path(table.path).suffix.lower()
-    if suffix not in _FORMAT_BY_EXTENSION:
+    if suffix not in FORMAT_BY_EXTENSION:
         raise DataError(
             f"cannot tell the format from the extension {suffix!r}; set format to one of "
-            "csv, tsv, parquet, movielens-100k, movielens-1m, user-items, sequences",
+            + ", ".join(TABLE_FORMATS),
             file=table.path,
         )
-    return _FORMAT_BY_EXTENSION[suffix]
+    return FORMAT_BY_EXTENSION[suffix]
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,29 @@ column         dtype    meaning
 
 from __future__ import annotations
 
+from typing import get_args
+
+from retrieval.config import TableFormat
 from retrieval.errors import UserError
 
 USER = "user_id"
 ITEM = "item_id"
 TIME = "timestamp"
 WEIGHT = "weight"
+
+# The one list of formats: every reader, refusal and message reads it.
+TABLE_FORMATS: tuple[str, ...] = tuple(fmt for fmt in get_args(TableFormat) if fmt != "auto")
+FORMAT_BY_EXTENSION = {  # what format: auto reads a file as
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".txt": "tsv",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".dat": "movielens-1m",
+    ".data": "movielens-100k",
+}
+SHARD_FORMATS = ("parquet", "csv", "tsv")  # read by ``shards.ClickShards``, whole or streamed; feature tables too
+assert set(FORMAT_BY_EXTENSION.values()) | set(SHARD_FORMATS) <= set(TABLE_FORMATS)
 
 
 class DataError(UserError, ValueError):

@@ -32,15 +32,14 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from retrieval.config import ColumnsConfig, TableConfig
-from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
+from retrieval.data.schema import FORMAT_BY_EXTENSION, ITEM, SHARD_FORMATS, TIME, USER, WEIGHT, DataError
 from retrieval.data.values import FLOAT32_MAX, BadValues, click_weights, id_strings, timestamp_seconds
 
 # A click's row key is its shard's place in the sorted shard list times 2**ROW_KEY_BITS plus its
 # 0-based row in the shard: increasing in log order (the in-memory frame's row order) without a
 # pass to count each shard's rows first. 2**40 rows a shard, 2**23 shards.
 ROW_KEY_BITS = 40
-_SHARD_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "tsv", ".txt": "tsv"}
-SHARD_FORMATS = ("parquet", "csv", "tsv")  # read by ``ClickShards``, whole (read_clicks) or streamed
+_SHARD_FORMATS = {extension: fmt for extension, fmt in FORMAT_BY_EXTENSION.items() if fmt in SHARD_FORMATS}
 _SEPARATORS = {"csv": ",", "tsv": "\t"}
 
 
@@ -111,7 +110,7 @@ class ClickShards:
             if fmt is None:
                 raise DataError(
                     f"cannot tell the shard format from the extension {Path(file).suffix!r}; set the "
-                    "table's format to parquet, csv or tsv",
+                    f"table's format to one of {', '.join(SHARD_FORMATS)}",
                     file=file,
                 )
             formats.setdefault(fmt, file)
@@ -123,7 +122,7 @@ class ClickShards:
         (fmt,) = formats
         if fmt not in SHARD_FORMATS:
             raise DataError(
-                f"format {fmt!r} cannot be streamed out of core; use parquet, csv or tsv shards",
+                f"format {fmt!r} cannot be streamed out of core; use {', '.join(SHARD_FORMATS)} shards",
                 file=table.path,
             )
         shards = cls(
