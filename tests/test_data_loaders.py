@@ -466,3 +466,25 @@ def test_float_ids_read_the_same_in_memory_and_streamed(tmp_path):
     streamed = ClickShards.open(table(path), columns, read_batch_size=2)
     batches = [user for batch in streamed.scan() for user in batch.frame()[USER]]
     assert whole == batches == ["196", "7", "3.5"]
+
+
+def test_feature_tables_and_click_logs_share_one_text_reader(tmp_path):
+    """The same file faults are named the same way in a feature table as in a click log."""
+    rows = "\n\nid,genre,year\ni1,drama,1999\ni2,comedy,2001,x\n"  # two leading blank lines, a field more
+    path = write(tmp_path, "items.csv", rows)
+    with pytest.raises(DataError, match=r"items\.csv, line 5: expected 3 fields separated by ',', found 4$"):
+        read_feature_table(table(path), "id")
+    latin = write(tmp_path, "latin.csv", "id,title\ni1,Caf\xe9\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin\.csv, line 2: byte 0xe9 is not valid utf-8.*encoding: latin-1"):
+        read_feature_table(table(latin), "id")
+    assert read_feature_table(table(latin, encoding="latin-1"), "id")["title"].tolist() == ["Café"]
+
+
+def test_a_longer_separator_reads_whole_and_is_refused_streamed(tmp_path):
+    from retrieval.data.streaming import ClickShards
+
+    path = write(tmp_path, "c.csv", "user_id||item_id||timestamp\n1||a||5\n2||b||6\n")
+    clicks = read_clicks(table(path, separator="||"), COLUMNS)
+    assert clicks[[USER, ITEM, TIME]].values.tolist() == [["1", "a", 5], ["2", "b", 6]]
+    with pytest.raises(DataError, match=r"separator '\|\|' is not one character: .*data\.out_of_core: false"):
+        ClickShards.open(table(path, separator="||"), COLUMNS)

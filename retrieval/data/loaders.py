@@ -32,7 +32,7 @@ from retrieval.data.schema import (
     WEIGHT,
     DataError,
 )
-from retrieval.data.shards import ClickShards, decode_text
+from retrieval.data.shards import ClickShards, TextLayout, decode_text, read_text_table
 from retrieval.data.values import BadValues, click_weights, feature_numbers, id_strings, timestamp_seconds
 
 Duplicates = Literal["keep", "first"]
@@ -96,7 +96,7 @@ def read_clicks(
         return apply_duplicates(_read_parquet_sequences(table, columns), duplicates)
     if fmt in ("user-items", "sequences"):
         return apply_duplicates(_read_user_items(table, ordered=fmt == "sequences"), duplicates)
-    if fmt in SHARD_FORMATS:
+    if fmt in SHARD_FORMATS and _arrow_reads(table, fmt):
         _check_file(table)
         batches = [batch.frame() for batch in ClickShards.open(table, columns).scan()]
         if not batches or not sum(len(batch) for batch in batches):
@@ -348,10 +348,20 @@ def _read_parquet_sequences(table: TableConfig, columns: ColumnsConfig) -> pd.Da
     return clicks
 
 
+def _arrow_reads(table: TableConfig, fmt: str) -> bool:
+    """Whether Arrow reads the file (``shards``): Parquet, and text split on one character; pandas
+    reads the MovieLens formats and text split on a longer separator, which Arrow cannot."""
+    return fmt == "parquet" or (fmt in SHARD_FORMATS and len(table.separator or _DEFAULT_SEPARATOR[fmt]) == 1)
+
+
 def _read_raw(table: TableConfig, fmt: str) -> _Raw:
     path = _check_file(table)
     if fmt == "parquet":
         return _read_parquet(table.path)
+    if _arrow_reads(table, fmt):
+        layout = TextLayout(table.separator or _DEFAULT_SEPARATOR[fmt], table.header, table.encoding)
+        frame, numbers = read_text_table(table.path, layout)
+        return _without_blank_rows(frame, numbers, table.path)
     text = decode_text(path.read_bytes(), table.encoding, table.path)
     movielens = fmt.startswith("movielens")
     header = table.header and not movielens
@@ -419,11 +429,8 @@ def _read_raw(table: TableConfig, fmt: str) -> _Raw:
         )
     # Fields missing at line end read as "" (the python engine: NaN), so a short row is refused by
     # the first column it leaves empty that the log needs.
-    frame = frame.fillna("")
-    blank = frame.apply(lambda column: column.str.strip() == "").all(axis=1).to_numpy()
-    frame, numbers = frame[~blank].reset_index(drop=True), numbers[~blank]
-    if frame.empty:
-        raise DataError("no data rows", file=table.path)
+    raw = _without_blank_rows(frame.fillna(""), numbers, table.path)
+    frame, numbers = raw.frame, raw.numbers
     if movielens:
         if frame.shape[1] != len(_MOVIELENS_FIELDS):
             raise DataError(
@@ -445,6 +452,16 @@ def _read_parquet(file: str) -> _Raw:
     frame = frame.reset_index(drop=True)
     frame.columns = [str(c) for c in frame.columns]
     return _Raw(frame, file, np.arange(1, len(frame) + 1), is_text=False)
+
+
+def _without_blank_rows(frame: pd.DataFrame, numbers: np.ndarray, file: str) -> _Raw:
+    """The text rows holding a non-blank cell (a row of separators and spaces is no data)."""
+    frame.columns = [str(c) for c in frame.columns]
+    blank = frame.apply(lambda column: column.str.strip() == "").all(axis=1).to_numpy()
+    frame, numbers = frame[~blank].reset_index(drop=True), numbers[~blank]
+    if frame.empty:
+        raise DataError("no data rows", file=file)
+    return _Raw(frame, file, numbers, is_text=True)
 
 
 def _require_columns(raw: _Raw, wanted: list[str], header: bool) -> None:

@@ -125,6 +125,12 @@ class ClickShards:
                 f"format {fmt!r} cannot be streamed out of core; use {', '.join(SHARD_FORMATS)} shards",
                 file=table.path,
             )
+        if fmt != "parquet" and table.separator is not None and len(table.separator) != 1:
+            raise DataError(
+                f"separator {table.separator!r} is not one character: csv and tsv shards are split on one "
+                "character (Arrow); rewrite the shards, or read the log whole (data.out_of_core: false)",
+                file=table.path,
+            )
         shards = cls(
             tuple(files),
             fmt,
@@ -148,30 +154,14 @@ class ClickShards:
         c = self.columns
         return [name for name in (c.user, c.item, c.timestamp, c.weight) if name]
 
-    def _text_start(self, file: str) -> tuple[int, list[str]]:
-        """(lines before the data: leading blank lines and the header; the column names: the header's
-        fields, or positions ``"0"``, ``"1"``, ... without a header)."""
-        skipped = 0
-        try:
-            with open(file, encoding=self.encoding, newline="") as handle:
-                for line in handle:
-                    first = line.removeprefix("\ufeff").rstrip("\r\n")
-                    if first.strip():
-                        break
-                    skipped += 1
-                else:
-                    raise DataError("the file is empty: no data rows", file=file)
-        except (UnicodeDecodeError, LookupError):
-            decode_text(Path(file).read_bytes(), self.encoding, file)  # raises, naming the line and byte
-            raise
-        fields = first.split(self.separator or _SEPARATORS[self.format])
-        if self.header:
-            return skipped + 1, [f.strip() for f in fields]
-        return skipped, [str(i) for i in range(len(fields))]
+    @property
+    def text(self) -> TextLayout:
+        """How a text shard is laid out (Parquet shards have no use for it)."""
+        return TextLayout(self.separator or _SEPARATORS.get(self.format, ","), self.header, self.encoding)
 
     def _check_columns(self, file: str) -> None:
         try:
-            found = pq.read_schema(file).names if self.format == "parquet" else self._text_start(file)[1]
+            found = pq.read_schema(file).names if self.format == "parquet" else self.text.start(file)[1]
         except DataError:
             raise
         except Exception as error:  # pyarrow raises several unrelated types for bad files
@@ -189,23 +179,14 @@ class ClickShards:
     def _dataset(self, file: str) -> pads.Dataset:
         if self.format == "parquet":
             return pads.dataset(file, format="parquet")
-        skipped, names = self._text_start(file)
         # Every column is read as text, so the cells are parsed by the rules read_clicks applies
         # (retrieval.data.values), not by Arrow's per-block type inference.
-        ids = {name: pa.string() for name in self.wanted}
-        fmt = pads.CsvFileFormat(
-            parse_options=pacsv.ParseOptions(delimiter=self.separator or _SEPARATORS[self.format]),
-            read_options=pacsv.ReadOptions(
-                column_names=names, skip_rows=skipped, encoding=self.encoding
-            ),
-            convert_options=pacsv.ConvertOptions(column_types=ids, strings_can_be_null=False),
-        )
-        return pads.dataset(file, format=fmt)
+        return pads.dataset(file, format=self.text.arrow_format(file, self.wanted))
 
     def batches(self, file: str) -> Iterator[ClickBatch]:
         """Canonical click batches of one shard (one of ``files``), in file order."""
         text = self.format != "parquet"
-        line_of = (lambda row: self._text_line(file, row)) if text else None
+        line_of = (lambda row: self.text.line_of_row(file, row)) if text else None
         first_key = self.files.index(file) << ROW_KEY_BITS
         try:
             scanner = self._dataset(file).to_batches(columns=self.wanted, batch_size=self.read_batch_size)
@@ -221,45 +202,9 @@ class ClickShards:
         except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, UnicodeDecodeError) as error:
             if not Path(file).is_file():  # Arrow's message does not say so plainly
                 raise DataError("the shard is missing: deleted or moved since the run listed it", file=file) from None
-            if line_of is not None:
-                decode_text(Path(file).read_bytes(), self.encoding, file)  # an undecodable byte: named at its line
-            found = re.search(r"CSV parse error: Row #(\d+): Expected (\d+) columns, got (\d+)", str(error))
-            if found is None or line_of is None:
+            if not text:
                 raise DataError(f"cannot read the {self.format} shard: {error}", file=file) from None
-            row, expected, saw = map(int, found.groups())  # Arrow's row counts the header, not empty lines
-            separator = self.separator or _SEPARATORS[self.format]
-            line = line_of(row - int(self.header))
-            hint = ""
-            if saw == expected + 1 and self._line(file, line).rstrip("\r\n").endswith(separator):
-                hint = f" (a trailing {separator!r}: remove it, or name the extra column in the header)"
-            raise DataError(
-                f"expected {expected} fields separated by {separator!r}, found {saw}{hint}", file=file, line=line
-            ) from None
-
-    def _text_line(self, file: str, data_row: int) -> int:
-        """The 1-based line of a text shard's 1-based data row ``data_row``.
-
-        Arrow skips empty lines and does not count them; an error names the line
-        a text editor shows, as ``read_clicks`` does, so they are counted here
-        (only when an error needs a line).
-        """
-        skipped, _ = self._text_start(file)
-        number = rows = 0
-        with open(file, encoding=self.encoding, errors="replace", newline="") as handle:
-            for number, line in enumerate(handle, start=1):
-                if number <= skipped or not line.rstrip("\r\n"):
-                    continue
-                rows += 1
-                if rows == data_row:
-                    return number
-        return number
-
-    def _line(self, file: str, number: int) -> str:
-        with open(file, encoding=self.encoding, errors="replace", newline="") as handle:
-            for at, line in enumerate(handle, start=1):
-                if at == number:
-                    return line
-        return ""
+            raise self.text.read_error(file, error, f"the {self.format} shard") from None
 
     def scan(self, files: Sequence[str] | None = None) -> Iterator[ClickBatch]:
         """Canonical click batches of every shard (or of ``files``), shard by shard."""
@@ -330,6 +275,110 @@ class ClickTable:
     def scan(self, files: Sequence[str] | None = None) -> Iterator[ClickBatch]:
         for file in self.files if files is None else files:
             yield from self.batches(file)
+
+
+@dataclass(frozen=True)
+class TextLayout:
+    """How a delimited text file is laid out, and how Arrow reads it with every line counted.
+
+    Arrow skips empty lines and does not count them; every error names the line a
+    text editor shows, so lines are counted here (only when an error needs one).
+    Leading blank lines are skipped; the header is the first line with text.
+    """
+
+    separator: str
+    header: bool = True
+    encoding: str = "utf-8"
+
+    def start(self, file: str) -> tuple[int, list[str]]:
+        """(lines before the data: leading blank lines and the header; the column names: the header's
+        fields, or positions ``"0"``, ``"1"``, ... without a header)."""
+        skipped = 0
+        try:
+            with open(file, encoding=self.encoding, newline="") as handle:
+                for line in handle:
+                    first = line.removeprefix("\ufeff").rstrip("\r\n")
+                    if first.strip():
+                        break
+                    skipped += 1
+                else:
+                    raise DataError("the file is empty: no data rows", file=file)
+        except (UnicodeDecodeError, LookupError):
+            decode_text(Path(file).read_bytes(), self.encoding, file)  # raises, naming the line and byte
+            raise
+        fields = first.split(self.separator)
+        if self.header:
+            return skipped + 1, [f.strip() for f in fields]
+        return skipped, [str(i) for i in range(len(fields))]
+
+    def arrow_format(self, file: str, text_columns: Sequence[str] | None = None) -> pads.CsvFileFormat:
+        """Arrow's reading of ``file``: ``text_columns`` (None: every column) as strings, never null."""
+        skipped, names = self.start(file)
+        text = {name: pa.string() for name in (names if text_columns is None else text_columns)}
+        return pads.CsvFileFormat(
+            parse_options=pacsv.ParseOptions(delimiter=self.separator),
+            read_options=pacsv.ReadOptions(column_names=names, skip_rows=skipped, encoding=self.encoding),
+            convert_options=pacsv.ConvertOptions(column_types=text, strings_can_be_null=False),
+        )
+
+    def line_of_row(self, file: str, data_row: int) -> int:
+        """The 1-based line of the 1-based data row ``data_row``."""
+        skipped, _ = self.start(file)
+        number = rows = 0
+        with open(file, encoding=self.encoding, errors="replace", newline="") as handle:
+            for number, line in enumerate(handle, start=1):
+                if number <= skipped or not line.rstrip("\r\n"):
+                    continue
+                rows += 1
+                if rows == data_row:
+                    return number
+        return number
+
+    def data_lines(self, file: str) -> np.ndarray:
+        """[data rows] int64: each data row's 1-based line (one pass over the file)."""
+        skipped, _ = self.start(file)
+        with open(file, encoding=self.encoding, errors="replace", newline="") as handle:
+            numbers = [n for n, line in enumerate(handle, start=1) if n > skipped and line.rstrip("\r\n")]
+        return np.asarray(numbers, dtype=np.int64)
+
+    def read_error(self, file: str, error: Exception, what: str) -> DataError:
+        """The ``DataError`` of an Arrow read that failed: an undecodable byte at its line, a row of
+        the wrong width at its line (with the fix for a trailing separator), else Arrow's words."""
+        decode_text(Path(file).read_bytes(), self.encoding, file)  # an undecodable byte: raised at its line
+        found = re.search(r"CSV parse error: Row #(\d+): Expected (\d+) columns, got (\d+)", str(error))
+        if found is None:
+            return DataError(f"cannot read {what}: {error}", file=file)
+        row, expected, saw = map(int, found.groups())  # Arrow's row counts the header, not empty lines
+        line = self.line_of_row(file, row - int(self.header))
+        hint = ""
+        if saw == expected + 1 and self._line(file, line).rstrip("\r\n").endswith(self.separator):
+            hint = f" (a trailing {self.separator!r}: remove it, or name the extra column in the header)"
+        return DataError(
+            f"expected {expected} fields separated by {self.separator!r}, found {saw}{hint}", file=file, line=line
+        )
+
+    def _line(self, file: str, number: int) -> str:
+        with open(file, encoding=self.encoding, errors="replace", newline="") as handle:
+            for at, line in enumerate(handle, start=1):
+                if at == number:
+                    return line
+        return ""
+
+
+def read_text_table(file: str, layout: TextLayout) -> tuple[pd.DataFrame, np.ndarray]:
+    """A delimited text file whole, every cell a string: ``(frame, line of each row)``.
+
+    Raises:
+      DataError: undecodable, empty, or a row of the wrong width (naming its line).
+    """
+    try:
+        table = pads.dataset(file, format=layout.arrow_format(file)).to_table()
+    except DataError:
+        raise
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, UnicodeDecodeError) as error:
+        raise layout.read_error(file, error, "the file") from None
+    frame = table.to_pandas()
+    return frame, layout.data_lines(file)
 
 
 def list_shard_files(path: str) -> list[str]:
