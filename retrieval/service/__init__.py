@@ -34,6 +34,9 @@ Endpoints (request and response bodies are JSON):
 ``GET /metadata``
     Bundle version, query features, index factory, tuned search parameters
     and their measured recall, library versions (no server paths).
+``GET /metrics``
+    Prometheus text exposition (``retrieval.service.metrics``): requests by
+    route template and status, their latency, and the bundle being served.
 ``POST /admin/reload`` (unless the app was made with ``admin=False``)
     ``{"bundle": "artifacts/<new run>"}``: loads the new bundle completely,
     then swaps it in with one reference assignment. Requests already running
@@ -66,8 +69,9 @@ never queue behind it. Its reply is the same JSON.
 
 The package's modules: ``limits`` (request bounds, ``ServiceLimits``, admin
 exposure), ``inputs`` (request models, body reading and parsing), ``connection``
-(uvicorn protocols with a read deadline, ``server_config``), ``app``
-(``create_app``, the bundle holder and the bulk lane).
+(uvicorn protocols with a read deadline, ``server_config``), ``metrics``
+(``/metrics``: the per-app registry and the middleware counting requests),
+``app`` (``create_app``, the bundle holder and the bulk lane).
 """
 
 from retrieval.service.app import BundleHolder, create_app

@@ -1,7 +1,7 @@
 """The ASGI app of the HTTP service: routes, the bundle being served, the bulk lane.
 
 ``create_app`` builds the Starlette app (``/recommend``, ``/similar``,
-``/healthz``, ``/metadata``, ``/admin/reload``) over a ``BundleHolder``,
+``/healthz``, ``/metadata``, ``/metrics``, ``/admin/reload``) over a ``BundleHolder``,
 whose ``reload`` swaps a new bundle in with one reference assignment; large batches run in
 the bulk lane (``_bulk_executor``) in chunks, apart from small requests; the
 exception handlers turn errors into ``{"error": ...}`` replies.
@@ -43,6 +43,7 @@ from retrieval.service.inputs import (
     _validated,
 )
 from retrieval.service.limits import INLINE_PARSE_BYTES, ServiceLimits
+from retrieval.service.metrics import METRICS_PATH, RequestMetrics, ServiceMetrics
 
 if TYPE_CHECKING:  # retrieval.serving loads TensorFlow: imported where a bundle is loaded, so that
     # `retrieval reload` and `retrieval serve --help` (which read ServiceLimits) start fast.
@@ -56,23 +57,36 @@ class BundleHolder:
 
     A request reads ``current`` once and uses that object to the end, so a
     swap never changes the bundle under a running request, and the old bundle
-    is freed when the last request using it finishes.
+    is freed when the last request using it finishes. ``load_seconds`` (None
+    for a bundle loaded elsewhere) and ``served_since`` (Unix time it was
+    swapped in) describe ``current`` for ``GET /metrics``.
     """
 
-    def __init__(self, bundle: Bundle, verify: Verify = "quick"):
+    def __init__(self, bundle: Bundle, verify: Verify = "quick", load_seconds: float | None = None):
         self.current = bundle
         self.verify: Verify = verify
+        self.load_seconds = load_seconds
+        self.served_since = time.time()
         self._reload_lock = asyncio.Lock()
 
     async def reload(self, directory: str | Path) -> tuple[Bundle, Bundle]:
         """Load ``directory`` off the event loop (every check of ``Bundle.load`` at ``verify``), then swap;
         return (old, new). A bundle that fails a check raises here and the old one stays."""
-        from retrieval.serving import Bundle
-
         async with self._reload_lock:  # one reload at a time; requests are never blocked
-            new = await run_in_threadpool(functools.partial(Bundle.load, directory, verify=self.verify))
+            new, seconds = await run_in_threadpool(_timed_load, directory, self.verify)
+            # All on the event loop, where /metrics reads them too: a scrape never sees half of the swap.
             old, self.current = self.current, new
+            self.load_seconds, self.served_since = seconds, time.time()
             return old, new
+
+
+def _timed_load(directory: str | Path, verify: Verify) -> tuple[Bundle, float]:
+    """``Bundle.load(directory, verify=verify)`` and the seconds it took."""
+    from retrieval.serving import Bundle
+
+    started = time.perf_counter()
+    bundle = Bundle.load(directory, verify=verify)
+    return bundle, time.perf_counter() - started
 
 
 def create_app(
@@ -106,7 +120,12 @@ def create_app(
     from retrieval.serving import Bundle, BundleError
 
     limits = limits or ServiceLimits()
-    holder = BundleHolder(bundle if isinstance(bundle, Bundle) else Bundle.load(bundle, verify=verify), verify)
+    if isinstance(bundle, Bundle):
+        holder = BundleHolder(bundle, verify)
+    else:
+        loaded, seconds = _timed_load(bundle, verify)
+        holder = BundleHolder(loaded, verify, load_seconds=seconds)
+    metrics = ServiceMetrics(holder)
     bulk_lane = _bulk_executor(limits)
     expected_authorization = None if admin_token is None else f"Bearer {admin_token}".encode()
 
@@ -215,6 +234,7 @@ def create_app(
         Route("/similar", similar, methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metadata", metadata, methods=["GET"]),
+        Route(METRICS_PATH, metrics.endpoint, methods=["GET"]),
     ]
     if admin:
         routes.append(Route("/admin/reload", reload, methods=["POST"]))
@@ -229,7 +249,9 @@ def create_app(
         },
     )
     app.add_middleware(_HeaderCount, max_headers=limits.max_headers)
+    app.add_middleware(RequestMetrics, metrics=metrics, routes=routes)  # added last, so outermost: counts the 431s
     app.state.holder = holder
+    app.state.metrics = metrics
     app.state.limits = limits
     return app
 
