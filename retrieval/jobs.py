@@ -66,6 +66,7 @@ from retrieval.training import (
     embed_frame,
     fit,
     seed_everything,
+    training_summary,
 )
 
 log = logging.getLogger("retrieval")
@@ -127,6 +128,7 @@ def train_evaluate_export(
         metrics["data"] = data.summary(len(evaluated.eval_set.user_ids))
         metrics["derived"] = derived_settings(config, data.stats)
         metrics["final_train_loss"] = history["loss"][-1]
+        metrics["training"] = training_summary(config.train, history)
         metrics["timing"] = {
             "seconds": {key: round(value, 2) for key, value in seconds.items()},
             "epoch_seconds": timing.get("epoch_seconds"),
@@ -195,7 +197,9 @@ def write_run_outputs(
     (directory / "metrics.json").write_text(json.dumps(metrics, indent=2))
     (directory / "metrics.md").write_text(format_table(metrics) + "\n")
     write_report(directory, metrics, title=f"Offline evaluation: {name}", plots=config.evaluation.plots)
-    write_metric_summaries(directory / "tensorboard" / "evaluation", metrics, step=config.train.epochs)
+    # At the step of the last epoch trained (early stopping may train fewer than train.epochs).
+    write_metric_summaries(directory / "tensorboard" / "evaluation", metrics,
+                           step=metrics.get("training", {}).get("epochs", config.train.epochs))
     write_bundle(
         directory,
         query_tower=model.query_tower,

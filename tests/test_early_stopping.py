@@ -140,3 +140,32 @@ def test_a_refit_from_the_best_weights_trains_on_from_them():
     assert onward["best_epoch"] == scratch["best_epoch"] and onward["val_recall@20"] == scratch["val_recall@20"]
     assert len(scratch["loss"]) == int(scratch["best_epoch"][0]) and len(onward["loss"]) == 2
     assert onward["loss"][0] < scratch["loss"][0] - 0.1  # it did not start again from the initial weights
+
+
+@pytest.mark.slow
+def test_the_selection_logs_its_own_epochs_and_says_what_it_chose(tmp_path):
+    """Before a refit the selection run is a run of its own: its CSV and TensorBoard run hold the
+    validation recall per epoch, one line says what was chosen, and the summary records it."""
+    from retrieval.training import training_summary
+
+    train = _clicks(2)
+    config = TrainConfig(epochs=25, batch_size=256, learning_rate=0.05, validation_fraction=0.2,
+                         early_stopping_patience=1, verbose=0)
+    seed_everything(0)
+    model = build_model(ModelConfig(embedding_dim=8), FeatureStatistics.from_training_clicks(train))
+    lines: list[str] = []
+    history = fit(model, train, config, log_dir=tmp_path, say=lines.append)
+    best, recalls = int(history["best_epoch"][0]), history["val_recall@20"]
+    selection = pd.read_csv(tmp_path / "selection_log.csv")
+    np.testing.assert_allclose(selection["val_recall@20"], recalls)
+    assert len(pd.read_csv(tmp_path / "train_log.csv")) == best  # the refit: its own log
+    assert list((tmp_path / "tensorboard" / "selection").iterdir())
+    said = [line for line in lines if line.startswith("early stopping:")]
+    assert said == [f"early stopping: best epoch {best} of {len(recalls)} run (val_recall@20 "
+                    f"{recalls[best - 1]:.4f}); retraining from the initial weights on all training clicks "
+                    f"for {best} epochs"]
+    summary = training_summary(config, history)
+    assert summary["epochs"] == best and summary["max_epochs"] == 25
+    assert summary["early_stopping"]["best_epoch"] == best
+    assert summary["early_stopping"]["val_recall@20"] == pytest.approx(recalls)
+    assert summary["early_stopping"]["refit"] == "initial"

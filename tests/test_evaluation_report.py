@@ -64,3 +64,22 @@ def test_tables(results):
     assert summary[0].startswith("| ranker | recall@50 | ndcg@50 |")
     assert summary[3].startswith(f"| popularity | {results['popularity']['recall@50']:.4f} |")
     assert headline_k([10, 20, 50]) == 20 and headline_k([5, 50]) == 5 and headline_k([30]) == 30
+
+
+def test_a_run_with_early_stopping_gets_a_training_section_and_curve(tmp_path, results):
+    training = {
+        "epochs": 2, "max_epochs": 30, "loss": [6.1, 5.7],
+        "early_stopping": {"best_epoch": 2, "epochs_run": 4, "val_recall@20": [0.1, 0.2, 0.19, 0.18],
+                           "selection_loss": [6.2, 5.8, 5.6, 5.5], "refit": "initial",
+                           "message": "early stopping: best epoch 2 of 4 run (val_recall@20 0.2000); retraining "
+                                      "from the initial weights on all training clicks for 2 epochs"},
+    }
+    written = write_report(tmp_path, {**results, "training": training})
+    assert (tmp_path / "training.png").read_bytes().startswith(PNG_MAGIC)
+    assert tmp_path / "training.png" in written
+    report = (tmp_path / "report.md").read_text()
+    assert ("## Training\n\nThe served weights trained 2 epochs (at most 30), final loss 5.7000. Early stopping: "
+            "best epoch 2 of 4 run (val_recall@20 0.2000); retraining from the initial weights on all training "
+            "clicks for 2 epochs.") in report
+    assert "](training.png)" in report
+    assert "## Training" not in (write_report(tmp_path, results) and (tmp_path / "report.md").read_text())

@@ -60,8 +60,8 @@ def test_a_model_the_index_cannot_rank_is_refused_before_training(shards, tmp_pa
 
 
 @pytest.fixture(scope="module")
-def runs(shards, tmp_path_factory) -> dict[str, tuple[dict, list[tuple[int, float]]]]:
-    """Each source's run with early stopping: its metrics and what the epoch hook saw."""
+def runs(shards, tmp_path_factory) -> dict[str, tuple[dict, list[tuple[int, float]], Path]]:
+    """Each source's run with early stopping: its metrics, what the epoch hook saw, its directory."""
     out = {}
     for source in SOURCES:
         seen: list[tuple[int, float]] = []
@@ -70,7 +70,7 @@ def runs(shards, tmp_path_factory) -> dict[str, tuple[dict, list[tuple[int, floa
         result = jobs.train_evaluate_export(
             config, on_epoch_end=lambda epoch, logs, seen=seen: seen.append((epoch, logs["val_recall@20"]))
         )
-        out[source] = (result.metrics, seen)
+        out[source] = (result.metrics, seen, result.directory)
     return out
 
 
@@ -78,9 +78,31 @@ def runs(shards, tmp_path_factory) -> dict[str, tuple[dict, list[tuple[int, floa
 @pytest.mark.parametrize("source", SOURCES)
 def test_the_epoch_hook_sees_each_early_stopping_epoch(runs, source):
     """``make tune`` prunes trials through this hook, on streamed logs as on loaded ones."""
-    _, seen = runs[source]
+    _, seen, _ = runs[source]
     assert [epoch for epoch, _ in seen] == [0, 1, 2]
     assert all(0.0 <= recall <= 1.0 for _, recall in seen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", SOURCES)
+def test_the_run_says_how_training_went(runs, source):
+    """metrics.json, report.md and TensorBoard say which epoch early stopping chose and how many ran."""
+    metrics, seen, directory = runs[source]
+    training = metrics["training"]
+    stopping = training["early_stopping"]
+    recalls = [recall for _, recall in seen]
+    assert stopping["val_recall@20"] == pytest.approx(recalls)
+    assert stopping["best_epoch"] == 1 + int(np.argmax(recalls)) and stopping["refit"] == "none"
+    assert training["epochs"] == len(recalls) == 3 and training["max_epochs"] == 3
+    report = (directory / "report.md").read_text()
+    assert "## Training" in report and f"best epoch {stopping['best_epoch']} of 3 run" in report
+    assert not (directory / "training.png").exists()  # evaluation.plots: false
+    import tensorflow as tf
+
+    events = list((directory / "tensorboard" / "evaluation").iterdir())
+    steps = {value.step for event in events for value in tf.compat.v1.train.summary_iterator(str(event))
+             if value.summary.value}
+    assert steps == {training["epochs"]}  # the last epoch trained, not train.epochs
 
 
 def _shape(value):
@@ -93,7 +115,7 @@ def _shape(value):
 @pytest.mark.slow
 def test_metrics_have_one_shape_whatever_the_source(runs):
     """``metrics.json`` is read by reports, ``make tune`` and benchmarks: the same keys from both."""
-    (in_memory, _), (streamed, _) = runs["in_memory"], runs["streamed"]
+    (in_memory, _, _), (streamed, _, _) = runs["in_memory"], runs["streamed"]
     assert _shape(in_memory) == _shape(streamed)
     assert {"data", "derived", "final_train_loss", "timing", "model", "popularity", "counts"} <= set(in_memory)
     assert in_memory["data"]["source"] != streamed["data"]["source"]  # each says where its clicks came from

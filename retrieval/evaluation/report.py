@@ -17,6 +17,7 @@ PLOT_FILES = {
     "ndcg": "ndcg_at_k.png",
     "popularity_bias": "popularity_bias.png",
 }
+TRAINING_PLOT = "training.png"  # loss and validation recall per epoch, when the results say how training went
 SUMMARY_METRICS = (
     "recall",
     "ndcg",
@@ -132,9 +133,48 @@ def render_report(results: dict[str, Any], title: str = "Offline evaluation", pl
     if results.get("counts"):
         parts += ["## Counts", "", "| count | value |", "|---|---|"]
         parts += [f"| {name} | {value} |" for name, value in results["counts"].items()] + [""]
+    training = results.get("training")
+    if training:
+        parts += ["## Training", "", training_text(training), ""]
+        if plots:
+            parts += [f"![training]({TRAINING_PLOT})", ""]
     if plots:
         parts += ["## Plots", ""] + [f"![{name}]({file})" for name, file in PLOT_FILES.items()] + [""]
     return "\n".join(parts)
+
+
+def training_text(training: dict[str, Any]) -> str:
+    """What the run trained (``training.training_summary``), in a sentence or two."""
+    text = f"The served weights trained {training['epochs']} epochs (at most {training['max_epochs']})"
+    text += f", final loss {training['loss'][-1]:.4f}." if training["loss"] else "."
+    stopping = training.get("early_stopping")
+    if stopping:
+        text += f" {stopping['message'][0].upper()}{stopping['message'][1:]}."
+    return text
+
+
+def plot_training(training: dict[str, Any], path: str | Path) -> Path:
+    """Loss per epoch of the served run and, with early stopping, the selection's validation recall
+    per epoch (its best epoch marked), saved as a PNG."""
+    figure = _figure()
+    axes = figure.subplots()
+    loss = training["loss"]
+    axes.plot(range(1, len(loss) + 1), loss, marker="o", color="tab:blue", label="training loss")
+    axes.set_xlabel("epoch")
+    axes.set_ylabel("loss")
+    stopping = training.get("early_stopping")
+    if stopping:
+        key = next(name for name in stopping if name.startswith("val_recall@"))
+        recall = figure.gca().twinx()
+        recall.plot(range(1, len(stopping[key]) + 1), stopping[key], marker="s", color="tab:orange", label=key)
+        recall.axvline(stopping["best_epoch"], color="tab:orange", linestyle="--", alpha=0.5)
+        recall.set_ylabel(f"{key} (selection run)")
+        recall.legend(loc="lower right")
+    axes.legend(loc="upper right")
+    axes.set_title("Training")
+    axes.grid(True, alpha=0.3)
+    figure.savefig(path, dpi=100, bbox_inches="tight")
+    return Path(path)
 
 
 def plot_metric_curves(results: dict[str, Any], metric: str, path: str | Path) -> Path:
@@ -186,6 +226,8 @@ def write_report(
         written.append(plot_metric_curves(results, "recall", directory / PLOT_FILES["recall"]))
         written.append(plot_metric_curves(results, "ndcg", directory / PLOT_FILES["ndcg"]))
         written.append(plot_popularity_bias(results, k, directory / PLOT_FILES["popularity_bias"]))
+        if results.get("training"):
+            written.append(plot_training(results["training"], directory / TRAINING_PLOT))
     report = directory / REPORT_FILE
     report.write_text(render_report(results, title, plots) + "\n", encoding="utf-8")
     return [report, *written]

@@ -9,7 +9,7 @@ at a time), ``checkpoints``, ``loop`` (the step loop every run uses),
 from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState
 from retrieval.training.early_stopping import ValidationData, ValidationRecall, validation_split
 from retrieval.training.embeddings import embed, embed_frame
-from retrieval.training.fit import fit, select_epochs
+from retrieval.training.fit import fit, select_epochs, training_summary
 from retrieval.training.loop import RunLogs, TrainingDiverged, train_epochs
 from retrieval.training.optimizers import OPTIMIZERS, LazyAdam, RowWiseAdagrad, make_optimizer
 from retrieval.training.runtime import distribution_strategy, seed_everything
@@ -42,6 +42,7 @@ __all__ = [
     "make_optimizer",
     "seed_everything",
     "select_epochs",
+    "training_summary",
     "steps_per_epoch",
     "train_epochs",
     "validation_split",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import tensorflow as tf
@@ -60,7 +61,9 @@ def fit(
         or a ``ClickSource`` (``StreamedClicks``; early stopping then needs ``validation``).
       config: optimiser, epochs, batch size, seed, checkpoint interval.
       log_dir: if given, each epoch's values go to ``train_log.csv`` there and to
-        TensorBoard event files under ``tensorboard/train``.
+        TensorBoard event files under ``tensorboard/train``; an early-stopping selection
+        followed by a refit logs its own epochs (validation recall included) to
+        ``selection_log.csv`` and ``tensorboard/selection``.
       split: how the test part was split (the validation part is carved alike);
         None = temporal when the clicks have timestamps, else random.
       checkpoint_dir: where to save and look for checkpoints; None = none.
@@ -119,10 +122,16 @@ def fit(
         # A refit from the best weights goes on with the selection's optimizer: fresh Adam moments
         # would make its first steps as large as training from scratch.
         onward = optimizer if config.refit and config.refit_from == "best" else None
-        best, selection = select_epochs(model, validation, config, hooks, None if config.refit else logs, say,
+        selection_logs = logs
+        if config.refit and log_dir is not None:
+            selection_logs = RunLogs(log_dir, "selection")
+        best, selection = select_epochs(model, validation, config, hooks, selection_logs, say,
                                         checkpoint_dir=selection_dir, timing=None if config.refit else timing,
                                         optimizer=onward)
+        if config.refit and selection_logs is not None:
+            selection_logs.close()
         epochs = _refit_epochs(config, best)
+        say(selection_summary(config, selection))
         if not config.refit:
             if logs is not None:
                 logs.close()
@@ -205,7 +214,7 @@ def select_epochs(
     model.compile(optimizer=optimizer)
     if state is None or not watch.stopped:  # a selection killed after its last epoch is not trained again
         state = train_epochs(model, validation.fit_source, config.epochs, state=state, checkpoint=checkpoint,
-                             logs=logs, hooks=all_hooks, verbose=config.verbose, say=say)
+                             logs=logs, hooks=all_hooks, verbose=config.verbose, say=say, eta_bound=True)
     if timing is not None:
         timing.update(state.timing)
     if initial is not None:
@@ -221,6 +230,45 @@ def select_epochs(
         watch.key: watch.recalls,
         "best_epoch": [float(watch.best_epoch)],
     }
+
+
+def training_summary(config: TrainConfig, history: dict[str, list[float]]) -> dict[str, Any]:
+    """What the run trained, for ``metrics.json`` and the report (``fit``'s history, plain numbers).
+
+    ``epochs`` and ``loss`` are those of the run whose weights are served; ``early_stopping``
+    (None without it) the selection: its best epoch, its validation recall and loss per epoch,
+    and what followed (``refit``: ``"initial"``, ``"best"`` or ``"none"``).
+    """
+    summary: dict[str, Any] = {
+        "epochs": len(history["loss"]),
+        "max_epochs": config.epochs,
+        "loss": [float(value) for value in history["loss"]],
+        "early_stopping": None,
+    }
+    key = f"val_recall@{config.validation_k}"
+    if key in history:
+        summary["early_stopping"] = {
+            "best_epoch": int(history["best_epoch"][0]),
+            "epochs_run": len(history[key]),
+            key: [float(value) for value in history[key]],
+            "selection_loss": [float(value) for value in history["selection_loss"]],
+            "refit": config.refit_from if config.refit else "none",
+            "message": selection_summary(config, history),
+        }
+    return summary
+
+
+def selection_summary(config: TrainConfig, selection: dict[str, list[float]]) -> str:
+    """One line saying what early stopping chose and what training does next (``select_epochs``'s history)."""
+    best = int(selection["best_epoch"][0])
+    key = f"val_recall@{config.validation_k}"
+    recalls = selection[key]
+    line = f"early stopping: best epoch {best} of {len(recalls)} run ({key} {recalls[best - 1]:.4f})"
+    if not config.refit:
+        return line + "; keeping its weights"
+    if config.refit_from == "best":
+        return line + f"; training on from its weights on all training clicks for {config.refit_epochs} epochs"
+    return line + f"; retraining from the initial weights on all training clicks for {best} epochs"
 
 
 def _refit_epochs(config: TrainConfig, best_epoch: int) -> int:

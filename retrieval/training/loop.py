@@ -39,12 +39,16 @@ def verbosity(setting: int | str) -> int:
 
 
 class RunLogs:
-    """A run's per-epoch logs: ``train_log.csv`` (``epoch`` then every logged key, sorted) and
-    TensorBoard scalars ``epoch_<key>`` at step = epoch under ``tensorboard/train``."""
+    """A run's per-epoch logs: ``<run>_log.csv`` (``epoch`` then every logged key, sorted) and
+    TensorBoard scalars ``epoch_<key>`` at step = epoch under ``tensorboard/<run>``.
 
-    def __init__(self, log_dir: str | Path):
-        self.csv_path = Path(log_dir) / "train_log.csv"
-        self._writer = tf.summary.create_file_writer(str(Path(log_dir) / "tensorboard" / "train"))
+    ``run``: ``"train"`` (the run whose weights are served) or ``"selection"`` (the
+    early-stopping run before a refit, with its validation recall per epoch).
+    """
+
+    def __init__(self, log_dir: str | Path, run: str = "train"):
+        self.csv_path = Path(log_dir) / f"{run}_log.csv"
+        self._writer = tf.summary.create_file_writer(str(Path(log_dir) / "tensorboard" / run))
 
     def write(self, history: dict[str, list[float]], new_epochs: range) -> None:
         """Rewrite ``train_log.csv`` from ``history``; add the scalars of ``new_epochs``."""
@@ -75,8 +79,10 @@ class _Progress:
 
     EVERY_SECONDS = 15.0
 
-    def __init__(self, level: int, source: ClickSource, epochs: int, start: TrainingState, say=print):
+    def __init__(self, level: int, source: ClickSource, epochs: int, start: TrainingState, say=print,
+                 eta_bound: bool = False):
         self.level, self.source, self.epochs, self.say = level, source, epochs, say
+        self.eta = "ETA at most" if eta_bound else "ETA"  # early stopping may end the run before ``epochs``
         self.remaining = max(epochs * source.steps_per_epoch - start.steps, 0)
         self.done = 0
         self.started = self.last = time.perf_counter()
@@ -94,7 +100,7 @@ class _Progress:
         loss = state.epoch_sums.get("loss", 0.0) / max(state.batch, 1)
         self.say(
             f"epoch {state.epoch + 1}/{self.epochs} step {state.batch}/{self.source.steps_per_epoch}: "
-            f"{clicks:,.0f} clicks/s, loss {loss:.4f}, ETA {_duration((self.remaining - self.done) / rate)}"
+            f"{clicks:,.0f} clicks/s, loss {loss:.4f}, {self.eta} {_duration((self.remaining - self.done) / rate)}"
         )
 
     def epoch(self, epoch: int, logs: dict[str, float], timing: dict[str, float]) -> None:
@@ -109,7 +115,7 @@ class _Progress:
         self.say(
             f"epoch {epoch + 1}/{self.epochs}: {timing['epoch_seconds']:.0f}s, "
             f"{timing['clicks_per_second']:,.0f} clicks/s, {shown}"
-            + (f", ETA {_duration(eta)}" if self.done < self.remaining else "")
+            + (f", {self.eta} {_duration(eta)}" if self.done < self.remaining else "")
         )
 
 
@@ -217,6 +223,7 @@ def train_epochs(
     hooks: Sequence[EpochHook] = (),
     verbose: int | str = 2,
     say: Callable[[str], None] = print,
+    eta_bound: bool = False,
 ) -> TrainingState:
     """Train ``model`` (compiled with its optimizer) on ``source`` up to the end of epoch ``epochs``.
 
@@ -233,6 +240,7 @@ def train_epochs(
         validation recall); a hook returning True stops training after that
         epoch, and one that raises abandons it.
       verbose: ``train.verbose``; ``say`` prints the lines.
+      eta_bound: the progress lines' ETA is an upper bound (early stopping may stop sooner).
 
     Returns:
       The final state; its ``history`` holds, per epoch, the mean over the
@@ -245,7 +253,7 @@ def train_epochs(
     """
     state = state if state is not None else TrainingState()
     step = None
-    progress = _Progress(verbosity(verbose), source, epochs, state, say)
+    progress = _Progress(verbosity(verbose), source, epochs, state, say, eta_bound)
     if logs is not None and state.history:
         logs.write(state.history, range(state.epoch))  # a resumed run's directory starts with the epochs before it
     while state.epoch < epochs:
