@@ -14,10 +14,10 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
-from retrieval.config import Config, IndexConfig, apply_overrides
+from retrieval.config import Config, IndexConfig, apply_overrides, save_config
 from retrieval.data import ITEM, DataError
 from retrieval.evaluation import write_report
-from retrieval.export import BUNDLE_FORMAT_VERSION, MANIFEST_FILE, atomic_directory, probe_record, write_manifest
+from retrieval.export import BUNDLE_FORMAT_VERSION, atomic_directory, probe_record, write_manifest
 from retrieval.features import feature_arrays
 from retrieval.index import INDEX_INFO_FILE, build_index, check_index_fits
 from retrieval.jobs import evaluate, evaluation_clicks, read_and_split
@@ -68,6 +68,13 @@ def reindex_bundle(
     The source is loaded and checked as serving would (``Bundle.load``); the
     copy gets fresh fingerprints and its probe query's top-k through the new
     index (a format 1 source, which has no probe, gives a copy without one).
+
+    The copy holds the served files only, named by the new directory: its manifest's ``run``
+    is ``out``'s name, its ``config`` (and ``config.yaml``) names the new index, and
+    ``reindexed_from`` says where it came from and what the source measured (``metrics``,
+    ``index``). The source's run outputs (``metrics.json``, ``report.md``, plots, logs,
+    re-evaluations), which describe the old index's ranking, are not copied: re-evaluate the
+    copy (``evaluate_bundle``) for its own.
     """
     if isinstance(index_config, str):
         index_config = IndexConfig(factory=index_config)
@@ -90,9 +97,17 @@ def reindex_bundle(
     if probe:
         probe = probe_record(probe["query"], bundle.embed([probe["query"]]), index)
     with atomic_directory(out, overwrite=overwrite) as scratch:
-        # All but the manifest, written last: until then the copy is not a complete bundle.
-        shutil.copytree(source, scratch, dirs_exist_ok=True,
-                        ignore=lambda folder, names: [MANIFEST_FILE] if Path(folder) == source else [])
+        # The served files but the index (rebuilt) and the manifest (written last: until then the copy
+        # is not a complete bundle).
+        for name, relative in manifest["files"].items():
+            if name in _INDEX_FILES:
+                continue
+            source_path, target = source / relative, scratch / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if source_path.is_dir():
+                shutil.copytree(source_path, target)
+            else:
+                shutil.copy2(source_path, target)
         index.save(scratch)
         seen_folder = manifest["files"].get("seen_items")
         if seen_folder is not None and list(index.item_ids) != list(old_index.item_ids):
@@ -100,16 +115,26 @@ def reindex_bundle(
             new_rows = pd.Index(index.item_ids, dtype=object).get_indexer(pd.Index(old_index.item_ids, dtype=object))
             shutil.rmtree(scratch / seen_folder)
             SeenItems.load(source / seen_folder).remapped(new_rows).save(scratch / seen_folder)
+        manifest["reindexed_from"] = {
+            "path": str(source.resolve()), "run": bundle.version,
+            "index": manifest.get("index"), "metrics": manifest.pop("metrics", None),
+        }
+        manifest["run"] = Path(out).name
         manifest["config"]["index"] = index_config.model_dump(mode="json")
+        manifest["config"]["run"] = {**manifest["config"].get("run", {}), "name": Path(out).name}
         manifest["index"] = index.info()
         manifest["normalized"] = index.normalized
-        manifest["reindexed_from"] = str(source)
         manifest["probe"] = probe
         manifest["format_version"] = BUNDLE_FORMAT_VERSION
         manifest["created_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         manifest["files"].setdefault("index_info", INDEX_INFO_FILE)  # format 1 did not list it
+        save_config(Config.from_dict(manifest["config"], source=f"{source}/manifest.json config"),
+                    scratch / "config.yaml")
         write_manifest(scratch, manifest)
     return Path(out)
+
+
+_INDEX_FILES = ("index", "index_info", "item_ids")  # manifest files entries the new index writes
 
 
 def _doc_inputs(manifest: dict[str, Any], ids: np.ndarray) -> dict[str, np.ndarray]:

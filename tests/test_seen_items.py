@@ -394,3 +394,28 @@ def test_movielens_100k_users_get_no_movie_they_rated_in_training(train_run):
         served = bundle.recommend({"user_id": user}, k=10).item_ids
         assert len(served) == 10 and not set(served) & seen[user], user
         assert set(bundle.recommend({"user_id": user}, k=10, exclude_seen=False).item_ids) & seen[user]
+
+
+@pytest.mark.slow
+def test_a_reindexed_bundle_holds_what_it_serves_under_its_own_name(trained, tmp_path):
+    """The copy is named by its directory, its config names its index, and the source's run outputs
+    (which measured the old index) stay behind; where it came from is in its manifest."""
+    import yaml
+
+    from retrieval.bundles import reindex_bundle
+    from retrieval.export import read_manifest
+
+    _, result = trained
+    assert {"metrics.json", "report.md", "train_log.csv"} <= {p.name for p in result.directory.iterdir()}
+    copy = reindex_bundle(result.directory, tmp_path / "ivf-copy", "IVF8,Flat")
+    names = {p.name for p in copy.iterdir()}
+    assert not names & {"metrics.json", "metrics.md", "report.md", "train_log.csv", "tensorboard", "recall_at_k.png"}
+    manifest, source = read_manifest(copy), read_manifest(result.directory)
+    assert Bundle.load(copy).version == manifest["run"] == "ivf-copy"
+    assert yaml.safe_load((copy / "config.yaml").read_text())["index"]["factory"] == "IVF8,Flat"
+    assert manifest["config"]["index"]["factory"] == "IVF8,Flat" and manifest["config"]["run"]["name"] == "ivf-copy"
+    assert "metrics" not in manifest
+    assert manifest["reindexed_from"]["run"] == source["run"]
+    assert manifest["reindexed_from"]["metrics"] == source["metrics"]
+    assert manifest["reindexed_from"]["index"]["factory"] == source["index"]["factory"]
+    assert names <= {*manifest["files"].values(), "manifest.json", "config.yaml"}
