@@ -1,1 +1,2 @@
-"""Command-line entry points: parse arguments, load the config, call the library."""
+"""Command-line entry points, ``python -m pipelines.train|evaluate|export|tune``: thin wrappers over
+the ``retrieval`` command's subcommands (``retrieval/cli.py``) with their working-directory defaults."""

@@ -1,7 +1,21 @@
-"""The ``retrieval`` command (``[project.scripts]`` in pyproject.toml).
+"""The ``retrieval`` command (``[project.scripts]`` in pyproject.toml): every entry point in one.
 
+    retrieval train [--config F] [--set k=v ...]        train, evaluate and export a bundle (make train)
+    retrieval evaluate --run artifacts/<run> [--out D]  re-evaluate an exported bundle
+    retrieval export --run artifacts/<run> --out D --set index.factory=HNSW32   re-index a bundle
+    retrieval tune --trials N [--config F] [--space S]  hyper-parameter search (make tune)
+    retrieval recommend --bundle artifacts/<run> --user-id 196 [-k 10]   top-k from a shell
     retrieval serve --bundle artifacts/<run> [--host 127.0.0.1] [--port 8000] [--admin-token T | --no-admin]
     retrieval reload --bundle artifacts/<new run> [--url http://127.0.0.1:8000] [--token T]
+
+Each subcommand takes exactly the flags of the module entry point it stands for, from the same
+parser: ``python -m pipelines.train|evaluate|export|tune`` are ``run_command`` here with their
+historical defaults, ``python -m retrieval.serving`` is ``recommend`` (its parser lives in
+``retrieval/serving.py``). Without ``--config``, ``retrieval train`` and ``retrieval tune`` use the
+code's defaults, which are the project's recipe (``configs/default.yaml`` restates them), so they
+work from any directory; ``python -m pipelines.train`` still reads ``configs/default.yaml`` from the
+working directory. Relative paths (in a config, ``run.output_dir``, ``--run``) are relative to the
+working directory, as always.
 
 ``serve`` runs the HTTP service of ``retrieval/service.py`` under uvicorn;
 ``reload`` asks a running service to swap to another bundle without
@@ -9,10 +23,15 @@ dropping requests (``POST /admin/reload``). Both read the admin token from
 ``RETRIEVAL_ADMIN_TOKEN`` when the flag is not given (a flag shows in ``ps``).
 ``serve`` takes one flag per ``ServiceLimits`` field (``--max-body-bytes``,
 ``--request-read-timeout``, ...; ``retrieval serve --help`` lists them with
-their defaults). A bundle it cannot load, a non-loopback ``--host`` with
-admin on and no token, a service ``reload`` cannot reach or that refuses the
-bundle, is one line on stderr and exit status 2 (``retrieval.errors``;
-``RETRIEVAL_DEBUG=1`` shows the traceback).
+their defaults).
+
+Every ``main`` runs through ``entry_point`` (``retrieval.errors``): a user error (config, data,
+bundle, paths, disk; a bundle ``serve`` cannot load, a non-loopback ``--host`` with admin on and no
+token, a service ``reload`` cannot reach or that refuses the bundle) is one line
+``error: <message>`` on stderr and exit status 2, Ctrl-C ``error: interrupted`` and 130;
+``RETRIEVAL_DEBUG=1`` shows the traceback. A bad command line is argparse's usage error, status 2.
+Only the chosen subcommand's parser is built, and each imports TensorFlow only when it runs:
+``retrieval --help``, ``retrieval reload`` and every ``--help`` start fast.
 """
 
 from __future__ import annotations
@@ -25,20 +44,280 @@ import os
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from retrieval.errors import UserError, entry_point
 
 # retrieval.service loads TensorFlow only when a bundle is loaded: `retrieval reload` and --help start fast.
 from retrieval.service import ADMIN_TOKEN_ENV, ServiceLimits
 
+# The project's own search space, beside the package in a source checkout (pip install -e .).
+PROJECT_TUNE_SPACE = Path(__file__).resolve().parents[1] / "configs" / "tune_space.yaml"
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One subcommand: its line in ``retrieval --help``, its parser (``prog`` -> parser; some take
+    defaults as keywords) and what runs on the parsed arguments (-> exit status)."""
+
+    summary: str
+    parser: Callable[..., argparse.ArgumentParser]
+    run: Callable[[argparse.Namespace], int]
+
 
 @entry_point
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="retrieval", description="Serve top-k retrieval from a bundle.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    """``retrieval <command> [flags]``: the chosen command's parser reads the flags after the name."""
+    overview = argparse.ArgumentParser(
+        prog="retrieval",
+        description="Two-tower retrieval: train, evaluate, export, tune, and serve a bundle. "
+        "`retrieval <command> --help` lists a command's flags.",
+        formatter_class=_OverviewFormatter,
+    )
+    names = overview.add_subparsers(dest="command", required=True, metavar="<command>")
+    for name, command in COMMANDS.items():
+        # The flags are left to the command's own parser: add_help=False passes -h on to it too.
+        names.add_parser(name, help=command.summary, add_help=False)
+    chosen, rest = overview.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    return run_command(chosen.command, rest, prog=f"retrieval {chosen.command}")
 
-    serve = commands.add_parser("serve", help="HTTP JSON service over a bundle (uvicorn)")
+
+class _OverviewFormatter(argparse.HelpFormatter):
+    """Each command and its summary on one line (80 columns): argparse would put the summary of
+    ``recommend``, the longest name, on a line of its own (its column follows ``-h, --help``)."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=15)
+        self._action_max_length = 13  # "    recommend": the summaries start in column 15
+
+
+def run_command(name: str, argv: Sequence[str] | None, prog: str | None = None, **defaults: Any) -> int:
+    """Parse ``argv`` with command ``name``'s parser (``defaults``: e.g. ``default_config``) and run it."""
+    command = COMMANDS[name]
+    return command.run(command.parser(prog, **defaults).parse_args(argv))
+
+
+def config_arguments(parser: argparse.ArgumentParser, *, default_config: str | None) -> None:
+    """``--config`` (default: ``default_config``; None = the code's defaults) and repeatable ``--set``."""
+    shown = "%(default)s" if default_config else "the code's defaults, the project's recipe"
+    parser.add_argument("--config", default=default_config, help=f"YAML config file (default: {shown})")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key, e.g. --set train.epochs=3 (repeatable; values are YAML)",
+    )
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    # faiss's loader says at INFO, over two lines ending in a ModuleNotFoundError, that it fell back
+    # from its AVX2 build: not a problem, but it reads like one beside a real error line.
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+
+
+def _config_name(path: str | None) -> str:
+    """The name a run or study takes from its config file; ``default`` for the code's defaults."""
+    return Path(path).stem if path else "default"
+
+
+# --- train ---------------------------------------------------------------------------------------
+
+
+def train_parser(prog: str | None = None, *, default_config: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Train, evaluate and export: the whole job into <run.output_dir>/<run>, a complete bundle.",
+    )
+    config_arguments(parser, default_config=default_config)
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from retrieval.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    setup_logging()
+
+    from retrieval.evaluation import format_table
+    from retrieval.jobs import train_evaluate_export
+
+    result = train_evaluate_export(config, config_name=_config_name(args.config))
+    print()
+    print(format_table(result.metrics))
+    print(json.dumps({"counts": result.metrics["counts"]}))
+    print(f"\nrun directory: {result.directory}  ({result.seconds:.0f} s)")
+    return 0
+
+
+# --- evaluate ------------------------------------------------------------------------------------
+
+
+def evaluate_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="""Re-evaluate an exported bundle: --run artifacts/<run>.
+
+Uses the bundle's SavedModel and FAISS index (what would be served) on the
+data and split its saved config names; --set overrides any config key,
+e.g. --set evaluation.ks=[5,10]. Metrics are printed; metrics.json,
+report.md and the plots are written to --out (default <run>/reevaluated),
+so the run's own report is never overwritten.""",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--run", required=True, help="bundle directory, e.g. artifacts/<run>")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", help="where to write metrics.json, report.md and plots (default: <run>/reevaluated)")
+    return parser
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    setup_logging()
+
+    from retrieval.bundles import evaluate_bundle
+    from retrieval.evaluation import format_table
+
+    out = Path(args.out) if args.out else Path(args.run) / "reevaluated"
+    metrics = evaluate_bundle(args.run, args.overrides, out=out)
+    print(format_table(metrics))
+    print(f"written to {out}")
+    print(json.dumps({"counts": metrics["counts"]}))
+    return 0
+
+
+# --- export --------------------------------------------------------------------------------------
+
+
+def export_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="""Re-export a bundle with another FAISS index:
+--run artifacts/<run> --out artifacts/<run>-ivf --set index.factory=IVF64,Flat.
+
+Training already writes a complete bundle; this rebuilds only the index
+(from the bundle's own doc model over its catalogue), atomically, into a
+new directory.""",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--run", required=True, help="source bundle directory")
+    parser.add_argument("--out", required=True, help="new bundle directory (must not exist unless run.overwrite)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    return parser
+
+
+def _export(args: argparse.Namespace) -> int:
+    setup_logging()
+
+    from retrieval.bundles import reindex_bundle
+    from retrieval.config import Config, apply_overrides
+    from retrieval.export import read_manifest
+
+    manifest = read_manifest(args.run)
+    config = Config.from_dict(apply_overrides(manifest["config"], args.overrides), source="--set")
+    out = reindex_bundle(args.run, args.out, config.index, overwrite=config.run.overwrite)
+    print(f"bundle with index {config.index.factory!r}: {out}")
+    return 0
+
+
+# --- tune ----------------------------------------------------------------------------------------
+
+
+def tune_parser(
+    prog: str | None = None, *, default_config: str | None = None, default_space: str | Path = PROJECT_TUNE_SPACE
+) -> argparse.ArgumentParser:
+    """Optuna TPE over the config keys of a search space file, trials pruned by the median rule on each
+    epoch's validation recall; the same command again continues the study (``--trials`` is the total).
+    Writes trials.csv, best.yaml (a full config for training) and best.json into the study folder
+    (``retrieval/tuning/``)."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Hyper-parameter search: Optuna TPE over a search space of config keys, resumable.",
+        epilog="Trials are scored on a validation part, never on the test part: with split.kind temporal, random "
+        "or leave_last_k each trial sets split.evaluate_on=validation (the training part split again the same "
+        "way, the test part not read); with split.kind none on the given data.test_clicks, so pass a validation "
+        "file there. best.yaml keeps the base config's split.evaluate_on.",
+    )
+    config_arguments(parser, default_config=default_config)
+    parser.add_argument("--trials", type=int, required=True, help="finished trials wanted in the study, in total")
+    parser.add_argument("--space", default=str(default_space), help="search space YAML (default: %(default)s)")
+    parser.add_argument(
+        "--study-dir", type=Path, help="study folder (default: artifacts/tune/<config name>); reused to resume"
+    )
+    parser.add_argument(
+        "--metric", default="recall@20", help="the job's model metric to maximise (default: %(default)s)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the TPE sampler (default: %(default)s)")
+    parser.add_argument("--keep-bundles", action="store_true", help="keep each trial's run directory under runs/")
+    parser.add_argument(
+        "--pruner-startup-trials", type=int, default=3,
+        help="finished trials before any is pruned (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--pruner-warmup-epochs", type=int, default=1, help="epochs before a trial can be pruned (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--no-baseline-trial", action="store_true",
+        help="do not make a new study's first trial the base config's own values",
+    )
+    parser.add_argument("--timeout", type=float, help="stop starting new trials after this many seconds")
+    return parser
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from retrieval.config import load_config
+
+    base = load_config(args.config, args.overrides)
+    setup_logging()
+
+    from retrieval.tuning import TuneSettings, load_space, run_study
+
+    space = load_space(args.space, base)
+    study_dir = args.study_dir or Path(base.run.output_dir) / "tune" / _config_name(args.config)
+    settings = TuneSettings(
+        metric=args.metric,
+        seed=args.seed,
+        keep_bundles=args.keep_bundles,
+        pruner_startup_trials=args.pruner_startup_trials,
+        pruner_warmup_epochs=args.pruner_warmup_epochs,
+        baseline_trial=not args.no_baseline_trial,
+        timeout=args.timeout,
+    )
+    run_study(base, space, study_dir, args.trials, settings)
+    print()
+    print((study_dir / "trials.csv").read_text())
+    best = study_dir / "best.json"
+    if best.exists():
+        print(json.dumps(json.loads(best.read_text()), indent=2))
+        print(f"\nbest config: {study_dir / 'best.yaml'}  (retrieval train --config {study_dir / 'best.yaml'})")
+    else:
+        print("no trial completed: no best config")
+    return 0
+
+
+# --- recommend (python -m retrieval.serving) -----------------------------------------------------
+
+
+def _recommend_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    from retrieval.serving import recommend_parser  # loads TensorFlow: only when this command is chosen
+
+    return recommend_parser(prog)
+
+
+def _recommend(args: argparse.Namespace) -> int:
+    from retrieval.serving import recommend
+
+    return recommend(args)
+
+
+# --- serve, reload -------------------------------------------------------------------------------
+
+
+def serve_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    serve = argparse.ArgumentParser(prog=prog, description="HTTP JSON service over a bundle (uvicorn).")
     serve.add_argument("--bundle", required=True, help="bundle directory, e.g. artifacts/<run>")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s, loopback only)")
     serve.add_argument("--port", type=int, default=8000)
@@ -73,17 +352,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "default: %(default)s)",
     )
     _add_limit_flags(serve)
+    return serve
 
-    reload = commands.add_parser("reload", help="make a running service serve another bundle")
+
+def reload_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    reload = argparse.ArgumentParser(prog=prog, description="Make a running service serve another bundle.")
     reload.add_argument("--bundle", required=True, help="new bundle directory, as the server sees it")
     reload.add_argument("--url", default="http://127.0.0.1:8000", help="service base URL (default: %(default)s)")
     reload.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the load")
     reload.add_argument("--token", help=f"the server's admin token (default: ${ADMIN_TOKEN_ENV})")
-
-    args = parser.parse_args(argv)
-    if args.command == "serve":
-        return _serve(args)
-    return _reload(args)
+    return reload
 
 
 def _add_limit_flags(serve: argparse.ArgumentParser) -> None:
@@ -147,6 +425,18 @@ def _reload(args: argparse.Namespace) -> int:
     except TimeoutError:
         raise UserError(f"{args.url} did not answer within --timeout {args.timeout:g} s") from None
     return 0
+
+
+# In `retrieval --help` order: the pipeline's steps, then serving.
+COMMANDS: dict[str, Command] = {
+    "train": Command("train, evaluate and export a model into a run directory", train_parser, _train),
+    "evaluate": Command("re-evaluate an exported bundle (what would be served)", evaluate_parser, _evaluate),
+    "export": Command("re-index a bundle with another FAISS index", export_parser, _export),
+    "tune": Command("hyper-parameter search over config keys (resumable)", tune_parser, _tune),
+    "recommend": Command("top-k items for user ids, or items similar to items", _recommend_parser, _recommend),
+    "serve": Command("HTTP JSON service over a bundle (uvicorn)", serve_parser, _serve),
+    "reload": Command("make a running service serve another bundle", reload_parser, _reload),
+}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ path of the bad key in the message.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -1050,7 +1051,7 @@ def _describe(error: ValidationError, source: str) -> str:
         key = ".".join(str(part) for part in problem["loc"]) or "<top level>"
         message = problem["msg"]
         if problem["type"] == "extra_forbidden":
-            message = "unknown key"
+            message = "unknown key" + _did_you_mean(problem["loc"])
         elif problem["type"] in _EXPECTED and "input" in problem:
             value = problem["input"]
             shown = "" if value is None or isinstance(value, (dict, list, tuple)) else f" ({_yaml_scalar(value)})"
@@ -1063,6 +1064,53 @@ def _describe(error: ValidationError, source: str) -> str:
             message += f" (got {problem['input']!r})"
         lines.append(f"  {key}: {message}")
     return "\n".join(lines)
+
+
+def _did_you_mean(loc: tuple[int | str, ...]) -> str:
+    """``"; did you mean train.epochs?"`` for the unknown key at ``loc`` (``("train", "epoch")``): the
+    closest valid key of its section (difflib ratio >= 0.6), or "" when none is that close."""
+    *section, key = loc
+    close = difflib.get_close_matches(str(key), _keys_at(section), n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return f"; did you mean {'.'.join(str(part) for part in [*section, close[0]])}?"
+
+
+def _keys_at(section: list[int | str]) -> list[str]:
+    """The keys of the config section at a pydantic error location (``["model", "loss"]``; a feature
+    is ``["towers", "query", "features", 0, "categorical"]``: list index, then the kind); [] when
+    the location names no section."""
+    models: list[type[BaseModel]] = [Config]
+    for part in section:
+        if isinstance(part, int):  # an item of a list of sections: the same models
+            continue
+        kinds = [model for model in models if _kind_of(model) == part]
+        if len(models) > 1 and kinds:  # a member of a discriminated union, named by its kind
+            models = kinds
+            continue
+        models = [
+            member for model in models if part in model.model_fields
+            for member in _sections_in(model.model_fields[part].annotation)
+        ]
+    return sorted({key for model in models for key in model.model_fields})
+
+
+def _sections_in(annotation: Any) -> list[type[BaseModel]]:
+    """The section models a field holds: ``X``, ``X | None``, ``tuple[X, ...]``, a union of features."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    if get_origin(annotation) is Annotated:
+        return _sections_in(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, UnionType, tuple):
+        return [model for member in get_args(annotation) for model in _sections_in(member)]
+    return []
+
+
+def _kind_of(model: type[BaseModel]) -> Any:
+    """The one value of a section's ``kind`` field (a feature kind), else None."""
+    field = model.model_fields.get("kind")
+    choices = get_args(field.annotation) if field is not None and get_origin(field.annotation) is Literal else ()
+    return choices[0] if len(choices) == 1 else None
 
 
 class _Yaml12Floats(yaml.SafeLoader):

@@ -12,6 +12,8 @@ or from a shell::
     python -m retrieval.serving --bundle artifacts/my-run --user-id 196 -k 10
     python -m retrieval.serving --bundle artifacts/my-run --similar 242 -k 10
 
+(``retrieval recommend`` takes the same arguments.)
+
 What a user already has is never served by default: the user's training
 items (the bundle's ``seen_items/``, ``retrieval.seen_items``) and the items
 of the query's click history; ``exclude_seen=False`` (``--include-seen``)
@@ -615,12 +617,12 @@ def _input_tensor(values: Sequence[Any], spec: tf.TensorSpec) -> tf.Tensor:
     return tf.constant(["" if v is None else str(v) for v in values], dtype=tf.string)
 
 
-@entry_point
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m retrieval.serving``: a user error is one line and status 2 (``retrieval.errors``)."""
+def recommend_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The command line of ``python -m retrieval.serving`` and ``retrieval recommend`` (``recommend`` runs it)."""
     parser = argparse.ArgumentParser(
+        prog=prog,
         description="Top-k item ids for a raw query (--user-id), or the items most similar to an item "
-        "(--similar), from a bundle."
+        "(--similar), from a bundle.",
     )
     parser.add_argument("--bundle", required=True, help="bundle directory, e.g. artifacts/<run>")
     asked = parser.add_mutually_exclusive_group(required=True)
@@ -636,7 +638,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="also return the user's training items (excluded by default; --user-id only)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def recommend(args: argparse.Namespace) -> int:
+    """Print one JSON line per query of ``recommend_parser``'s ``args``: its top-k ids, scores and fallback."""
     if args.k <= 0:
         raise UserError(f"-k must be a positive number of items, got {args.k}")
     if args.similar and args.include_seen:
@@ -646,14 +652,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         similar = bundle.similar_items_batch(args.similar, args.k, [args.exclude] * len(args.similar))
         for item, result in zip(args.similar, similar):
             print(json.dumps({"item_id": item, **asdict(result)}))
-        return
+        return 0
     queries = [{"user_id": user} for user in args.user_id]
     results = bundle.recommend_batch(
         queries, args.k, [args.exclude] * len(queries), exclude_seen=not args.include_seen
     )
     for query, result in zip(queries, results):
         print(json.dumps({"query": query, **asdict(result)}))
+    return 0
 
+
+@entry_point
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m retrieval.serving`` (``retrieval recommend``): a user error is one line and status 2
+    (``retrieval.errors``)."""
+    return recommend(recommend_parser().parse_args(argv))
 
 if __name__ == "__main__":
     sys.exit(main())

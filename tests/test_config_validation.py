@@ -13,8 +13,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from retrieval.config import MIN_TEMPERATURE, SEED_MAX, Config, ConfigError, IndexConfig, load_config
+from retrieval.config import (
+    MIN_TEMPERATURE,
+    SEED_MAX,
+    Config,
+    ConfigError,
+    EvaluationConfig,
+    IndexConfig,
+    LossConfig,
+    ModelConfig,
+    RunConfig,
+    SyntheticConfig,
+    TrainConfig,
+    load_config,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,3 +119,68 @@ def test_click_history_on_a_log_without_timestamps_is_refused_at_load():
     with pytest.raises(ConfigError, match=r"towers\.query\.history .*needs timestamps.*'user-items' has none"):
         load_config(None, overrides)
     assert load_config(None, overrides[:-1]).towers.query.history is None
+
+
+# --- unknown keys name the nearest valid one -----------------------------------------------------
+
+
+def _problem_lines(error: pytest.ExceptionInfo) -> list[str]:
+    return [line.strip() for line in str(error.value).splitlines()[1:]]
+
+
+def test_a_typo_in_a_yaml_file_suggests_the_key(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("train:\n  epoch: 3\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert _problem_lines(error) == ["train.epoch: unknown key; did you mean train.epochs?"]
+
+
+@pytest.mark.parametrize(
+    "override,line",
+    [
+        ("train.epoch=3", "train.epoch: unknown key; did you mean train.epochs?"),
+        ("trian.epochs=3", "trian: unknown key; did you mean train?"),
+        ("model.los.kind=sampled_softmax", "model.los: unknown key; did you mean model.loss?"),
+        ("model.loss.kind_=sampled_softmax", "model.loss.kind_: unknown key; did you mean model.loss.kind?"),
+        ("towers.query.features=[{name: user_id, kind: id, sorce: uid}]",
+         "towers.query.features.0.id.sorce: unknown key; did you mean towers.query.features.0.id.source?"),
+        ("train.zzz=1", "train.zzz: unknown key"),  # nothing close: no guess
+    ],
+)
+def test_an_unknown_set_key_suggests_the_nearest_key_of_its_section(override, line):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [override])
+    assert _problem_lines(error) == [line]
+
+
+def test_the_command_line_suggests_the_key_on_one_line(capsys):
+    from retrieval import cli
+
+    assert cli.main(["train", "--set", "train.epoch=3"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["error: <defaults> + --set train.epoch=3: invalid configuration: "
+                     "train.epoch: unknown key; did you mean train.epochs?"]
+
+
+SECTIONS = [("train", TrainConfig), ("model", ModelConfig), ("model.loss", LossConfig), ("index", IndexConfig),
+            ("evaluation", EvaluationConfig), ("data.synthetic", SyntheticConfig), ("run", RunConfig)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(section=st.sampled_from(SECTIONS), data=st.data())
+def test_one_wrong_letter_in_any_key_suggests_a_key_of_that_section(section, data):
+    """One letter changed in a key of three letters or more is still a 0.67 match to it (difflib), above
+    the 0.6 cutoff: there is a suggestion, and it is a key of that same section."""
+    prefix, model = section
+    key = data.draw(st.sampled_from(sorted(k for k in model.model_fields if len(k) >= 3)))
+    at = data.draw(st.integers(0, len(key) - 1))
+    typo = key[:at] + data.draw(st.sampled_from("qxz").filter(lambda c: c != key[at])) + key[at + 1:]
+    if typo in model.model_fields:
+        return
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [f"{prefix}.{typo}=1"])
+    lines = [line for line in _problem_lines(error) if line.startswith(f"{prefix}.{typo}: unknown key")]
+    suggested = re.fullmatch(rf"{re.escape(prefix)}\.{re.escape(typo)}: unknown key; did you mean "
+                             rf"{re.escape(prefix)}\.(\w+)\?", lines[0])
+    assert suggested and suggested.group(1) in model.model_fields, lines

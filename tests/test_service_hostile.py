@@ -358,31 +358,12 @@ def test_metadata_shows_no_server_paths(world):  # noqa: F811
 
 def test_limits_are_serve_flags_with_their_defaults():
     parser_defaults = {}
-    for action in _serve_parser()._actions:
+    for action in cli.serve_parser()._actions:
         parser_defaults[action.dest] = action.default
     for name, default in ServiceLimits().__dict__.items():
         assert parser_defaults[name] == default
     with pytest.raises(ValueError, match="request_read_timeout must be a positive number"):
         ServiceLimits(request_read_timeout=0)
-
-
-def _serve_parser():
-    import argparse
-
-    captured = {}
-    original = argparse.ArgumentParser.parse_args
-
-    def grab(self, *args, **kwargs):
-        captured["serve"] = self._subparsers._group_actions[0].choices["serve"]
-        raise SystemExit(0)
-
-    argparse.ArgumentParser.parse_args = grab
-    try:
-        with pytest.raises(SystemExit):
-            cli.main(["serve", "--bundle", "x"])
-    finally:
-        argparse.ArgumentParser.parse_args = original
-    return captured["serve"]
 
 
 # --- large batches beside small requests ------------------------------------------------------------
