@@ -15,7 +15,7 @@ from retrieval.errors import entry_point
 
 @entry_point
 def main(argv: list[str] | None = None) -> int:
-    return run_command("evaluate", argv)
+    return run_command("evaluate", argv, prog="pipelines.evaluate")
 
 
 if __name__ == "__main__":

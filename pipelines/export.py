@@ -14,7 +14,7 @@ from retrieval.errors import entry_point
 
 @entry_point
 def main(argv: list[str] | None = None) -> int:
-    return run_command("export", argv)
+    return run_command("export", argv, prog="pipelines.export")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from retrieval.errors import entry_point
 
 @entry_point
 def main(argv: list[str] | None = None) -> int:
-    return run_command("train", argv, default_config="configs/default.yaml")
+    return run_command("train", argv, prog="pipelines.train", default_config="configs/default.yaml")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ from retrieval.errors import entry_point
 
 @entry_point
 def main(argv: list[str] | None = None) -> int:
-    return run_command("tune", argv, default_config="configs/default.yaml", default_space="configs/tune_space.yaml")
+    return run_command("tune", argv, prog="pipelines.tune",
+                       default_config="configs/default.yaml", default_space="configs/tune_space.yaml")
 
 
 if __name__ == "__main__":

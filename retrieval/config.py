@@ -777,7 +777,16 @@ class IndexConfig(_Section):
     """
 
     factory: str = Field(
-        "Flat", description='FAISS index factory string: "Flat", "IVF1024,Flat", "HNSW32", "OPQ16,IVF1024,PQ16", ...'
+        "Flat",
+        description='FAISS index factory string: "Flat", "IVF1024,Flat", "HNSW32", "OPQ16,IVF1024,PQ16", ...; '
+        "auto = Flat (exact) up to exact_max_items catalogue items, else IVF<nlist>,Flat with nlist the power of "
+        "2 nearest 4 sqrt(items), tuned to target_recall. The factory used is in the manifest (index.factory) "
+        "and metrics.json (derived). Not yet the default: its size threshold is unmeasured "
+        "(python -m benchmarks.bench_index_auto measures it).",
+    )
+    exact_max_items: int = Field(
+        100_000, gt=0, description="factory auto: the largest catalogue searched exactly (Flat); a first guess, "
+        "not yet measured."
     )
     train_sample_size: int = Field(
         200_000, gt=0, description="Indexes that need training (IVF, PQ, OPQ) train on at most this many items."
@@ -793,6 +802,24 @@ class IndexConfig(_Section):
         None, description='Fixed FAISS search parameters, e.g. "nprobe=32" (recall is still measured); None = tune.'
     )
     seed: Seed = Field(0, description="Seed of the training and tuning samples.")
+
+    def factory_for(self, num_items: int) -> str:
+        """The FAISS factory string this config builds over ``num_items`` items (``auto`` resolved)."""
+        if self.factory != "auto":
+            return self.factory
+        if num_items <= self.exact_max_items:
+            return "Flat"
+        nlist = 2 ** round(math.log2(4 * math.sqrt(num_items)))
+        return f"IVF{nlist},Flat"
+
+    @model_validator(mode="after")
+    def _auto_has_no_fixed_parameters(self) -> IndexConfig:
+        if self.factory == "auto" and self.search_params:
+            raise ValueError(
+                f"index.search_params {self.search_params!r} fix one factory's parameters, but index.factory is auto "
+                "(Flat or IVF by catalogue size): set index.factory too"
+            )
+        return self
 
 
 class ALSConfig(_Section):
@@ -992,8 +1019,8 @@ def faiss_index_problem(factory: str, search_params: str | None, dim: int) -> st
     allocates its lists when made; they are validated against the catalogue
     when the index is trained.
     """
-    if factory == "Flat" and not search_params:
-        return None
+    if factory in ("Flat", "auto") and not search_params:
+        return None  # auto builds Flat or IVF<n>,Flat, both valid for any dimension
     import faiss  # here, so that loading a config imports FAISS only when it has to check one
 
     # IVF lists and PQ codebooks are allocated when the index is made (PQ8x24 takes 4 GB): shrink

@@ -126,7 +126,7 @@ def train_evaluate_export(
         with _timed(seconds, "seen_items"):
             seen_items = seen_items_of(data, index)
         metrics["data"] = data.summary(len(evaluated.eval_set.user_ids))
-        metrics["derived"] = derived_settings(config, data.stats)
+        metrics["derived"] = derived_settings(config, data.stats, len(data.catalogue_ids))
         metrics["final_train_loss"] = history["loss"][-1]
         metrics["training"] = training_summary(config.train, history)
         metrics["timing"] = {
@@ -232,14 +232,16 @@ def _history_manifest(config: Config) -> dict[str, Any]:
     }}
 
 
-def derived_settings(config: Config, stats: FeatureStatistics) -> dict[str, Any]:
+def derived_settings(config: Config, stats: FeatureStatistics, catalogue_items: int) -> dict[str, Any]:
     """The settings the config leaves to the data (``auto``), as this run resolved them; logged."""
     model = resolved(config.model, stats)
-    derived = {
+    derived: dict[str, Any] = {
         f"model.{key}": getattr(model, key)
         for key in ("temperature",)
         if getattr(config.model, key) == "auto"
     }
+    if config.index.factory == "auto":
+        derived["index.factory"] = config.index.factory_for(catalogue_items)
     if derived:
         log.info("derived from the training log: %s", json.dumps(derived))
     return derived
@@ -345,7 +347,7 @@ def read_and_split(config: Config) -> JobData:
         histories = _histories(clicks, plan, stats, pairs["train"])
     tables, join = _tower_tables(config, source, counts, histories)
     catalogue_ids = tables.items[ITEM].tolist()  # the feature table's items first, then the log's
-    check_index_fits(config.index.factory, len(catalogue_ids), config.index.train_sample_size)
+    check_index_fits(config.index.factory_for(len(catalogue_ids)), len(catalogue_ids), config.index.train_sample_size)
     data = JobData(source, plan, counts, stats, tables, join, catalogue_ids, held_out, split.evaluate_on, pairs)
     log.info("data: %s", json.dumps(data.summary(0)))
     return data
@@ -487,7 +489,8 @@ def _validation(config: Config, data: JobData) -> ValidationData:
 def index_catalogue(config: Config, model, data: JobData) -> tuple[ItemIndex, np.ndarray, list[str]]:
     """Every catalogue item embedded from its features (clicked in training or not) into the index;
     ``(index, item_embeddings, tuning_users)``, approximate indexes tuned on a sample of training users."""
-    log.info("indexing %d catalogue items (%s)", len(data.catalogue_ids), config.index.factory)
+    items = len(data.catalogue_ids)
+    log.info("indexing %d catalogue items (%s)", items, config.index.factory_for(items))
     item_embeddings = embed_frame(model.doc_tower, data.tables.catalogue())
     users = np.sort(np.asarray(data.stats.users.ids, dtype=object))
     tuning_users = seeded_subset(users, config.index.tune_queries, config.index.seed).tolist()

@@ -173,3 +173,26 @@ def test_precomputed_exact_reference_gives_the_same_tuning():
     second.tune(items, queries, k=20, exact=exact_search(items, queries, 20))
     assert second.search_params == first.search_params
     assert second.tuning.recall == pytest.approx(first.tuning.recall)
+
+
+@pytest.mark.parametrize("items, factory", [(1, "Flat"), (100_000, "Flat"), (100_001, "IVF1024,Flat"),
+                                            (1_000_000, "IVF4096,Flat"), (10_000_000, "IVF16384,Flat")])
+def test_auto_is_exact_up_to_its_size_then_ivf_with_about_four_sqrt_n_lists(items, factory):
+    assert IndexConfig(factory="auto", exact_max_items=100_000).factory_for(items) == factory
+    assert IndexConfig(factory="HNSW32").factory_for(items) == "HNSW32"  # an explicit factory is kept
+
+
+def test_auto_builds_the_factory_it_names_and_records_it(caplog):
+    ids, items, queries = clustered(5, num_items=3000)
+    config = IndexConfig(factory="auto", exact_max_items=1000, tune_k=10)
+    with caplog.at_level(logging.INFO, logger="retrieval.index"):
+        index = build_index(ids, items, config, queries=queries)
+    assert index.factory == index.info()["factory"] == "IVF256,Flat" == config.factory_for(3000)
+    assert index.tuning is not None and index.tuning.recall >= 0.95
+    assert any("index.factory auto: IVF256,Flat for 3000 items" in r.getMessage() for r in caplog.records)
+    assert build_index(ids, items, IndexConfig(factory="auto")).factory == "Flat"  # below its size
+
+
+def test_auto_refuses_fixed_search_parameters():
+    with pytest.raises(ValueError, match=r"index\.search_params 'nprobe=8' fix one factory's parameters.*auto"):
+        IndexConfig(factory="auto", search_params="nprobe=8")

@@ -503,9 +503,10 @@ def build_index(
         stands in for queries and the tuning record says so.
       query_source: what ``queries`` are, recorded in the tuning record.
     """
-    index = ItemIndex.build(
-        item_ids, embeddings, config.factory, train_sample_size=config.train_sample_size, seed=config.seed
-    )
+    factory = config.factory_for(len(item_ids))
+    if factory != config.factory:
+        log.info("index.factory %s: %s for %d items", config.factory, factory, len(item_ids))
+    index = ItemIndex.build(item_ids, embeddings, factory, train_sample_size=config.train_sample_size, seed=config.seed)
     if index.is_exact:
         return index
     rng = np.random.default_rng(config.seed)
@@ -519,7 +520,7 @@ def build_index(
     if len(queries) > config.tune_queries:
         queries = queries[rng.choice(len(queries), config.tune_queries, replace=False)]
     if len(queries) < 2:
-        log.warning("index %s left untuned: fewer than 2 non-zero embeddings to tune on", config.factory)
+        log.warning("index %s left untuned: fewer than 2 non-zero embeddings to tune on", factory)
         if config.search_params:
             index.set_search_params(config.search_params)
         return index
