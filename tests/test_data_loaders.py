@@ -158,6 +158,33 @@ def test_missing_column_without_header_explains_positional_names(tmp_path):
         read_clicks(table(path, header=False), COLUMNS)
 
 
+@pytest.mark.parametrize("separator", [";", "\t", "|"])
+def test_a_header_split_on_another_separator_names_the_separator_key(tmp_path, separator):
+    path = write(tmp_path, "c.csv", separator.join(["user_id", "item_id", "timestamp"]) + "\n1" + separator + "a\n")
+    fix = re.escape(f"(the header looks separated by {separator!r}, not ',': set the table's separator: {separator!r})")
+    from retrieval.data.streaming import ClickShards
+
+    for read in (lambda: read_clicks(table(path), COLUMNS), lambda: ClickShards.open(table(path), COLUMNS)):
+        with pytest.raises(DataError, match=r"c\.csv: missing columns 'user_id', 'item_id', 'timestamp'.*" + fix):
+            read()
+    with pytest.raises(DataError, match=fix):
+        read_feature_table(table(path), "user_id")
+
+
+def test_a_parquet_file_with_a_text_name_is_called_parquet(tmp_path):
+    path = str(tmp_path / "clicks.csv")
+    pd.DataFrame({"user_id": ["1", "2"], "item_id": ["a", "b"], "timestamp": [5, 6]}).to_parquet(path)
+    from retrieval.data.streaming import ClickShards
+
+    message = (
+        r"clicks\.csv: the file looks like Parquet \(it starts with PAR1\), "
+        r"not text: set the table's format: parquet"
+    )
+    for read in (lambda: read_clicks(table(path), COLUMNS), lambda: ClickShards.open(table(path), COLUMNS)):
+        with pytest.raises(DataError, match=message):
+            read()
+
+
 @pytest.mark.parametrize("content", ["", "user_id,item_id,timestamp\n", "user_id,item_id,timestamp\n\n\n"])
 def test_empty_log(tmp_path, content):
     path = write(tmp_path, "c.csv", content)

@@ -32,7 +32,7 @@ from retrieval.data.schema import (
     WEIGHT,
     DataError,
 )
-from retrieval.data.shards import ClickShards, TextLayout, decode_text, read_text_table
+from retrieval.data.shards import ClickShards, TextLayout, decode_text, read_text_table, require_columns
 from retrieval.data.values import BadValues, click_weights, feature_numbers, id_strings, timestamp_seconds
 
 Duplicates = Literal["keep", "first"]
@@ -41,18 +41,14 @@ T = TypeVar("T")
 _DEFAULT_SEPARATOR = {"csv": ",", "tsv": "\t", "movielens-100k": "\t", "movielens-1m": "::"}
 _MOVIELENS_FIELDS = ["user_id", "item_id", "rating", "timestamp"]
 # MovieLens files name their own columns; the rating is the click weight.
-_MOVIELENS_COLUMNS = ColumnsConfig(
-    user="user_id", item="item_id", timestamp="timestamp", weight="rating"
-)
+_MOVIELENS_COLUMNS = ColumnsConfig(user="user_id", item="item_id", timestamp="timestamp", weight="rating")
 _NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
 # Spelled non-finite numbers: a column of numbers holding one of them is a numeric column (whose
 # rule then refuses the cell at its line), not a text column.
 _NON_FINITE = r"(?i:[+-]?(?:inf|infinity|nan))"
 
 
-def read_clicks(
-    table: TableConfig, columns: ColumnsConfig, *, duplicates: Duplicates = "keep"
-) -> pd.DataFrame:
+def read_clicks(table: TableConfig, columns: ColumnsConfig, *, duplicates: Duplicates = "keep") -> pd.DataFrame:
     """Read a click log into the canonical frame.
 
     Args:
@@ -106,7 +102,7 @@ def read_clicks(
     if fmt.startswith("movielens"):
         columns = _MOVIELENS_COLUMNS
     wanted = [c for c in (columns.user, columns.item, columns.timestamp, columns.weight) if c]
-    _require_columns(raw, wanted, header=table.header and not fmt.startswith("movielens"))
+    _require_columns(raw, wanted, table, fmt)
     clicks = pd.DataFrame({USER: _ids(raw, columns.user, "user"), ITEM: _ids(raw, columns.item, "item")})
     if columns.timestamp is not None:
         clicks[TIME] = _timestamps(raw, columns.timestamp)
@@ -148,7 +144,7 @@ def read_feature_table(table: TableConfig, id_column: str) -> pd.DataFrame:
             file=table.path,
         )
     raw = _read_raw(table, fmt)
-    _require_columns(raw, [id_column], header=table.header)
+    _require_columns(raw, [id_column], table, fmt)
     ids = _ids(raw, id_column, "id")
     repeated = ids.duplicated(keep="first").to_numpy()
     if repeated.any():
@@ -225,8 +221,7 @@ def resolve_format(table: TableConfig) -> str:
     suffix = Path(table.path).suffix.lower()
     if suffix not in FORMAT_BY_EXTENSION:
         raise DataError(
-            f"cannot tell the format from the extension {suffix!r}; set format to one of "
-            + ", ".join(TABLE_FORMATS),
+            f"cannot tell the format from the extension {suffix!r}; set format to one of " + ", ".join(TABLE_FORMATS),
             file=table.path,
         )
     return FORMAT_BY_EXTENSION[suffix]
@@ -286,8 +281,7 @@ def _read_user_items(table: TableConfig, *, ordered: bool = False) -> pd.DataFra
         if "" in fields:
             position = fields.index("") + 1
             raise DataError(
-                f"field {position} is empty (separator {table.separator!r}); the {fmt} format is "
-                "'uid iid iid ...'",
+                f"field {position} is empty (separator {table.separator!r}); the {fmt} format is 'uid iid iid ...'",
                 file=table.path,
                 line=number,
             )
@@ -301,8 +295,7 @@ def _read_user_items(table: TableConfig, *, ordered: bool = False) -> pd.DataFra
         user = fields[0]
         if user in first_line:
             raise DataError(
-                f"user {user!r} already has a line (line {first_line[user]}); the {fmt} format has "
-                "one line per user",
+                f"user {user!r} already has a line (line {first_line[user]}); the {fmt} format has one line per user",
                 file=table.path,
                 line=number,
             )
@@ -325,20 +318,24 @@ def _read_parquet_sequences(table: TableConfig, columns: ColumnsConfig) -> pd.Da
     ``columns.item``, a list of item ids in time order (each click's timestamp is its place)."""
     frame = _read_parquet(str(_check_file(table))).frame
     raw = _Raw(frame, table.path, np.arange(1, len(frame) + 1), is_text=False)
-    _require_columns(raw, [columns.user, columns.item], header=True)
+    _require_columns(raw, [columns.user, columns.item], table, "parquet")
     lists = frame[columns.item]
     for row, value in enumerate(lists):
         if value is not None and not isinstance(value, (list, tuple, np.ndarray)):
-            raise raw.error(f"a sequence is a list of item ids, got {type(value).__name__} {str(value)[:40]!r}",
-                            row, columns.item)
+            raise raw.error(
+                f"a sequence is a list of item ids, got {type(value).__name__} {str(value)[:40]!r}", row, columns.item
+            )
     lengths = np.array([0 if value is None else len(value) for value in lists], dtype=np.int64)
     if not lengths.any():
         raise DataError("no clicks: every sequence is empty", file=table.path, column=columns.item)
     users = _ids(raw, columns.user, "user")
     repeated = users.duplicated(keep="first").to_numpy()
     if repeated.any():
-        raise raw.error(f"user {users[repeated].iloc[0]!r} already has a row; a sequence file has one row per user",
-                        int(np.argmax(repeated)), columns.user)
+        raise raw.error(
+            f"user {users[repeated].iloc[0]!r} already has a row; a sequence file has one row per user",
+            int(np.argmax(repeated)),
+            columns.user,
+        )
     row_of_click = np.repeat(np.arange(len(frame)), lengths)
     items = pd.Series([item for value in lists if value is not None for item in value], dtype=object)
     flat = _Raw(pd.DataFrame({columns.item: items}), table.path, row_of_click + 1, is_text=False)
@@ -359,8 +356,7 @@ def _read_raw(table: TableConfig, fmt: str) -> _Raw:
     if fmt == "parquet":
         return _read_parquet(table.path)
     if _arrow_reads(table, fmt):
-        layout = TextLayout(table.separator or _DEFAULT_SEPARATOR[fmt], table.header, table.encoding)
-        frame, numbers = read_text_table(table.path, layout)
+        frame, numbers = read_text_table(table.path, _text_layout(table, fmt))
         return _without_blank_rows(frame, numbers, table.path)
     text = decode_text(path.read_bytes(), table.encoding, table.path)
     movielens = fmt.startswith("movielens")
@@ -377,6 +373,7 @@ def _read_raw(table: TableConfig, fmt: str) -> _Raw:
     blank_lines = re.match(r"(?:[ \t]*\r?\n)*", text)
     assert blank_lines is not None  # the pattern matches the empty string, so it matches every text
     skipped = blank_lines.group().count("\n")
+
     def parse(names: list[str] | None = None) -> pd.DataFrame:
         return pd.read_csv(
             io.StringIO(text),
@@ -464,19 +461,14 @@ def _without_blank_rows(frame: pd.DataFrame, numbers: np.ndarray, file: str) -> 
     return _Raw(frame, file, numbers, is_text=True)
 
 
-def _require_columns(raw: _Raw, wanted: list[str], header: bool) -> None:
-    found = list(raw.frame.columns)
-    missing = [c for c in wanted if c not in found]
-    if not missing:
-        return
-    hint = ""
-    if raw.is_text and not header:
-        hint = " (the file is read without a header, so columns are named by position: '0', '1', ...)"
-    plural = "s" if len(missing) > 1 else ""
-    raise DataError(
-        f"missing column{plural} {', '.join(map(repr, missing))}; columns found: {found}{hint}",
-        file=raw.file,
-    )
+def _require_columns(raw: _Raw, wanted: list[str], table: TableConfig, fmt: str) -> None:
+    require_columns(wanted, list(raw.frame.columns), raw.file, text=_text_layout(table, fmt) if raw.is_text else None)
+
+
+def _text_layout(table: TableConfig, fmt: str) -> TextLayout:
+    """How a text file of format ``fmt`` is split: MovieLens files have no header."""
+    header = table.header and not fmt.startswith("movielens")
+    return TextLayout(table.separator or _DEFAULT_SEPARATOR[fmt], header, table.encoding)
 
 
 def _checked(raw: _Raw, column: str, convert: Callable[[pd.Series], T]) -> T:

@@ -116,9 +116,7 @@ class ClickShards:
             formats.setdefault(fmt, file)
         if len(formats) > 1:
             examples = ", ".join(f"{fmt} ({file})" for fmt, file in formats.items())
-            raise DataError(
-                f"the shards mix formats: {examples}; one click log has one format", file=table.path
-            )
+            raise DataError(f"the shards mix formats: {examples}; one click log has one format", file=table.path)
         (fmt,) = formats
         if fmt not in SHARD_FORMATS:
             raise DataError(
@@ -166,15 +164,8 @@ class ClickShards:
             raise
         except Exception as error:  # pyarrow raises several unrelated types for bad files
             raise DataError(f"not a readable {self.format} shard: {error}", file=file) from None
-        missing = [c for c in self.wanted if c not in found]
-        if missing:
-            plural = "s" if len(missing) > 1 else ""
-            hint = ""
-            if self.format != "parquet" and not self.header:
-                hint = " (the file is read without a header, so columns are named by position: '0', '1', ...)"
-            raise DataError(
-                f"missing column{plural} {', '.join(map(repr, missing))}; columns found: {found}{hint}", file=file
-            )
+        text = None if self.format == "parquet" else self.text
+        require_columns(self.wanted, found, file, text=text)
 
     def _dataset(self, file: str) -> pads.Dataset:
         if self.format == "parquet":
@@ -395,8 +386,10 @@ def list_shard_files(path: str) -> list[str]:
     else:
         files = [path] if target.is_file() else []
     if not files:
-        what = "no files match the pattern" if glob.has_magic(path) else (
-            "the directory holds no .parquet/.csv/.tsv shards" if target.is_dir() else "file not found"
+        what = (
+            "no files match the pattern"
+            if glob.has_magic(path)
+            else ("the directory holds no .parquet/.csv/.tsv shards" if target.is_dir() else "file not found")
         )
         raise DataError(f"no click shards: {what}", file=path)
     return files
@@ -436,15 +429,49 @@ class ClickBatch:
         return frame
 
 
+# Separators a header may be split on; a header that splits on one of these into the wanted names
+# was written with it.
+_LIKELY_SEPARATORS = (",", ";", "\t", "|")
+PARQUET_MAGIC = b"PAR1"
+
+
+def require_columns(wanted: Sequence[str], found: Sequence[str], file: str, *, text: TextLayout | None) -> None:
+    """A ``DataError`` naming the ``wanted`` columns missing from ``found`` (a text file's header when
+    ``text`` is its layout, else Parquet's names), with the likely fix: a header split on another
+    separator names ``separator``, a headerless read says columns are positions."""
+    missing = [c for c in wanted if c not in found]
+    if not missing:
+        return
+    hint = ""
+    if text is not None and not text.header:
+        hint = " (the file is read without a header, so columns are named by position: '0', '1', ...)"
+    elif text is not None:
+        header = text.separator.join(found)
+        for separator in _LIKELY_SEPARATORS:
+            if separator != text.separator and set(missing) <= {f.strip() for f in header.split(separator)}:
+                hint = (
+                    f" (the header looks separated by {separator!r}, not {text.separator!r}: "
+                    f"set the table's separator: {separator!r})"
+                )
+                break
+    plural = "s" if len(missing) > 1 else ""
+    names = ", ".join(map(repr, missing))
+    raise DataError(f"missing column{plural} {names}; columns found: {list(found)}{hint}", file=file)
+
+
 def decode_text(data: bytes, encoding: str, file: str) -> str:
     """``data`` decoded; a bad byte or an unknown encoding is a ``DataError`` naming the line and
-    the ``encoding`` key. A UTF-8 byte-order mark is dropped (else it joins the first column's name)."""
+    the ``encoding`` key (or, for a Parquet file read as text, the ``format`` key). A UTF-8
+    byte-order mark is dropped (else it joins the first column's name)."""
     try:
         text = data.decode(encoding)
     except LookupError:
         message = f"unknown encoding {encoding!r}; set encoding to e.g. utf-8 or latin-1"
         raise DataError(message, file=file) from None
     except UnicodeDecodeError as error:
+        if data.startswith(PARQUET_MAGIC):
+            message = "the file looks like Parquet (it starts with PAR1), not text: set the table's format: parquet"
+            raise DataError(message, file=file) from None
         bad = data[error.start : error.start + 1]
         raise DataError(
             f"byte 0x{bad.hex()} is not valid {encoding}; the file uses another encoding: "
@@ -504,8 +531,9 @@ def _canonical(
         values = batch.column(column)
         if pa.types.is_dictionary(values.type):
             values = values.dictionary_decode()
-        if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
-                or pa.types.is_integer(values.type)):
+        if not (
+            pa.types.is_string(values.type) or pa.types.is_large_string(values.type) or pa.types.is_integer(values.type)
+        ):
             # Floats, lists, structs, booleans, bytes, dates...: converted or refused by the shared rules.
             return pa.array(checked(column, lambda cells: id_strings(cells, what)).to_numpy(), pa.string())
         values = pc.utf8_trim_whitespace(pc.cast(values, pa.string()))
