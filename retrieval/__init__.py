@@ -22,3 +22,19 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 __version__ = "0.1.0"
+
+# The Python API (retrieval/api.py), imported on first use: `import retrieval` stays free of
+# TensorFlow, so the command line's --help and a user's own environment settings come first.
+_API = ("train", "open_run", "Run", "load_config")
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from retrieval import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'retrieval' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_API])

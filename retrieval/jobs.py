@@ -50,7 +50,7 @@ from retrieval.evaluation import (
     write_report,
 )
 from retrieval.export import atomic_directory, write_bundle
-from retrieval.features import ExampleJoin, FeatureStatistics, TowerTables
+from retrieval.features import ExampleJoin, FeatureStatistics, TowerTables, Vocabulary
 from retrieval.features.histories import ClickHistories
 from retrieval.index import ItemIndex, build_index, check_index_fits
 from retrieval.model import build_model
@@ -86,7 +86,11 @@ def default_run_name(config_name: str) -> str:
 
 
 def train_evaluate_export(
-    config: Config, *, config_name: str = "default", on_epoch_end: Callable[[int, dict], None] | None = None
+    config: Config,
+    *,
+    config_name: str = "default",
+    on_epoch_end: Callable[[int, dict], None] | None = None,
+    towers: TowerFactory | None = None,
 ) -> RunResult:
     """Run the whole job; the run directory appears only when every step succeeded.
 
@@ -99,6 +103,9 @@ def train_evaluate_export(
 
     ``on_epoch_end(epoch, logs)`` is passed to ``training.fit``: it sees each early-stopping epoch's
     validation recall and may raise to abandon the run (pipelines/tune.py prunes trials with it).
+
+    ``towers(context) -> (query_tower, doc_tower)`` replaces the ID towers with the caller's own Keras
+    models (``TowerContext``, ``check_custom_towers``); None builds the towers the config names.
     """
     started = time.perf_counter()
     strategy = distribution_strategy(config.train)  # first: MultiWorkerMirroredStrategy precedes other TF work
@@ -114,7 +121,7 @@ def train_evaluate_export(
             # Who is evaluated follows from the split alone: an empty eval set fails here, not after training.
             evaluated = evaluation_clicks(config, data)
         with strategy.scope():  # the towers', samplers' and loss's variables belong to the strategy
-            model = build_job_model(config, data)
+            model = build_job_model(config, data, towers)
         _require_servable(model, config)  # before training: the index cannot rank it
         with _timed(seconds, "training"):
             history, timing = train(config, strategy, model, data, scratch, checkpoint_dir, inputs, on_epoch_end)
@@ -415,12 +422,66 @@ def evaluation_clicks(config: Config, data: JobData) -> EvaluatedClicks:
     return EvaluatedClicks(eval_set, user_train)
 
 
-def build_job_model(config: Config, data: JobData):
-    """The two towers, samplers and loss the config names (call under the strategy's scope)."""
+@dataclass(frozen=True)
+class TowerContext:
+    """What a custom tower factory builds from (``train_evaluate_export(towers=...)``).
+
+    ``users`` and ``items`` are the training vocabularies: sorted ids, where a lookup such as
+    ``tf.keras.layers.StringLookup(vocabulary=list(context.items.ids))`` gives row ``position + 1``
+    and 0 to ids never seen in training, as the project's ID towers do.
+    """
+
+    users: Vocabulary
+    items: Vocabulary
+    embedding_dim: int
+
+
+# context -> (query tower: {"user_id": tf.string [batch]} -> [batch, D],
+#             doc tower: {"item_id": tf.string [batch]} -> [batch, D])
+TowerFactory = Callable[[TowerContext], tuple[tf.keras.Model, tf.keras.Model]]
+
+
+def check_custom_towers(towers: Any) -> tuple[tf.keras.Model, tf.keras.Model]:
+    """``towers`` as a factory returned them, or a ``ConfigError`` saying what the job needs instead:
+    two Keras models with named inputs (the SavedModel's signature is built from them), the query
+    tower reading ``user_id`` and the doc tower ``item_id`` (raw strings, [batch]), both [batch, D]."""
+    if not (isinstance(towers, tuple | list) and len(towers) == 2):
+        raise ConfigError(f"a tower factory returns (query_tower, doc_tower), got {type(towers).__name__}")
+    for tower, side, feature in zip(towers, ("query", "doc"), (USER, ITEM)):
+        if not isinstance(tower, tf.keras.Model) or not getattr(tower, "input_names", None):
+            raise ConfigError(
+                f"the custom {side} tower must be a functional tf.keras.Model over "
+                f"{{{feature!r}: tf.keras.Input(shape=(), dtype=tf.string, name={feature!r})}}, "
+                f"got {type(tower).__name__}"
+            )
+        if list(tower.input_names) != [feature]:
+            raise ConfigError(
+                f"the custom {side} tower reads {list(tower.input_names)}; an ID-only job feeds it only {feature!r}"
+            )
+        if len(tower.output_shape) != 2 or tower.output_shape[-1] is None:
+            raise ConfigError(f"the custom {side} tower returns shape {tower.output_shape}; it must be [batch, D]")
+    query, doc = towers
+    if query.output_shape[-1] != doc.output_shape[-1]:
+        raise ConfigError(
+            f"the custom towers' embeddings differ in size: query {query.output_shape[-1]}, doc {doc.output_shape[-1]}"
+        )
+    return query, doc
+
+
+def build_job_model(config: Config, data: JobData, custom_towers: TowerFactory | None = None):
+    """The two towers, samplers and loss the config names (call under the strategy's scope);
+    ``custom_towers`` (``TowerFactory``) builds the towers instead, for a config without feature towers."""
     seed_everything(config.train.seed)  # before the towers are built: their init is random
     towers = catalogue = None  # None: build_model makes the ID towers
     counts, stats = data.counts, data.stats
-    if data.join is not None:
+    if custom_towers is not None:
+        if data.join is not None:
+            raise ConfigError(
+                "custom towers are not yet supported with feature towers (the towers: section); "
+                "a custom tower reads user_id or item_id only: remove the towers: section or the factory"
+            )
+        towers = check_custom_towers(custom_towers(TowerContext(stats.users, stats.items, config.model.embedding_dim)))
+    elif data.join is not None:
         clicks = {column: scan_train_column(data.clicks, data.plan, column) for column in data.join.scanned_columns}
         statistics = data.join.statistics((counts.user_ids, counts.user_counts), (counts.item_ids, counts.item_counts),
                                           clicks, stats.items, data.tables.reference_time)

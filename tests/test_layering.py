@@ -29,6 +29,7 @@ STAGES = [
     "jobs",
     "bundles",  # re-evaluating (with the job's phases) and re-indexing an exported bundle
     "tuning",  # hyper-parameter search: runs the job per trial
+    "api",  # the Python API: retrieval.train -> Run, run.recommend, open_run
     "cli",
 ]
 PACKAGE = Path(__file__).resolve().parents[1] / "retrieval"
