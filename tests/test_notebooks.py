@@ -113,5 +113,21 @@ def test_committed_notebooks_show_their_full_settings_outputs(name):
     assert str(NOTEBOOKS.parent) not in path.read_text(encoding="utf-8")  # no paths of the machine that ran it
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_committed_notebooks_ran_on_the_current_defaults(name):
+    """Each notebook prints the model and train settings it trained with and the overrides it set; a
+    change of the code's defaults without ``make notebooks`` leaves a stale record, and fails here."""
+    import yaml
+
+    from retrieval.config import load_config
+
+    printed = _stdout(nbformat.read(NOTEBOOKS / name, as_version=4))
+    assert "config this run trained with:\n" in printed, f"{name} records no config"
+    record = yaml.safe_load(printed.split("config this run trained with:\n", 1)[1].split("\n\n", 1)[0])
+    current = load_config(NOTEBOOKS.parent / "configs" / "default.yaml", record["overrides"]).to_dict()
+    for section in ("model", "train"):
+        assert record[section] == current[section], f"{name}: {section} differs from the defaults; run make notebooks"
+
+
 def test_every_notebook_is_tested():
     assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(PROBES) == NAMES
