@@ -7,13 +7,16 @@ one is not what this measures. They are written through the export path (``write
 SavedModels, the FAISS index, the seen items and a fingerprinted manifest, exactly what
 ``Bundle.load`` checks and serves) from fixed towers (``benchmarks._serving_http.towers_for``)
 over the serving benchmark's clustered synthetic embeddings (unit vectors, 64 dims, 1000
-clusters); the IVF index is tuned as the job tunes it (``build_index``: the smallest nprobe whose
-recall@k against exact search reaches 0.95 on held-out users) unless ``--nprobe`` pins it. Each user has ``--seen`` training items drawn at random, excluded as a trained
-bundle's seen items are. What is timed is the whole batch path a real bundle runs: the query
-SavedModel on a block of user ids, the seen-item lookup, one index search a block (the Flat
-bundle's on ``ExactTopK``: a block is over ``ExactRouting.min_queries``), the answers turned
-into rows and written as one row group. A warm-up of one block (the SavedModel's first call)
-runs before the clock starts. recall@k of the IVF file is against the Flat file, user by user.
+clusters). The IVF index is tuned as the job tunes it (``build_index``: the smallest nprobe
+whose recall@k against exact search reaches 0.95 on held-out users) unless ``--nprobe`` pins
+it. Each user has ``--seen`` training items drawn at random, excluded as a trained bundle's
+seen items are.
+
+What is timed is the whole batch path a real bundle runs: the query SavedModel on a block of
+user ids, the seen-item lookup, one index search a block (the Flat bundle's on ``ExactTopK``:
+a block is over ``ExactRouting.min_queries``), the answers turned into rows and written as one
+row group. A warm-up of one block (the SavedModel's first call) runs before the clock starts.
+recall@k of the IVF file is against the Flat file, user by user.
 
     python -m benchmarks.bench_batch_recommend                  # 1M items, 20k users (make bench-batch-recommend)
     python -m benchmarks.bench_batch_recommend --items 20000 --users 2000 --out /tmp/bench   # a smoke run
