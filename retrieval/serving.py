@@ -11,8 +11,9 @@ or from a shell::
 
     python -m retrieval.serving --bundle artifacts/my-run --user-id 196 -k 10
     python -m retrieval.serving --bundle artifacts/my-run --similar 242 -k 10
+    python -m retrieval.serving --bundle artifacts/my-run --users users.txt|all -k 100 --out recs.parquet
 
-(``retrieval recommend`` takes the same arguments.)
+(``retrieval recommend`` takes the same arguments; ``--out`` runs ``retrieval.batch_recommend``.)
 
 What a user already has is never served by default: the user's training
 items (the bundle's ``seen_items/``, ``retrieval.seen_items``) and the items
