@@ -14,7 +14,9 @@ unreadable line, so it writes one line every ``interval`` seconds instead::
 
     recommend: 12,288 / 943,000 users (1.3%), 2,410 users/s, ETA 6m26s
 
-and a last line when it closes (``recommend: 943,000 users in 6m31s, 2,412 users/s``).
+and a last line when it closes (``recommend: 943,000 users in 6m31s, 2,412 users/s``). A loop
+that is done before its first line is due writes nothing (nor does the bar appear before
+``delay`` seconds), so a reporter costs nothing where the loop turns out short.
 
 Foundation module: it imports nothing from the project, so every stage can use it.
 """
@@ -30,6 +32,7 @@ from typing import TextIO
 from tqdm import tqdm
 
 DEFAULT_INTERVAL = 10.0  # seconds between lines when not on a terminal
+DEFAULT_DELAY = 1.0  # seconds before a terminal's bar appears
 
 
 class Progress:
@@ -41,6 +44,7 @@ class Progress:
       unit: what one unit is, plural ("users").
       stream: where to write (default ``sys.stderr``, read when the reporter is made).
       interval: seconds between lines when not on a terminal (default ``DEFAULT_INTERVAL``).
+      delay: seconds before the bar appears on a terminal (default ``DEFAULT_DELAY``).
       terminal: a tqdm bar (True) or lines (False); default: whether ``stream`` is a terminal.
       clock: seconds, monotonic (tests pass a fake one).
     """
@@ -53,6 +57,7 @@ class Progress:
         *,
         stream: TextIO | None = None,
         interval: float | None = None,
+        delay: float = DEFAULT_DELAY,
         terminal: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -68,9 +73,10 @@ class Progress:
         self._clock = clock
         self._started = self._last_line = clock()
         self._closed = False
+        self._lines = 0
         on_terminal = _is_terminal(self.stream) if terminal is None else terminal
         self._bar = (
-            tqdm(total=total, desc=what, unit=f" {unit}", file=self.stream, dynamic_ncols=True)
+            tqdm(total=total, desc=what, unit=f" {unit}", file=self.stream, dynamic_ncols=True, delay=delay)
             if on_terminal
             else None
         )
@@ -101,12 +107,15 @@ class Progress:
         return ", ".join(parts)
 
     def close(self) -> None:
-        """Finish: the bar's last state, or one line with the count, the time taken and the rate."""
+        """Finish: the bar's last state, or one line with the count, the time taken and the rate
+        (none if no line was written before: the loop was short)."""
         if self._closed:
             return
         self._closed = True
         if self._bar is not None:
             self._bar.close()
+            return
+        if not self._lines:
             return
         elapsed = self._clock() - self._started
         rate = self.done / elapsed if elapsed > 0 else None
@@ -122,6 +131,7 @@ class Progress:
         self.close()
 
     def _write(self, line: str) -> None:
+        self._lines += 1
         self.stream.write(line + "\n")
         self.stream.flush()
 

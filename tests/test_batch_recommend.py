@@ -267,15 +267,24 @@ def test_progress_without_a_total_and_long_etas():
     clock.now += 10
     slow.update(2)
     assert stream.getvalue().splitlines()[-1].endswith("ETA 13h53m")
+    # A loop done before its first line is due writes nothing, not even the last line.
+    quick = io.StringIO()
+    with Progress(10, "recommend", "users", stream=quick, interval=5, clock=clock) as progress:
+        clock.now += 4
+        progress.update(10)
+    assert quick.getvalue() == ""
     assert [format_duration(s) for s in (0, 59.9, 60, 3599, 3600, 7500)] == ["0s", "59s", "1m00s", "59m59s",
                                                                              "1h00m", "2h05m"]
 
 
 def test_progress_on_a_terminal_is_a_tqdm_bar():
     stream = io.StringIO()
-    with Progress(40, "recommend", "users", stream=stream, terminal=True) as progress:
+    with Progress(40, "recommend", "users", stream=stream, terminal=True, delay=0) as progress:
         progress.update(40)
     assert "recommend: 100%" in stream.getvalue() and "40/40 [" in stream.getvalue()
+    with Progress(40, "recommend", "users", stream=stream, terminal=True) as progress:  # the default delay
+        progress.update(40)
+    assert stream.getvalue().count("recommend: 100%") == 1  # done before the bar was due: none shown
 
 
 def test_the_command_shows_progress_lines_on_stderr(world, tmp_path, capsys, monkeypatch):  # noqa: F811
