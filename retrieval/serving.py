@@ -638,7 +638,7 @@ def recommend_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--users", metavar="FILE|all",
         help="with --out: a file of user ids, one a line, or 'all' (every user of the bundle's seen items)",
     )
-    parser.add_argument("-k", "--k", type=int, default=10)
+    parser.add_argument("-k", "--k", type=int, default=10, help="items per query (default: %(default)s)")
     parser.add_argument("--exclude", nargs="*", default=[], help="item ids never to return")
     parser.add_argument(
         "--include-seen",
@@ -652,7 +652,7 @@ def recommend_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     parser.add_argument(
-        "--block-size", type=int, default=1024,
+        "--block-size", type=int, default=1024,  # batch_recommend.DEFAULT_BLOCK_SIZE (it imports this module)
         help="with --out: users (items) searched at once and written as one row group (default: %(default)s)",
     )
     return parser

@@ -21,6 +21,7 @@ from test_seen_items import NUM_USERS, world  # noqa: F401  (the module fixture:
 
 from retrieval import cli, serving
 from retrieval.batch_recommend import (
+    DEFAULT_BLOCK_SIZE,
     RECOMMENDATION_SCHEMA,
     SIMILAR_SCHEMA,
     IdList,
@@ -107,6 +108,7 @@ def test_a_users_file_through_the_command_line(world, seen, tmp_path, capsys):  
     assert frame["user"].tolist()[:10] == ["user03"] * 10 and len(frame) == 10 + 10 + 10 + 5 + 10
     assert_equal_answers(out, users, expected)
     assert pq.ParquetFile(out).num_row_groups == 3
+    assert serving.recommend_parser().get_default("block_size") == DEFAULT_BLOCK_SIZE
 
     # The console command is the same parser; --include-seen keeps the training items.
     again = tmp_path / "with-seen.parquet"
