@@ -17,6 +17,8 @@ import io
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_seen_items import NUM_USERS, world  # noqa: F401  (the module fixture: fixed-tower bundles)
 
 from retrieval import cli, serving
@@ -24,12 +26,14 @@ from retrieval.batch_recommend import (
     DEFAULT_BLOCK_SIZE,
     RECOMMENDATION_SCHEMA,
     SIMILAR_SCHEMA,
+    IdFile,
     IdList,
     all_items,
     all_users,
     recommend_to_file,
     similar_to_file,
 )
+from retrieval.errors import UserError
 from retrieval.progress import Progress, format_duration
 from retrieval.serving import Bundle
 
@@ -141,6 +145,37 @@ def test_a_bad_users_file_is_a_one_line_error_naming_the_line(world, tmp_path, c
     error = capsys.readouterr().err
     assert error.startswith(f"error: {tmp_path}/{message}") and error.count("\n") == 1
     assert list(tmp_path.iterdir()) == ([listed] if content is not None else [])
+
+
+# Ids: any text without a line break, not blank, no spaces around it (reading splits at b"\n" only).
+ids = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\n\r"), min_size=1, max_size=8).filter(
+    lambda text: text.strip() == text and bool(text)
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(listed=st.lists(ids, min_size=1, max_size=30), size=st.integers(1, 7), crlf=st.booleans(),
+       final_newline=st.booleans(), blank=st.none() | st.integers(0, 30))
+def test_an_id_file_gives_back_its_lines_in_blocks_or_names_its_blank_line(tmp_path_factory, listed, size, crlf,
+                                                                          final_newline, blank):
+    path = tmp_path_factory.mktemp("ids") / "ids.txt"
+    end = "\r\n" if crlf else "\n"
+    lines = list(listed)
+    if blank is not None:
+        blank = min(blank, len(lines))
+        lines.insert(blank, "")
+    path.write_bytes((end.join(lines) + (end if final_newline else "")).encode("utf-8"))
+    if blank is None:
+        source = IdFile(path, "user")
+        blocks = list(source.blocks(size))
+        assert source.total == len(listed) and [i for block in blocks for i in block] == listed
+        assert all(len(block) == size for block in blocks[:-1]) and 1 <= len(blocks[-1]) <= size
+    elif blank == len(listed) and not final_newline:
+        # The blank last line without a newline after it is just a final newline.
+        assert IdFile(path, "user").ids() == listed
+    else:
+        with pytest.raises(UserError, match=f"^{path} line {blank + 1}: a blank line; give one user id a line$"):
+            IdFile(path, "user")
 
 
 def test_an_existing_out_is_refused_without_overwrite(world, seen, tmp_path, capsys):  # noqa: F811
