@@ -46,7 +46,9 @@ from retrieval.errors import UserError
 from retrieval.progress import Progress
 from retrieval.serving import Bundle, Recommendations
 
-DEFAULT_BLOCK_SIZE = 1024  # queries per search and per row group: >= ExactRouting.min_queries, ~100k rows at k=100
+# Queries per search and per row group: >= ExactRouting.min_queries, ~100k rows at k=100. recommend_parser's
+# --block-size help quotes it.
+DEFAULT_BLOCK_SIZE = 1024
 ALL = "all"  # --users all / --similar all
 
 RECOMMENDATION_SCHEMA = pa.schema(
@@ -353,20 +355,21 @@ def recommend_to_files(args) -> int:
                         "--user-id prints them (drop --out, or put the ids in a file for --users)")
     if args.similar and len(args.similar) > 1:
         raise UserError(f"with --out, --similar takes one source, 'all' or a file of item ids, got {args.similar}")
-    if args.block_size < 1:
-        raise UserError(f"--block-size must be a positive number of queries, got {args.block_size}")
+    block_size = DEFAULT_BLOCK_SIZE if args.block_size is None else args.block_size
+    if block_size < 1:
+        raise UserError(f"--block-size must be a positive number of queries, got {block_size}")
     check_out(args.out, args.overwrite)  # before the bundle loads: a refusal costs nothing
     bundle = Bundle.load(args.bundle)
     if args.similar:
         items = item_source(bundle, args.similar[0])
         with Progress(items.total, "similar items", "items") as progress:
             summary = similar_to_file(bundle, items, args.k, args.out, exclude_item_ids=args.exclude,
-                                      block_size=args.block_size, overwrite=args.overwrite, progress=progress)
+                                      block_size=block_size, overwrite=args.overwrite, progress=progress)
     else:
         users = user_source(bundle, args.users)
         with Progress(users.total, "recommend", "users") as progress:
             summary = recommend_to_file(bundle, users, args.k, args.out, exclude_item_ids=args.exclude,
-                                        exclude_seen=not args.include_seen, block_size=args.block_size,
+                                        exclude_seen=not args.include_seen, block_size=block_size,
                                         overwrite=args.overwrite, progress=progress)
     print(summary.line())
     return 0

@@ -652,8 +652,8 @@ def recommend_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     parser.add_argument(
-        "--block-size", type=int, default=1024,  # batch_recommend.DEFAULT_BLOCK_SIZE (it imports this module)
-        help="with --out: users (items) searched at once and written as one row group (default: %(default)s)",
+        "--block-size", type=int,
+        help="with --out: users (items) searched at once and written as one row group (default: 1024)",
     )
     return parser
 
@@ -669,8 +669,9 @@ def recommend(args: argparse.Namespace) -> int:
         from retrieval.batch_recommend import recommend_to_files  # same stage; imports this module
 
         return recommend_to_files(args)
-    if args.overwrite:
-        raise UserError("--overwrite applies to --out, which this command was not given")
+    for flag, given in (("--overwrite", args.overwrite), ("--block-size", args.block_size is not None)):
+        if given:
+            raise UserError(f"{flag} applies to --out, which this command was not given")
     bundle = Bundle.load(args.bundle)
     if args.similar:
         similar = bundle.similar_items_batch(args.similar, args.k, [args.exclude] * len(args.similar))

@@ -112,7 +112,8 @@ def test_a_users_file_through_the_command_line(world, seen, tmp_path, capsys):  
     assert frame["user"].tolist()[:10] == ["user03"] * 10 and len(frame) == 10 + 10 + 10 + 5 + 10
     assert_equal_answers(out, users, expected)
     assert pq.ParquetFile(out).num_row_groups == 3
-    assert serving.recommend_parser().get_default("block_size") == DEFAULT_BLOCK_SIZE
+    shown = next(a.help for a in serving.recommend_parser()._actions if a.dest == "block_size")
+    assert shown.endswith(f"(default: {DEFAULT_BLOCK_SIZE})")
 
     # The console command is the same parser; --include-seen keeps the training items.
     again = tmp_path / "with-seen.parquet"
@@ -242,6 +243,7 @@ def test_similar_items_of_the_catalogue_and_of_a_file_equal_similar_items_batch(
         (["--users", "all", "--out", "x.parquet", "--block-size", "0"],
          "error: --block-size must be a positive number of queries, got 0\n"),
         (["--user-id", "user01", "--overwrite"], "error: --overwrite applies to --out"),
+        (["--similar", "item001", "--block-size", "8"], "error: --block-size applies to --out"),
     ],
 )
 def test_misused_flags_are_one_line_errors(world, tmp_path, monkeypatch, capsys, flags, message):  # noqa: F811
