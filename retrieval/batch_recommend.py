@@ -29,9 +29,10 @@ training), ``all_items(bundle)`` its catalogue, ``IdFile`` a text file of ids, o
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -296,7 +297,17 @@ def _check_sizes(k: int, block_size: int) -> None:
             raise UserError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _write(source, answer, schema, what, out, block_size, overwrite, progress) -> BatchSummary:
+def _write(
+    source: IdSource,
+    answer: Callable[[list[str]], list[Recommendations]],
+    schema: pa.Schema,
+    what: str,
+    out: str | Path,
+    block_size: int,
+    overwrite: bool,
+    progress: Progress | None,
+) -> BatchSummary:
+    """``answer`` each block of ``source`` and write it as one row group of ``out``."""
     out = check_out(out, overwrite)
     started = time.perf_counter()
     queries = rows = groups = 0
@@ -345,7 +356,7 @@ def _atomic_parquet(out: Path, schema: pa.Schema) -> Iterator[pq.ParquetWriter]:
         partial.unlink(missing_ok=True)
 
 
-def recommend_to_files(args) -> int:
+def recommend_to_files(args: argparse.Namespace) -> int:
     """``retrieval recommend --out``: ``recommend_parser``'s ``args`` with ``--users`` or ``--similar``
     -> the file written and one summary line on stdout (progress on stderr)."""
     if args.out is None:
