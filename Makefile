@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 SET    ?=
 
-.PHONY: install test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential
+.PHONY: install test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -115,6 +115,12 @@ bench-steps:
 # --variants default,popularity,als --seeds 2 --max-epochs 3 --set k=v --force"
 bench-public:
 	nice -n 10 $(BIN)/python -m benchmarks.bench_public $(ARGS)
+
+# Batch recommendations into a Parquet file (retrieval recommend --users ... --out): users/s at k=100 over
+# 1M items, Flat and tuned IVF1024 bundles written from synthetic embeddings (not trained), 20k users.
+# ARGS="--items 20000 --users 2000" for a quick run.
+bench-batch-recommend:
+	nice -n 10 $(BIN)/python -m benchmarks.bench_batch_recommend $(ARGS)
 
 # Amazon Beauty, leave-one-out: the transformer history vs pooled history, popularity and ALS
 # (each row a whole job on configs/beauty.yaml); ARGS="--throughput" measures trained pairs/s instead.

@@ -59,8 +59,9 @@ def towers_for(user_ids, queries, item_ids, items):
     return query_tower, doc_tower
 
 
-def write_test_bundle(workdir: Path, factory: str, index, towers) -> Path:
-    """A bundle per index; the towers are saved once and hard-linked into the others."""
+def write_test_bundle(workdir: Path, factory: str, index, towers, seen_items=None) -> Path:
+    """A bundle per index; the towers (and ``seen_items``, given to the first) are saved once and
+    hard-linked into the others."""
     from retrieval.export import MANIFEST_FILE, write_bundle, write_manifest
 
     name = "bench-" + "".join(c if c.isalnum() else "-" for c in factory)
@@ -70,7 +71,7 @@ def write_test_bundle(workdir: Path, factory: str, index, towers) -> Path:
     if first is None:
         directory.mkdir()
         write_bundle(directory, query_tower=towers[0], doc_tower=towers[1], index=index,
-                     manifest={"run": name, "popular_item_ids": []})
+                     manifest={"run": name, "popular_item_ids": []}, seen_items=seen_items)
     else:
         shutil.copytree(first, directory, copy_function=os.link,
                         ignore=shutil.ignore_patterns("index.faiss", "index.json", "item_ids.parquet", MANIFEST_FILE))

@@ -5,6 +5,8 @@
     retrieval export --run artifacts/<run> --out D --set index.factory=HNSW32   re-index a bundle
     retrieval tune --trials N [--config F] [--space S]  hyper-parameter search (make tune)
     retrieval recommend --bundle artifacts/<run> --user-id 196 [-k 10]   top-k from a shell
+    retrieval recommend --bundle artifacts/<run> --users users.txt|all --k 100 --out recs.parquet [--overwrite]
+    retrieval recommend --bundle artifacts/<run> --similar items.txt|all -k 10 --out similar.parquet
     retrieval serve --bundle artifacts/<run> [--host 127.0.0.1] [--port 8000] [--admin-token T | --no-admin]
     retrieval reload --bundle artifacts/<new run> [--url http://127.0.0.1:8000] [--token T]
 

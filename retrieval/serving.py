@@ -11,8 +11,9 @@ or from a shell::
 
     python -m retrieval.serving --bundle artifacts/my-run --user-id 196 -k 10
     python -m retrieval.serving --bundle artifacts/my-run --similar 242 -k 10
+    python -m retrieval.serving --bundle artifacts/my-run --users users.txt|all -k 100 --out recs.parquet
 
-(``retrieval recommend`` takes the same arguments.)
+(``retrieval recommend`` takes the same arguments; ``--out`` runs ``retrieval.batch_recommend``.)
 
 What a user already has is never served by default: the user's training
 items (the bundle's ``seen_items/``, ``retrieval.seen_items``) and the items
@@ -622,31 +623,55 @@ def recommend_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Top-k item ids for a raw query (--user-id), or the items most similar to an item "
-        "(--similar), from a bundle.",
+        "(--similar), from a bundle; with --out, for many users (--users) or items (--similar) into a "
+        "Parquet file.",
     )
     parser.add_argument("--bundle", required=True, help="bundle directory, e.g. artifacts/<run>")
     asked = parser.add_mutually_exclusive_group(required=True)
     asked.add_argument("--user-id", action="append", help="query user id (repeatable)")
     asked.add_argument(
         "--similar", action="append", metavar="ITEM_ID",
-        help="catalogue item id: its nearest items, never itself (repeatable)",
+        help="catalogue item id: its nearest items, never itself (repeatable); with --out: 'all' "
+        "(the whole catalogue) or a file of item ids, one a line",
     )
-    parser.add_argument("-k", type=int, default=10)
+    asked.add_argument(
+        "--users", metavar="FILE|all",
+        help="with --out: a file of user ids, one a line, or 'all' (every user of the bundle's seen items)",
+    )
+    parser.add_argument("-k", "--k", type=int, default=10, help="items per query (default: %(default)s)")
     parser.add_argument("--exclude", nargs="*", default=[], help="item ids never to return")
     parser.add_argument(
         "--include-seen",
         action="store_true",
-        help="also return the user's training items (excluded by default; --user-id only)",
+        help="also return the user's training items (excluded by default; --user-id and --users only)",
+    )
+    parser.add_argument(
+        "--out", metavar="FILE.parquet",
+        help="write --users' recommendations (user, rank, item, score) or --similar's similar items "
+        "(item, rank, similar_item, score) to this Parquet file",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    parser.add_argument(
+        "--block-size", type=int,
+        help="with --out: users (items) searched at once and written as one row group (default: 1024)",
     )
     return parser
 
 
 def recommend(args: argparse.Namespace) -> int:
-    """Print one JSON line per query of ``recommend_parser``'s ``args``: its top-k ids, scores and fallback."""
+    """Print one JSON line per query of ``recommend_parser``'s ``args``: its top-k ids, scores and fallback;
+    with ``--out``, write them for many users or items to a file (``retrieval.batch_recommend``)."""
     if args.k <= 0:
         raise UserError(f"-k must be a positive number of items, got {args.k}")
     if args.similar and args.include_seen:
         raise UserError("--include-seen applies to --user-id queries; --similar has no user whose items to keep")
+    if args.out is not None or args.users is not None:
+        from retrieval.batch_recommend import recommend_to_files  # same stage; imports this module
+
+        return recommend_to_files(args)
+    for flag, given in (("--overwrite", args.overwrite), ("--block-size", args.block_size is not None)):
+        if given:
+            raise UserError(f"{flag} applies to --out, which this command was not given")
     bundle = Bundle.load(args.bundle)
     if args.similar:
         similar = bundle.similar_items_batch(args.similar, args.k, [args.exclude] * len(args.similar))

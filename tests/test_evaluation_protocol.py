@@ -71,3 +71,24 @@ def test_index_ranking_masks_each_users_rows_in_any_batching(batch_size):
     expected = np.argsort(-scores, axis=1, kind="stable")[:, :5]
     expected = np.where(np.take_along_axis(scores, expected, 1) == -np.inf, -1, expected)  # padded, not masked rows
     np.testing.assert_array_equal(ranked, expected)
+
+
+def test_index_ranking_reports_its_progress_batch_by_batch():
+    import io
+
+    from retrieval.progress import Progress
+
+    eval_set = build_eval_set(TRAIN, TEST, CATALOGUE, EvaluationConfig(unseen_users="keep"))
+    items = np.random.default_rng(0).normal(size=(len(CATALOGUE), 4)).astype(np.float32)
+    ticks = iter(range(0, 1000, 10))  # every reading of the clock is 10 s after the last
+    stream = io.StringIO()
+    progress = Progress(len(eval_set.user_ids), "rank users", "users", stream=stream, interval=5,
+                        clock=lambda: float(next(ticks)))
+    assert len(eval_set.user_ids) == 3  # u1, u2, u9 (u3's only test click repeats a training one)
+    index_ranking(ItemIndex.build(CATALOGUE, items), np.ones((3, 4), np.float32), eval_set, 3, batch_size=2,
+                  progress=progress)
+    assert stream.getvalue().splitlines() == [
+        "rank users: 2 / 3 users (66.7%), 0.2 users/s, ETA 5s",
+        "rank users: 3 / 3 users (100.0%), 0.15 users/s, ETA 0s",
+        "rank users: 3 users in 30s, 0.1 users/s",
+    ]

@@ -6,6 +6,7 @@ from pathlib import Path
 # Stage order (config and arrays are shared foundations).
 STAGES = [
     "errors",  # UserError and run_main, the one-line errors of every entry point
+    "progress",  # count, rate and ETA of a long loop (a tqdm bar on a terminal, else log lines)
     "config",
     "config_reference",  # docs/configuration.md, generated from config only
     "arrays",
@@ -23,7 +24,9 @@ STAGES = [
     "evaluation",
     "seen_items",  # each training user's items (CSR): written by export, excluded by serving
     "export",
-    "serving",
+    # One stage: batch_recommend answers many users through serving's Bundle, and serving's command
+    # line hands --out to it.
+    ("serving", "batch_recommend"),
     "service",
     "checkpoint_directory",  # a run's checkpoint directory: lock, resume checks, cleanup
     "jobs",
@@ -33,6 +36,9 @@ STAGES = [
     "cli",
 ]
 PACKAGE = Path(__file__).resolve().parents[1] / "retrieval"
+# module -> its stage's position; modules grouped in one entry share it (and may import each other).
+RANK = {name: position for position, entry in enumerate(STAGES)
+        for name in (entry if isinstance(entry, tuple) else (entry,))}
 
 
 def _stage_of(module: str) -> str:
@@ -56,7 +62,7 @@ def test_every_module_has_a_stage():
         if relative.name == "__init__.py" and len(relative.parts) == 1:
             continue
         stage = relative.parts[0].removesuffix(".py")
-        assert stage in STAGES, f"{relative} is in no stage; add it to STAGES in order"
+        assert stage in RANK, f"{relative} is in no stage; add it to STAGES in order"
 
 
 def test_imports_flow_forward_only():
@@ -65,10 +71,10 @@ def test_imports_flow_forward_only():
         relative = path.relative_to(PACKAGE)
         if relative.name == "__init__.py" and len(relative.parts) == 1:
             continue
-        own = STAGES.index(relative.parts[0].removesuffix(".py"))
+        own = RANK[relative.parts[0].removesuffix(".py")]
         for module in _imports(path):
             other = _stage_of(module)
-            if other in STAGES and STAGES.index(other) > own:
+            if other in RANK and RANK[other] > own:
                 problems.append(f"{relative} imports {module} (a later stage)")
     assert not problems, "\n".join(problems)
 

@@ -271,7 +271,7 @@ def test_cli_asks_for_a_user_or_an_item_not_both(world, capsys):  # noqa: F811
         with pytest.raises(SystemExit) as info:
             serving.main(["--bundle", str(world["bundle-a"]), *flags])
         assert info.value.code == 2
-    assert "one of the arguments --user-id --similar is required" in capsys.readouterr().err
+    assert "one of the arguments --user-id --similar --users is required" in capsys.readouterr().err
 
 
 def test_an_index_that_cannot_give_back_its_vectors_says_so():

@@ -16,6 +16,7 @@ import pandas as pd
 from retrieval.config import EvaluationConfig
 from retrieval.data import ITEM, USER, DataError
 from retrieval.index import ItemIndex
+from retrieval.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,12 @@ def _no_users_message(counts: dict[str, int], test_users: int, config: Evaluatio
 
 
 def index_ranking(
-    index: ItemIndex, query_embeddings: np.ndarray, eval_set: EvalSet, depth: int, batch_size: int = 4096
+    index: ItemIndex,
+    query_embeddings: np.ndarray,
+    eval_set: EvalSet,
+    depth: int,
+    batch_size: int = 4096,
+    progress: Progress | None = None,
 ) -> np.ndarray:
     """Top-``depth`` catalogue rows per evaluated user from the FAISS index.
 
@@ -141,6 +147,8 @@ def index_ranking(
       index: the catalogue index.
       query_embeddings: [num_users, dim], aligned with ``eval_set.user_ids``.
       depth: ranked list length.
+      progress: told of each batch of users; default: a ``Progress`` on stderr, which shows
+        only when the ranking runs longer than its interval (a large catalogue).
 
     Returns:
       [num_users, depth] int64 rows (-1 where the catalogue ran out).
@@ -151,10 +159,12 @@ def index_ranking(
     # over-fetches for one heavy user.
     order = np.argsort([len(e) for e in eval_set.exclude], kind="stable")
     ranked = np.empty((len(order), depth), dtype=np.int64)
-    for start in range(0, len(order), batch_size):
-        batch = order[start : start + batch_size]
-        top = index.search(query_embeddings[batch], depth, exclude=[eval_set.exclude[i] for i in batch])
-        ranked[batch] = top.rows
+    with progress or Progress(len(order), "rank users", "users") as shown:
+        for start in range(0, len(order), batch_size):
+            batch = order[start : start + batch_size]
+            top = index.search(query_embeddings[batch], depth, exclude=[eval_set.exclude[i] for i in batch])
+            ranked[batch] = top.rows
+            shown.update(len(batch))
     return ranked
 
 
