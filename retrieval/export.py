@@ -333,7 +333,9 @@ def save_topk_model(
 
     Excluded items are masked out of the scores before the top-k (no k + E over-fetch), so
     the answer is the exact top-k of the items left: ``Bundle.recommend(query, k,
-    exclude_item_ids, exclude_seen=False)`` on a Flat index.
+    exclude_item_ids, exclude_seen=False)`` on a Flat index (on a fallback row too, except that
+    ``Bundle`` stops where ``popular_item_ids`` run out and this goes on in catalogue order).
+    Seen items are not inside it: a client sends them among the exclusions.
 
     Args:
       directory: where to write the SavedModel.
