@@ -16,6 +16,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_service import _fixed_id_tower, _unit
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
@@ -127,6 +129,25 @@ def test_topk_model_never_returns_excluded_items_and_equals_recommend(world):
         np.testing.assert_allclose(scores[row], result.scores, rtol=1e-5, atol=1e-6)
     assert list(ids[-1]) == [item for item in world["popular"] if item not in exclude[-1]][:K]
     assert np.isnan(scores[-1]).all()
+
+
+@given(data=st.data())
+@settings(max_examples=25, deadline=None)
+def test_any_exclusion_lists_give_what_recommend_gives(world, data):
+    """Lists of any length per query (padded to one width): catalogue ids, near-top ones, repeats,
+    unknown ids and blanks, for known users and the stranger."""
+    directory = world["dir"]
+    topk, bundle = _serve(directory, "topk_model"), Bundle.load(directory)
+    ids = st.sampled_from(world["item_ids"] + world["popular"][:5] + ["", "nope"])
+    users = data.draw(st.lists(st.sampled_from(USERS), min_size=1, max_size=4), label="users")
+    exclude = data.draw(st.lists(st.lists(ids, max_size=12), min_size=len(users), max_size=len(users)),
+                        label="exclude")
+    out = topk(user_id=tf.constant(users), exclude_item_ids=_padded([row or [""] for row in exclude]))
+    expected = bundle.recommend_batch([{"user_id": u} for u in users], k=K, exclude_item_ids=exclude,
+                                      exclude_seen=False)
+    for row, result, excluded in zip(out["item_ids"].numpy().astype(str).tolist(), expected, exclude):
+        assert row == result.item_ids
+        assert not set(row) & (set(excluded) - {""})
 
 
 @pytest.mark.parametrize("nothing", [[[""]] * len(USERS), tf.zeros([len(USERS), 0], tf.string)],
