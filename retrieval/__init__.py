@@ -5,7 +5,8 @@ Keras 3 as ``tf.keras`` unless ``TF_USE_LEGACY_KERAS=1`` is set *before*
 TensorFlow is first imported, so we set it here: importing ``retrieval`` is
 enough, no user has to remember it. The same goes for TensorFlow's oneDNN CPU
 kernels (``TF_ENABLE_ONEDNN_OPTS``, see below). Either can be overridden by
-setting the variable before importing ``retrieval``.
+setting the variable before importing ``retrieval``. The lines TensorFlow's native libraries print
+while they load, which no variable silences, are filtered out of stderr (``retrieval.native_logs``).
 """
 
 import os
@@ -17,9 +18,15 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 # in-batch softmax, 2M-click scale log of 100k users x 1M items: 40-49 ms -> 19-22 ms;
 # docs/operations.md, "CPU kernels"). Results differ from Eigen's only by float round-off.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
-# TensorFlow's C++ INFO lines (CPU feature notices, "no CUDA driver") drown the
-# progress output on CPU machines; warnings and errors still show.
+# TensorFlow's C++ INFO lines drown the progress output; warnings and errors still show.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+# That level is read only once TensorFlow's libraries have loaded: what they print while loading
+# (absl's "before InitializeLog" line, the oneDNN notice, and on a machine without a GPU the CUDA
+# driver's absence, an ERROR among them) is filtered out of the first `import tensorflow` instead
+# (retrieval/native_logs.py; RETRIEVAL_DEBUG=1 or TF_CPP_MIN_LOG_LEVEL=0 keeps it).
+from retrieval import native_logs  # noqa: E402  (after the environment it reads)
+
+native_logs.install()
 
 __version__ = "0.1.0"
 

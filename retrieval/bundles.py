@@ -67,7 +67,10 @@ def reindex_bundle(
     tuned with item embeddings standing in for queries (the manifest says so).
     The source is loaded and checked as serving would (``Bundle.load``); the
     copy gets fresh fingerprints and its probe query's top-k through the new
-    index (a format 1 source, which has no probe, gives a copy without one).
+    index (a format 1 source, which has no probe, gives a copy without one). The SavedModels
+    are copied unchanged, under the same paths and so the same TensorFlow Serving version
+    (``model_version``): the models are the source's, and a bundle re-indexed after a newer one
+    was trained must not look newer to a model repository that serves the highest version.
 
     The copy holds the served files only, named by the new directory: its manifest's ``run``
     is ``out``'s name, its ``config`` (and ``config.yaml``) names the new index, and

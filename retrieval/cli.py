@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from retrieval.errors import UserError, entry_point
+from retrieval.errors import DEBUG_ENV, UserError, entry_point
 
 # retrieval.service loads TensorFlow only when a bundle is loaded: `retrieval reload` and --help start fast.
 from retrieval.service import ADMIN_TOKEN_ENV, ServiceLimits
@@ -116,10 +116,19 @@ def config_arguments(parser: argparse.ArgumentParser, *, default_config: str | N
 
 
 def setup_logging() -> None:
+    """The project's INFO progress lines on stderr; the libraries' own INFO lines only with RETRIEVAL_DEBUG=1.
+
+    (TensorFlow's native start-up lines are filtered when it is imported: ``retrieval.native_logs``.)
+    """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        return
     # faiss's loader says at INFO, over two lines ending in a ModuleNotFoundError, that it fell back
     # from its AVX2 build: not a problem, but it reads like one beside a real error line.
-    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    # TensorFlow's Python side says at INFO where each SavedModel's assets went ("tensorflow") and which
+    # signature inputs it renamed ("absl"): nothing for a user to do. Their warnings still show.
+    for name in ("faiss.loader", "tensorflow", "absl"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _config_name(path: str | None) -> str:

@@ -908,11 +908,11 @@ class ExportConfig(_Section):
 
     topk_model: bool = Field(
         True,
-        description="Also write topk_model/: a SavedModel holding the query tower and every item "
-        "embedding that returns top-k ids itself (brute force; num_items x dim floats, so large "
-        "catalogues may want it off).",
+        description="Also write the topk model (models/topk/<version>/): a SavedModel holding the query "
+        "tower and every item embedding that returns top-k ids itself, leaving out the ids it is asked "
+        "to exclude (brute force; num_items x dim floats, so large catalogues may want it off).",
     )
-    topk_k: int = Field(100, gt=0, description="How many ids topk_model/ returns per query.")
+    topk_k: int = Field(100, gt=0, description="How many ids the topk model returns per query.")
 
 
 class RunConfig(_Section):

@@ -2,12 +2,17 @@
 
 Bundle layout (``artifacts/<run>/``)::
 
-    manifest.json       config, metrics, versions, dimension, metric type, files, fingerprints, probe
-    query_model/        SavedModel: serving_default(raw query features) -> {"embedding"}
-    doc_model/          SavedModel: serving_default(raw item features) -> {"embedding"}
-    topk_model/         SavedModel: serving_default(raw query features) -> {"item_ids", "scores",
-                        "fallback"}: query tower + every item embedding, brute-force top-k
-                        (optional: export.topk_model)
+    manifest.json       config, metrics, versions, dimension, metric type, files, fingerprints, probe,
+                        model_version
+    models/             the SavedModels, laid out as TensorFlow Serving loads them
+                        (``tensorflow_model_server --model_base_path=<bundle>/models/query``);
+                        <version> is the manifest's model_version, the export's Unix time in seconds
+      query/<version>/  serving_default(raw query features) -> {"embedding"}
+      doc/<version>/    serving_default(raw item features) -> {"embedding"}
+      topk/<version>/   serving_default(raw query features, exclude_item_ids) -> {"item_ids", "scores",
+                        "fallback"}: query tower + every item embedding, exact top-k of the items
+                        not excluded (optional: export.topk_model)
+      models.config     TF Serving's model config listing them, base paths under /models (docker)
     index.faiss         FAISS inner-product index over every catalogue item
     item_ids.parquet    index row -> item id
     index.json          index factory, dimension, size, search parameters and measured recall
@@ -17,9 +22,13 @@ Bundle layout (``artifacts/<run>/``)::
     train_log.csv       per-epoch training loss
     metrics.json        offline metrics (model and baselines)
 
+Bundles exported before the versioned layout hold ``query_model/``, ``doc_model/`` and
+``topk_model/`` (each a SavedModel) at the top and no model_version: they load as before,
+since every reader finds a model through the manifest's ``files`` (``model_path``).
+
 The files the bundle serves from are those under the entries of the
-manifest's ``files`` (query_model/, doc_model/, index.faiss, item_ids.parquet,
-index.json, topk_model/, and whatever else is listed there); every entry is a
+manifest's ``files`` (query_model, doc_model, topk_model, tf_serving_config, index.faiss,
+item_ids.parquet, index.json, and whatever else is listed there); every entry is a
 path inside the bundle. ``fingerprints`` records each of those files by its
 path relative to the bundle: size, the blake2b-256 hash of the whole file
 and, for files over ``FULL_HASH_MAX_BYTES`` (64 MiB), the hash of its first
@@ -28,7 +37,7 @@ and last ``HEAD_TAIL_BYTES`` (8 MiB) too: a default load checks those ends
 ``probe`` holds one training user's raw query, as a client would send it,
 and the top-k item ids and scores the exported towers and index gave it:
 serving reruns it at load and at every health check, which proves that
-query_model/ and the index belong together.
+the query model and the index belong together.
 
 Everything is written under a hidden ``.<run>.partial-<pid>`` directory next
 to the final one and renamed into place at the end, so a crash never leaves a
@@ -69,9 +78,14 @@ from retrieval.towers import id_lookups
 from retrieval.training import embed_frame
 
 MANIFEST_FILE = "manifest.json"
-QUERY_MODEL_DIR = "query_model"
-DOC_MODEL_DIR = "doc_model"
-TOPK_MODEL_DIR = "topk_model"
+MODELS_DIR = "models"
+# Manifest ``files`` key of each SavedModel -> its TensorFlow Serving model name (its folder under models/).
+SERVED_MODELS = {"query_model": "query", "doc_model": "doc", "topk_model": "topk"}
+TF_SERVING_CONFIG = f"{MODELS_DIR}/models.config"
+# Where TF Serving's docker image looks for models: models.config's base paths assume models/ is mounted here.
+TF_SERVING_MOUNT = "/models"
+# The topk model's input of item ids never to return: tf.string [batch, E], "" padded.
+TOPK_EXCLUDE_INPUT = "exclude_item_ids"
 SEEN_ITEMS_DIR = "seen_items"
 # 2: the manifest holds fingerprints of the served files and a probe query.
 BUNDLE_FORMAT_VERSION = 2
@@ -303,16 +317,25 @@ def save_topk_model(
 ) -> None:
     """Save a SavedModel that returns top-k item ids for raw query features by itself.
 
-    For teams that serve only SavedModels: the query tower and every item
-    embedding live inside it, and ``tfrs.layers.factorized_top_k.BruteForce``
-    scores all items (exact, like a Flat FAISS index). Signature
-    ``serving_default(<the query tower's raw inputs>)`` (``serving_signature``) returns
+    For teams that serve only SavedModels (TensorFlow Serving): the query tower and every item
+    embedding live inside it, and it scores all items (exact, like a Flat FAISS index). Signature
+    ``serving_default(<the query tower's raw inputs>, exclude_item_ids)`` (``serving_signature``):
+    ``exclude_item_ids`` is tf.string [batch, E], "" padded, the ids never to return for each
+    query (ids not in the catalogue are ignored); a signature's inputs are fixed, so a caller
+    with nothing to exclude sends ``[[""]]`` per query or a [batch, 0] tensor. It returns
 
-    - ``item_ids``: tf.string [batch, k], best first;
-    - ``scores``: float32 [batch, k] dot products, NaN on fallback rows;
+    - ``item_ids``: tf.string [batch, k], best first; "" past the end where fewer than k
+      items are left once the exclusions are taken out;
+    - ``scores``: float32 [batch, k] dot products, NaN on fallback rows and past the end;
     - ``fallback``: bool [batch], True where the query embedding is the
       all-zero out-of-vocabulary row: those rows hold the most popular items
-      (``popular_item_ids`` first, then catalogue order), as ``Bundle`` serves.
+      (``popular_item_ids`` first, then catalogue order), the excluded ones left out.
+
+    Excluded items are masked out of the scores before the top-k (no k + E over-fetch), so
+    the answer is the exact top-k of the items left: ``Bundle.recommend(query, k,
+    exclude_item_ids, exclude_seen=False)`` on a Flat index (on a fallback row too, except that
+    ``Bundle`` stops where ``popular_item_ids`` run out and this goes on in catalogue order).
+    Seen items are not inside it: a client sends them among the exclusions.
 
     Args:
       directory: where to write the SavedModel.
@@ -328,33 +351,121 @@ def save_topk_model(
         raise ValueError(f"item_embeddings must be [{len(ids)}, dim], got {item_embeddings.shape}")
     if k <= 0:
         raise ValueError(f"k must be positive, got {k}")
+    signature = serving_signature(query_tower)
+    if TOPK_EXCLUDE_INPUT in signature:
+        raise ValueError(f"the query tower has an input named {TOPK_EXCLUDE_INPUT!r}, which the topk model's "
+                         "exclusion list needs: rename that feature")
     k = min(k, len(ids))
-    brute_force = tfrs.layers.factorized_top_k.BruteForce(k=k)
-    brute_force.index(tf.constant(item_embeddings), tf.constant(ids, dtype=tf.string))
-    known = set(ids.tolist())
-    popular = list(dict.fromkeys(str(item) for item in popular_item_ids if str(item) in known))[:k]
-    taken = set(popular)
-    fallback_ids = popular + [item for item in ids[: k + len(popular)] if item not in taken][: k - len(popular)]
+    # The fallback order as a score per item: the popular ones first, then catalogue order.
+    row_of = {item: row for row, item in enumerate(ids.tolist())}
+    popular = [row_of[item] for item in dict.fromkeys(str(item) for item in popular_item_ids) if item in row_of]
+    order = popular + sorted(set(range(len(ids))) - set(popular))
+    priority = np.empty(len(ids), dtype=np.float32)
+    priority[np.asarray(order, dtype=np.int64)] = -np.arange(len(ids), dtype=np.float32)
 
     module = tf.Module()
     module.tower = query_tower
-    module.brute_force = brute_force
-    module.fallback_ids = tf.Variable(tf.constant(fallback_ids, dtype=tf.string), trainable=False)
+    module.item_embeddings = tf.Variable(item_embeddings, trainable=False, name="item_embeddings")
+    module.item_ids = tf.Variable(tf.constant(ids.tolist(), dtype=tf.string), trainable=False, name="item_ids")
+    module.fallback_priority = tf.Variable(priority, trainable=False, name="fallback_priority")
+    module.rows = tf.lookup.StaticHashTable(
+        tf.lookup.KeyValueTensorInitializer(tf.constant(ids.tolist(), dtype=tf.string),
+                                            tf.range(len(ids), dtype=tf.int64)),
+        default_value=-1,
+    )
+    specs = {**signature, TOPK_EXCLUDE_INPUT: tf.TensorSpec([None, None], tf.string, name=TOPK_EXCLUDE_INPUT)}
 
-    @tf.function(input_signature=[serving_signature(query_tower)])
-    def serve(features):
+    @tf.function(input_signature=[specs])
+    def serve(inputs):
+        features = dict(inputs)
+        exclude = features.pop(TOPK_EXCLUDE_INPUT)
         embeddings = query_tower(features, training=False)
-        scores, top_ids = brute_force(embeddings, k=k)
         unknown = tf.logical_not(tf.reduce_any(tf.not_equal(embeddings, 0.0), axis=1))
-        rows = tf.shape(top_ids)[0]
+        scores = tf.matmul(embeddings, module.item_embeddings, transpose_b=True)  # [batch, num_items]
+        scores = tf.where(unknown[:, None], module.fallback_priority[None, :], scores)
+        # Excluded items: [batch, E] ids -> (query, row) pairs, their scores set to -inf.
+        rows = module.rows.lookup(exclude)
+        shape = tf.shape(rows, out_type=tf.int64)
+        queries = tf.broadcast_to(tf.range(shape[0])[:, None], shape)
+        listed = rows >= 0
+        pairs = tf.stack([tf.boolean_mask(queries, listed), tf.boolean_mask(rows, listed)], axis=1)
+        excluded = tf.scatter_nd(pairs, tf.ones(tf.shape(pairs)[:1], tf.int32), tf.shape(scores, out_type=tf.int64)) > 0
+        scores = tf.where(excluded, float("-inf"), scores)
+        top_scores, top_rows = tf.math.top_k(scores, k=k)
+        past_end = tf.gather(excluded, top_rows, batch_dims=1)  # fewer than k items left
+        blank = tf.logical_or(past_end, unknown[:, None])
         return {
-            "item_ids": tf.where(unknown[:, None], tf.tile(module.fallback_ids[None, :], [rows, 1]), top_ids),
-            "scores": tf.where(unknown[:, None], tf.fill(tf.shape(scores), float("nan")), scores),
+            "item_ids": tf.where(past_end, "", tf.gather(module.item_ids, top_rows)),
+            "scores": tf.where(blank, float("nan"), top_scores),
             "fallback": unknown,
         }
 
     module.serve = serve
     tf.saved_model.save(module, str(directory), signatures={"serving_default": serve})
+
+
+def model_dir(key: str, version: int) -> str:
+    """Where a bundle keeps the SavedModel of manifest ``files`` key ``key``, relative to it.
+
+    ``models/<name>/<version>``, the layout ``tensorflow_model_server
+    --model_base_path=<bundle>/models/<name>`` loads: ``name`` from ``SERVED_MODELS``
+    ("query", "doc", "topk"), ``version`` a positive integer (the export's Unix time in seconds).
+    Bundles exported before this layout keep their models at ``query_model/`` etc.: always
+    find a bundle's models through its manifest (``model_path``), never by this name alone.
+    """
+    if key not in SERVED_MODELS:
+        raise ValueError(f"{key!r} is not a bundle model; the models are {sorted(SERVED_MODELS)}")
+    if isinstance(version, bool) or not isinstance(version, int) or version <= 0:
+        raise ValueError(f"a model version must be a positive integer, got {version!r}")
+    return f"{MODELS_DIR}/{SERVED_MODELS[key]}/{version}"
+
+
+def model_path(directory: str | Path, key: str, manifest: Mapping[str, Any] | None = None) -> Path:
+    """The SavedModel directory of ``key`` ("query_model", "doc_model", "topk_model") in a bundle.
+
+    Read from the manifest's ``files`` (``manifest``, else the bundle's manifest.json), so it
+    finds both layouts: ``models/<name>/<version>`` and the older ``query_model/``.
+
+    Raises:
+      ValueError: the bundle has no such model (a topk model is written only with export.topk_model).
+    """
+    manifest = read_manifest(directory) if manifest is None else manifest
+    relative = manifest["files"].get(key)
+    if relative is None:
+        raise ValueError(f"{directory}: the bundle has no {key} "
+                         f"(manifest.json files lists {sorted(manifest['files'])})")
+    return Path(directory) / str(relative)
+
+
+def write_tf_serving_config(directory: str | Path, files: Mapping[str, str]) -> str:
+    """Write ``models/models.config``, TensorFlow Serving's model config for the bundle's models.
+
+    A ``model_config_list`` text proto with one entry per SavedModel of ``files`` (those under
+    ``models/``), named as in ``SERVED_MODELS``. TF Serving wants absolute base paths, and a
+    bundle moves, so they name ``TF_SERVING_MOUNT`` (/models), where the tensorflow/serving
+    docker image mounts the bundle's models/ folder. Returns its path relative to the bundle.
+    """
+    entries = []
+    for key, name in SERVED_MODELS.items():
+        relative = files.get(key)
+        if relative is None or not relative.startswith(f"{MODELS_DIR}/"):
+            continue
+        base = Path(relative).parent.relative_to(MODELS_DIR).as_posix()
+        entries.append(
+            f'  config {{\n    name: "{name}"\n    base_path: "{TF_SERVING_MOUNT}/{base}"\n'
+            '    model_platform: "tensorflow"\n  }\n'
+        )
+    text = (
+        "# TensorFlow Serving model config of this bundle's SavedModels. The base paths assume the bundle's\n"
+        f"# models/ folder is mounted at {TF_SERVING_MOUNT}, e.g.\n"
+        f"#   docker run -p 8501:8501 -v \"$PWD/models:{TF_SERVING_MOUNT}\" tensorflow/serving "
+        f"--model_config_file={TF_SERVING_MOUNT}/models.config\n"
+        "model_config_list {\n" + "".join(entries) + "}\n"
+    )
+    path = Path(directory) / TF_SERVING_CONFIG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return TF_SERVING_CONFIG
 
 
 def library_versions() -> dict[str, str]:
@@ -381,7 +492,10 @@ def write_bundle(
 ) -> dict[str, Any]:
     """Write towers, index and manifest into ``directory``; return the manifest written.
 
-    ``topk_model/`` (see ``save_topk_model``) is written when both
+    The SavedModels go where TensorFlow Serving loads them, ``models/<name>/<version>/``
+    (``model_dir``), version = the export's Unix time in seconds (the manifest's
+    ``model_version``), with ``models/models.config`` listing them (``write_tf_serving_config``).
+    The topk model (see ``save_topk_model``) is written when both
     ``item_embeddings`` [num_items, dim] (rows in index order) and ``topk_k`` are given.
     ``probe_query`` is one row of raw query features of a training user (as
     ``TowerTables.queries([user])`` gives it): its top-k through ``query_tower`` and
@@ -393,26 +507,24 @@ def write_bundle(
     which ``retrieval.serving`` excludes from what it serves; without it nothing is excluded.
     """
     directory = Path(directory)
-    save_tower(query_tower, directory / QUERY_MODEL_DIR)
-    save_tower(doc_tower, directory / DOC_MODEL_DIR)
-    index.save(directory)
-    files = {
-        "query_model": QUERY_MODEL_DIR,
-        "doc_model": DOC_MODEL_DIR,
-        "index": INDEX_FILE,
-        "item_ids": ITEM_IDS_FILE,
-        "index_info": INDEX_INFO_FILE,
-    }
+    created = datetime.now(timezone.utc).replace(microsecond=0)
+    version = int(created.timestamp())
+    files = {"query_model": model_dir("query_model", version), "doc_model": model_dir("doc_model", version)}
+    save_tower(query_tower, directory / files["query_model"])
+    save_tower(doc_tower, directory / files["doc_model"])
     if item_embeddings is not None and topk_k is not None:
+        files["topk_model"] = model_dir("topk_model", version)
         save_topk_model(
-            directory / TOPK_MODEL_DIR,
+            directory / files["topk_model"],
             query_tower=query_tower,
             item_ids=list(index.item_ids),
             item_embeddings=item_embeddings,
             k=topk_k,
             popular_item_ids=manifest.get("popular_item_ids", ()),
         )
-        files["topk_model"] = TOPK_MODEL_DIR
+    files["tf_serving_config"] = write_tf_serving_config(directory, files)
+    index.save(directory)
+    files.update(index=INDEX_FILE, item_ids=ITEM_IDS_FILE, index_info=INDEX_INFO_FILE)
     probe = None
     if probe_query is not None:
         if len(probe_query) != 1:
@@ -427,7 +539,9 @@ def write_bundle(
         files["seen_items"] = SEEN_ITEMS_DIR
     full = {
         "format_version": BUNDLE_FORMAT_VERSION,
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_at": created.isoformat(timespec="seconds"),
+        # The SavedModels' TensorFlow Serving version (their folder under models/<name>/).
+        "model_version": version,
         "versions": library_versions(),
         "embedding_dim": index.dim,
         "metric": "inner_product",

@@ -84,8 +84,17 @@ def _reseal(directory: Path) -> None:
     write_manifest(directory, _manifest(directory))
 
 
+def _at(directory: Path, part: str) -> Path:
+    """A part of a bundle: a SavedModel by its manifest key (``export.model_path``), else a file name."""
+    return export.model_path(directory, part) if part in export.SERVED_MODELS else directory / part
+
+
+def _relative(directory: Path, part: str) -> str:
+    return _at(directory, part).relative_to(directory).as_posix()
+
+
 def _swap(directory: Path, donor: Path, part: str) -> None:
-    target, source = directory / part, donor / part
+    target, source = _at(directory, part), _at(donor, part)
     if target.is_dir():
         shutil.rmtree(target)
         shutil.copytree(source, target)
@@ -116,8 +125,8 @@ def test_a_fresh_bundle_loads_and_its_probe_is_the_exact_top_k(bundles):
     bundle = Bundle.load(bundles["a"], verify="full")
     assert bundle.recommend(probe["query"], k=10).item_ids == probe["item_ids"]
     records = manifest["fingerprints"]["files"]
-    assert {"index.faiss", "item_ids.parquet", "index.json", "query_model/saved_model.pb",
-            "topk_model/saved_model.pb"} <= set(records)
+    assert {"index.faiss", "item_ids.parquet", "index.json", f"{manifest['files']['query_model']}/saved_model.pb",
+            f"{manifest['files']['topk_model']}/saved_model.pb", "models/models.config"} <= set(records)
     assert all(r["quick_check"] == "whole" and len(r["blake2b"]) == 64 for r in records.values())
     Bundle.load(bundles["hnsw"])  # an approximate index gives the same top-k for the same query
 
@@ -150,13 +159,14 @@ def test_any_edit_of_any_served_file_is_refused_naming_it(bundles, data):
 @given(part=st.sampled_from(PARTS), donor=st.sampled_from(["b", "c"]))
 @EXAMPLES
 def test_a_part_swapped_in_from_another_bundle_is_refused_naming_it(bundles, part, donor):
-    assume(not _same_bytes(bundles["a"] / part, bundles[donor] / part))
+    assume(not _same_bytes(_at(bundles["a"], part), _at(bundles[donor], part)))
     with tempfile.TemporaryDirectory() as tmp:
         copy = _copy(bundles["a"], Path(tmp))
         _swap(copy, bundles[donor], part)
+        named = _relative(copy, part)
         with pytest.raises(BundleError) as refused:
             Bundle.load(copy)
-    assert re.match(rf"{re.escape(f'{copy}: {part}')}[/:]", str(refused.value)), str(refused.value)
+    assert re.match(rf"{re.escape(f'{copy}: {named}')}[/:]", str(refused.value)), str(refused.value)
 
 
 @pytest.mark.parametrize(
@@ -164,10 +174,10 @@ def test_a_part_swapped_in_from_another_bundle_is_refused_naming_it(bundles, par
     [
         ("query_model", "b", "probe query for user 'user00' returned other items than at export: "
                              "the bundle's parts do not belong together"),
-        ("query_model", "c", "the query model (query_model) embeds into 8 dimensions but index.faiss holds "
+        ("query_model", "c", "the query model ({query_model}) embeds into 8 dimensions but index.faiss holds "
                              "16-dimensional vectors"),
         ("index.faiss", "b", "probe query for user 'user00' returned other items than at export"),
-        ("index.faiss", "c", "the query model (query_model) embeds into 16 dimensions but index.faiss holds "
+        ("index.faiss", "c", "the query model ({query_model}) embeds into 16 dimensions but index.faiss holds "
                              "8-dimensional vectors"),
         ("item_ids.parquet", "b", "probe query for user 'user00' returned other items than at export"),
     ],
@@ -177,6 +187,7 @@ def test_a_swap_behind_recomputed_fingerprints_is_still_refused(bundles, tmp_pat
     copy = _copy(bundles["a"], tmp_path)
     _swap(copy, bundles[donor], part)
     _reseal(copy)
+    message = message.format(query_model=_relative(copy, "query_model"))
     with pytest.raises(BundleError, match=re.escape(f"{copy}: {message}")):
         Bundle.load(copy)
 
@@ -196,7 +207,8 @@ def test_a_duplicated_item_id_is_refused_and_never_written(bundles, tmp_path):
         ItemIndex(index.index, ["same"] * len(index), "Flat")
 
 
-@given(key=st.sampled_from(["query_model", "doc_model", "index", "item_ids", "index_info", "topk_model"]),
+@given(key=st.sampled_from(["query_model", "doc_model", "index", "item_ids", "index_info", "topk_model",
+                            "tf_serving_config"]),
        how=st.sampled_from(["..", "absolute", "symlinked entry", "symlinked file inside"]))
 @EXAMPLES
 def test_no_served_path_may_leave_the_bundle(bundles, key, how):
@@ -262,19 +274,20 @@ def test_a_symlink_inside_the_bundle_is_followed(bundles, tmp_path):
 
 def test_files_missing_or_not_in_the_manifest_are_refused(bundles, tmp_path):
     copy = _copy(bundles["a"], tmp_path)
-    (copy / "query_model" / "extra.bin").write_bytes(b"x")
+    query, doc = _relative(copy, "query_model"), _relative(copy, "doc_model")
+    (copy / query / "extra.bin").write_bytes(b"x")
     with pytest.raises(BundleError, match=re.escape(
-        "query_model/extra.bin: in the bundle's served files but not in the manifest's fingerprints"
+        f"{query}/extra.bin: in the bundle's served files but not in the manifest's fingerprints"
     )):
         Bundle.load(copy)
-    (copy / "query_model" / "extra.bin").unlink()
-    (copy / "query_model" / "fingerprint.pb").unlink()
+    (copy / query / "extra.bin").unlink()
+    (copy / query / "fingerprint.pb").unlink()
     with pytest.raises(BundleError, match=re.escape(
-        "query_model/fingerprint.pb: in the manifest's fingerprints but missing from the bundle"
+        f"{query}/fingerprint.pb: in the manifest's fingerprints but missing from the bundle"
     )):
         Bundle.load(copy)
-    shutil.rmtree(copy / "doc_model")
-    with pytest.raises(BundleError, match="doc_model: listed in manifest.json files.doc_model but missing"):
+    shutil.rmtree(copy / doc)
+    with pytest.raises(BundleError, match=f"{doc}: listed in manifest.json files.doc_model but missing"):
         Bundle.load(copy)
 
 
@@ -324,7 +337,7 @@ def test_format_1_bundles_load_with_a_warning_and_keep_the_other_checks(bundles,
     _swap(copy, bundles["c"], "query_model")
     with pytest.raises(BundleError, match="embeds into 8 dimensions but index.faiss holds 16"):
         Bundle.load(copy)
-    manifest["files"]["query_model"] = str(bundles["a"] / "query_model")
+    manifest["files"]["query_model"] = str(_at(bundles["a"], "query_model"))
     (copy / MANIFEST_FILE).write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="points outside the bundle"):
         Bundle.load(copy)
@@ -358,7 +371,7 @@ def _break_for_reload(bundles, directory: Path, how: str) -> None:
         _reseal(directory)
     elif how == "manifest path outside":
         manifest = _manifest(directory)
-        manifest["files"]["query_model"] = os.path.relpath(bundles["b"] / "query_model", directory)
+        manifest["files"]["query_model"] = os.path.relpath(_at(bundles["b"], "query_model"), directory)
         (directory / MANIFEST_FILE).write_text(json.dumps(manifest))
     elif how == "duplicated id, resealed":
         _duplicate_an_id(directory, 3)

@@ -12,7 +12,7 @@ import tensorflow as tf
 import retrieval  # noqa: F401
 from retrieval.bundles import evaluate_bundle
 from retrieval.data import ITEM, load_dataset
-from retrieval.export import RunExistsError
+from retrieval.export import RunExistsError, model_path
 from retrieval.jobs import train_evaluate_export
 from retrieval.serving import Bundle
 
@@ -44,7 +44,7 @@ def test_model_clearly_beats_popularity_on_held_back_data(run):
 def test_bundle_layout_and_no_partial_directories(run):
     config, result = run
     names = {p.name for p in result.directory.iterdir()}
-    assert {"manifest.json", "query_model", "doc_model", "index.faiss", "item_ids.parquet", "config.yaml",
+    assert {"manifest.json", "models", "index.faiss", "item_ids.parquet", "config.yaml",
             "train_log.csv", "metrics.json"} <= names
     manifest = json.loads((result.directory / "manifest.json").read_text())
     assert manifest["embedding_dim"] == config.model.embedding_dim
@@ -56,8 +56,9 @@ def test_bundle_layout_and_no_partial_directories(run):
     assert list(probe["query"]) == ["user_id"] and len(probe["item_ids"]) == len(probe["scores"]) == 10
     served = Bundle.load(result.directory).recommend(probe["query"], k=10, exclude_seen=False)  # as the probe ran
     assert served.item_ids == probe["item_ids"]
-    assert {"index.faiss", "item_ids.parquet", "index.json", "query_model/saved_model.pb",
-            "doc_model/saved_model.pb"} <= set(manifest["fingerprints"]["files"])
+    version = manifest["model_version"]
+    assert {"index.faiss", "item_ids.parquet", "index.json", f"models/query/{version}/saved_model.pb",
+            f"models/doc/{version}/saved_model.pb"} <= set(manifest["fingerprints"]["files"])
 
 
 def test_index_covers_items_without_training_clicks(run):
@@ -83,8 +84,8 @@ def test_served_top_k_equals_brute_force_over_exported_towers(run):
     users = ["u0001", "u0002", "u0003"]
     # The towers and the index, without the exclusion of training items (tests/test_seen_items.py).
     served = bundle.recommend_batch([{"user_id": u} for u in users], k=10, exclude_seen=False)
-    query_model = tf.saved_model.load(str(result.directory / "query_model")).signatures["serving_default"]
-    doc_model = tf.saved_model.load(str(result.directory / "doc_model")).signatures["serving_default"]
+    query_model = tf.saved_model.load(str(model_path(result.directory, "query_model"))).signatures["serving_default"]
+    doc_model = tf.saved_model.load(str(model_path(result.directory, "doc_model"))).signatures["serving_default"]
     items = np.asarray(bundle.index.item_ids, dtype=object)
     doc = doc_model(item_id=tf.constant(items))["embedding"].numpy()
     query = query_model(user_id=tf.constant(users))["embedding"].numpy()

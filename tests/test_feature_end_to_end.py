@@ -7,6 +7,7 @@ import tensorflow as tf
 import retrieval  # noqa: F401
 from retrieval.bundles import evaluate_bundle
 from retrieval.data import ITEM, USER, load_dataset
+from retrieval.export import model_path
 from retrieval.features import TowerTables, feature_arrays
 from retrieval.serving import Bundle
 
@@ -52,7 +53,7 @@ def test_items_held_out_of_training_are_indexed_from_their_features(run):
     held = set(dataset.held_out_items)
     assert 20 <= len(held) <= 25 and not held & set(dataset.train[ITEM])  # 10% of the ~240 clicked items
     catalogue = TowerTables.from_dataset(dataset, config.towers).catalogue()
-    doc = tf.saved_model.load(str(result.directory / "doc_model")).signatures["serving_default"]
+    doc = tf.saved_model.load(str(model_path(result.directory, "doc_model"))).signatures["serving_default"]
     inputs = feature_arrays(catalogue, list(doc.structured_input_signature[1]))
     embeddings = doc(**{name: tf.constant(values) for name, values in inputs.items()})["embedding"].numpy()
     cold = embeddings[catalogue[ITEM].isin(held).to_numpy()]

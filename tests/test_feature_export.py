@@ -10,7 +10,7 @@ from feature_fixtures import ALL_KINDS, small_tables
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
 from retrieval.config import ModelConfig
-from retrieval.export import raw_query, write_bundle
+from retrieval.export import model_path, raw_query, write_bundle
 from retrieval.features import TowerStatistics, TowerTables, feature_arrays
 from retrieval.index import ItemIndex
 from retrieval.serving import Bundle
@@ -48,7 +48,7 @@ def test_signatures_take_exactly_the_declared_raw_inputs(bundle):
     directory, _, query, doc, _, _ = bundle
     manifest = json.loads((directory / "manifest.json").read_text())
     for name, tower in (("query", query), ("doc", doc)):
-        specs = _signature(directory / f"{name}_model").structured_input_signature[1]
+        specs = _signature(model_path(directory, f"{name}_model")).structured_input_signature[1]
         assert sorted(specs) == sorted(tower.input_names) == sorted(manifest[f"{name}_features"])
         described = {n: {"dtype": s.dtype.name, "shape": s.shape.as_list()} for n, s in specs.items()}
         assert described == manifest[f"{name}_inputs"]
@@ -59,13 +59,13 @@ def test_signatures_take_exactly_the_declared_raw_inputs(bundle):
 
 def test_saved_models_give_the_in_training_embeddings(bundle):
     directory, tables, query, doc, catalogue, item_embeddings = bundle
-    serve_doc = _signature(directory / "doc_model")
+    serve_doc = _signature(model_path(directory, "doc_model"))
     raw = {name: tf.constant(values) for name, values in feature_arrays(catalogue, doc.input_names).items()}
     np.testing.assert_allclose(serve_doc(**raw)["embedding"].numpy(), item_embeddings, rtol=1e-5, atol=1e-6)
 
     queries = tables.queries(USERS)
     expected = embed_frame(query, queries)
-    serve_query = _signature(directory / "query_model")
+    serve_query = _signature(model_path(directory, "query_model"))
     raw = {name: tf.constant(values) for name, values in feature_arrays(queries, query.input_names).items()}
     np.testing.assert_allclose(serve_query(**raw)["embedding"].numpy(), expected, rtol=1e-5, atol=1e-6)
     # The same through the serving API, from plain Python values as a client sends them (null, not NaN).
@@ -105,7 +105,7 @@ def test_topk_model_serves_feature_queries(bundle):
     directory, tables, query, _, catalogue, item_embeddings = bundle
     queries = tables.queries(USERS)
     raw = {name: tf.constant(values) for name, values in feature_arrays(queries, query.input_names).items()}
-    out = _signature(directory / "topk_model")(**raw)
+    out = _signature(model_path(directory, "topk_model"))(**raw, exclude_item_ids=tf.zeros([len(USERS), 0], tf.string))
     scores = embed_frame(query, queries) @ item_embeddings.T
     expected = catalogue["item_id"].to_numpy()[np.argsort(-scores, axis=1, kind="stable")[:, :3]]
     assert [[v.decode() for v in row] for row in out["item_ids"].numpy()] == expected.tolist()

@@ -28,6 +28,7 @@ from retrieval.checkpoint_directory import UnfinishedRunError, training_checkpoi
 from retrieval.config import ColumnsConfig, ModelConfig, TableConfig, TrainConfig, load_config
 from retrieval.data import click_keys, epoch_order, load_dataset
 from retrieval.data.streaming import ClickShards, SplitPlan
+from retrieval.export import model_path
 from retrieval.features import FeatureStatistics
 from retrieval.jobs import train_evaluate_export
 from retrieval.model import build_model
@@ -100,7 +101,7 @@ def _epoch_losses(run: Path) -> dict[int, float]:
 
 def _doc_embeddings(run: Path) -> np.ndarray:
     items = pd.read_parquet(run / "item_ids.parquet").sort_values("row")["item_id"].tolist()
-    serve = tf.saved_model.load(str(run / "doc_model")).signatures["serving_default"]
+    serve = tf.saved_model.load(str(model_path(run, "doc_model"))).signatures["serving_default"]
     return serve(item_id=tf.constant(items))["embedding"].numpy()
 
 

@@ -19,7 +19,7 @@ import uvicorn
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
 from retrieval.config import IndexConfig
-from retrieval.export import TOPK_MODEL_DIR, write_bundle
+from retrieval.export import model_path, write_bundle
 from retrieval.index import build_index
 from retrieval.service import ServiceLimits, create_app, server_config
 from retrieval.serving import Bundle
@@ -256,10 +256,9 @@ def test_loopback_answers_equal_in_process_answers(world, app, loopback):
 
 def test_topk_savedmodel_equals_faiss_top_k(world):
     bundle = Bundle.load(world["bundle-a"])
-    assert bundle.manifest["files"]["topk_model"] == TOPK_MODEL_DIR
-    serve = tf.saved_model.load(str(world["bundle-a"] / TOPK_MODEL_DIR)).signatures["serving_default"]
+    serve = tf.saved_model.load(str(model_path(world["bundle-a"], "topk_model"))).signatures["serving_default"]
     users = ["user00", "user01", "user02", "user59", "stranger"]
-    out = serve(user_id=tf.constant(users))
+    out = serve(user_id=tf.constant(users), exclude_item_ids=tf.constant([[""]] * len(users)))
     ids = out["item_ids"].numpy().astype(str)
     assert ids.shape == (len(users), K)
     faiss_results = bundle.recommend_batch([{"user_id": u} for u in users], k=K)
