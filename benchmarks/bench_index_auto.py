@@ -1,9 +1,9 @@
 """Where exact search stops being the right default index: Flat against the tuned IVF of
 ``index.factory: auto`` at catalogue sizes from 25k to 1M items.
 
-Each size gets the serving benchmark's clustered synthetic catalogue (unit vectors, 64 dims,
-1000 clusters), a Flat index and ``IVF<nlist>,Flat`` with the nlist ``auto`` picks (the power of 2
-nearest 4 sqrt(items)), tuned as the job tunes (``build_index``: recall@100 >= 0.95 on held-out
+Each size gets the serving benchmark's clustered synthetic catalogue (unit vectors of the towers'
+default dimension, 1000 clusters), a Flat index and ``IVF<nlist>,Flat`` with the nlist ``auto``
+picks (the power of 2 nearest 4 sqrt(items)), tuned as the job tunes (``build_index``: recall@100 >= 0.95 on held-out
 queries). Measured side by side in one run: recall@100 against exact search and single-query
 latency (one thread, as ``retrieval serve`` searches). The rule the results choose: exact search
 while its single-query p99 stays under ``EXACT_P99_MS``; ``index.exact_max_items`` is the
@@ -20,9 +20,9 @@ import time
 
 import numpy as np
 
-from benchmarks._harness import RESULTS, command, machine, markdown_table, write_report
+from benchmarks._harness import RESULTS, command, load_average, machine, markdown_table, write_report
 from benchmarks._serving_index import log, measure_index, synthetic
-from retrieval.config import IndexConfig
+from retrieval.config import IndexConfig, ModelConfig
 from retrieval.index import ItemIndex, build_index, exact_search, recall_at_k
 
 EXACT_P99_MS = 2.0  # exact search is the default while one query's p99 is under this
@@ -31,9 +31,11 @@ EXACT_P99_MS = 2.0  # exact search is the default while one query's p99 is under
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="25000,50000,100000,200000,500000,1000000")
-    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=ModelConfig().embedding_dim, help="default: the towers' default")
     parser.add_argument("--clusters", type=int, default=1000)
-    parser.add_argument("--spread", type=float, default=0.125)
+    parser.add_argument("--spread", type=float, default=None,
+                        help="per-dimension noise around a cluster centre (default: 0.125 * sqrt(64 / dim), the "
+                        "tightness of the serving benchmark's 64-dim catalogue at any dimension)")
     parser.add_argument("--k", type=int, default=100)
     parser.add_argument("--tune-queries", type=int, default=1000)
     parser.add_argument("--queries", type=int, default=500)
@@ -42,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS / "bench_index_auto"))
     args = parser.parse_args(argv)
+    if args.spread is None:  # noise norm ~ spread * sqrt(dim): the same ratio to the unit centres as at 64 dims
+        args.spread = 0.125 * (64 / args.dim) ** 0.5
     import faiss
 
     rows = []
@@ -65,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = max((row["items"] for row in rows if row["factory"] == "Flat" and row["single_p99_ms"] < EXACT_P99_MS),
                  default=None)
     report = {"command": command("bench_index_auto", argv), "machine": machine("numpy", "faiss"),
-              "exact_p99_ms": EXACT_P99_MS, "exact_max_items": chosen, "rows": rows}
+              "exact_p99_ms": EXACT_P99_MS, "exact_max_items": chosen, "dim": args.dim,
+              "spread": args.spread, "load_average": load_average(), "rows": rows}
     write_report(args.out, report, markdown(report))
     return 0
 
@@ -82,8 +87,8 @@ def markdown(report: dict) -> str:
         "# index.factory: auto, exact or IVF by catalogue size",
         "",
         f"`{report['command']}` on {report['machine'].get('cpu', 'this machine')}. Clustered synthetic unit vectors, "
-        "64 dims; IVF with the nlist `auto` picks, tuned to recall@100 >= 0.95 as the job tunes; one query at a time "
-        "on one thread.",
+        f"{report['dim']} dims; IVF with the nlist `auto` picks, tuned to recall@100 >= 0.95 as the job tunes; "
+        "one query at a time on one thread.",
         "",
         *table,
         "",

@@ -781,12 +781,15 @@ class IndexConfig(_Section):
         description='FAISS index factory string: "Flat", "IVF1024,Flat", "HNSW32", "OPQ16,IVF1024,PQ16", ...; '
         "auto = Flat (exact) up to exact_max_items catalogue items, else IVF<nlist>,Flat with nlist the power of "
         "2 nearest 4 sqrt(items), tuned to target_recall. The factory used is in the manifest (index.factory) "
-        "and metrics.json (derived). Not yet the default: its size threshold is unmeasured "
-        "(python -m benchmarks.bench_index_auto measures it).",
+        "and metrics.json (derived). Not yet the default: at the default 256 dims, exact search's single-query "
+        "p99 was over 2 ms from the smallest measured size (25k items) on a loaded 2-core machine, so the "
+        "threshold that would keep today's exact figures is not one the benchmark supports "
+        "(benchmarks/results/bench_index_auto.md, python -m benchmarks.bench_index_auto).",
     )
     exact_max_items: int = Field(
-        100_000, gt=0, description="factory auto: the largest catalogue searched exactly (Flat); a first guess, "
-        "not yet measured."
+        100_000, gt=0, description="factory auto: the largest catalogue searched exactly (Flat). Not the measured "
+        "2 ms bound: exact search scans items x dim floats per query (1.6 ms p50 at 25k x 256, 66 ms at 1M x 256 "
+        "on a 2-core EPYC; benchmarks/results/bench_index_auto.md)."
     )
     train_sample_size: int = Field(
         200_000, gt=0, description="Indexes that need training (IVF, PQ, OPQ) train on at most this many items."
