@@ -22,6 +22,7 @@ STAGES = [
     "index",
     "evaluation",
     "seen_items",  # each training user's items (CSR): written by export, excluded by serving
+    "user_features",  # each known user's raw query features: written by export, filled in by serving
     "export",
     "serving",
     "service",
