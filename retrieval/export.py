@@ -18,6 +18,10 @@ Bundle layout (``artifacts/<run>/``)::
     index.json          index factory, dimension, size, search parameters and measured recall
     seen_items/         each training user's distinct training items as index rows (CSR ``.npy``
                         files, ``retrieval.seen_items``): what serving excludes by default
+    user_features.parquet
+                        user_id and each raw user feature the query tower reads, one row per known
+                        user (``retrieval.user_features``): serving fills the features a request
+                        lacks from its user's row (feature towers only)
     config.yaml         the resolved config of the run
     train_log.csv       per-epoch training loss
     metrics.json        offline metrics (model and baselines)
@@ -76,6 +80,7 @@ from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, ItemInde
 from retrieval.seen_items import SeenItems
 from retrieval.towers import id_lookups
 from retrieval.training import embed_frame
+from retrieval.user_features import USER_FEATURES_FILE, UserFeatures
 
 MANIFEST_FILE = "manifest.json"
 MODELS_DIR = "models"
@@ -489,6 +494,7 @@ def write_bundle(
     topk_k: int | None = None,
     probe_query: pd.DataFrame | None = None,
     seen_items: SeenItems | None = None,
+    user_features: pd.DataFrame | None = None,
 ) -> dict[str, Any]:
     """Write towers, index and manifest into ``directory``; return the manifest written.
 
@@ -505,6 +511,10 @@ def write_bundle(
     last, with the fingerprints of every file under its ``files`` (``write_manifest``).
     ``seen_items`` (each training user's items as rows of ``index``) goes to ``seen_items/``,
     which ``retrieval.serving`` excludes from what it serves; without it nothing is excluded.
+    ``user_features`` (``user_id`` and raw query features, one row per known user, as
+    ``TowerTables.user_features`` gives them) goes to ``user_features.parquet``, described by the
+    manifest's ``user_features``; serving fills a request's missing features from it. Its feature
+    columns must be query inputs.
     """
     directory = Path(directory)
     created = datetime.now(timezone.utc).replace(microsecond=0)
@@ -537,6 +547,15 @@ def write_bundle(
                              f"past the {len(index)} items of the index")
         seen_items.save(directory / SEEN_ITEMS_DIR)
         files["seen_items"] = SEEN_ITEMS_DIR
+    table = None
+    if user_features is not None:
+        table = UserFeatures.from_frame(user_features)
+        strangers = [name for name in table.features if name not in query_tower.input_names]
+        if strangers:
+            raise ValueError(f"user_features columns {strangers} are not inputs of the query tower "
+                             f"({list(query_tower.input_names)})")
+        table.save(directory / USER_FEATURES_FILE)
+        files["user_features"] = USER_FEATURES_FILE
     full = {
         "format_version": BUNDLE_FORMAT_VERSION,
         "created_at": created.isoformat(timespec="seconds"),
@@ -557,6 +576,7 @@ def write_bundle(
         "files": files,
         "probe": probe,
         **({"seen_items": seen_items.info()} if seen_items is not None else {}),
+        **({"user_features": table.info()} if table is not None else {}),
         **manifest,
     }
     return write_manifest(directory, full)

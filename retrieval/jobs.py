@@ -143,7 +143,8 @@ def train_evaluate_export(
         }
         # The probe query the bundle must reproduce at load: a training user's raw query.
         write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, data.stats,
-                          probe_query=data.tables.queries(tuning_users[:1]), seen_items=seen_items)
+                          probe_query=data.tables.queries(tuning_users[:1]), seen_items=seen_items,
+                          user_features=user_features_of(data))
         inputs.check_content()  # last: the run directory appears only if the inputs held still
     return RunResult(final, metrics, time.perf_counter() - started)
 
@@ -193,6 +194,7 @@ def write_run_outputs(
     *,
     probe_query: pd.DataFrame | None = None,
     seen_items: SeenItems | None = None,
+    user_features: pd.DataFrame | None = None,
 ) -> None:
     """Metrics (JSON, Markdown, report, TensorBoard) and the serving bundle of a finished run.
 
@@ -200,6 +202,8 @@ def write_run_outputs(
     recorded with its top-k for serving to reproduce at load (``export.write_bundle``).
     ``seen_items``: each training user's items as rows of ``index``, which the bundle excludes
     from what it serves (``export.write_bundle``).
+    ``user_features``: each known user's raw query features (``user_features_of``), which the
+    bundle fills into requests that lack them (``export.write_bundle``).
     """
     (directory / "metrics.json").write_text(json.dumps(metrics, indent=2))
     (directory / "metrics.md").write_text(format_table(metrics) + "\n")
@@ -216,6 +220,7 @@ def write_run_outputs(
         topk_k=config.export.topk_k,
         probe_query=probe_query,
         seen_items=seen_items,
+        user_features=user_features,
         manifest={
             "run": name,
             "config": config.to_dict(),
@@ -604,6 +609,19 @@ def seen_items_of(data: JobData, index: ItemIndex) -> SeenItems:
     user_rows, item_rows = data.training_pairs()
     item_rows = _recoded(item_rows, data.stats.items.ids, index.item_ids)
     return SeenItems.from_coded_pairs(user_rows, item_rows, users.to_numpy())
+
+
+def user_features_of(data: JobData) -> pd.DataFrame | None:
+    """The raw user features of every known user, as training saw them (``TowerTables.user_features``):
+    the users of the user feature table and the training users (their features missing when the
+    table lacks them); None when the query tower reads no user table feature. A user only in the
+    test log is not known: a request for it must send its features."""
+    features = data.source.user_features
+    if data.tables.users is None or features is None or not data.tables.user_table_features():
+        return None
+    ids = data.tables.users[USER].astype(str)
+    known = ids.isin(pd.Index(features[USER].astype(str))) | ids.isin(pd.Index(data.stats.users.ids, dtype=object))
+    return data.tables.user_features(ids[known].to_numpy(dtype=object))
 
 
 def _eval_set(user_train, user_test, stats: FeatureStatistics, catalogue_ids, config) -> EvalSet:

@@ -35,6 +35,44 @@ INDPTR_FILE = "indptr.npy"
 ITEM_ROWS_FILE = "item_rows.npy"
 
 
+def sorted_ids(ids: Sequence[str] | np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct string ids as a sorted fixed-width UTF-8 bytes array, and the order that sorts them.
+
+    Returns:
+      (sorted [n] ``S<width>`` array, [n] int64 positions of ``ids`` in sorted order).
+
+    Raises:
+      ValueError: an id ends with NUL (fixed-width bytes drop trailing NULs) or appears twice in ``ids``.
+    """
+    encoded = [str(user).encode("utf-8") for user in ids]
+    if any(user.endswith(b"\0") for user in encoded):
+        raise ValueError(f"an id of {what} ends with a NUL character, which a fixed-width id array cannot hold")
+    array = np.array(encoded, dtype=bytes) if encoded else np.zeros(0, "S1")
+    order = np.argsort(array, kind="stable")
+    array = array[order]
+    if len(array) > 1 and (array[1:] == array[:-1]).any():
+        raise ValueError(f"{what} holds an id twice")
+    return array, order
+
+
+def find_sorted(ids: np.ndarray, wanted: Sequence[str | None]) -> np.ndarray:
+    """Positions of ``wanted`` ids in the sorted bytes array ``ids`` (``sorted_ids``): [len(wanted)] int64,
+    -1 for an id not there or None (one binary search for all)."""
+    width = ids.dtype.itemsize
+    keys = [None if user is None else str(user).encode("utf-8") for user in wanted]
+    # A key longer than every stored id is unknown (cast to their width, it would be truncated onto
+    # another id), and so is one ending in NUL (fixed-width bytes drop trailing NULs).
+    fits = np.array([key is not None and len(key) <= width and not key.endswith(b"\0") for key in keys], dtype=bool)
+    found = np.full(len(keys), -1, np.int64)
+    if not fits.any() or not len(ids):
+        return found
+    keys_that_fit = np.array([key for key, ok in zip(keys, fits) if ok], dtype=ids.dtype)
+    positions = np.minimum(np.searchsorted(ids, keys_that_fit), len(ids) - 1)
+    hits = ids[positions] == keys_that_fit
+    found[np.flatnonzero(fits)[hits]] = positions[hits]
+    return found
+
+
 class SeenItems:
     """Distinct item rows per user id, CSR: ``rows_of(user)`` is that user's training items.
 
@@ -86,14 +124,7 @@ class SeenItems:
         user_rows, item_rows = np.asarray(user_rows), np.asarray(item_rows)
         if user_rows.shape != item_rows.shape or user_rows.ndim != 1:
             raise ValueError(f"user_rows {user_rows.shape} and item_rows {item_rows.shape} must be equal 1-D shapes")
-        encoded = [str(user).encode("utf-8") for user in vocabulary]
-        if any(user.endswith(b"\0") for user in encoded):
-            raise ValueError("a user id ends with a NUL character, which the fixed-width user_ids.npy cannot hold")
-        ids = np.array(encoded, dtype=bytes) if encoded else np.zeros(0, "S1")
-        order = np.argsort(ids, kind="stable")
-        ids = ids[order]
-        if len(ids) > 1 and (ids[1:] == ids[:-1]).any():
-            raise ValueError("the user vocabulary holds an id twice")
+        ids, order = sorted_ids(vocabulary, "the user vocabulary")
         if len(user_rows) and (user_rows.min() < 0 or user_rows.max() >= len(ids)):
             raise ValueError(f"user_rows must be rows of the {len(ids)}-id vocabulary")
         if len(item_rows) and item_rows.min() < 0:
@@ -152,21 +183,9 @@ class SeenItems:
 
     def rows_of_many(self, user_ids: Sequence[str | None]) -> list[np.ndarray]:
         """``rows_of`` for each id (one binary search for all); None means no user (empty)."""
-        width = self.user_ids.dtype.itemsize
-        keys = [None if user is None else str(user).encode("utf-8") for user in user_ids]
-        # A key longer than every stored id is unknown (cast to their width, it would be truncated onto
-        # another id), and so is one ending in NUL (fixed-width bytes drop trailing NULs).
-        fits = np.array(
-            [key is not None and len(key) <= width and not key.endswith(b"\0") for key in keys], dtype=bool
-        )
-        found: list[np.ndarray] = [np.zeros(0, np.int32)] * len(keys)
-        if not fits.any() or not len(self.user_ids):
-            return found
-        wanted = np.array([key for key, ok in zip(keys, fits) if ok], dtype=self.user_ids.dtype)
-        positions = np.minimum(np.searchsorted(self.user_ids, wanted), len(self.user_ids) - 1)
-        hits = self.user_ids[positions] == wanted
-        for slot, position, hit in zip(np.flatnonzero(fits), positions, hits):
-            if hit:
+        found: list[np.ndarray] = [np.zeros(0, np.int32)] * len(user_ids)
+        for slot, position in enumerate(find_sorted(self.user_ids, user_ids)):
+            if position >= 0:
                 found[slot] = np.array(self.item_rows[self.indptr[position] : self.indptr[position + 1]])
         return found
 

@@ -46,6 +46,7 @@ from retrieval.errors import UserError, entry_point
 from retrieval.export import check_fingerprints, read_manifest, served_files
 from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFilesError, ItemIndex
 from retrieval.seen_items import SeenItems
+from retrieval.user_features import UserFeatures
 
 log = logging.getLogger("retrieval.serving")
 
@@ -157,6 +158,7 @@ class Bundle:
         )
         self.seen_items = self._load_seen_items()
         self._user_input, self._history_input = _seen_inputs(self.manifest, self.query_features)
+        self.user_features = self._load_user_features()
         self.check_probe()
 
     def _load_seen_items(self) -> SeenItems | None:
@@ -170,6 +172,22 @@ class Bundle:
         if recorded is not None and recorded != seen.info():
             raise BundleError(f"{self.directory}: seen items hold {seen.info()}, the manifest says {recorded}")
         return seen
+
+    def _load_user_features(self) -> UserFeatures | None:
+        """The known users' raw query features (``user_features.parquet``); None for a bundle without them."""
+        name = self.manifest["files"].get("user_features")
+        if name is None:
+            return None
+        with _part(self.directory, f"user features {str(name)!r}"):
+            table = UserFeatures.load(self.directory / str(name))
+        strangers = [feature for feature in table.features if feature not in self.query_features]
+        if strangers:
+            raise BundleError(f"{self.directory}: {name} holds {strangers}, which are not query features "
+                              f"of this bundle ({self.query_features})")
+        recorded = self.manifest.get("user_features")
+        if recorded is not None and recorded != table.info():
+            raise BundleError(f"{self.directory}: {name} holds {table.info()}, the manifest says {_short(recorded)}")
+        return table
 
     @classmethod
     def load(cls, directory: str | Path, *, verify: Verify = "quick") -> Bundle:
@@ -257,6 +275,11 @@ class Bundle:
             "normalized": index["normalized"],
             "index": index,
             "fallbacks": ["popular", "features"] if len(self.query_features) > 1 else ["popular"],
+            # The features a request may leave out for a user the bundle knows (filled from its table).
+            "user_features": None if self.user_features is None else {
+                "features": self.user_features.features, "num_users": len(self.user_features),
+                "user_input": self._user_input,
+            },
             "num_popular_items": int(len(self._popular_rows)),
             # exclude_seen: training items of known users (bundles exported with seen_items/ only) and
             # the items of a query's click history.
@@ -266,7 +289,8 @@ class Bundle:
         }
 
     def check_query(self, query: Any, position: int = 0) -> None:
-        """Raise ValueError naming the problem unless ``query`` has every query feature in its type.
+        """Raise RequestError (a ValueError) naming the problem unless ``query`` has every query feature
+        in its type, those it lacks filled from the bundle's user table for a known user (``complete_query``).
 
         String inputs take a string or int (None: missing, sent as ""); number
         inputs an int or a float finite in the input's dtype (float32 for
@@ -275,32 +299,68 @@ class Bundle:
         (e.g. a click history) a list of strings or ints, truncated or padded to
         the signature's width.
         """
+        self._checked(query, position)
+
+    def _checked(self, query: Any, position: int) -> Mapping[str, Any]:
+        """``query`` completed from the user table (``complete_query``) and checked (``check_query``)."""
         if not isinstance(query, Mapping):
-            raise ValueError(f"query {position} must be an object of features, got {type(query).__name__}")
+            raise RequestError(f"query {position} must be an object of features, got {type(query).__name__}")
+        query = self.complete_query(query)
         for feature in self.query_features:
             if feature not in query:
-                raise ValueError(
-                    f"query {position} lacks the feature {feature!r} (this bundle reads {self.query_features})"
-                )
+                raise RequestError(self._missing_feature(query, feature, position))
             value, spec = query[feature], self._input_specs[feature]
             if spec.dtype != tf.string:
                 problem = finite_feature_value(value, spec.dtype.name)
                 if problem is not None:
-                    raise ValueError(f"query {position} feature {feature!r} {problem}, got {_short(value)}")
+                    raise RequestError(f"query {position} feature {feature!r} {problem}, got {_short(value)}")
             elif spec.shape.rank == 2:
                 if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or any(
                     isinstance(v, bool) or not isinstance(v, (str, int)) for v in value
                 ):
-                    raise ValueError(
+                    raise RequestError(
                         f"query {position} feature {feature!r} must be a list of strings or integers, "
                         f"got {_short(value)}"
                     )
             elif value is None and len(self.query_features) > 1:
                 continue  # a missing feature of a feature tower; an ID tower's only id must be given
             elif isinstance(value, bool) or not isinstance(value, (str, int)):
-                raise ValueError(
+                raise RequestError(
                     f"query {position} feature {feature!r} must be a string or integer, got {_short(value)}"
                 )
+        return query
+
+    def complete_query(self, query: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``query`` with the user-table features it lacks filled from its user's row.
+
+        The user is the query's user-id input (``metadata()["user_features"]["user_input"]``). What the
+        query itself sends wins, feature by feature (null included: a missing value, as the tower
+        embeds it). A query whose user is not in the table, a bundle without one, or a query lacking
+        nothing comes back as it is (``check_query`` then names a feature it still lacks).
+        """
+        table = self.user_features
+        if table is None or all(feature in query for feature in table.features):
+            return query
+        row = int(table.rows_of([_user_key(query.get(self._user_input))])[0])
+        if row < 0:
+            return query
+        return {**table.values(row, [f for f in table.features if f not in query]), **query}
+
+    def _missing_feature(self, query: Mapping[str, Any], feature: str, position: int) -> str:
+        """Why ``query`` (already completed) lacks ``feature``: one line that says what to send."""
+        lacks = f"query {position} lacks the feature {feature!r}"
+        table = self.user_features
+        if table is None:
+            return f"{lacks} (this bundle reads {self.query_features})"
+        if feature not in table.features:
+            return (f"{lacks} (this bundle reads {self.query_features}; its user table fills only "
+                    f"{table.features} for a known user)")
+        user = query.get(self._user_input)
+        if self._user_input not in query or user is None:
+            return (f"{lacks} and has no {self._user_input!r} to fill it from the bundle's user table: send "
+                    f"the user id or the features {table.features}")
+        return (f"{lacks}, and user {_short(user)} is not in the bundle's user table ({len(table)} users) to "
+                f"fill it from: send the features {table.features} for a user the bundle does not know")
 
     def embed(self, queries: Sequence[Mapping[str, Any]]) -> np.ndarray:
         """Raw query features -> [num_queries, dim] float32 embeddings.
@@ -311,8 +371,7 @@ class Bundle:
 
     def _embed_checked(self, queries: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
         """(embeddings [n, dim], known_ids bool [n]: every id feature in the training vocabulary)."""
-        for position, query in enumerate(queries):
-            self.check_query(query, position)
+        queries = [self._checked(query, position) for position, query in enumerate(queries)]
         inputs = {
             feature: _input_tensor([query[feature] for query in queries], self._input_specs[feature])
             for feature in self.query_features
@@ -499,9 +558,7 @@ class Bundle:
                     "pass them, or exclude_seen=False"
                 )
             if self.seen_items is not None:
-                users = [_query_value(query, self._user_input) for query in queries]
-                ids = [str(user) if isinstance(user, str | int) and not isinstance(user, bool) else None
-                       for user in users]
+                ids = [_user_key(_query_value(query, self._user_input)) for query in queries]
                 for own, rows in zip(lists, self.seen_items.rows_of_many(ids)):
                     own.append(rows.astype(np.int64))
             if self._history_input is not None:
@@ -601,6 +658,11 @@ def _seen_inputs(manifest: Mapping[str, Any], query_features: Sequence[str]) -> 
     )
     history = (query_tower.get("history") or {}).get("name")
     return user, (str(history) if history is not None and history in query_features else None)
+
+
+def _user_key(user: Any) -> str | None:
+    """A user-id value as the id it names (a string or an int), else None (no user)."""
+    return str(user) if isinstance(user, str | int) and not isinstance(user, bool) else None
 
 
 def _query_value(query: Any, key: str) -> Any:

@@ -6,15 +6,12 @@ import numpy as np
 import pandas as pd
 import pytest
 import tensorflow as tf
-from feature_fixtures import ALL_KINDS, small_tables
+from feature_fixtures import write_feature_bundle
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
-from retrieval.config import ModelConfig
-from retrieval.export import model_path, raw_query, write_bundle
-from retrieval.features import TowerStatistics, TowerTables, feature_arrays
-from retrieval.index import ItemIndex
-from retrieval.serving import Bundle
-from retrieval.towers import build_towers
+from retrieval.export import model_path, raw_query
+from retrieval.features import feature_arrays
+from retrieval.serving import Bundle, RequestError
 from retrieval.training import embed_frame
 
 # Known users, a user with missing features, and one never seen anywhere.
@@ -26,18 +23,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    clicks, users, items = small_tables(0)
-    tables = TowerTables(ALL_KINDS, clicks, users, items)
-    stats = TowerStatistics.fit(ALL_KINDS, tables.examples(), tables.reference_time)
-    tf.keras.utils.set_random_seed(1)
-    query, doc = build_towers(ALL_KINDS, ModelConfig(embedding_dim=8), stats)
-    catalogue = tables.catalogue()
-    item_embeddings = embed_frame(doc, catalogue)
-    directory = tmp_path_factory.mktemp("bundle")
-    index = ItemIndex.build(catalogue["item_id"].tolist(), item_embeddings)
-    write_bundle(directory, query_tower=query, doc_tower=doc, index=index,
-                 manifest={"popular_item_ids": ["i0", "i1"]}, item_embeddings=item_embeddings, topk_k=3)
-    return directory, tables, query, doc, catalogue, item_embeddings
+    return write_feature_bundle(tmp_path_factory.mktemp("bundle"))
 
 
 def _signature(path):
@@ -128,3 +114,15 @@ def test_missing_values_may_be_null(bundle):
         [{"user_id": "stranger", "age": None, "zip": None, "country": None, "signup": None, "history": []}]
     )
     np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_user_table_fills_a_known_users_features_but_not_the_history(bundle):
+    directory, tables, query, *_ = bundle
+    served = Bundle.load(directory)
+    full = raw_query(tables.queries(["u1"]), query.input_names)  # u1: its age is missing (NaN)
+    assert full["age"] is None and full["country"] == "US"
+    np.testing.assert_allclose(served.embed([{"user_id": "u1", "history": full["history"]}]), served.embed([full]),
+                               rtol=1e-6, atol=1e-7)
+    # The history is the client's recent clicks, not a column of the user table: it must be sent.
+    with pytest.raises(RequestError, match="lacks the feature 'history' .*its user table fills only"):
+        served.embed([{"user_id": "u1"}])

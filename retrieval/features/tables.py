@@ -363,3 +363,28 @@ class TowerTables:
     def queries(self, user_ids: Sequence[str] | np.ndarray) -> pd.DataFrame:
         """``query_inputs`` at the end of training: one row per user id."""
         return query_inputs(user_ids, self.users, self.train, self.towers, self.reference_time, self.histories)
+
+    def user_table_features(self) -> list[FeatureConfig]:
+        """The query features ``queries`` reads from the user table: every one but those of the
+        ``user_id`` column and the click-log ``timestamp`` (the end of training); no history."""
+        if self.users is None:
+            return []
+        from_rows = {USER} | ({TIME} if self.reference_time is not None else set())
+        return [feature for feature in self.towers.query.features
+                if feature.column not in from_rows and feature.column in self.users.columns]
+
+    def user_features(self, user_ids: Sequence[str] | np.ndarray | None = None) -> pd.DataFrame | None:
+        """``user_id`` and the raw value of each ``user_table_features`` for ``user_ids`` (default: every
+        row of the user table), as ``queries`` gives them; None when the query tower reads none.
+
+        What a bundle ships so that a request may send the user id alone (``retrieval.user_features``).
+        """
+        features = self.user_table_features()
+        if not features or self.users is None:
+            return None
+        ids = self.users[USER] if user_ids is None else user_ids
+        ids = np.asarray(ids, dtype=object).astype(str).astype(object)
+        tower = self.towers.query.model_copy(update={"features": features, "history": None})
+        frame = tower_frame(tower, pd.DataFrame({USER: ids}), self.users, USER, "query")
+        frame.insert(0, USER, ids)
+        return frame
