@@ -290,7 +290,7 @@ class Bundle:
 
     def check_query(self, query: Any, position: int = 0) -> None:
         """Raise RequestError (a ValueError) naming the problem unless ``query`` has every query feature
-        in its type, those it lacks filled from the bundle's user table for a known user (``complete_query``).
+        in its type, those it lacks filled from the bundle's user table for a known user (``complete_queries``).
 
         String inputs take a string or int (None: missing, sent as ""); number
         inputs an int or a float finite in the input's dtype (float32 for
@@ -299,13 +299,12 @@ class Bundle:
         (e.g. a click history) a list of strings or ints, truncated or padded to
         the signature's width.
         """
-        self._checked(query, position)
+        self._check_completed(self.complete_queries([query])[0], position)
 
-    def _checked(self, query: Any, position: int) -> Mapping[str, Any]:
-        """``query`` completed from the user table (``complete_query``) and checked (``check_query``)."""
+    def _check_completed(self, query: Any, position: int) -> Mapping[str, Any]:
+        """``query``, already completed from the user table (``complete_queries``), checked (``check_query``)."""
         if not isinstance(query, Mapping):
             raise RequestError(f"query {position} must be an object of features, got {type(query).__name__}")
-        query = self.complete_query(query)
         for feature in self.query_features:
             if feature not in query:
                 raise RequestError(self._missing_feature(query, feature, position))
@@ -331,20 +330,31 @@ class Bundle:
         return query
 
     def complete_query(self, query: Mapping[str, Any]) -> Mapping[str, Any]:
-        """``query`` with the user-table features it lacks filled from its user's row.
+        """``query`` with the user-table features it lacks filled from its user's row (``complete_queries``)."""
+        return self.complete_queries([query])[0]
+
+    def complete_queries(self, queries: Sequence[Any]) -> list[Any]:
+        """Each query with the user-table features it lacks filled from its user's row (one search of
+        the table for all of them).
 
         The user is the query's user-id input (``metadata()["user_features"]["user_input"]``). What the
         query itself sends wins, feature by feature (null included: a missing value, as the tower
-        embeds it). A query whose user is not in the table, a bundle without one, or a query lacking
-        nothing comes back as it is (``check_query`` then names a feature it still lacks).
+        embeds it). A query whose user is not in the table, a bundle without one, a query lacking
+        nothing or one that is no object comes back as it is (``check_query`` then names its problem).
         """
-        table = self.user_features
-        if table is None or all(feature in query for feature in table.features):
-            return query
-        row = int(table.rows_of([_user_key(query.get(self._user_input))])[0])
-        if row < 0:
-            return query
-        return {**table.values(row, [f for f in table.features if f not in query]), **query}
+        table, completed = self.user_features, list(queries)
+        if table is None:
+            return completed
+        lacking = [position for position, query in enumerate(queries)
+                   if isinstance(query, Mapping) and any(feature not in query for feature in table.features)]
+        if not lacking:
+            return completed
+        rows = table.rows_of([_user_key(queries[position].get(self._user_input)) for position in lacking])
+        for position, row in zip(lacking, rows.tolist()):
+            if row >= 0:
+                query = queries[position]
+                completed[position] = {**table.values(row, [f for f in table.features if f not in query]), **query}
+        return completed
 
     def _missing_feature(self, query: Mapping[str, Any], feature: str, position: int) -> str:
         """Why ``query`` (already completed) lacks ``feature``: one line that says what to send."""
@@ -371,7 +381,8 @@ class Bundle:
 
     def _embed_checked(self, queries: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
         """(embeddings [n, dim], known_ids bool [n]: every id feature in the training vocabulary)."""
-        queries = [self._checked(query, position) for position, query in enumerate(queries)]
+        completed = self.complete_queries(queries)  # one search of the user table for the whole batch
+        queries = [self._check_completed(query, position) for position, query in enumerate(completed)]
         inputs = {
             feature: _input_tensor([query[feature] for query in queries], self._input_specs[feature])
             for feature in self.query_features
