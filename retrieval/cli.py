@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from retrieval.errors import DEBUG_ENV, UserError, entry_point
+from retrieval.errors import UserError, debugging, entry_point
 
 # retrieval.service loads TensorFlow only when a bundle is loaded: `retrieval reload` and --help start fast.
 from retrieval.service import ADMIN_TOKEN_ENV, ServiceLimits
@@ -121,7 +121,7 @@ def setup_logging() -> None:
     (TensorFlow's native start-up lines are filtered when it is imported: ``retrieval.native_logs``.)
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+    if debugging():
         return
     # faiss's loader says at INFO, over two lines ending in a ModuleNotFoundError, that it fell back
     # from its AVX2 build: not a problem, but it reads like one beside a real error line.

@@ -21,8 +21,8 @@ through ``run_main``:
 ``RETRIEVAL_DEBUG=1`` in the environment re-raises user errors and Ctrl-C
 too, for their traceback.
 
-Foundation module: it imports nothing from the project, so every stage
-(``serving``, ``cli``, ``pipelines``) can use it.
+Foundation module: standard library only and nothing from the project, so every stage
+(``native_logs``, which runs first, ``serving``, ``cli``, ``pipelines``) can use it.
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ from typing import Any, Protocol
 DEBUG_ENV = "RETRIEVAL_DEBUG"
 EXIT_USER_ERROR = 2  # as argparse exits on a bad command line
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a process killed by Ctrl-C
+
+
+def debugging() -> bool:
+    """Whether ``RETRIEVAL_DEBUG`` is set (to anything but "" or "0"): tracebacks and library noise shown."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 class EntryPoint(Protocol):
@@ -88,7 +93,7 @@ def run_main(main: Callable[[Any], int | None], argv: Sequence[str] | None = Non
     (traceback, status 1); so does ``SystemExit`` (argparse's usage errors).
     With ``RETRIEVAL_DEBUG=1`` user errors and Ctrl-C propagate too.
     """
-    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    debug = debugging()
     try:
         return main(argv) or 0
     except KeyboardInterrupt:

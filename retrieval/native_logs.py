@@ -19,8 +19,8 @@ machine with no NVIDIA device (``has_nvidia_device``) the import also lists the 
 so the cuInit line falls inside that window, and the CUDA lines of ``NO_GPU_NOISE`` are dropped.
 On a machine with one, nothing CUDA says is hidden and TensorFlow finds its devices when it
 always did (``CUDA_VISIBLE_DEVICES`` is read then, unchanged). ``RETRIEVAL_DEBUG=1`` or a
-user's ``TF_CPP_MIN_LOG_LEVEL=0`` turns all of this off. Standard library only: it runs before
-anything else is imported.
+user's ``TF_CPP_MIN_LOG_LEVEL=0`` turns all of this off. Standard library only (and
+``retrieval.errors``, which is too): it runs before anything else is imported.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-DEBUG_ENV = "RETRIEVAL_DEBUG"  # as retrieval.errors.DEBUG_ENV, which this module cannot import (it runs first)
+from retrieval.errors import debugging  # standard library only, as this module must be
 
 # An absl line: severity letter, date, time, thread, file:line] message.
 _ABSL = r"[IWEF]\d{4} [\d:.]+\s+\d+ "
@@ -63,7 +63,7 @@ NO_GPU_NOISE = re.compile(
 
 def wanted() -> bool:
     """Whether TensorFlow's start-up lines are filtered: not with RETRIEVAL_DEBUG=1 or TF_CPP_MIN_LOG_LEVEL=0."""
-    return os.environ.get(DEBUG_ENV, "") in ("", "0") and os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1") != "0"
+    return not debugging() and os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1") != "0"
 
 
 def has_nvidia_device() -> bool:

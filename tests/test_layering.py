@@ -5,8 +5,8 @@ from pathlib import Path
 
 # Stage order (config and arrays are shared foundations).
 STAGES = [
+    "errors",  # UserError and run_main, the one-line errors of every entry point; the RETRIEVAL_DEBUG rule
     "native_logs",  # TensorFlow's start-up lines filtered out of stderr: imported by retrieval/__init__.py, first
-    "errors",  # UserError and run_main, the one-line errors of every entry point
     "progress",  # count, rate and ETA of a long loop (a tqdm bar on a terminal, else log lines)
     "config",
     "config_reference",  # docs/configuration.md, generated from config only
