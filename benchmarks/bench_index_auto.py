@@ -6,8 +6,9 @@ default dimension, 1000 clusters), a Flat index and ``IVF<nlist>,Flat`` with the
 picks (the power of 2 nearest 4 sqrt(items)), tuned as the job tunes (``build_index``: recall@100 >= 0.95 on held-out
 queries). Measured side by side in one run: recall@100 against exact search and single-query
 latency (one thread, as ``retrieval serve`` searches). The rule the results choose: exact search
-while its single-query p99 stays under ``EXACT_P99_MS``; ``index.exact_max_items`` is the
-largest measured size that meets it.
+while its single-query p99 stays within ``EXACT_P99_MS``; the largest measured size that meets it,
+times the dimension, is ``retrieval.config.EXACT_MAX_FLOATS`` (exact search scans items x dim floats
+a query, so ``index.exact_max_items`` defaults to that count over the model's dimension).
 
     python -m benchmarks.bench_index_auto [--sizes 25000,50000,...] [--out benchmarks/results/bench_index_auto]
 """
@@ -25,12 +26,14 @@ from benchmarks._serving_index import log, measure_index, synthetic
 from retrieval.config import IndexConfig, ModelConfig
 from retrieval.index import ItemIndex, build_index, exact_search, recall_at_k
 
-EXACT_P99_MS = 2.0  # exact search is the default while one query's p99 is under this
+# Exact search is the default while one query's index search p99 is within this: half of the 10 ms a single
+# query over HTTP is held to, the query tower, JSON and HTTP taking the other half.
+EXACT_P99_MS = 5.0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="25000,50000,100000,200000,500000,1000000")
+    parser.add_argument("--sizes", default="25000,50000,75000,100000,200000,500000,1000000")
     parser.add_argument("--dim", type=int, default=ModelConfig().embedding_dim, help="default: the towers' default")
     parser.add_argument("--clusters", type=int, default=1000)
     parser.add_argument("--spread", type=float, default=None,
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         items, tune_queries, queries = synthetic(np.random.default_rng(args.seed), args)
         ids = [f"i{i}" for i in range(size)]
         exact = exact_search(items, queries, args.k)
-        ivf = IndexConfig(factory="auto", exact_max_items=1).factory_for(size)
+        ivf = IndexConfig(factory="auto", exact_max_items=1).factory_for(size, args.dim)
         for factory in ("Flat", ivf):
             started = time.perf_counter()
             if factory == "Flat":
@@ -66,10 +69,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"items": size, "factory": factory, "build_seconds": built, **measured})
             log(f"{size} {factory}: {measured}")
             print(rows[-1], flush=True)
-    chosen = max((row["items"] for row in rows if row["factory"] == "Flat" and row["single_p99_ms"] < EXACT_P99_MS),
+    chosen = max((row["items"] for row in rows if row["factory"] == "Flat" and row["single_p99_ms"] <= EXACT_P99_MS),
                  default=None)
     report = {"command": command("bench_index_auto", argv), "machine": machine("numpy", "faiss"),
               "exact_p99_ms": EXACT_P99_MS, "exact_max_items": chosen, "dim": args.dim,
+              "exact_max_floats": chosen * args.dim if chosen else None,
               "spread": args.spread, "load_average": load_average(), "rows": rows}
     write_report(args.out, report, markdown(report))
     return 0
@@ -92,8 +96,10 @@ def markdown(report: dict) -> str:
         "",
         *table,
         "",
-        f"Exact search (Flat) stays the default while its single-query p99 is under {report['exact_p99_ms']:g} ms: "
-        f"the largest measured size that meets it is {chosen:,} items, `index.exact_max_items`'s default."
+        f"Exact search (Flat) stays the default while its single-query p99 is within {report['exact_p99_ms']:g} ms: "
+        f"the largest measured size that meets it is {chosen:,} items at {report['dim']} dims, "
+        f"{report['exact_max_floats']:,} floats a query (`retrieval.config.EXACT_MAX_FLOATS`; "
+        "`index.exact_max_items` defaults to it over the model's dimension)."
         if chosen else "No measured size kept Flat's p99 under the bound.",
     ])
 

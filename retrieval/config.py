@@ -35,6 +35,10 @@ Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
 # Logits are q . d / temperature in float32: below this the softmax is a hard max, and near 1e-38
 # 1 / temperature overflows float32 (1e-300 trained to NaN).
 MIN_TEMPERATURE = 1e-4
+# index.factory auto searches exactly while a query scans at most this many floats (items x dim): 100,000 items
+# at 256 dims, the largest measured catalogue whose exact single-query p99 stayed within 5 ms, half of the
+# 10 ms a query over HTTP is held to (benchmarks/results/bench_index_auto.md).
+EXACT_MAX_FLOATS = 100_000 * 256
 
 
 class _Section(BaseModel):
@@ -777,19 +781,19 @@ class IndexConfig(_Section):
     """
 
     factory: str = Field(
-        "Flat",
+        "auto",
         description='FAISS index factory string: "Flat", "IVF1024,Flat", "HNSW32", "OPQ16,IVF1024,PQ16", ...; '
         "auto = Flat (exact) up to exact_max_items catalogue items, else IVF<nlist>,Flat with nlist the power of "
         "2 nearest 4 sqrt(items), tuned to target_recall. The factory used is in the manifest (index.factory) "
-        "and metrics.json (derived). Not yet the default: at the default 256 dims, exact search's single-query "
-        "p99 was over 2 ms from the smallest measured size (25k items) on a loaded 2-core machine, so the "
-        "threshold that would keep today's exact figures is not one the benchmark supports "
-        "(benchmarks/results/bench_index_auto.md, python -m benchmarks.bench_index_auto).",
+        "and metrics.json (derived).",
     )
-    exact_max_items: int = Field(
-        100_000, gt=0, description="factory auto: the largest catalogue searched exactly (Flat). Not the measured "
-        "2 ms bound: exact search scans items x dim floats per query (1.6 ms p50 at 25k x 256, 66 ms at 1M x 256 "
-        "on a 2-core EPYC; benchmarks/results/bench_index_auto.md)."
+    exact_max_items: int | None = Field(
+        None,
+        gt=0,
+        description="factory auto: the largest catalogue searched exactly (Flat); None = EXACT_MAX_FLOATS / the "
+        "embedding dimension (100,000 items at 256 dims, 400,000 at 64): exact search scans items x dim floats a "
+        "query, and that size is the largest whose single-query p99 stayed within 5 ms in "
+        "benchmarks/results/bench_index_auto.md (python -m benchmarks.bench_index_auto).",
     )
     train_sample_size: int = Field(
         200_000, gt=0, description="Indexes that need training (IVF, PQ, OPQ) train on at most this many items."
@@ -806,11 +810,12 @@ class IndexConfig(_Section):
     )
     seed: Seed = Field(0, description="Seed of the training and tuning samples.")
 
-    def factory_for(self, num_items: int) -> str:
-        """The FAISS factory string this config builds over ``num_items`` items (``auto`` resolved)."""
+    def factory_for(self, num_items: int, dim: int) -> str:
+        """The FAISS factory string this config builds over ``num_items`` items of ``dim`` floats (``auto`` resolved)."""
         if self.factory != "auto":
             return self.factory
-        if num_items <= self.exact_max_items:
+        exact_max_items = self.exact_max_items or EXACT_MAX_FLOATS // dim
+        if num_items <= exact_max_items:
             return "Flat"
         nlist = 2 ** round(math.log2(4 * math.sqrt(num_items)))
         return f"IVF{nlist},Flat"

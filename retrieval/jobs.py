@@ -253,7 +253,7 @@ def derived_settings(config: Config, stats: FeatureStatistics, catalogue_items: 
         if getattr(config.model, key) == "auto"
     }
     if config.index.factory == "auto":
-        derived["index.factory"] = config.index.factory_for(catalogue_items)
+        derived["index.factory"] = config.index.factory_for(catalogue_items, config.model.embedding_dim)
     if derived:
         log.info("derived from the training log: %s", json.dumps(derived))
     return derived
@@ -359,7 +359,8 @@ def read_and_split(config: Config) -> JobData:
         histories = _histories(clicks, plan, stats, pairs["train"])
     tables, join = _tower_tables(config, source, counts, histories)
     catalogue_ids = tables.items[ITEM].tolist()  # the feature table's items first, then the log's
-    check_index_fits(config.index.factory_for(len(catalogue_ids)), len(catalogue_ids), config.index.train_sample_size)
+    items = len(catalogue_ids)
+    check_index_fits(config.index.factory_for(items, config.model.embedding_dim), items, config.index.train_sample_size)
     data = JobData(source, plan, counts, stats, tables, join, catalogue_ids, held_out, split.evaluate_on, pairs)
     log.info("data: %s", json.dumps(data.summary(0)))
     return data
@@ -556,7 +557,7 @@ def index_catalogue(config: Config, model, data: JobData) -> tuple[ItemIndex, np
     """Every catalogue item embedded from its features (clicked in training or not) into the index;
     ``(index, item_embeddings, tuning_users)``, approximate indexes tuned on a sample of training users."""
     items = len(data.catalogue_ids)
-    log.info("indexing %d catalogue items (%s)", items, config.index.factory_for(items))
+    log.info("indexing %d catalogue items (%s)", items, config.index.factory_for(items, config.model.embedding_dim))
     item_embeddings = embed_frame(model.doc_tower, data.tables.catalogue())
     users = np.sort(np.asarray(data.stats.users.ids, dtype=object))
     tuning_users = seeded_subset(users, config.index.tune_queries, config.index.seed).tolist()

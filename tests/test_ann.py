@@ -1,13 +1,15 @@
 """Approximate indexes: recall against a numpy brute-force oracle, tuning, persistence of tuned params."""
 
+import json
 import logging
+from pathlib import Path
 
 import faiss
 import numpy as np
 import pytest
 
 from retrieval import index as index_module
-from retrieval.config import IndexConfig
+from retrieval.config import EXACT_MAX_FLOATS, IndexConfig
 from retrieval.index import ItemIndex, build_index, exact_search, recall_at_k
 
 
@@ -178,8 +180,22 @@ def test_precomputed_exact_reference_gives_the_same_tuning():
 @pytest.mark.parametrize("items, factory", [(1, "Flat"), (100_000, "Flat"), (100_001, "IVF1024,Flat"),
                                             (1_000_000, "IVF4096,Flat"), (10_000_000, "IVF16384,Flat")])
 def test_auto_is_exact_up_to_its_size_then_ivf_with_about_four_sqrt_n_lists(items, factory):
-    assert IndexConfig(factory="auto", exact_max_items=100_000).factory_for(items) == factory
-    assert IndexConfig(factory="HNSW32").factory_for(items) == "HNSW32"  # an explicit factory is kept
+    assert IndexConfig(factory="auto", exact_max_items=100_000).factory_for(items, 256) == factory
+    assert IndexConfig(factory="HNSW32").factory_for(items, 256) == "HNSW32"  # an explicit factory is kept
+
+
+@pytest.mark.parametrize("dim, exact_up_to", [(256, EXACT_MAX_FLOATS // 256), (64, EXACT_MAX_FLOATS // 64)])
+def test_auto_is_the_default_and_its_exact_size_follows_the_floats_a_query_scans(dim, exact_up_to):
+    config = IndexConfig()
+    assert config.factory == "auto"
+    assert config.factory_for(exact_up_to, dim) == "Flat"
+    assert config.factory_for(exact_up_to + 1, dim).startswith("IVF")
+
+
+def test_the_exact_bound_is_the_one_the_index_benchmark_measured():
+    report = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/bench_index_auto.json").read_text())
+    assert report["exact_max_floats"] == EXACT_MAX_FLOATS
+    assert report["exact_p99_ms"] == 5.0
 
 
 def test_auto_builds_the_factory_it_names_and_records_it(caplog):
@@ -187,10 +203,10 @@ def test_auto_builds_the_factory_it_names_and_records_it(caplog):
     config = IndexConfig(factory="auto", exact_max_items=1000, tune_k=10)
     with caplog.at_level(logging.INFO, logger="retrieval.index"):
         index = build_index(ids, items, config, queries=queries)
-    assert index.factory == index.info()["factory"] == "IVF256,Flat" == config.factory_for(3000)
+    assert index.factory == index.info()["factory"] == "IVF256,Flat" == config.factory_for(3000, items.shape[1])
     assert index.tuning is not None and index.tuning.recall >= 0.95
     assert any("index.factory auto: IVF256,Flat for 3000 items" in r.getMessage() for r in caplog.records)
-    assert build_index(ids, items, IndexConfig(factory="auto")).factory == "Flat"  # below its size
+    assert build_index(ids, items, IndexConfig()).factory == "Flat"  # below its size
 
 
 def test_auto_refuses_fixed_search_parameters():

@@ -503,7 +503,7 @@ def build_index(
         stands in for queries and the tuning record says so.
       query_source: what ``queries`` are, recorded in the tuning record.
     """
-    factory = config.factory_for(len(item_ids))
+    factory = config.factory_for(len(item_ids), embeddings.shape[1])
     if factory != config.factory:
         log.info("index.factory %s: %s for %d items", config.factory, factory, len(item_ids))
     index = ItemIndex.build(item_ids, embeddings, factory, train_sample_size=config.train_sample_size, seed=config.seed)
