@@ -133,7 +133,7 @@ def fit_als_pairs(
     # oversubscribes the cores (implicit warns and can run ~10x slower), so BLAS gets one.
     with threadpool_limits(limits=1, user_api="blas"):
         model = AlternatingLeastSquares(
-            factors=config.factors,
+            factors=config.factors_for(len(user_rows)),
             regularization=config.regularization,
             alpha=config.alpha,
             iterations=config.iterations,
