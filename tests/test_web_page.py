@@ -231,6 +231,17 @@ def test_the_item_table_is_fingerprinted_and_checked_at_load(world, tmp_path):
         Bundle.load(copy, verify="full")
 
 
+def test_reindexing_carries_the_item_table(world, tmp_path):
+    from retrieval.bundles import reindex_bundle
+
+    out = reindex_bundle(world["shop"], tmp_path / "reindexed", "HNSW8")
+    copied = Bundle.load(out, verify="full")
+    assert (out / ITEM_FEATURES_FILE).read_bytes() == (world["shop"] / ITEM_FEATURES_FILE).read_bytes()
+    assert copied.manifest["item_features"] == Bundle.load(world["shop"]).manifest["item_features"]
+    reply = call(create_app(copied), "POST", "/items", json={"item_ids": ["item005"]}).json()
+    assert reply["items"][0]["features"] == _expected_features(world["table"], "item005")
+
+
 def test_the_table_keeps_only_display_columns_of_indexed_items():
     frame = pd.DataFrame({"item_id": [3, 1, 2], "name": ["c", None, "b"], "n": pd.array([1, None, 3], "Int64"),
                           "ok": [True, False, True], "blob": [{"a": 1}, {"b": 2}, {"c": 3}]})
