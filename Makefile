@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 SET    ?=
 
-.PHONY: install test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend
+.PHONY: install install-browser test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -15,6 +15,17 @@ install: $(BIN)/activate
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
+
+# The web page's browser test (tests/test_web_page.py): selenium (the `browser` extra, pinned) and
+# Debian's chromium + chromium-driver, which make does not install (apt needs root): it says how.
+install-browser: $(BIN)/activate
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev,browser]"
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then \
+		echo "browser test: selenium installed, $$(chromium --version 2>/dev/null | head -n 1)"; \
+	else \
+		echo "browser test: chromium or chromedriver missing; install them with:"; \
+		echo "    sudo apt-get install -y chromium chromium-driver"; \
+	fi
 
 # The whole suite (what CI runs); test-fast leaves out the tests marked slow (model training, subprocess
 # jobs) for the edit-test loop. pytest-xdist runs TEST_WORKERS processes (CI has 2 cores), each taking a

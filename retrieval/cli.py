@@ -328,7 +328,9 @@ def _recommend(args: argparse.Namespace) -> int:
 
 
 def serve_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    serve = argparse.ArgumentParser(prog=prog, description="HTTP JSON service over a bundle (uvicorn).")
+    serve = argparse.ArgumentParser(
+        prog=prog, description="HTTP JSON service over a bundle (uvicorn), with a web page at / to look at its answers."
+    )
     serve.add_argument("--bundle", required=True, help="bundle directory, e.g. artifacts/<run>")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s, loopback only)")
     serve.add_argument("--port", type=int, default=8000)

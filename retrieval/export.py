@@ -22,6 +22,10 @@ Bundle layout (``artifacts/<run>/``)::
                         user_id and each raw user feature the query tower reads, one row per known
                         user (``retrieval.user_features``): serving fills the features a request
                         lacks from its user's row (feature towers only)
+    item_features.parquet
+                        item_id and the item feature table's string, number and list-of-string
+                        columns, one row per indexed item it describes (``retrieval.item_features``):
+                        for display (``POST /items``, the web page), never read by the towers
     config.yaml         the resolved config of the run
     train_log.csv       per-epoch training loss
     metrics.json        offline metrics (model and baselines)
@@ -77,6 +81,7 @@ import retrieval
 from retrieval.data.fingerprint import blake2b_hex
 from retrieval.errors import UserError
 from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, ItemIndex
+from retrieval.item_features import ITEM_FEATURES_FILE, ItemFeatures
 from retrieval.seen_items import SeenItems
 from retrieval.towers import id_lookups
 from retrieval.training import embed_frame
@@ -495,6 +500,7 @@ def write_bundle(
     probe_query: pd.DataFrame | None = None,
     seen_items: SeenItems | None = None,
     user_features: pd.DataFrame | None = None,
+    item_features: pd.DataFrame | None = None,
 ) -> dict[str, Any]:
     """Write towers, index and manifest into ``directory``; return the manifest written.
 
@@ -515,6 +521,10 @@ def write_bundle(
     ``TowerTables.user_features`` gives them) goes to ``user_features.parquet``, described by the
     manifest's ``user_features``; serving fills a request's missing features from it. Its feature
     columns must be query inputs.
+    ``item_features`` (the raw item feature table, ``item_id`` and any columns) gives
+    ``item_features.parquet``: its string, number and list-of-string columns for the indexed items
+    it describes (``ItemFeatures.from_frame``), described by the manifest's ``item_features``;
+    serving shows them beside item ids. Nothing is written when no such column is left.
     """
     directory = Path(directory)
     created = datetime.now(timezone.utc).replace(microsecond=0)
@@ -556,6 +566,14 @@ def write_bundle(
                              f"({list(query_tower.input_names)})")
         table.save(directory / USER_FEATURES_FILE)
         files["user_features"] = USER_FEATURES_FILE
+    display = None
+    if item_features is not None:
+        display = ItemFeatures.from_frame(item_features, list(index.item_ids))
+        if display.features:
+            display.save(directory / ITEM_FEATURES_FILE)
+            files["item_features"] = ITEM_FEATURES_FILE
+        else:
+            display = None
     full = {
         "format_version": BUNDLE_FORMAT_VERSION,
         "created_at": created.isoformat(timespec="seconds"),
@@ -577,6 +595,7 @@ def write_bundle(
         "probe": probe,
         **({"seen_items": seen_items.info()} if seen_items is not None else {}),
         **({"user_features": table.info()} if table is not None else {}),
+        **({"item_features": display.info()} if display is not None else {}),
         **manifest,
     }
     return write_manifest(directory, full)

@@ -144,7 +144,7 @@ def train_evaluate_export(
         # The probe query the bundle must reproduce at load: a training user's raw query.
         write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, data.stats,
                           probe_query=data.tables.queries(tuning_users[:1]), seen_items=seen_items,
-                          user_features=user_features_of(data))
+                          user_features=user_features_of(data), item_features=data.source.item_features)
         inputs.check_content()  # last: the run directory appears only if the inputs held still
     return RunResult(final, metrics, time.perf_counter() - started)
 
@@ -195,6 +195,7 @@ def write_run_outputs(
     probe_query: pd.DataFrame | None = None,
     seen_items: SeenItems | None = None,
     user_features: pd.DataFrame | None = None,
+    item_features: pd.DataFrame | None = None,
 ) -> None:
     """Metrics (JSON, Markdown, report, TensorBoard) and the serving bundle of a finished run.
 
@@ -204,6 +205,8 @@ def write_run_outputs(
     from what it serves (``export.write_bundle``).
     ``user_features``: each known user's raw query features (``user_features_of``), which the
     bundle fills into requests that lack them (``export.write_bundle``).
+    ``item_features``: the raw item feature table (``data.item_features``), whose display columns
+    the bundle ships for the web page and ``POST /items`` (``export.write_bundle``).
     """
     (directory / "metrics.json").write_text(json.dumps(metrics, indent=2))
     (directory / "metrics.md").write_text(format_table(metrics) + "\n")
@@ -221,6 +224,7 @@ def write_run_outputs(
         probe_query=probe_query,
         seen_items=seen_items,
         user_features=user_features,
+        item_features=item_features,
         manifest={
             "run": name,
             "config": config.to_dict(),

@@ -45,7 +45,8 @@ from retrieval.data.values import finite_feature_value
 from retrieval.errors import UserError, entry_point
 from retrieval.export import check_fingerprints, read_manifest, served_files
 from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFilesError, ItemIndex
-from retrieval.seen_items import SeenItems
+from retrieval.item_features import ItemFeatures
+from retrieval.seen_items import SeenItems, find_sorted
 from retrieval.user_features import UserFeatures
 
 log = logging.getLogger("retrieval.serving")
@@ -159,6 +160,7 @@ class Bundle:
         self.seen_items = self._load_seen_items()
         self._user_input, self._history_input = _seen_inputs(self.manifest, self.query_features)
         self.user_features = self._load_user_features()
+        self.item_display = self._load_item_features()
         self.check_probe()
 
     def _load_seen_items(self) -> SeenItems | None:
@@ -185,6 +187,18 @@ class Bundle:
             raise BundleError(f"{self.directory}: {name} holds {strangers}, which are not query features "
                               f"of this bundle ({self.query_features})")
         recorded = self.manifest.get("user_features")
+        if recorded is not None and recorded != table.info():
+            raise BundleError(f"{self.directory}: {name} holds {table.info()}, the manifest says {_short(recorded)}")
+        return table
+
+    def _load_item_features(self) -> ItemFeatures | None:
+        """The catalogue's display features (``item_features.parquet``); None for a bundle without them."""
+        name = self.manifest["files"].get("item_features")
+        if name is None:
+            return None
+        with _part(self.directory, f"item features {str(name)!r}"):
+            table = ItemFeatures.load(self.directory / str(name))
+        recorded = self.manifest.get("item_features")
         if recorded is not None and recorded != table.info():
             raise BundleError(f"{self.directory}: {name} holds {table.info()}, the manifest says {_short(recorded)}")
         return table
@@ -280,6 +294,11 @@ class Bundle:
                 "features": self.user_features.features, "num_users": len(self.user_features),
                 "user_input": self._user_input,
             },
+            # The catalogue's display features (POST /items); None: ids only.
+            "item_features": None if self.item_display is None else self.item_display.features,
+            # The query keys of the user id and of the click history (None: the tower reads none).
+            "user_input": self._user_input,
+            "history_input": self._history_input,
             "num_popular_items": int(len(self._popular_rows)),
             # exclude_seen: training items of known users (bundles exported with seen_items/ only) and
             # the items of a query's click history.
@@ -489,6 +508,29 @@ class Bundle:
                 fallback = None if known_ids[i] else "features"
                 results.append(Recommendations(self._ids(rows), scores.tolist(), fallback))
         return results
+
+    def training_items(self, user_id: str) -> list[str] | None:
+        """``user_id``'s distinct training items (index order), or None for a user the bundle does
+        not know (not a training user, or a bundle exported without ``seen_items/``)."""
+        if self.seen_items is None:
+            return None
+        positions = find_sorted(self.seen_items.user_ids, [user_id])
+        if positions[0] < 0:
+            return None
+        return self._ids(self.seen_items.rows_of(user_id))
+
+    def known_user_ids(self, limit: int) -> list[str]:
+        """Up to ``limit`` training user ids (sorted as bytes), e.g. for a page's pick list."""
+        if self.seen_items is None:
+            return []
+        return [user.decode("utf-8") for user in np.asarray(self.seen_items.user_ids[:limit]).tolist()]
+
+    def item_features(self, item_ids: Sequence[str]) -> list[dict[str, Any] | None]:
+        """[len(item_ids)] each item's display features (``retrieval.item_features``), None for an
+        item the table does not describe; all None for a bundle without a table."""
+        if self.item_display is None:
+            return [None] * len(item_ids)
+        return self.item_display.values_of(item_ids)
 
     def similar_items(self, item_id: str, k: int = 10, *, exclude_item_ids: Sequence[str] = ()) -> Recommendations:
         """The k items nearest ``item_id``'s own embedding, best first; never the item itself nor

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import tensorflow as tf
 
@@ -59,6 +60,25 @@ def test_bundle_layout_and_no_partial_directories(run):
     version = manifest["model_version"]
     assert {"index.faiss", "item_ids.parquet", "index.json", f"models/query/{version}/saved_model.pb",
             f"models/doc/{version}/saved_model.pb"} <= set(manifest["fingerprints"]["files"])
+
+
+def test_the_bundle_ships_the_catalogues_display_features(run):
+    # The synthetic source brings an item table (category, price, title): the web page's features.
+    from retrieval.data.synthetic import generate_clicks
+    from retrieval.item_features import ITEM_FEATURES_FILE
+
+    config, result = run
+    _, items, _ = generate_clicks(config.data.synthetic)
+    bundle = Bundle.load(result.directory)
+    assert bundle.manifest["files"]["item_features"] == ITEM_FEATURES_FILE
+    assert bundle.manifest["item_features"]["features"] == ["category", "price", "title"]
+    ids = list(bundle.index.item_ids)
+    assert bundle.manifest["item_features"]["num_items"] == int(items["item_id"].astype(str).isin(ids).sum())
+    rows = items.assign(item_id=items["item_id"].astype(str)).set_index("item_id")
+    for item, features in zip(ids[:50], bundle.item_features(ids[:50])):
+        row = rows.loc[item]
+        price = None if pd.isna(row["price"]) else float(row["price"])
+        assert features == {"category": row["category"], "price": price, "title": row["title"]}, item
 
 
 def test_index_covers_items_without_training_clicks(run):

@@ -29,6 +29,24 @@ Endpoints (request and response bodies are JSON):
         -> {"bundle": "<run>", "item_id": "242", "item_ids": [...], "scores": [...], "fallback": null}
 
     An item id the catalogue does not hold is a 422 naming it.
+``GET /users/{user_id}/items``
+    A training user's items (index order)::
+
+        -> {"bundle": "<run>", "user_id": "196", "item_ids": [...]}
+
+    404 ``{"error": ...}`` for a user not in training or a bundle without ``seen_items/``.
+    ``GET /users?limit=100`` lists up to 1000 training user ids and ``num_users``.
+``POST /items``
+    The catalogue's display features (``item_features.parquet``, ``retrieval.item_features``)::
+
+        {"item_ids": ["242", "x"]}
+        -> {"bundle": "<run>", "features": ["title", ...],
+            "items": [{"item_id": "242", "features": {"title": ...}}, {"item_id": "x", "features": null}]}
+
+    ``features`` null throughout for a bundle without the table (ids only).
+``GET /``
+    A web page over these endpoints (``retrieval.service.page``): a user's training items
+    beside its top-k with item features, an item's similar items on a click.
 ``GET /healthz``
     ``{"status": "ok", "bundle": "<run>", "num_items": n}``.
 ``GET /metadata``
@@ -71,6 +89,7 @@ The package's modules: ``limits`` (request bounds, ``ServiceLimits``, admin
 exposure), ``inputs`` (request models, body reading and parsing), ``connection``
 (uvicorn protocols with a read deadline, ``server_config``), ``metrics``
 (``/metrics``: the per-app registry and the middleware counting requests),
+``page`` (the web page at ``/`` and its headers),
 ``app`` (``create_app``, the bundle holder and the bulk lane).
 """
 

@@ -1,7 +1,8 @@
 """The ASGI app of the HTTP service: routes, the bundle being served, the bulk lane.
 
-``create_app`` builds the Starlette app (``/recommend``, ``/similar``,
-``/healthz``, ``/metadata``, ``/metrics``, ``/admin/reload``) over a ``BundleHolder``,
+``create_app`` builds the Starlette app (``/recommend``, ``/similar``, ``/users``,
+``/users/{user_id}/items``, ``/items``, ``/healthz``, ``/metadata``, ``/metrics``,
+``/admin/reload`` and the web page at ``/``) over a ``BundleHolder``,
 whose ``reload`` swaps a new bundle in with one reference assignment; large batches run in
 the bulk lane (``_bulk_executor``) in chunks, apart from small requests; the
 exception handlers turn errors into ``{"error": ...}`` replies.
@@ -27,10 +28,11 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from retrieval.service.inputs import (
+    ItemsRequest,
     RecommendRequest,
     ReloadRequest,
     SimilarRequest,
@@ -44,12 +46,15 @@ from retrieval.service.inputs import (
 )
 from retrieval.service.limits import INLINE_PARSE_BYTES, ServiceLimits
 from retrieval.service.metrics import METRICS_PATH, RequestMetrics, ServiceMetrics
+from retrieval.service.page import PAGE_PATH, page_headers, page_html
 
 if TYPE_CHECKING:  # retrieval.serving loads TensorFlow: imported where a bundle is loaded, so that
     # `retrieval reload` and `retrieval serve --help` (which read ServiceLimits) start fast.
     from retrieval.serving import Bundle, Recommendations, Verify
 
 log = logging.getLogger("retrieval.service")
+# GET /users: how many known user ids a page's pick list gets by default, and at most.
+DEFAULT_USER_LIST, MAX_USER_LIST = 100, 1000
 
 
 class BundleHolder:
@@ -201,6 +206,47 @@ def create_app(
     async def metadata(request: Request) -> JSONResponse:
         return JSONResponse(holder.current.metadata())
 
+    async def users(request: Request) -> JSONResponse:
+        current = holder.current
+        raw = request.query_params.get("limit", str(DEFAULT_USER_LIST))
+        if not raw.isdigit() or not 1 <= int(raw) <= MAX_USER_LIST:
+            return _error(422, f"limit must be an integer from 1 to {MAX_USER_LIST}, got {raw[:40]!r}")
+        known = current.seen_items
+        return JSONResponse({"bundle": current.version, "num_users": 0 if known is None else len(known),
+                             "user_ids": current.known_user_ids(int(raw))})
+
+    def answer_training_items(current: Bundle, user_id: str) -> bytes:
+        items = current.training_items(user_id)
+        if items is None:
+            why = ("it was exported without training items (seen_items/)" if current.seen_items is None
+                   else f"it is not one of its {len(current.seen_items)} training users")
+            # A long id is cut in the reply: the client sent it, so it need not come back whole.
+            who = f"user {user_id[:80]!r}"
+            raise HTTPException(404, f"{who} has no training items in bundle {current.version!r}: {why}")
+        return _dumps({"bundle": current.version, "user_id": user_id, "item_ids": items})
+
+    async def training_items(request: Request) -> Response:
+        current = holder.current  # read once: a reload mid-request does not affect this request
+        user_id = request.path_params["user_id"]
+        return Response(await run_in_threadpool(answer_training_items, current, user_id),
+                        media_type="application/json")
+
+    def answer_items(current: Bundle, body: bytes) -> bytes:
+        parsed = _validated(_parse_object(body), ItemsRequest)
+        features = current.item_features(parsed.item_ids)
+        names = None if current.item_display is None else current.item_display.features
+        return _dumps({"bundle": current.version, "features": names,
+                       "items": [{"item_id": item, "features": values}
+                                 for item, values in zip(parsed.item_ids, features)]})
+
+    async def items(request: Request) -> Response:
+        current = holder.current
+        body = await _read_body(request, limits.max_body_bytes)
+        return Response(await run_in_threadpool(answer_items, current, body), media_type="application/json")
+
+    async def page(request: Request) -> HTMLResponse:
+        return HTMLResponse(page_text, headers=page_header_values)
+
     async def reload(request: Request) -> JSONResponse:
         if expected_authorization is not None and not hmac.compare_digest(
             request.headers.get("authorization", "").encode(), expected_authorization
@@ -229,9 +275,15 @@ def create_app(
             {"bundle": new.version, "previous": old.version, "seconds": round(time.perf_counter() - started, 3)}
         )
 
+    page_text = page_html()
+    page_header_values = page_headers(page_text)
     routes = [
+        Route(PAGE_PATH, page, methods=["GET"]),
         Route("/recommend", recommend, methods=["POST"]),
         Route("/similar", similar, methods=["POST"]),
+        Route("/users", users, methods=["GET"]),
+        Route("/users/{user_id:path}/items", training_items, methods=["GET"]),
+        Route("/items", items, methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metadata", metadata, methods=["GET"]),
         Route(METRICS_PATH, metrics.endpoint, methods=["GET"]),

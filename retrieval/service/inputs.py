@@ -1,6 +1,7 @@
 """Hostile-input handling of the HTTP app: what a request may carry and how it is read.
 
-The request bodies' pydantic models (``RecommendRequest``, ``SimilarRequest``, ``ReloadRequest``),
+The request bodies' pydantic models (``RecommendRequest``, ``SimilarRequest``, ``ItemsRequest``,
+``ReloadRequest``),
 reading a body under a byte limit (413), parsing it into a JSON object (400)
 and validating it (422), the middleware refusing too many headers (431), and
 the ``{"error": ...}`` replies these failures get.
@@ -75,6 +76,14 @@ class SimilarRequest(BaseModel):
     item_id: str = Field(strict=True)
     k: int = Field(10, ge=1, le=MAX_K, strict=True)  # strict: true is not 1, nor 10.0 or "10" ten
     exclude_item_ids: list[str] = Field([], max_length=MAX_EXCLUDED)
+
+
+class ItemsRequest(BaseModel):
+    """Body of ``POST /items``: the item ids whose display features to send, at most ``MAX_EXCLUDED``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    item_ids: list[str] = Field(max_length=MAX_EXCLUDED)
 
 
 class ReloadRequest(BaseModel):

@@ -1,0 +1,151 @@
+"""The catalogue's display features (title, category, year, ...) by item id, shipped in the bundle.
+
+A person looking at recommendations wants to see what the items are, not only their ids. When the
+training config has an item feature table (``data.item_features``), the job writes its string,
+numeric and list-of-string columns, one row per indexed item the table describes, to
+``item_features.parquet`` (``retrieval.export.write_bundle``); ``retrieval.serving.Bundle``
+answers ``item_features(ids)`` from it and the HTTP service's ``POST /items`` sends it to the
+web page. The towers never read this file: it is for display only, so it holds every such
+column of the table, whether a tower reads it or not.
+
+The file holds the ``item_id`` column (strings, sorted) and one column per feature: strings (None
+missing), int64 / float64 numbers (NaN missing) or lists of strings. It is read whole at load:
+the ids into a sorted fixed-width bytes array searched by ``np.searchsorted``
+(``retrieval.seen_items.find_sorted``), the features into Arrow arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from retrieval.data import ITEM
+from retrieval.seen_items import find_sorted, sorted_ids
+
+ITEM_FEATURES_FILE = "item_features.parquet"
+
+
+class ItemFeatures:
+    """Display features by item id: ``values_of(ids)`` is each id's row as JSON-ready values.
+
+    Args:
+      item_ids: [num_items] sorted, distinct UTF-8 bytes (``retrieval.seen_items.sorted_ids``).
+      columns: feature name -> Arrow array [num_items] aligned with ``item_ids``.
+    """
+
+    def __init__(self, item_ids: np.ndarray, columns: dict[str, pa.Array]):
+        if item_ids.ndim != 1 or item_ids.dtype.kind != "S":
+            raise ValueError(f"item_ids must be a 1-D bytes array, got {item_ids.dtype} {item_ids.shape}")
+        for name, column in columns.items():
+            if len(column) != len(item_ids):
+                raise ValueError(f"feature {name!r} has {len(column)} values for {len(item_ids)} items")
+        self.item_ids, self.columns = item_ids, columns
+
+    @classmethod
+    def from_frame(cls, frame: pd.DataFrame, catalogue: Sequence[str] | None = None) -> ItemFeatures:
+        """From an item feature table: its ``item_id`` column and every string, number or
+        list-of-strings column (others, e.g. dates or nested objects, are left out).
+
+        Args:
+          frame: [rows] the raw item table (``data.item_features`` as read), ``item_id`` unique.
+          catalogue: the indexed item ids; rows of other items are dropped (None keeps every row).
+        """
+        if ITEM not in frame:
+            raise ValueError(f"the item feature frame has no {ITEM!r} column (columns: {list(frame.columns)})")
+        frame = frame.assign(**{ITEM: frame[ITEM].astype(str)})
+        if catalogue is not None:
+            frame = frame[frame[ITEM].isin(pd.Index([str(item) for item in catalogue], dtype=object))]
+        ids, order = sorted_ids(frame[ITEM].to_numpy(dtype=object), "the item feature table")
+        columns = {}
+        for name in frame.columns:
+            if name == ITEM:
+                continue
+            column = _display_column(frame[name].to_numpy()[order])
+            if column is not None:
+                columns[str(name)] = column
+        return cls(ids, columns)
+
+    def __len__(self) -> int:
+        return len(self.item_ids)
+
+    @property
+    def features(self) -> list[str]:
+        return list(self.columns)
+
+    def info(self) -> dict[str, Any]:
+        """What the manifest records: ``{"file", "id_column", "features", "num_items"}``."""
+        return {"file": ITEM_FEATURES_FILE, "id_column": ITEM, "features": self.features, "num_items": len(self)}
+
+    def values_of(self, item_ids: Sequence[str]) -> list[dict[str, Any] | None]:
+        """[len(item_ids)] each id's features (str, int, float, list of str; None for a missing
+        value), or None for an id the table does not hold (one binary search for all)."""
+        out: list[dict[str, Any] | None] = []
+        for row in find_sorted(self.item_ids, list(item_ids)).tolist():
+            if row < 0:
+                out.append(None)
+                continue
+            values = {}
+            for name, column in self.columns.items():
+                value = column[row].as_py()
+                values[name] = None if isinstance(value, float) and math.isnan(value) else value
+            out.append(values)
+        return out
+
+    def save(self, path: str | Path) -> None:
+        """Write the Parquet file: ``item_id`` (sorted) then the feature columns."""
+        ids = pa.array(np.char.decode(self.item_ids, "utf-8").astype(object), pa.string())
+        pq.write_table(pa.table({ITEM: ids, **self.columns}), str(path))
+
+    @classmethod
+    def load(cls, path: str | Path) -> ItemFeatures:
+        """Read the file ``save`` wrote (whole).
+
+        Raises:
+          ValueError: no ``item_id`` column, or ids that are not sorted and distinct as ``save`` wrote them.
+        """
+        table = pq.read_table(str(path))
+        if ITEM not in table.column_names:
+            raise ValueError(f"{Path(path).name} has no {ITEM!r} column")
+        ids = table.column(ITEM).to_numpy(zero_copy_only=False)
+        encoded, order = sorted_ids(ids, Path(path).name)
+        if not np.array_equal(order, np.arange(len(order))):
+            raise ValueError(f"{Path(path).name}: the item ids are not in sorted order")
+        columns = {name: table.column(name).combine_chunks() for name in table.column_names if name != ITEM}
+        return cls(encoded, columns)
+
+
+def _display_column(values: np.ndarray) -> pa.Array | None:
+    """``values`` [n] as an Arrow column a page can show, or None for a kind it cannot."""
+    if values.dtype.kind == "b":
+        return pa.array(values, pa.bool_())
+    if values.dtype.kind in "iu":
+        return pa.array(values.astype(np.int64), pa.int64())
+    if values.dtype.kind == "f":
+        return pa.array(values.astype(np.float64), pa.float64())
+    if values.dtype.kind != "O":
+        return None  # datetimes, timedeltas, ...: not a display feature here
+    present = [value for value in values if not _missing(value)]
+    if all(isinstance(value, str) for value in present):
+        return pa.array([None if _missing(value) else value for value in values], pa.string())
+    if all(isinstance(value, int | float | np.number) and not isinstance(value, bool) for value in present):
+        # Nullable integer columns (pandas' Int64) arrive as objects with NA: as float, NaN missing.
+        return pa.array([math.nan if _missing(value) else float(value) for value in values], pa.float64())
+    if all(isinstance(value, list | tuple | np.ndarray) for value in present):
+        # Lists of strings (genres, tags): "" pads of fixed-width lists are not shown.
+        return pa.array([[] if _missing(value) else [str(v) for v in value if str(v) != ""] for value in values],
+                        pa.list_(pa.string()))
+    return None
+
+
+def _missing(value: Any) -> bool:
+    """None, NaN, pandas' NA or NaT (a list is a value, even an empty one)."""
+    if isinstance(value, list | tuple | np.ndarray):
+        return False
+    return bool(pd.isna(value))
