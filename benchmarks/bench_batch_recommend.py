@@ -18,8 +18,14 @@ a block is over ``ExactRouting.min_queries``), the answers turned into rows and 
 row group. A warm-up of one block (the SavedModel's first call) runs before the clock starts.
 recall@k of the IVF file is against the Flat file, user by user.
 
+With ``--bundle DIR`` it measures a trained bundle instead (e.g. the 1M-item one ``make bench-scale``
+keeps with ``--keep-run``): ``--users`` of its training users, drawn with ``--seed``, each answered
+once with its seen items excluded, the bundle's own index as it serves.
+
     python -m benchmarks.bench_batch_recommend                  # 1M items, 20k users (make bench-batch-recommend)
     python -m benchmarks.bench_batch_recommend --items 20000 --users 2000 --out /tmp/bench   # a smoke run
+    python -m benchmarks.bench_batch_recommend --bundle /tmp/retrieval-scale/runs/<run> \
+        --out benchmarks/results/bench_batch_recommend_trained
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--train-sample", type=int, default=65_536, help="vectors an IVF index is trained on")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default=None, help="where bundles and files go (default: a temporary directory)")
+    parser.add_argument("--bundle", default=None, help="a trained bundle to measure instead of synthetic ones")
     parser.add_argument("--out", default=str(RESULTS / "bench_batch_recommend"),
                         help="results stem: <out>.json and <out>.md")
     return parser
@@ -67,6 +74,9 @@ def arguments() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = arguments().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if args.bundle is not None:
+        with tempfile.TemporaryDirectory(prefix="bench-batch-") as workdir:
+            return run_trained(args, Path(args.bundle), Path(workdir), argv)
     if args.workdir is None:
         with tempfile.TemporaryDirectory(prefix="bench-batch-") as workdir:
             return run(args, Path(workdir), argv)
@@ -154,6 +164,59 @@ def run(args, workdir: Path, argv: list[str] | None = None) -> int:
     return 0
 
 
+def _timed_file(bundle, user_ids: list[str], args, out: Path) -> dict:
+    """One warm-up block, then every user answered into ``out``; the row of the results table."""
+    from retrieval.batch_recommend import IdList, recommend_to_file
+    from retrieval.progress import Progress
+
+    bundle.recommend_batch([{"user_id": u} for u in user_ids[: args.block_size]], args.k)  # warm-up
+    with Progress(len(user_ids), f"recommend {bundle.index.factory}", "users") as progress:
+        summary = recommend_to_file(bundle, IdList(user_ids), args.k, out, block_size=args.block_size,
+                                    overwrite=True, progress=progress)
+    log(summary.line())
+    routing = bundle.index.routing.uses_exact_top_k(args.block_size, len(bundle.index))
+    return {
+        "factory": bundle.index.factory,
+        "search_params": bundle.index.search_params,
+        "search": "ExactTopK" if bundle.index.is_exact and routing else "FAISS",
+        "users": summary.queries,
+        "rows": summary.rows,
+        "row_groups": summary.row_groups,
+        "seconds": round(summary.seconds, 3),
+        "users_per_s": round(summary.queries / summary.seconds, 1),
+        "file_bytes": out.stat().st_size,
+    }
+
+
+def run_trained(args, directory: Path, workdir: Path, argv: list[str] | None = None) -> int:
+    """``--bundle``: users/s of a trained bundle over its own index and training users."""
+    from retrieval.serving import Bundle
+
+    started = time.perf_counter()
+    bundle = Bundle.load(directory)
+    load_seconds = time.perf_counter() - started
+    if bundle.seen_items is None:
+        raise SystemExit(f"error: {directory} has no seen_items/: its training users are unknown")
+    known = np.asarray(bundle.seen_items.user_ids)
+    rows = np.sort(np.random.default_rng(args.seed).choice(len(known), min(args.users, len(known)), replace=False))
+    user_ids = [known[r].decode("utf-8") for r in rows]
+    row = {**_timed_file(bundle, user_ids, args, workdir / "recs.parquet"), "build_seconds": None,
+           "load_seconds": round(load_seconds, 2)}
+    manifest = bundle.manifest
+    report = {
+        "command": command("bench_batch_recommend", argv),
+        "bundles": f"trained: {directory.name} (created {manifest.get('created_at')})",
+        "items": len(bundle.index), "users": len(user_ids), "dim": bundle.index.dim, "k": args.k,
+        "seen_per_user": "the bundle's", "block_size": args.block_size, "seed": args.seed,
+        "machine": machine("numpy", "faiss", "tensorflow", "pyarrow"),
+        "results": [row],
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    write_report(args.out, report, markdown(report))
+    log(f"written {args.out}.json and .md")
+    return 0
+
+
 def _recall(found: Path, exact: Path) -> float:
     """Mean share of each user's exact top-k (the Flat file) that ``found`` holds for that user."""
     def by_user(path: Path) -> dict[str, set[str]]:
@@ -173,7 +236,7 @@ def markdown(report: dict) -> str:
     table = markdown_table(header, [
         [r["factory"], r["search_params"] or "-", r["search"], f"{r['users']:,}", f"{r['rows']:,}", r["row_groups"],
          r["seconds"], f"{r['users_per_s']:,.0f}", r.get(f"recall_at_{k}_vs_flat", "-"),
-         f"{r['file_bytes'] / 2**20:.1f}", r["build_seconds"], r["load_seconds"]]
+         f"{r['file_bytes'] / 2**20:.1f}", "-" if r["build_seconds"] is None else r["build_seconds"], r["load_seconds"]]
         for r in report["results"]
     ], align="lllrrrrrrrrr")
     return "\n".join([
@@ -185,7 +248,8 @@ def markdown(report: dict) -> str:
         f"{report['seen_per_user']} seen items excluded per user, {report['block_size']} users a block "
         f"(one search and one row group each).",
         "",
-        "**The bundles are synthetic**: fixed towers over clustered random embeddings "
+        f"**The bundle is {report['bundles']}**: its training users, answered once each." if "clusters" not in report
+        else "**The bundles are synthetic**: fixed towers over clustered random embeddings "
         f"({report['clusters']} clusters), written through `export.write_bundle` and loaded with `Bundle.load` "
         "as a trained bundle is, but not a trained model; the numbers measure the serving path, not a model.",
         "",

@@ -26,3 +26,12 @@ def test_bench_batch_recommend_runs_at_toy_size(tmp_path):
     text = stem.with_suffix(".md").read_text()
     assert "**The bundles are synthetic**" in text and "| IVF16,Flat | nprobe=" in text
     assert report["command"].startswith("python -m benchmarks.bench_batch_recommend --items 3000")
+
+    # --bundle: the same path over an existing bundle and a sample of its own training users.
+    bundle = next(p for p in (tmp_path / "work").iterdir() if (p / "manifest.json").exists() and "Flat" in p.name)
+    trained = tmp_path / "results" / "trained"
+    assert bench_batch_recommend.main(["--bundle", str(bundle), "--users", "100", "--k", "20", "--block-size", "64",
+                                       "--out", str(trained)]) == 0
+    (row,) = json.loads(trained.with_suffix(".json").read_text())["results"]
+    assert row["users"] == 100 and row["rows"] == 100 * 20 and row["row_groups"] == 2 and row["build_seconds"] is None
+    assert f"**The bundle is trained: {bundle.name}" in trained.with_suffix(".md").read_text()
