@@ -426,6 +426,7 @@ def main() -> None:
 
     sampler.phase = "streaming_stats"
     lines: list[str] = []
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # every result file below goes next to it
     sampler.lines, sampler.partial_path = lines, Path(f"{args.out}.partial.json")
     logging.getLogger("retrieval").setLevel(logging.INFO)
     logging.getLogger("retrieval").addHandler(PhaseFromLog(sampler, lines))
