@@ -145,7 +145,8 @@ class RetrievalLoss(tf.keras.layers.Layer):
             head_hits = tf.zeros_like(head, dtype=tf.bool)
         if self.remove_hits:
             head = head + tf.cast(head_hits, head.dtype) * MIN_FLOAT
-        logits, labels, kept = [head], [head_labels], [tf.logical_not(head_hits) if self.remove_hits else None]
+        head_kept = tf.logical_not(head_hits) if self.remove_hits else tf.ones_like(head_hits)
+        logits, labels, kept = [head], [head_labels], [head_kept]
         for negatives, embeddings in zip(inputs.negatives, inputs.negative_embeddings):
             block = candidate_scores(q, embeddings) / self.temperature
             # Masked columns (log_q = MASKED_LOG_Q, as the samplers write it in float32) stay masked
@@ -160,7 +161,6 @@ class RetrievalLoss(tf.keras.layers.Layer):
             logits.append(block)
             labels.append(tf.zeros_like(block))
             kept.append(block_kept)
-        kept = [tf.ones_like(logits[0], dtype=tf.bool) if k is None else k for k in kept]
         logits, labels, mask = tf.concat(logits, axis=1), tf.concat(labels, axis=1), tf.concat(kept, axis=1)
         if self.num_hard_negatives is not None:
             columns = hard_negative_columns(logits, labels, self.num_hard_negatives)
@@ -197,7 +197,6 @@ class NegativeSampling(RetrievalLoss):
         logits, labels = self.logits_and_labels(inputs)
         signs = 2.0 * labels - 1.0  # +1 positive, -1 negative
         return tf.reduce_sum(tf.nn.softplus(-signs * logits), axis=1)
-
 
 
 class CosineContrastive(RetrievalLoss):
