@@ -333,6 +333,10 @@ class KernelSamplerConfig(_Section):
     )
 
 
+# The negatives drawn from the whole corpus with a fixed distribution (samplers/corpus.py).
+CORPUS_NEGATIVES = ("uniform", "unigram", "log_uniform")
+
+
 class LossConfig(_Section):
     """The training objective and its candidates (retrieval/losses.py, retrieval/samplers/).
 
@@ -342,24 +346,34 @@ class LossConfig(_Section):
     when ``model.log_q_correction`` is on, Q being each candidate's expected count.
     """
 
-    kind: Literal["softmax", "full_softmax", "sgns", "hierarchical_softmax"] = Field(
+    kind: Literal["softmax", "full_softmax", "sgns", "hierarchical_softmax", "cosine_contrastive", "bsl"] = Field(
         "softmax",
         description="softmax: sampled softmax over `negatives`; full_softmax: exact, over every item "
         "(negatives ignored); sgns: word2vec binary logistic over `negatives` (NCE with log-Q "
         "correction); hierarchical_softmax: Huffman tree over items by training frequency (a "
-        "comparison loss: not servable from an inner-product index).",
+        "comparison loss: not servable from an inner-product index); cosine_contrastive: SimpleX's "
+        "CCL over `negatives`, (1 - s+) + negative_weight * mean relu(s- - margin) on raw cosines (needs "
+        "model.normalize, refuses model.log_q_correction, ignores model.temperature); bsl: bilateral "
+        "softmax, -s+ / temperature + bsl_temperature * logsumexp(s- / temperature) over `negatives`.",
     )
     negatives: Literal["in_batch", "uniform", "unigram", "log_uniform", "mixed", "kernel"] = Field(
         "in_batch",
-        description="Candidates of softmax/sgns: the batch's positives, corpus draws (uniform, "
-        "count^unigram_alpha, log-uniform over frequency ranks), mixed = in-batch + mixed_corpus draws, "
-        "or kernel = num_negatives draws per query from the quadratic kernel of the current model "
+        description="Candidates of softmax, sgns, cosine_contrastive and bsl: the batch's positives, corpus "
+        "draws (uniform, count^unigram_alpha, log-uniform over frequency ranks), mixed = in-batch + "
+        "mixed_corpus draws, or kernel = num_negatives draws per query from the quadratic kernel of the current model "
         "(section `kernel`).",
     )
     num_negatives: int = Field(
         1024,
         gt=0,
-        description="Corpus draws per batch (shared by its queries); with negatives=kernel, draws per query.",
+        description="Corpus draws per batch (shared by its queries); with negatives=kernel or "
+        "negatives_per_row, draws per query.",
+    )
+    negatives_per_row: bool = Field(
+        False,
+        description="uniform, unigram, log_uniform: draw num_negatives for each row of the batch "
+        "([batch, num_negatives] candidates, with replacement, as SimpleX and BSL sample) instead of one "
+        "set shared by the batch; costs batch_size times the doc-tower evaluations.",
     )
     mixed_corpus: Literal["uniform", "unigram", "log_uniform"] = Field(
         "uniform", description="The corpus part of negatives: mixed (uniform in Yang et al. 2020)."
@@ -381,6 +395,26 @@ class LossConfig(_Section):
         "as tfrs.tasks.Retrieval (its tutorials' learning rates assume it).",
     )
     mining_refresh_steps: int = Field(100, gt=0, description="Rebuild the mining index every this many steps.")
+    margin: float = Field(
+        0.9,
+        ge=-1,
+        lt=1,
+        description="cosine_contrastive: negatives with a cosine above it are pushed down (SimpleX's "
+        "configs: 0.9).",
+    )
+    negative_weight: float = Field(
+        150.0,
+        ge=0,
+        description="cosine_contrastive: weight of the mean over a row's negatives (SimpleX's configs: "
+        "150-250).",
+    )
+    bsl_temperature: float = Field(
+        1.22,
+        gt=0,
+        description="bsl: tau2, the weight of the negatives' log-sum-exp (the BSL authors' temperature_2, "
+        "an exponent of the negatives' sum of exp(s / temperature)); 1 = softmax over the negatives. "
+        "1.22: the authors' MF setting on Gowalla (with temperature 0.08).",
+    )
     log_q_source: Literal["static", "streaming"] = Field(
         "streaming",
         description="Q of in-batch negatives: training click counts (`static`), or streaming frequency "
@@ -397,6 +431,21 @@ class LossConfig(_Section):
         if self.kind == "hierarchical_softmax" and self.hard_negatives != "none":
             raise ValueError(
                 f"model.loss.hard_negatives={self.hard_negatives!r} needs candidates; hierarchical_softmax has none"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _per_row_draws_from_the_corpus(self) -> LossConfig:
+        if self.negatives_per_row and self.negatives not in CORPUS_NEGATIVES:
+            raise ValueError(
+                f"model.loss.negatives_per_row=true draws from a corpus sampler ({', '.join(CORPUS_NEGATIVES)}), "
+                f"got negatives={self.negatives!r}"
+            )
+        if self.negatives_per_row and self.unique:
+            raise ValueError("model.loss.negatives_per_row=true draws with replacement: set model.loss.unique=false")
+        if self.negatives_per_row and self.kind in ("full_softmax", "hierarchical_softmax"):
+            raise ValueError(
+                f"model.loss.negatives_per_row=true needs negatives; model.loss.kind={self.kind!r} has none"
             )
         return self
 
@@ -463,6 +512,22 @@ class ModelConfig(_Section):
     )
     l2_regularization: float = Field(0.0, ge=0, description="L2 penalty on embedding tables.")
     loss: LossConfig = Field(LossConfig(), description="Objective, negatives and log-Q source.")
+
+    @model_validator(mode="after")
+    def _cosine_contrastive_scores_cosines(self) -> ModelConfig:
+        # Its margin and the 1 - s+ term are cosines; its authors correct nothing for sampling.
+        if self.loss.kind == "cosine_contrastive":
+            if not self.normalize:
+                raise ValueError(
+                    "model.loss.kind='cosine_contrastive' compares cosines with model.loss.margin: set "
+                    "model.normalize=true"
+                )
+            if self.log_q_correction:
+                raise ValueError(
+                    "model.loss.kind='cosine_contrastive' has no log-Q correction (its scores are raw cosines): "
+                    "set model.log_q_correction=false"
+                )
+        return self
 
 
 # --- Towers: which raw features each tower reads and how it encodes them. ---

@@ -16,7 +16,15 @@ import tensorflow as tf
 from retrieval.config import LossConfig, ModelConfig
 from retrieval.data import ITEM, USER
 from retrieval.features import FeatureStatistics
-from retrieval.losses import HierarchicalSoftmax, HuffmanTree, NegativeSampling, RetrievalLoss, SampledSoftmax
+from retrieval.losses import (
+    BilateralSoftmax,
+    CosineContrastive,
+    HierarchicalSoftmax,
+    HuffmanTree,
+    NegativeSampling,
+    RetrievalLoss,
+    SampledSoftmax,
+)
 from retrieval.samplers import (
     AllItems,
     CorpusSampler,
@@ -42,13 +50,18 @@ def _choose(table: Mapping[str, Callable], key: str, what: str) -> Callable:
 
 CORPUS_SAMPLERS: dict[str, Callable[[np.ndarray, LossConfig], CorpusSampler]] = {
     "uniform": lambda counts, loss: uniform_sampler(
-        len(counts) - 1, loss.num_negatives, unique=loss.unique, seed=loss.seed
+        len(counts) - 1, loss.num_negatives, unique=loss.unique, seed=loss.seed, per_row=loss.negatives_per_row
     ),
     "unigram": lambda counts, loss: unigram_sampler(
-        counts, loss.num_negatives, alpha=loss.unigram_alpha, unique=loss.unique, seed=loss.seed
+        counts,
+        loss.num_negatives,
+        alpha=loss.unigram_alpha,
+        unique=loss.unique,
+        seed=loss.seed,
+        per_row=loss.negatives_per_row,
     ),
     "log_uniform": lambda counts, loss: log_uniform_sampler(
-        counts, loss.num_negatives, unique=loss.unique, seed=loss.seed
+        counts, loss.num_negatives, unique=loss.unique, seed=loss.seed, per_row=loss.negatives_per_row
     ),
 }
 
@@ -87,6 +100,8 @@ LOSSES: dict[str, type[RetrievalLoss]] = {
     "full_softmax": SampledSoftmax,
     "sgns": NegativeSampling,
     "hierarchical_softmax": HierarchicalSoftmax,
+    "cosine_contrastive": CosineContrastive,
+    "bsl": BilateralSoftmax,
 }
 
 HARD_NEGATIVES = ("none", "in_batch_top_k", "mined")
@@ -152,6 +167,27 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
         return HierarchicalSoftmax(
             HuffmanTree.from_counts(counts), embedding_dim, temperature=config.temperature
         )
+    hard_k = loss.num_hard_negatives if loss.hard_negatives == "in_batch_top_k" else None
+    if cls is CosineContrastive:
+        # Raw cosines: no temperature, no log-Q (ModelConfig refuses log_q_correction with it).
+        return CosineContrastive(
+            margin=loss.margin,
+            negative_weight=loss.negative_weight,
+            remove_accidental_hits=config.remove_accidental_hits,
+            num_hard_negatives=hard_k,
+            reduction=loss.reduction,
+            name=loss.kind,
+        )
+    if cls is BilateralSoftmax:
+        return BilateralSoftmax(
+            negative_temperature=loss.bsl_temperature,
+            temperature=config.temperature,
+            log_q_weight=config.log_q_strength if config.log_q_correction else 0.0,
+            remove_accidental_hits=config.remove_accidental_hits,
+            num_hard_negatives=hard_k,
+            reduction=loss.reduction,
+            name=loss.kind,
+        )
     exact = loss.kind == "full_softmax"
     return cls(
         temperature=config.temperature,
@@ -159,7 +195,7 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
         log_q_weight=config.log_q_strength if config.log_q_correction and not exact else 0.0,
         # Over all items the positive is also a column of its own: it must be removed there.
         remove_accidental_hits=config.remove_accidental_hits or exact,
-        num_hard_negatives=loss.num_hard_negatives if loss.hard_negatives == "in_batch_top_k" else None,
+        num_hard_negatives=hard_k,
         reduction=loss.reduction,
         name=loss.kind,
     )

@@ -54,6 +54,23 @@ EXACT = {
         False,
     ),
     "full_softmax": (ModelConfig(embedding_dim=8, loss=LossConfig(kind="full_softmax")), True),
+    # The recipe losses average over each row's kept negatives: the global batch's, as one device.
+    "in_batch_cosine_contrastive": (
+        ModelConfig(
+            embedding_dim=8,
+            log_q_correction=False,
+            loss=LossConfig(kind="cosine_contrastive", margin=0.1, negative_weight=5.0),
+        ),
+        True,
+    ),
+    "in_batch_bsl_top_k": (
+        ModelConfig(
+            embedding_dim=8,
+            temperature=0.3,
+            loss=LossConfig(kind="bsl", hard_negatives="in_batch_top_k", num_hard_negatives=3),
+        ),
+        False,
+    ),
 }
 # Corpus draws differ per replica (each replica's generator stream): these only must train.
 SMOKE = {"mixed": ModelConfig(embedding_dim=8, loss=LossConfig(negatives="mixed", num_negatives=6))}

@@ -3,7 +3,9 @@
 - ``numpy_in_batch_loss``: in-batch softmax with log-Q correction and accidental-hit
   removal, written with numpy from the formula;
 - ``in_batch_softmax_task``: ``tfrs.tasks.Retrieval`` set up to compute the same mean loss;
-- ``relative_sampling_probability``: Q scaled so that TFRS's clip at 1e-6 does not bite.
+- ``relative_sampling_probability``: Q scaled so that TFRS's clip at 1e-6 does not bite;
+- ``row_candidates``: each row's positive and kept negatives, by loops; with it
+  ``numpy_cosine_contrastive`` (SimpleX's CCL) and ``numpy_bilateral_softmax`` (BSL).
 
 None of this is project code: the project's losses are ``retrieval.losses``. (``tests/conftest.py``
 imports ``retrieval`` first, which sets ``TF_USE_LEGACY_KERAS`` before TFRS is imported.)
@@ -60,3 +62,70 @@ def in_batch_softmax_task(
         num_hard_negatives=num_hard_negatives,
         name="in_batch_softmax",
     )
+
+
+def row_candidates(q, d, positive_ids, positive_log_q, blocks=(), in_batch=True, remove_hits=True):
+    """Each row's positive and kept negatives, by loops over rows and columns.
+
+    Args:
+      q, d: [batch_size, dim] query and positive-item embeddings.
+      positive_ids, positive_log_q: [batch_size].
+      blocks: ``(embeddings, ids, log_q)`` of sampled negatives: [num, dim], [num], [num] shared
+        or [batch, num, dim], [batch, num], [batch, num] per row; log_q >= 1e29 marks padding.
+      in_batch: the other rows' positives are negatives too.
+
+    Returns:
+      one ``(score, log_q, negative_scores, negative_log_q)`` per row, the last two 1-d arrays.
+    """
+    rows = []
+    for i in range(len(q)):
+        scores, log_qs = [], []
+        if in_batch:
+            for j in range(len(q)):
+                if j == i or (remove_hits and positive_ids[j] == positive_ids[i]):
+                    continue
+                scores.append(float(q[i] @ d[j]))
+                log_qs.append(float(positive_log_q[j]))
+        for embeddings, ids, log_q in blocks:
+            row_embeddings = embeddings if embeddings.ndim == 2 else embeddings[i]
+            row_ids = ids if ids.ndim == 1 else ids[i]
+            row_log_q = log_q if log_q.ndim == 1 else log_q[i]
+            for c in range(len(row_ids)):
+                if row_log_q[c] >= 1e29 or (remove_hits and row_ids[c] == positive_ids[i]):
+                    continue
+                scores.append(float(q[i] @ row_embeddings[c]))
+                log_qs.append(float(row_log_q[c]))
+        rows.append((float(q[i] @ d[i]), float(positive_log_q[i]), np.array(scores), np.array(log_qs)))
+    return rows
+
+
+def numpy_cosine_contrastive(rows, margin, negative_weight, weights=None):
+    """SimpleX's CCL, ``mean_i w_i [relu(1 - s+) + negative_weight * mean_j relu(s_j - margin)]``.
+
+    ``rows`` from ``row_candidates``; a row without negatives has its positive term only.
+    """
+    per_row = []
+    for positive, _, negatives, _ in rows:
+        pushed = np.mean(np.maximum(negatives - margin, 0.0)) if len(negatives) else 0.0
+        per_row.append(max(1.0 - positive, 0.0) + negative_weight * pushed)
+    weights = np.ones(len(rows)) if weights is None else np.asarray(weights)
+    return float(np.sum(np.array(per_row) * weights) / len(rows))
+
+
+def numpy_bilateral_softmax(rows, temperature, negative_temperature, log_q_weight=0.0, weights=None):
+    """BSL (junkangwu/BSL ``mode="reweight"``): ``-log(exp(l+) / (sum_j exp(l_j)) ** tau2)``, averaged.
+
+    ``l = s / temperature - log_q_weight * log Q``; ``rows`` from ``row_candidates``; a row
+    without negatives counts 0. Written with ``exp`` and ``log`` of the sum, not log-sum-exp.
+    """
+    per_row = []
+    for positive, positive_log_q, negatives, negative_log_q in rows:
+        if not len(negatives):
+            per_row.append(0.0)
+            continue
+        positive_logit = positive / temperature - log_q_weight * positive_log_q
+        negative_logits = negatives / temperature - log_q_weight * negative_log_q
+        ratio = np.exp(positive_logit) / np.sum(np.exp(negative_logits)) ** negative_temperature
+        per_row.append(-np.log(ratio))
+    weights = np.ones(len(rows)) if weights is None else np.asarray(weights)
+    return float(np.sum(np.array(per_row) * weights) / len(rows))

@@ -7,10 +7,12 @@ et al. 2015; Yi et al., RecSys 2019) removes the popularity bias that in-batch
 or sampled negatives would otherwise bake into the model: popular items appear
 as negatives more often, so without it they are pushed down too hard. ``log Q``
 is the log expected count of the candidate in the batch's candidate set, as
-the samplers (``retrieval.samplers``) return it.
+the samplers (``retrieval.samplers``) return it. (``CosineContrastive`` is the
+exception: SimpleX's loss compares raw cosines with a margin, uncorrected.)
 
 Pure functions first (logits first, as ``tf.nn``):
-  ``correct_log_q``, ``remove_accidental_hits``, ``mine_hard_negatives``,
+  ``correct_log_q``, ``remove_accidental_hits`` (``accidental_hits``),
+  ``mine_hard_negatives`` (``hard_negative_columns``),
   ``candidate_scores``, ``softmax_cross_entropy``, ``weighted_mean``,
   ``HuffmanTree`` and ``hierarchical_log_probability``; ``gather_across_replicas``
   (in-batch negatives over every ``tf.distribute`` replica).
@@ -18,11 +20,14 @@ Then the loss classes, one method each (``per_example``) on a base that
 validates and reduces:
   ``SampledSoftmax`` (in-batch, corpus-sampled, mixed, full: the sampler decides),
   ``NegativeSampling`` (word2vec SGNS; NCE when log Q is subtracted),
+  ``CosineContrastive`` (SimpleX's cosine contrastive loss; Mao et al. 2021),
+  ``BilateralSoftmax`` (BSL; Wu et al. 2024),
   ``HierarchicalSoftmax`` (Huffman tree over items; Morin & Bengio 2005, Mikolov et al. 2013).
 
 The package's modules: ``functions`` (the pure functions), ``inputs``
 (``LossInputs``, ``BatchCandidates``, ``gather_across_replicas``),
-``sampled`` (``RetrievalLoss``, ``SampledSoftmax``, ``NegativeSampling``),
+``sampled`` (``RetrievalLoss``, ``SampledSoftmax``, ``NegativeSampling``,
+``CosineContrastive``, ``BilateralSoftmax``),
 ``hierarchical`` (``HuffmanTree``, ``hierarchical_log_probability``,
 ``HierarchicalSoftmax``).
 """
@@ -30,8 +35,10 @@ The package's modules: ``functions`` (the pure functions), ``inputs``
 from retrieval.losses.functions import (
     MAX_FLOAT,
     MIN_FLOAT,
+    accidental_hits,
     candidate_scores,
     correct_log_q,
+    hard_negative_columns,
     mine_hard_negatives,
     remove_accidental_hits,
     softmax_cross_entropy,
@@ -39,21 +46,31 @@ from retrieval.losses.functions import (
 )
 from retrieval.losses.hierarchical import HierarchicalSoftmax, HuffmanTree, hierarchical_log_probability
 from retrieval.losses.inputs import BatchCandidates, LossInputs, gather_across_replicas
-from retrieval.losses.sampled import NegativeSampling, RetrievalLoss, SampledSoftmax
+from retrieval.losses.sampled import (
+    BilateralSoftmax,
+    CosineContrastive,
+    NegativeSampling,
+    RetrievalLoss,
+    SampledSoftmax,
+)
 
 __all__ = [
     "MAX_FLOAT",
     "MIN_FLOAT",
     "BatchCandidates",
+    "BilateralSoftmax",
+    "CosineContrastive",
     "HierarchicalSoftmax",
     "HuffmanTree",
     "LossInputs",
     "NegativeSampling",
     "RetrievalLoss",
     "SampledSoftmax",
+    "accidental_hits",
     "candidate_scores",
     "correct_log_q",
     "gather_across_replicas",
+    "hard_negative_columns",
     "hierarchical_log_probability",
     "mine_hard_negatives",
     "remove_accidental_hits",

@@ -1,9 +1,10 @@
 """Pure functions on logits (logits first, as ``tf.nn``): the building blocks every loss uses.
 
-``correct_log_q`` (the sampled-softmax correction), ``remove_accidental_hits``,
-``mine_hard_negatives``, ``candidate_scores``, ``softmax_cross_entropy`` and
-``weighted_mean`` (the reduction), with the ``MIN_FLOAT`` / ``MAX_FLOAT``
-constants that mask or force a column.
+``correct_log_q`` (the sampled-softmax correction), ``remove_accidental_hits``
+(and ``accidental_hits``, its mask), ``mine_hard_negatives`` (and
+``hard_negative_columns``, the columns it keeps), ``candidate_scores``,
+``softmax_cross_entropy`` and ``weighted_mean`` (the reduction), with the
+``MIN_FLOAT`` / ``MAX_FLOAT`` constants that mask or force a column.
 """
 
 from __future__ import annotations
@@ -52,9 +53,19 @@ def remove_accidental_hits(
             positive_ids = tf.gather(candidate_ids, label_column)
         else:
             positive_ids = tf.gather(candidate_ids, label_column, batch_dims=1)
-    positive_ids = tf.cast(positive_ids, tf.int64)
-    duplicate = tf.cast(tf.equal(candidate_ids, positive_ids[:, tf.newaxis]), logits.dtype) - labels
-    return logits + tf.maximum(duplicate, 0.0) * MIN_FLOAT
+    return logits + tf.cast(accidental_hits(labels, candidate_ids, positive_ids), logits.dtype) * MIN_FLOAT
+
+
+def accidental_hits(labels: tf.Tensor, candidate_ids: tf.Tensor, positive_ids: tf.Tensor) -> tf.Tensor:
+    """Bool ``[batch_size, num_candidates]``: columns whose id is the row's positive id, label column excepted.
+
+    Args:
+      labels: ``[batch_size, num_candidates]`` one-hot (all zero for a block of negatives only).
+      candidate_ids: ``[num_candidates]`` shared or ``[batch_size, num_candidates]``.
+      positive_ids: ``[batch_size]``.
+    """
+    same = tf.equal(tf.cast(candidate_ids, tf.int64), tf.cast(positive_ids, tf.int64)[:, tf.newaxis])
+    return tf.logical_and(same, tf.logical_not(tf.cast(labels, tf.bool)))
 
 
 def mine_hard_negatives(logits: tf.Tensor, labels: tf.Tensor, k: int) -> tuple[tf.Tensor, tf.Tensor]:
@@ -68,12 +79,22 @@ def mine_hard_negatives(logits: tf.Tensor, labels: tf.Tensor, k: int) -> tuple[t
     Returns:
       ``(logits, labels)``, each ``[batch_size, min(k + 1, num_candidates)]``.
     """
+    labels = tf.cast(labels, logits.dtype)
+    columns = hard_negative_columns(logits, labels, k)
+    return tf.gather(logits, columns, batch_dims=1), tf.gather(labels, columns, batch_dims=1)
+
+
+def hard_negative_columns(logits: tf.Tensor, labels: tf.Tensor, k: int) -> tf.Tensor:
+    """The columns ``mine_hard_negatives`` keeps: int32 ``[batch_size, min(k + 1, num_candidates)]``.
+
+    Gather any other per-column tensor of the same candidates (a mask) with
+    ``tf.gather(x, columns, batch_dims=1)``.
+    """
     if k <= 0:
         raise ValueError(f"k must be positive, got {k}")
-    labels = tf.cast(labels, logits.dtype)
     keep = tf.minimum(k + 1, tf.shape(logits)[1])
-    _, columns = tf.math.top_k(logits + labels * MAX_FLOAT, k=keep, sorted=False)
-    return tf.gather(logits, columns, batch_dims=1), tf.gather(labels, columns, batch_dims=1)
+    _, columns = tf.math.top_k(logits + tf.cast(labels, logits.dtype) * MAX_FLOAT, k=keep, sorted=False)
+    return columns
 
 
 def candidate_scores(queries: tf.Tensor, candidates: tf.Tensor) -> tf.Tensor:

@@ -3,8 +3,9 @@
 ``RetrievalLoss`` validates the inputs, builds the corrected, hit-removed
 (and hard-mined) logits with their labels, and reduces ``per_example``;
 ``SampledSoftmax`` (in-batch, corpus-sampled, mixed, full: the sampler
-decides) and ``NegativeSampling`` (word2vec SGNS; NCE when log Q is
-subtracted) implement ``per_example`` on those logits.
+decides), ``NegativeSampling`` (word2vec SGNS; NCE when log Q is
+subtracted), ``CosineContrastive`` (SimpleX's CCL) and ``BilateralSoftmax``
+(BSL) implement ``per_example`` on those logits.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import tensorflow as tf
 
 from retrieval.losses.functions import (
+    MIN_FLOAT,
+    accidental_hits,
     candidate_scores,
     correct_log_q,
-    mine_hard_negatives,
-    remove_accidental_hits,
+    hard_negative_columns,
     softmax_cross_entropy,
     weighted_mean,
 )
@@ -106,6 +108,19 @@ class RetrievalLoss(tf.keras.layers.Layer):
         Returns:
           ``(logits, labels)``, ``[batch_size, num_columns]`` each.
         """
+        logits, labels, _ = self.candidate_columns(inputs)
+        return logits, labels
+
+    def candidate_columns(self, inputs: LossInputs) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """``logits_and_labels`` with the mask of the columns that count.
+
+        Returns:
+          ``(logits, labels, kept)``, ``[batch_size, num_columns]`` each: ``kept``
+          is bool, False for padding columns (``log_q = MASKED_LOG_Q``) and, with
+          ``remove_accidental_hits``, for accidental hits; label columns are kept.
+          Losses that are not a softmax (the masked logits are only pushed to
+          ``MIN_FLOAT``) average or sum over ``kept``.
+        """
         q, positive_ids = inputs.queries, tf.cast(inputs.positive_ids, tf.int64)
         weight = self.log_q_weight
         positive_log_q = inputs.negatives[0].positive_log_q
@@ -117,34 +132,40 @@ class RetrievalLoss(tf.keras.layers.Layer):
             head_labels = tf.one_hot(
                 batch.row_offset + tf.range(batch_size), tf.shape(batch.ids)[0], dtype=head.dtype
             )
-            if self.remove_hits:
-                head = remove_accidental_hits(head, head_labels, batch.ids, positive_ids)
+            head_hits = accidental_hits(head_labels, batch.ids, positive_ids)
         elif inputs.includes_batch_positives:
             head = candidate_scores(q, inputs.positives) / self.temperature
             head = correct_log_q(head, weight * positive_log_q[tf.newaxis, :])
             head_labels = tf.eye(batch_size, dtype=head.dtype)
-            if self.remove_hits:
-                head = remove_accidental_hits(head, head_labels, positive_ids)
+            head_hits = accidental_hits(head_labels, positive_ids, positive_ids)
         else:
             head = tf.reduce_sum(q * inputs.positives, axis=1, keepdims=True) / self.temperature
             head = correct_log_q(head, weight * positive_log_q[:, tf.newaxis])
             head_labels = tf.ones_like(head)
-        logits, labels = [head], [head_labels]
+            head_hits = tf.zeros_like(head, dtype=tf.bool)
+        if self.remove_hits:
+            head = head + tf.cast(head_hits, head.dtype) * MIN_FLOAT
+        head_kept = tf.logical_not(head_hits) if self.remove_hits else tf.ones_like(head_hits)
+        logits, labels, kept = [head], [head_labels], [head_kept]
         for negatives, embeddings in zip(inputs.negatives, inputs.negative_embeddings):
             block = candidate_scores(q, embeddings) / self.temperature
             # Masked columns (log_q = MASKED_LOG_Q, as the samplers write it in float32) stay masked
             # whatever the weight; no real log expected count comes near it.
-            block = correct_log_q(
-                block, tf.where(negatives.log_q >= MASKED_LOG_Q, negatives.log_q, weight * negatives.log_q)
-            )
+            padding = negatives.log_q >= MASKED_LOG_Q
+            block = correct_log_q(block, tf.where(padding, negatives.log_q, weight * negatives.log_q))
+            block_kept = tf.logical_not(tf.broadcast_to(padding, tf.shape(block)))
             if self.remove_hits:
-                block = remove_accidental_hits(block, tf.zeros_like(block), negatives.ids, positive_ids)
+                hits = accidental_hits(tf.zeros_like(block), negatives.ids, positive_ids)
+                block = block + tf.cast(hits, block.dtype) * MIN_FLOAT
+                block_kept = tf.logical_and(block_kept, tf.logical_not(hits))
             logits.append(block)
             labels.append(tf.zeros_like(block))
-        logits, labels = tf.concat(logits, axis=1), tf.concat(labels, axis=1)
+            kept.append(block_kept)
+        logits, labels, mask = tf.concat(logits, axis=1), tf.concat(labels, axis=1), tf.concat(kept, axis=1)
         if self.num_hard_negatives is not None:
-            logits, labels = mine_hard_negatives(logits, labels, self.num_hard_negatives)
-        return logits, labels
+            columns = hard_negative_columns(logits, labels, self.num_hard_negatives)
+            logits, labels, mask = (tf.gather(x, columns, batch_dims=1) for x in (logits, labels, mask))
+        return logits, labels, mask
 
 
 class SampledSoftmax(RetrievalLoss):
@@ -176,6 +197,111 @@ class NegativeSampling(RetrievalLoss):
         logits, labels = self.logits_and_labels(inputs)
         signs = 2.0 * labels - 1.0  # +1 positive, -1 negative
         return tf.reduce_sum(tf.nn.softplus(-signs * logits), axis=1)
+
+
+class CosineContrastive(RetrievalLoss):
+    """SimpleX's cosine contrastive loss (CCL; Mao et al., CIKM 2021), on L2-normalised towers.
+
+    Per row, with ``s+`` the cosine of the row's positive and ``s_j`` those of its
+    kept negatives ``N`` (the candidates the sampler gives, less accidental hits
+    and padding)::
+
+        relu(1 - s+) + negative_weight * (1 / |N|) * sum_{j in N} relu(s_j - margin)
+
+    This is the authors' ``CosineContrastiveLoss`` (reczoo/RecBox,
+    ``recbox/core/pytorch/losses/cosine_contrastive_loss.py``): ``negative_weight``
+    multiplies the *mean* over the row's negatives (their code sums instead only
+    when ``negative_weight`` is unset; their configs set 150-250 with margin 0.9).
+    The scores are raw cosines: no temperature and no log-Q correction. The
+    authors' sampler keeps accidental hits (``ignore_pos_items: False``) and
+    divides by the number drawn; here, with ``remove_accidental_hits``, a
+    negative equal to the row's positive is left out of the sum and of ``|N|``,
+    and a row with no kept negative has only its positive term.
+
+    Args:
+      margin: negatives with a cosine above it are pushed down.
+      negative_weight: weight of the negatives' mean.
+      remove_accidental_hits, num_hard_negatives, reduction: as ``RetrievalLoss``.
+    """
+
+    def __init__(
+        self,
+        *,
+        margin: float = 0.9,
+        negative_weight: float = 150.0,
+        remove_accidental_hits: bool = True,
+        num_hard_negatives: int | None = None,
+        reduction: str = "mean",
+        name: str | None = None,
+    ):
+        super().__init__(
+            temperature=1.0,
+            log_q_weight=0.0,
+            remove_accidental_hits=remove_accidental_hits,
+            num_hard_negatives=num_hard_negatives,
+            reduction=reduction,
+            name=name,
+        )
+        if not -1.0 <= margin < 1.0:
+            raise ValueError(f"margin must be in [-1, 1) (a cosine), got {margin}")
+        if negative_weight < 0:
+            raise ValueError(f"negative_weight must be non-negative, got {negative_weight}")
+        self.margin = float(margin)
+        self.negative_weight = float(negative_weight)
+
+    def per_example(self, inputs: LossInputs) -> tf.Tensor:
+        scores, labels, kept = self.candidate_columns(inputs)
+        negative = tf.cast(kept, scores.dtype) * (1.0 - labels)
+        positive_loss = tf.nn.relu(1.0 - tf.reduce_sum(scores * labels, axis=1))
+        # where, not a product: masked columns hold MIN_FLOAT-sized scores.
+        pushed = tf.where(negative > 0, tf.nn.relu(scores - self.margin), tf.zeros_like(scores))
+        count = tf.reduce_sum(negative, axis=1)
+        negative_mean = tf.reduce_sum(pushed, axis=1) / tf.maximum(count, 1.0)
+        return positive_loss + self.negative_weight * negative_mean
+
+
+class BilateralSoftmax(RetrievalLoss):
+    """The bilateral softmax loss of BSL (Wu et al., ICDE 2024, arXiv 2312.12882).
+
+    Per row, with ``l+`` the row's positive logit and ``l_j`` the logits of its
+    kept negatives ``N`` (``score / tau1``, less ``log_q_weight * log Q``)::
+
+        -l+ + tau2 * log sum_{j in N} exp(l_j)
+        = -log( exp(s+ / tau1) / (sum_{j in N} exp(s_j / tau1)) ** tau2 )    (no log-Q)
+
+    This is the authors' per-row formula (junkangwu/BSL, ``utils/losses.py``,
+    class ``BSL``, ``mode="reweight"``, the one their README documents):
+    ``tau1`` is their ``temperature``, ``tau2`` their ``temperature_2``, the
+    exponent of the negatives' sum, i.e. a weight on the negatives' log-sum-exp.
+    The positive is not in the sum; ``tau2 = 1`` is their softmax loss (SL).
+    Their ``mode="multi"`` (their MF runs) differs in two ways not reproduced
+    here: the mean instead of the sum of the negatives' ``exp`` (a constant
+    ``tau2 * log |N|`` per row, the same gradient), and each row's
+    ``exp(s+ / tau1)`` averaged over the batch's rows of the same user, which
+    needs user ids a loss here does not get. Accidental hits and padding are
+    left out of ``N``; a row with no kept negative has loss 0 (its sum is empty).
+
+    Args:
+      temperature: ``tau1``, divides every score.
+      negative_temperature: ``tau2``, multiplies the negatives' log-sum-exp.
+      log_q_weight, remove_accidental_hits, num_hard_negatives, reduction: as ``RetrievalLoss``.
+    """
+
+    def __init__(self, *, negative_temperature: float = 1.0, **kwargs):
+        super().__init__(**kwargs)
+        if negative_temperature <= 0:
+            raise ValueError(f"negative_temperature must be positive, got {negative_temperature}")
+        self.negative_temperature = float(negative_temperature)
+
+    def per_example(self, inputs: LossInputs) -> tf.Tensor:
+        logits, labels, kept = self.candidate_columns(inputs)
+        negative = tf.logical_and(kept, labels <= 0)
+        positive_logit = tf.reduce_sum(logits * labels, axis=1)
+        negative_logits = tf.where(negative, logits, tf.fill(tf.shape(logits), tf.cast(MIN_FLOAT, logits.dtype)))
+        log_sum = tf.reduce_logsumexp(negative_logits, axis=1)
+        has_negative = tf.reduce_any(negative, axis=1)
+        per_row = -positive_logit + self.negative_temperature * log_sum
+        return tf.where(has_negative, per_row, tf.zeros_like(per_row))
 
 
 def _check_inputs(inputs: LossInputs) -> None:

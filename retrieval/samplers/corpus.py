@@ -12,7 +12,9 @@
 
 Draws are shared by the whole batch (``Negatives.ids`` is ``[num_samples]``), as
 in ``tf.nn.sampled_softmax_loss``: one set of ``m`` doc-tower evaluations serves
-every query.
+every query. With ``per_row`` each row gets its own ``m`` draws
+(``[batch_size, num_samples]``, with replacement), as SimpleX's and BSL's
+samplers do, at ``batch_size`` times the doc-tower cost.
 """
 
 from __future__ import annotations
@@ -39,16 +41,29 @@ class CorpusSampler(Sampler):
       unique: sample without replacement.
       seed: seed of the sampler's own ``tf.random.Generator`` (its state is a
         variable, so it is checkpointed with the model).
+      per_row: ``sample`` draws ``num_samples`` for each row (``Negatives.ids``
+        ``[batch_size, num_samples]``); the expected count of item i in a row's
+        candidates is then ``num_samples * p(i)``. With replacement only.
       name: module name.
     """
 
     def __init__(
-        self, probability, num_samples: int, *, unique: bool = False, seed: int = 0, name: str = "corpus"
+        self,
+        probability,
+        num_samples: int,
+        *,
+        unique: bool = False,
+        seed: int = 0,
+        per_row: bool = False,
+        name: str = "corpus",
     ):
         super().__init__(name=name)
         probability = check_probability(probability, "probability")
         if num_samples <= 0:
             raise ValueError(f"num_samples must be positive, got {num_samples}")
+        if per_row and unique:
+            raise ValueError("per_row draws are with replacement: unique must be False")
+        self.per_row = bool(per_row)
         support = int(np.count_nonzero(probability))
         if unique and num_samples > support:
             raise ValueError(
@@ -112,6 +127,14 @@ class CorpusSampler(Sampler):
         return log_expected_count(p, self.num_samples, num_tries if self.unique else None)
 
     def sample(self, positive_ids: tf.Tensor, queries=None, embed_catalogue=None) -> Negatives:
+        if self.per_row:
+            batch_size = tf.size(positive_ids)
+            ids = tf.reshape(self._draw_with_replacement(batch_size * self.num_samples), [-1, self.num_samples])
+            return Negatives(
+                ids=ids,
+                log_q=self.log_expected_count(ids, None),
+                positive_log_q=self.log_expected_count(tf.cast(positive_ids, tf.int64), None),
+            )
         ids, num_tries = self.draw()
         return Negatives(
             ids=ids,
