@@ -97,6 +97,13 @@ VARIANTS: dict[str, list[str]] = {
     # a low temperature (many-negative sampled softmax), with the cheaper selection.
     "uniform2000-T0.05": ["model.loss.negatives=uniform", "model.loss.num_negatives=2000", "model.temperature=0.05",
                           *CHEAP_SELECTION],
+    # MF-CCL (SimpleX's loss without the history): cosine contrastive, margin 0.9, negative weight 150, 800
+    # uniform negatives (shared by the batch here; the authors draw per row), no log-Q.
+    "ccl800": ["model.loss.kind=cosine_contrastive", "model.loss.negatives=uniform", "model.loss.num_negatives=800",
+               "model.log_q_correction=false", *CHEAP_SELECTION],
+    # BSL's MF Gowalla setting: tau1 0.08, tau2 1.22, 800 uniform negatives (shared by the batch).
+    "bsl800": ["model.loss.kind=bsl", "model.loss.negatives=uniform", "model.loss.num_negatives=800",
+               "model.temperature=0.08", "model.loss.bsl_temperature=1.22", *CHEAP_SELECTION],
 }
 BASELINES = ["popularity", "als", "ease"]
 GRIDS = ("als", "ease")  # baselines tuned on valid over a grid: the tables show each one's best point
