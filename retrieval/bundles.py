@@ -84,7 +84,8 @@ def reindex_bundle(
     source = Path(directory)
     bundle = Bundle.load(source)
     manifest, old_index = bundle.manifest, bundle.index
-    check_index_fits(index_config.factory_for(len(old_index), old_index.dim), len(old_index), index_config.train_sample_size)
+    items = len(old_index)
+    check_index_fits(index_config.factory_for(items, old_index.dim), items, index_config.train_sample_size)
     doc_model = tf.saved_model.load(str(source / manifest["files"]["doc_model"]))
     serve = doc_model.signatures["serving_default"]
     ids = np.asarray(old_index.item_ids, dtype=object)

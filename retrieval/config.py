@@ -876,7 +876,7 @@ class IndexConfig(_Section):
     seed: Seed = Field(0, description="Seed of the training and tuning samples.")
 
     def factory_for(self, num_items: int, dim: int) -> str:
-        """The FAISS factory string this config builds over ``num_items`` items of ``dim`` floats (``auto`` resolved)."""
+        """The FAISS factory string this config builds over ``num_items`` vectors of ``dim`` floats (auto resolved)."""
         if self.factory != "auto":
             return self.factory
         exact_max_items = self.exact_max_items or EXACT_MAX_FLOATS // dim
