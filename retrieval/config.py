@@ -653,7 +653,9 @@ class TransformerConfig(_Section):
 
 
 class HistoryConfig(_Section):
-    """The user's last clicked items, strictly before each example (YouTube DNN, Covington et al. 2016)."""
+    """The user's last clicked items, strictly before each example (YouTube DNN, Covington et al. 2016);
+    on a log without time (format: user-items), the user's other training items, the example's own item
+    left out (SimpleX's pooled history, Mao et al. 2021), which mean / attention pooling read."""
 
     name: str = Field("history", pattern=_FEATURE_NAME, description="Input name; served as [batch, length].")
     length: int = Field(20, gt=0, description="Most recent clicks kept (most recent first, '' padded).")
@@ -1044,15 +1046,17 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
-    def _history_needs_timestamps(self) -> Config:
-        # Found here, not after the log is read: a user-items log has no time column to name.
-        clicks = self.data.clicks
-        if self.towers.query.history is not None and clicks is not None and clicks.format == "user-items":
+    def _ordered_history_needs_timestamps(self) -> Config:
+        # Found here, not after the log is read: a user-items log has no time column to name. Pooled histories
+        # work there (a click's history is its user's other items); a transformer reads an order there is not.
+        clicks, history = self.data.clicks, self.towers.query.history
+        if history is not None and history.pooling == "transformer" and clicks is not None \
+                and clicks.format == "user-items":
             raise ValueError(
-                "towers.query.history pools each user's clicks before each click, so it needs timestamps, and "
-                "data.clicks.format 'user-items' has none: drop the history, use format: sequences when each "
-                "line's items are in time order, or give the log as a table with a timestamp column "
-                "(data.columns.timestamp)"
+                "towers.query.history.pooling 'transformer' reads each user's clicks in time order, and "
+                "data.clicks.format 'user-items' has none: pool them (pooling: mean or attention: a click's "
+                "history is then its user's other items), use format: sequences when each line's items are in "
+                "time order, or give the log as a table with a timestamp column (data.columns.timestamp)"
             )
         return self
 

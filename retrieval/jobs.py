@@ -392,7 +392,8 @@ def _histories(
     """The plan's training clicks coded in time order (``ClickHistories``); ``pairs``: the plan's
     ``_training_pairs`` when already coded."""
     pairs = pairs if pairs is not None else _training_pairs(clicks, plan, stats)
-    return ClickHistories(*pairs, scan_train_column(clicks, plan, TIME), stats.users.ids, stats.items.ids)
+    times = scan_train_column(clicks, plan, TIME) if clicks.columns.timestamp is not None else None
+    return ClickHistories(*pairs, times, stats.users.ids, stats.items.ids)
 
 
 def _tower_tables(

@@ -110,15 +110,16 @@ def test_config_round_trip_is_unchanged_by_the_checks():
     assert Config.from_dict(config.to_dict()) == config
 
 
-def test_click_history_on_a_log_without_timestamps_is_refused_at_load():
-    """A user-items log ("uid iid iid ...") has no time column: history failed after loading, with a
-    hint (set data.columns.timestamp) that this format ignores."""
+def test_an_ordered_history_on_a_log_without_timestamps_is_refused_at_load():
+    """A user-items log ("uid iid iid ...") has no time column: a transformer (which reads the order)
+    is refused when the config loads; pooled histories are the user's other items there."""
     overrides = ["data.source=files", "data.clicks.path=train.txt", "data.clicks.format=user-items",
-                 "towers.query.features=[{name: user_id, kind: id}]", "towers.doc.features=[{name: item_id, kind: id}]",
-                 "towers.query.history={length: 20, pooling: mean}"]
-    with pytest.raises(ConfigError, match=r"towers\.query\.history .*needs timestamps.*'user-items' has none"):
-        load_config(None, overrides)
-    assert load_config(None, overrides[:-1]).towers.query.history is None
+                 "towers.query.features=[{name: user_id, kind: id}]", "towers.doc.features=[{name: item_id, kind: id}]"]
+    with pytest.raises(ConfigError, match=r"'transformer' reads each user's clicks in time order.*'user-items'"):
+        load_config(None, [*overrides, "towers.query.history={length: 20, pooling: transformer}"])
+    for pooling in ("mean", "attention"):
+        config = load_config(None, [*overrides, f"towers.query.history={{length: 20, pooling: {pooling}}}"])
+        assert config.towers.query.history is not None and config.towers.query.history.pooling == pooling
 
 
 # --- unknown keys name the nearest valid one -----------------------------------------------------

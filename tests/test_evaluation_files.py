@@ -157,3 +157,28 @@ def test_user_items_log_cannot_be_split_by_time(tmp_path):
 
 def test_default_evaluation_config_has_both_baselines():
     assert EvaluationConfig().baselines == BaselinesConfig(rankers=("popularity", "als"))
+
+
+@pytest.mark.slow  # trains and exports (~30 s)
+def test_a_pooled_history_trains_and_serves_on_a_log_without_time(tmp_path):
+    """A user-items log has no time: a click's history is its user's other training items. The job
+    trains and exports a history tower there, and the bundle answers a history (leaving its items out)."""
+    from retrieval.jobs import train_evaluate_export
+    from retrieval.serving import Bundle
+
+    paths = _benchmark_files(tmp_path)
+    config = load_config(None, [
+        "data.source=files", f"data.clicks={{path: '{paths['train']}', format: user-items}}",
+        f"data.test_clicks={{path: '{paths['test']}', format: user-items}}", "split.kind=none",
+        "towers.query.features=[{name: user_id, kind: id}]", "towers.doc.features=[{name: item_id, kind: id}]",
+        "towers.query.history={length: 10, pooling: mean}", "train.epochs=4", "train.validation_fraction=0",
+        "model.embedding_dim=16", "evaluation.plots=false", "evaluation.baselines.rankers=[popularity]",
+        f"run.output_dir={tmp_path / 'runs'}", "run.name=history"])
+    result = train_evaluate_export(config, config_name="history")
+    assert result.metrics["model"]["recall@20"] > result.metrics["popularity"]["recall@20"]
+    bundle = Bundle.load(result.directory)
+    assert bundle.manifest["query_history"]["input"] == "history"
+    (user,) = bundle.known_user_ids(1)
+    history = bundle.training_items(user)[:3]
+    answer = bundle.recommend({"user_id": user, "history": history}, 10)
+    assert len(answer.item_ids) == 10 and not set(history) & set(answer.item_ids)

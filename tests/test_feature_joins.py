@@ -172,3 +172,26 @@ def test_streamed_batches_carry_the_joined_inputs(tmp_path):
     assert sorted(seen, key=repr) == sorted(expected, key=repr)
     again = [b["title"].numpy().tolist() for b in source.epoch(0, skip_batches=1)]
     assert again == [b["title"].numpy().tolist() for b in source.epoch(0)][1:]
+
+
+def test_on_a_log_without_time_a_joined_batch_holds_each_clicks_other_items():
+    """No timestamp column: the join needs no time, and each click's history is its user's other
+    training items (ClickHistories.others), never the click's own item."""
+    clicks, users, items = _clicks(0)
+    clicks = clicks.drop(columns=["timestamp"])
+    user_index, item_index = pd.Index(clicks["user_id"].unique()), pd.Index(clicks["item_id"].unique())
+    histories = ClickHistories(user_index.get_indexer(clicks["user_id"]), item_index.get_indexer(clicks["item_id"]),
+                               None, user_index.to_numpy(), item_index.to_numpy())
+    towers = ALL_KINDS.model_copy(update={"query": ALL_KINDS.query.model_copy(
+        update={"features": [f for f in ALL_KINDS.query.features if f.column != "timestamp"]})})
+    join = ExampleJoin(towers, users, items, has_time=False, histories=histories)
+    assert not join.needs_time
+    batch = {"user_id": clicks["user_id"].to_numpy(object), "item_id": clicks["item_id"].to_numpy(object),
+             "weight": np.ones(len(clicks), np.float32)}
+    joined = join.batch(batch)
+    length = towers.query.history.length
+    assert joined["history"].tolist() == histories.others(batch["user_id"], batch["item_id"], length).tolist()
+    assert not (joined["history"] == batch["item_id"][:, None]).any()
+    assert (joined["history"] != "").any()
+    examples = join.examples(clicks.head(50))
+    assert [list(h) for h in examples["history"]] == joined["history"][:50].tolist()

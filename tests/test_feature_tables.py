@@ -197,3 +197,30 @@ def test_click_histories_give_the_histories_of_the_whole_frame(rows, length):
     assert histories.latest(asked, length).tolist() == latest_history(clicks, asked, length).tolist()
     unknown = histories.before(["nobody"], np.array([99]), length)
     assert unknown.tolist() == [[""] * length]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 6)), min_size=1, max_size=40),
+    length=st.integers(1, 4),
+)
+def test_a_log_without_time_gives_each_click_its_users_other_items(rows, length):
+    """Without timestamps a click's history is its user's latest items in log order with every
+    click of its own item left out (a row never sees its positive), as a loop over the log gives it;
+    the serving history is the user's latest items, all of them."""
+    from retrieval.features.histories import ClickHistories
+
+    users_of, items_of = [f"u{u}" for u, _ in rows], [f"i{i}" for _, i in rows]
+    users, items = pd.Index(sorted(set(users_of))), pd.Index(sorted(set(items_of)))
+    histories = ClickHistories(users.get_indexer(users_of), items.get_indexer(items_of), None,
+                               users.to_numpy(), items.to_numpy())
+    got = histories.others(np.array(users_of, dtype=object), np.array(items_of, dtype=object), length)
+    for row, (user, item) in enumerate(zip(users_of, items_of)):
+        newest_first = [i for u, i in zip(users_of, items_of) if u == user][::-1]
+        expected = [i for i in newest_first[: length + 1] if i != item][:length]
+        assert got[row].tolist() == expected + [""] * (length - len(expected))
+        assert item not in got[row]
+    assert histories.latest(["u0", "nobody"], length).tolist() == [
+        ([i for u, i in zip(users_of, items_of) if u == "u0"][::-1] + [""] * length)[:length], [""] * length]
+    with pytest.raises(ValueError, match="no timestamps.*others"):
+        histories.before(users_of, np.zeros(len(rows), np.int64), length)

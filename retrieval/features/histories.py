@@ -9,6 +9,11 @@ click, 16 bytes a click, sorted by (user, time, log order). A batch's histories
 are then two binary searches a row, whatever the batch's order: the values
 ``history_before`` gives the same clicks, and at serving time the values
 ``latest_history`` gives (``tests/test_feature_tables.py``).
+
+A log without time (``format: user-items``) has no "before": there a click's
+history is its user's *other* training items (``others``: the latest in log
+order, the click's own item left out, so a row never sees its positive), and at
+serving time the user's latest training items, as with time.
 """
 
 from __future__ import annotations
@@ -26,12 +31,16 @@ class ClickHistories:
 
     Args:
       user_rows, item_rows: [n] int rows of ``user_ids`` / ``item_ids`` of every training click, in log order.
-      times: [n] int64 timestamps of those clicks.
+      times: [n] int64 timestamps of those clicks; None = a log without time (log order; ``others``
+        gives the histories, ``before`` refuses).
       user_ids, item_ids: the id strings the rows point to.
     """
 
-    def __init__(self, user_rows: np.ndarray, item_rows: np.ndarray, times: np.ndarray,
+    def __init__(self, user_rows: np.ndarray, item_rows: np.ndarray, times: np.ndarray | None,
                  user_ids: Sequence[str] | np.ndarray, item_ids: Sequence[str] | np.ndarray):
+        self.has_time = times is not None
+        if times is None:
+            times = np.zeros(len(user_rows), np.int64)
         if not len(user_rows) == len(item_rows) == len(times):
             raise ValueError(f"user_rows, item_rows and times differ in length: "
                              f"{len(user_rows)}, {len(item_rows)}, {len(times)}")
@@ -67,6 +76,8 @@ class ClickHistories:
           [len(user_ids), length] object array of item ids, newest first, "" padded; all "" for
           users without training clicks.
         """
+        if not self.has_time:
+            raise ValueError("these clicks have no timestamps: a click's history is its user's other items (others)")
         rows = self._rows(user_ids)
         known = rows >= 0
         start = np.searchsorted(self._users, rows, "left")
@@ -80,6 +91,25 @@ class ClickHistories:
         known = rows >= 0
         start, end = np.searchsorted(self._users, rows, "left"), np.searchsorted(self._users, rows, "right")
         return self._window(np.where(known, start, 0), np.where(known, end, 0), length)
+
+    def others(self, user_ids: Sequence[str] | np.ndarray, item_ids: Sequence[str] | np.ndarray,
+               length: int) -> np.ndarray:
+        """Each (user, item) click's history on a log without time: the user's latest ``length``
+        training items other than ``item`` (every click of it left out, so a row never sees the
+        positive it trains on), newest first.
+
+        Of the user's latest ``length + 1`` clicks, those of ``item`` are dropped and the first
+        ``length`` kept: a history is one shorter than ``length`` at most, when ``item`` was clicked
+        more than once among them.
+
+        Returns:
+          [len(user_ids), length] object array of item ids, newest first, "" padded.
+        """
+        window = self.latest(user_ids, length + 1)
+        own = window == np.asarray(item_ids, dtype=object).astype(str)[:, None]
+        window[own] = PAD
+        order = np.argsort(window == PAD, axis=1, kind="stable")  # the kept items first, in their order
+        return np.take_along_axis(window, order, axis=1)[:, :length]
 
     def _window(self, start: np.ndarray, end: np.ndarray, length: int) -> np.ndarray:
         if length <= 0:

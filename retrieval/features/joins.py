@@ -92,7 +92,8 @@ class ExampleJoin:
             _Side(towers.doc, items, ITEM, "doc", self.click_columns),
         )
         read = {f.column for side in self._sides for f in side.per_click.features}
-        self.needs_time = TIME in read or self.history is not None  # a history ends at its click's time
+        # A history ends at its click's time; on a log without time it is the user's other items (ClickHistories).
+        self.needs_time = TIME in read or (self.history is not None and has_time)
         self.scanned_columns = sorted(read & {TIME, WEIGHT})  # what ``statistics`` needs of every click
 
     @property
@@ -125,8 +126,16 @@ class ExampleJoin:
                 frame = pd.DataFrame(dict(clicks)) if frame is None else frame
                 out.update(feature_arrays(tower_frame(side.per_click, frame, None, side.key, side.side)))
         if self.history is not None and self.histories is not None:
-            out[self.history.name] = self.histories.before(clicks[USER], clicks[TIME], self.history.length)
+            out[self.history.name] = self._histories_of(clicks[USER], clicks[ITEM], clicks.get(TIME))
         return out
+
+    def _histories_of(self, users, items, times) -> np.ndarray:
+        """[batch, length] histories of clicks: the user's items before each click, or on a log
+        without time the user's other items."""
+        assert self.history is not None and self.histories is not None
+        if self.histories.has_time:
+            return self.histories.before(users, times, self.history.length)
+        return self.histories.others(users, items, self.history.length)
 
     def examples(self, clicks: pd.DataFrame) -> pd.DataFrame:
         """``training_examples`` of a click frame (the validation clicks): histories from ``histories``,
@@ -135,7 +144,8 @@ class ExampleJoin:
             return training_examples(clicks, self.users, self.items, self.towers)
         flat = self.towers.model_copy(update={"query": self.towers.query.model_copy(update={"history": None})})
         examples = training_examples(clicks, self.users, self.items, flat)
-        history = self.histories.before(clicks[USER].astype(str), clicks[TIME].to_numpy(), self.history.length)
+        times = clicks[TIME].to_numpy() if TIME in clicks else None
+        history = self._histories_of(clicks[USER].astype(str).to_numpy(), clicks[ITEM].astype(str).to_numpy(), times)
         examples[self.history.name] = list(map(tuple, history))
         return examples
 
