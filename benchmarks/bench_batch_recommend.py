@@ -86,10 +86,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, workdir: Path, argv: list[str] | None = None) -> int:
     import faiss
 
-    from retrieval.batch_recommend import IdList, recommend_to_file
     from retrieval.config import IndexConfig
     from retrieval.index import build_index
-    from retrieval.progress import Progress
     from retrieval.seen_items import SeenItems
     from retrieval.serving import Bundle
 
@@ -120,28 +118,10 @@ def run(args, workdir: Path, argv: list[str] | None = None) -> int:
         seconds = time.perf_counter()
         bundle = Bundle.load(directory)
         load_seconds = time.perf_counter() - seconds
-        bundle.recommend_batch([{"user_id": u} for u in user_ids[: args.block_size]], args.k)  # warm-up
         out = workdir / "out" / f"{directory.name}.parquet"
-        with Progress(len(user_ids), f"recommend {factory}", "users") as progress:
-            summary = recommend_to_file(bundle, IdList(user_ids), args.k, out, block_size=args.block_size,
-                                        overwrite=True, progress=progress)
         files[factory] = out
-        routing = bundle.index.routing.uses_exact_top_k(args.block_size, len(bundle.index))
-        search = "ExactTopK" if bundle.index.is_exact and routing else "FAISS"
-        rows.append({
-            "factory": factory,
-            "search_params": bundle.index.search_params,
-            "search": search,
-            "users": summary.queries,
-            "rows": summary.rows,
-            "row_groups": summary.row_groups,
-            "seconds": round(summary.seconds, 3),
-            "users_per_s": round(summary.queries / summary.seconds, 1),
-            "file_bytes": out.stat().st_size,
-            "build_seconds": round(build_seconds, 2),
-            "load_seconds": round(load_seconds, 2),
-        })
-        log(summary.line())
+        rows.append({**_timed_file(bundle, user_ids, args, out), "build_seconds": round(build_seconds, 2),
+                     "load_seconds": round(load_seconds, 2)})
         del bundle
     exact = next((f for f in args.factories if f == "Flat"), None)
     for row in rows:

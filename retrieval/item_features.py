@@ -24,10 +24,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from retrieval.data import ITEM
-from retrieval.seen_items import find_sorted, sorted_ids
+from retrieval.seen_items import client_value, find_sorted, read_keyed_table, sorted_ids, write_keyed_table
 
 ITEM_FEATURES_FILE = "item_features.parquet"
 
@@ -91,17 +90,12 @@ class ItemFeatures:
             if row < 0:
                 out.append(None)
                 continue
-            values = {}
-            for name, column in self.columns.items():
-                value = column[row].as_py()
-                values[name] = None if isinstance(value, float) and math.isnan(value) else value
-            out.append(values)
+            out.append({name: client_value(column[row]) for name, column in self.columns.items()})
         return out
 
     def save(self, path: str | Path) -> None:
         """Write the Parquet file: ``item_id`` (sorted) then the feature columns."""
-        ids = pa.array(np.char.decode(self.item_ids, "utf-8").astype(object), pa.string())
-        pq.write_table(pa.table({ITEM: ids, **self.columns}), str(path))
+        write_keyed_table(path, ITEM, self.item_ids, self.columns)
 
     @classmethod
     def load(cls, path: str | Path) -> ItemFeatures:
@@ -110,15 +104,7 @@ class ItemFeatures:
         Raises:
           ValueError: no ``item_id`` column, or ids that are not sorted and distinct as ``save`` wrote them.
         """
-        table = pq.read_table(str(path))
-        if ITEM not in table.column_names:
-            raise ValueError(f"{Path(path).name} has no {ITEM!r} column")
-        ids = table.column(ITEM).to_numpy(zero_copy_only=False)
-        encoded, order = sorted_ids(ids, Path(path).name)
-        if not np.array_equal(order, np.arange(len(order))):
-            raise ValueError(f"{Path(path).name}: the item ids are not in sorted order")
-        columns = {name: table.column(name).combine_chunks() for name in table.column_names if name != ITEM}
-        return cls(encoded, columns)
+        return cls(*read_keyed_table(path, ITEM))
 
 
 def _display_column(values: np.ndarray) -> pa.Array | None:

@@ -24,8 +24,10 @@ training logs are short.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -71,6 +73,40 @@ def find_sorted(ids: np.ndarray, wanted: Sequence[str | None]) -> np.ndarray:
     hits = ids[positions] == keys_that_fit
     found[np.flatnonzero(fits)[hits]] = positions[hits]
     return found
+
+
+def write_keyed_table(path: str | Path, key: str, ids: np.ndarray, columns: dict) -> None:
+    """A Parquet table of ``key`` (the sorted bytes ids of ``sorted_ids``, as strings) then ``columns``
+    (Arrow arrays in that row order): what a bundle's user and item feature tables are."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    strings = pa.array(np.char.decode(ids, "utf-8").astype(object), pa.string())
+    pq.write_table(pa.table({key: strings, **columns}), str(path))
+
+
+def read_keyed_table(path: str | Path, key: str) -> tuple[np.ndarray, dict]:
+    """``(ids, columns)`` of the table ``write_keyed_table`` wrote, read whole.
+
+    Raises:
+      ValueError: no ``key`` column, or ids that are not sorted and distinct as it wrote them.
+    """
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(str(path))
+    name = Path(path).name
+    if key not in table.column_names:
+        raise ValueError(f"{name} has no {key!r} column")
+    encoded, order = sorted_ids(table.column(key).to_numpy(zero_copy_only=False), name)
+    if not np.array_equal(order, np.arange(len(order))):
+        raise ValueError(f"{name}: the {key.removesuffix('_id')} ids are not in sorted order")
+    return encoded, {column: table.column(column).combine_chunks() for column in table.column_names if column != key}
+
+
+def client_value(scalar) -> Any:
+    """An Arrow cell as a client sends it: str, float (None for NaN), list of str."""
+    value = scalar.as_py()
+    return None if isinstance(value, float) and math.isnan(value) else value
 
 
 class SeenItems:

@@ -17,7 +17,6 @@ of Python strings), the features into Arrow arrays (compact: one buffer per colu
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,10 +24,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from retrieval.data import USER
-from retrieval.seen_items import find_sorted, sorted_ids
+from retrieval.seen_items import client_value, find_sorted, read_keyed_table, sorted_ids, write_keyed_table
 
 USER_FEATURES_FILE = "user_features.parquet"
 
@@ -90,28 +88,18 @@ class UserFeatures:
         """Row ``row``'s ``features`` as a client would send them: str, float (None for NaN), list of str."""
         out = {}
         for name in features:
-            value = self.columns[name][row].as_py()
-            out[name] = None if isinstance(value, float) and math.isnan(value) else value
+            out[name] = client_value(self.columns[name][row])
         return out
 
     def save(self, path: str | Path) -> None:
         """Write the Parquet file: ``user_id`` (sorted) then the feature columns."""
-        ids = pa.array(np.char.decode(self.user_ids, "utf-8").astype(object), pa.string())
-        pq.write_table(pa.table({USER: ids, **self.columns}), str(path))
+        write_keyed_table(path, USER, self.user_ids, self.columns)
 
     @classmethod
     def load(cls, path: str | Path) -> UserFeatures:
-        """Read the file ``save`` wrote (whole: a few bytes per user and feature).
+        """Read the file ``save`` wrote (whole).
 
         Raises:
           ValueError: no ``user_id`` column, or ids that are not sorted and distinct as ``save`` wrote them.
         """
-        table = pq.read_table(str(path))
-        if USER not in table.column_names:
-            raise ValueError(f"{Path(path).name} has no {USER!r} column")
-        ids = table.column(USER).to_numpy(zero_copy_only=False)
-        encoded, order = sorted_ids(ids, Path(path).name)
-        if not np.array_equal(order, np.arange(len(order))):
-            raise ValueError(f"{Path(path).name}: the user ids are not in sorted order")
-        columns = {name: table.column(name).combine_chunks() for name in table.column_names if name != USER}
-        return cls(encoded, columns)
+        return cls(*read_keyed_table(path, USER))
