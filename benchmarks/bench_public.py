@@ -34,6 +34,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -363,7 +364,9 @@ def markdown(report: dict) -> str:
                 lines += [f"| {' '.join(s['overrides'])} | {_cell(s, RECALL)} | {_cell(s, NDCG)} | "
                           f"{s['seconds']:.0f} |" for s in grid]
         lines.append("")
-    commands = list(dict.fromkeys(r["command"] for r in report["rows"] if "command" in r))
+    # Rows recorded before the benchmarks ran as modules name the script: the same command.
+    commands = list(dict.fromkeys(re.sub(r"python3? benchmarks/(\w+)\.py", r"python -m benchmarks.\1", r["command"])
+                                  for r in report["rows"] if "command" in r))
     machine = report.get("machine", {})
     lines += ["## Commands\n", *(f"- `{c}`" for c in commands), "",
               f"Machine: {machine.get('platform', '?')}, {machine.get('cpus', '?')} CPUs (shared with other jobs).", ""]

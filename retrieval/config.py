@@ -911,9 +911,10 @@ class ALSConfig(_Section):
     at regularization 100 and alpha 20, 32 factors score within 0.0011 of 512 on the two logs of
     80k clicks and fit 7x faster, while the logs of 800k+ clicks gain up to 0.08 from 512."""
 
-    factors: int | Literal["auto"] = Field(
-        "auto",
-        description="Latent dimension; auto = the power of 2 nearest training clicks / 2000, within 32..512 "
+    factors: int | None = Field(
+        None,
+        gt=0,
+        description="Latent dimension; None = the power of 2 nearest training clicks / 2000, within 32..512 "
         "(32 on ML-100K, 512 on Gowalla and MovieLens-1M). The factors take (users + items) x factors x 4 bytes; "
         "the value used is in metrics.json (derived).",
     )
@@ -933,8 +934,8 @@ class ALSConfig(_Section):
     )
 
     def factors_for(self, train_clicks: int) -> int:
-        """The latent dimension over ``train_clicks`` training clicks (``auto`` resolved)."""
-        if self.factors != "auto":
+        """The latent dimension over ``train_clicks`` training clicks (None resolved)."""
+        if self.factors is not None:
             return self.factors
         return int(min(512, max(32, 2 ** round(math.log2(max(train_clicks, 1) / 2000)))))
 

@@ -259,7 +259,7 @@ def derived_settings(config: Config, stats: FeatureStatistics, catalogue_items: 
     if config.index.factory == "auto":
         derived["index.factory"] = config.index.factory_for(catalogue_items, config.model.embedding_dim)
     als = config.evaluation.baselines.als
-    if "als" in config.evaluation.baselines.rankers and als.factors == "auto":
+    if "als" in config.evaluation.baselines.rankers and als.factors is None:
         derived["evaluation.baselines.als.factors"] = als.factors_for(int(stats.item_popularity.counts.sum()))
     if derived:
         log.info("derived from the training log: %s", json.dumps(derived))

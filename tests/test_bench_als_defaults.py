@@ -30,9 +30,9 @@ def test_the_als_defaults_are_the_point_the_benchmark_chose_with_factors_growing
     defaults = ALSConfig()
     assert (defaults.regularization, defaults.alpha, defaults.iterations) == (
         float(chosen["regularization"]), float(chosen["alpha"]), int(chosen["iterations"]))
-    # auto: the chosen 512 factors on the large logs (800k+ training clicks), 32 on the 80k-click ones,
+    # None (derived): the chosen 512 factors on the large logs (800k+ training clicks), 32 on the 80k-click ones,
     # where the benchmark measured 32 within 0.0011 of 512 at the chosen regularization and alpha.
-    assert defaults.factors == "auto" and chosen["factors"] == "512"
+    assert defaults.factors is None and chosen["factors"] == "512"
     assert defaults.factors_for(800_000) == 512 and defaults.factors_for(80_000) == 32
     rows = {r["point"]: r for r in report["rows"]}
     small = rows[point_name({**ALSConfig(factors=32).model_dump(include=set(ALS_GRID))})]
