@@ -739,6 +739,19 @@ class TowersConfig(_Section):
         return self == TowersConfig()
 
 
+class ParameterServerConfig(_Section):
+    """How ``train.distribute: parameter_server`` shards the ID tables over the ``ps`` tasks of TF_CONFIG."""
+
+    min_shard_bytes: int = Field(
+        256 << 10, gt=0,
+        description="Smallest shard of an ID table in bytes (MinSizePartitioner): a table of rows x dim x 4 "
+        "bytes gets at most that size / min_shard_bytes shards.",
+    )
+    max_shards: int = Field(
+        1, ge=1, description="Most shards of one ID table (at most the number of ps tasks is useful).",
+    )
+
+
 class TrainConfig(_Section):
     """Optimisation."""
 
@@ -825,12 +838,17 @@ class TrainConfig(_Section):
         description="Resume from the checkpoints of an unfinished run of the same run.name (the config must "
         "be the same); false deletes them and starts over.",
     )
-    distribute: Literal["none", "mirrored", "multi_worker"] = Field(
+    distribute: Literal["none", "mirrored", "multi_worker", "parameter_server"] = Field(
         "none",
         description="tf.distribute strategy: none (one device), mirrored (MirroredStrategy over every local "
         "GPU, or the CPU), multi_worker (MultiWorkerMirroredStrategy; the cluster comes from the TF_CONFIG "
         "environment variable). batch_size is the global batch, split over the replicas, and in-batch "
-        "negatives are gathered across replicas, so every query still sees batch_size candidates.",
+        "negatives are gathered across replicas, so every query still sees batch_size candidates. "
+        "parameter_server (first slice, not yet trainable by the job): ID tables sharded over the ps tasks.",
+    )
+    parameter_server: ParameterServerConfig = Field(
+        default_factory=ParameterServerConfig,
+        description="Sharding of the ID tables under distribute: parameter_server.",
     )
 
     @property
@@ -1039,6 +1057,26 @@ class Config(_Section):
     evaluation: EvaluationConfig = EvaluationConfig()
     export: ExportConfig = ExportConfig()
     run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _parameter_server_first_slice(self) -> Config:
+        if self.train.distribute != "parameter_server":
+            return self
+        loss = self.model.loss
+        refused = {
+            "model.loss.kind": loss.kind == "full_softmax",
+            "model.loss.hard_negatives": loss.hard_negatives == "mined",
+            "data.out_of_core": self.data.out_of_core,
+            "train.examples": self.train.examples == "sequences",
+            "towers.query.history": self.towers.query.history is not None,
+        }
+        bad = [key for key, refuse in refused.items() if refuse]
+        if bad:
+            raise ValueError(
+                f"not yet supported with train.distribute: parameter_server: {bad[0]} (a whole-table read "
+                "or state the first slice does not shard); use ID towers with in-batch negatives"
+            )
+        return self
 
     @model_validator(mode="after")
     def _split_none_needs_test_file(self) -> Config:

@@ -39,6 +39,11 @@ def distribution_strategy(config: TrainConfig) -> tf.distribute.Strategy:
     """
     if config.distribute == "none":
         return tf.distribute.get_strategy()
+    if config.distribute == "parameter_server":
+        raise NotImplementedError(
+            "train.distribute: parameter_server is not yet trainable by the job; "
+            "retrieval.training.parameter_server builds its sharded tables"
+        )
     if config.distribute == "multi_worker" and not os.environ.get("TF_CONFIG"):
         raise ValueError(
             "train.distribute='multi_worker' reads the cluster from the TF_CONFIG environment variable, "
