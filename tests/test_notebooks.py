@@ -132,7 +132,10 @@ def test_committed_notebooks_ran_on_the_current_defaults(name):
         assert recorded == current[section], f"{name}: {section} differs from the defaults; run make notebooks"
 
 
-ADDED_SINCE = {"loss": {"negatives_per_row": False, "margin": 0.9, "negative_weight": 150.0, "bsl_temperature": 1.22}}
+ADDED_SINCE = {
+    "loss": {"negatives_per_row": False, "margin": 0.9, "negative_weight": 150.0, "bsl_temperature": 1.22},
+    "parameter_server": {"min_shard_bytes": 262144, "max_shards": 1},  # read only by distribute: parameter_server
+}
 
 
 def _with_keys_added_since(recorded: dict, current: dict, added: dict = ADDED_SINCE) -> dict:
