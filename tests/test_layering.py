@@ -89,7 +89,17 @@ def test_evaluation_does_not_import_tensorflow():
 
 
 # Inside the training stage, in the order its modules build on each other (retrieval/training/__init__.py).
-TRAINING_MODULES = ["optimizers", "runtime", "parameter_server", "sources", "checkpoints", "loop", "early_stopping", "fit", "embeddings"]
+TRAINING_MODULES = [
+    "optimizers",
+    "runtime",
+    "parameter_server",
+    "sources",
+    "checkpoints",
+    "loop",
+    "early_stopping",
+    "fit",
+    "embeddings",
+]
 
 
 def test_training_modules_build_on_earlier_ones_only():
