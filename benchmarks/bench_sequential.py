@@ -49,6 +49,13 @@ VARIANTS: dict[str, list[str]] = {
     "transformer-mixed-2048": ["model.loss.negatives=mixed", "model.loss.num_negatives=2048"],
     "transformer-uniform-3000": ["model.loss.negatives=uniform", "model.loss.num_negatives=3000"],
     "transformer-full-softmax": ["model.loss.kind=full_softmax"],
+    # The optimisation settings of SASRec+'s authors (antklen/sasrec-bert4rec-recsys23, SASRec.yaml):
+    # dropout 0.1, Adam 1e-3, 128 sequences a step, patience 10; in-batch negatives kept.
+    "transformer-in-batch-sasrec-settings": ["towers.query.history.transformer.dropout=0.1",
+                                             "train.learning_rate=0.001", "train.batch_size=128",
+                                             "train.early_stopping_patience=10"],
+    # Raw dot products, as SASRec scores: no L2 normalisation, temperature 1.
+    "transformer-in-batch-raw-dot": ["model.normalize=false", "model.temperature=1.0"],
     # More optimizer steps: 16 sequences a step (MovieLens-100K has 943 users: 8 steps an epoch at 128).
     "transformer-in-batch-batch16": ["train.batch_size=16"],
     # The query tower before the transformer: the user id and attention-pooled last items, one
