@@ -787,9 +787,15 @@ class TrainConfig(_Section):
     examples: Literal["clicks", "sequences"] = Field(
         "clicks",
         description="clicks: one training example per click, its query the user's history before it; "
-        "sequences: one per user, the query state at every position of its training clicks in time order "
-        "predicting the next item (the last towers.query.history.length + 1 clicks), all in one pass of a "
-        "transformer history (needs a query tower of that history alone).",
+        "sequences: windows of each user's training clicks in time order (sequence_windows), the query state at "
+        "every position predicting the next item, all in one pass of a transformer history (needs a query tower "
+        "of that history alone).",
+    )
+    sequence_windows: Literal["all", "latest"] = Field(
+        "all",
+        description="train.examples: sequences only. all: each user's training clicks cut into windows of "
+        "towers.query.history.length + 1, so every click but a user's first is a next-item target once; "
+        "latest: only each user's last window (SASRec's truncation: older clicks are never targets).",
     )
     validation_users: int | None = Field(
         None,

@@ -535,7 +535,7 @@ def _click_source(config: Config, data: JobData, plan: Plan, rows: int) -> Strea
         assert history is not None  # the config refuses sequences without a history
         histories = data.tables.histories if plan is data.plan else None
         return SequenceClicks(histories or _histories(data.clicks, plan, data.stats), history.name, history.length,
-                              train.batch_size, seed=train.seed)
+                              train.batch_size, seed=train.seed, windows=train.sequence_windows)
     return StreamedClicks(
         data.clicks, plan, train.batch_size, shuffle_buffer=data.shuffle_buffer(config), seed=train.seed,
         train_rows=rows, max_batches=stream.max_train_batches, join=data.join,

@@ -83,10 +83,10 @@ def test_unknown_items_are_skipped_and_a_history_of_none_embeds_to_zero():
     np.testing.assert_array_equal(embed([[""] * LENGTH, ["nope", "", "", "", "", ""]]), np.zeros((2, 8)))
 
 
-def test_sequences_are_each_users_latest_clicks_with_the_next_item_at_every_position():
+def test_latest_windows_are_each_users_latest_clicks_with_the_next_item_at_every_position():
     clicks = _clicks(seed=2)
     stats = FeatureStatistics.from_training_clicks(clicks)
-    source = SequenceClicks(_histories(clicks, stats), "history", LENGTH, batch_size=5, seed=0)
+    source = SequenceClicks(_histories(clicks, stats), "history", LENGTH, batch_size=5, seed=0, windows="latest")
     batches = [{k: v.numpy() for k, v in batch.items()} for batch in source.epoch(0)]
     seen = {}
     for batch in batches:
@@ -104,6 +104,32 @@ def test_sequences_are_each_users_latest_clicks_with_the_next_item_at_every_posi
     assert source.positions == sum(min(n, LENGTH + 1) - 1 for n in clicks.groupby("user_id").size() if n > 1)
     order = lambda epoch: [b["user_id"].numpy().tolist() for b in source.epoch(epoch)]  # noqa: E731
     assert order(3) == order(3) != order(4)  # a rerun repeats an epoch, the next one differs
+
+
+def test_all_windows_make_every_click_but_a_users_first_a_target_once_after_its_own_past():
+    clicks = _clicks(seed=4, users=10, items=30)
+    clicks = pd.concat([clicks, pd.DataFrame({"user_id": "long", "item_id": [f"i{i % 30}" for i in range(20)],
+                                              "timestamp": range(20), "weight": np.float32(1)})])
+    stats = FeatureStatistics.from_training_clicks(clicks)
+    source = SequenceClicks(_histories(clicks, stats), "history", LENGTH, batch_size=4, seed=0)
+    pairs: dict[str, list[tuple[tuple[str, ...], str]]] = {}  # user -> (the state's history, oldest first; target)
+    for batch in source.epoch(0):
+        for user, history, targets in zip(*(batch[k].numpy() for k in ("user_id", "history", "item_id")),
+                                          strict=True):
+            history, targets = history.astype(str), targets.astype(str)
+            for p in np.flatnonzero(targets != ""):
+                pairs.setdefault(user.decode(), []).append((tuple(history[p:][history[p:] != ""][::-1]), targets[p]))
+    for user, group in clicks.groupby("user_id"):
+        items = group.sort_values("timestamp", kind="stable")["item_id"].tolist()  # oldest first
+        n, expected = len(items), []
+        for t in range(1, n):  # its window ends (exclusive) at n - k * LENGTH and starts LENGTH + 1 before
+            end = n - (n - 1 - t) // LENGTH * LENGTH
+            expected.append((tuple(items[max(0, end - LENGTH - 1):t]), items[t]))
+        assert sorted(pairs.get(user, [])) == sorted(expected)  # every click but the first, once, after its past
+    long_windows = [h for h, _ in pairs["long"]]
+    assert len(long_windows) == 19 and max(map(len, long_windows)) == LENGTH  # 19 targets over 4 windows
+    assert source.rows == sum(max(0, (n - 2) // LENGTH + 1) for n in clicks.groupby("user_id").size() if n > 1)
+    assert source.positions == sum(n - 1 for n in clicks.groupby("user_id").size())
 
 
 @pytest.mark.parametrize("remove_hits", [True, False])

@@ -92,6 +92,26 @@ class ClickHistories:
         start, end = np.searchsorted(self._users, rows, "left"), np.searchsorted(self._users, rows, "right")
         return self._window(np.where(known, start, 0), np.where(known, end, 0), length)
 
+    def windows(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every user's training clicks cut into windows of ``length + 1`` consecutive clicks, newest
+        first: the newest window ends at the user's last click, each older one ``length`` clicks before
+        the next newer one ends, so two neighbours share one click and, read as (item, next item) pairs,
+        the windows hold each pair of the user's clicks exactly once. A user's oldest window may be
+        shorter ("" padded); a window needs two clicks, so a user with one click has none.
+
+        Returns:
+          ``(user_ids, windows)``: [w] object and [w, length + 1] object, a user's windows newest first.
+        """
+        if length <= 0:
+            raise ValueError(f"history length must be positive, got {length}")
+        rows, starts, counts = np.unique(self._users, return_index=True, return_counts=True)
+        per_user = (counts - 2) // length + 1  # windows ending at n, n - L, ... while they hold two clicks
+        per_user[counts < 2] = 0
+        owner = np.repeat(np.arange(len(rows)), per_user)
+        older = np.arange(len(owner)) - np.repeat(np.cumsum(per_user) - per_user, per_user)
+        ends = starts[owner] + counts[owner] - older * length
+        return self.user_ids[rows[owner]], self._window(starts[owner], ends, length + 1)
+
     def others(self, user_ids: Sequence[str] | np.ndarray, item_ids: Sequence[str] | np.ndarray,
                length: int) -> np.ndarray:
         """Each (user, item) click's history on a log without time: the user's latest ``length``

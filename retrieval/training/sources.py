@@ -144,31 +144,40 @@ class FrameClicks:
 class SequenceClicks:
     """Users' training clicks in time order as a ``ClickSource`` of sequences (``train.examples: sequences``).
 
-    One example per user with at least two training clicks: its last ``length + 1`` items,
-    newest first (``ClickHistories.latest``), as a ``history`` of the ``length`` items before
-    the newest (``[batch, length]``, "" padded) and the next item after each of them
-    (``item_id`` ``[batch, length]``: position ``p`` holds the item clicked right after
-    ``history[p]``, "" where ``history[p]`` is padding). A query tower's state at position ``p``
-    (``towers.PositionStates``: it sees ``history[p:]``) is trained on ``item_id[p]``, every
-    position of every sequence in one pass (SASRec's all-positions objective). Epoch ``e``
-    visits the users in an order drawn from ``(seed, e)``; ``weight`` is 1 at every position.
+    An example is a window of ``length + 1`` of a user's clicks, newest first, as a ``history``
+    of the ``length`` items before the newest (``[batch, length]``, "" padded) and the next item
+    after each of them (``item_id`` ``[batch, length]``: position ``p`` holds the item clicked
+    right after ``history[p]``, "" where ``history[p]`` is padding). A query tower's state at
+    position ``p`` (``towers.PositionStates``: it sees ``history[p:]``) is trained on
+    ``item_id[p]``, every position of every window in one pass (SASRec's all-positions
+    objective). ``windows``: ``"all"`` cuts each user's whole sequence into windows
+    (``ClickHistories.windows``), so every click but a user's first is a target once; ``"latest"``
+    keeps only each user's last window (SASRec's truncation: a user's clicks older than ``length``
+    are never targets). A user needs two training clicks. Epoch ``e`` visits the windows in an
+    order drawn from ``(seed, e)``; ``weight`` is 1 at every position.
 
     Attributes:
-      rows: sequences an epoch; positions: (query state, next item) pairs an epoch.
+      rows: windows an epoch; positions: (query state, next item) pairs an epoch.
     """
 
     reads_own_shards = False
 
-    def __init__(self, histories: ClickHistories, history_name: str, length: int, batch_size: int, *, seed: int):
+    def __init__(self, histories: ClickHistories, history_name: str, length: int, batch_size: int, *, seed: int,
+                 windows: str = "all"):
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
-        users = histories.user_ids
-        windows = histories.latest(users, length + 1)
-        keep = windows[:, 1] != ""  # a single click has no history to predict it from
+        if windows == "all":
+            users, cut = histories.windows(length)
+        elif windows == "latest":
+            users = histories.user_ids
+            cut = histories.latest(users, length + 1)
+        else:
+            raise ValueError(f"windows must be 'all' or 'latest', got {windows!r}")
+        keep = cut[:, 1] != ""  # a single click has no history to predict it from
         if not keep.any():
             raise ValueError("no user has two training clicks: no sequence to train on")
-        windows, users = windows[keep], users[keep]
-        history, targets = windows[:, 1:], windows[:, :-1].copy()
+        cut, users = cut[keep], users[keep]
+        history, targets = cut[:, 1:], cut[:, :-1].copy()
         targets[history == ""] = ""
         self.history_name, self.batch_size, self.seed = history_name, int(batch_size), int(seed)
         self.rows, self.positions = len(users), int((history != "").sum())
