@@ -58,6 +58,12 @@ VARIANTS: dict[str, list[str]] = {
     "transformer-in-batch-raw-dot": ["model.normalize=false", "model.temperature=1.0"],
     # More optimizer steps: 16 sequences a step (MovieLens-100K has 943 users: 8 steps an epoch at 128).
     "transformer-in-batch-batch16": ["train.batch_size=16"],
+    # The user id beside the history, as the pooled rows have it (its embedding at every position).
+    "transformer-in-batch-user-id": ["towers.query.features=[{name: user_id, kind: id}]"],
+    "transformer-in-batch-batch16-user-id": ["train.batch_size=16", "towers.query.features=[{name: user_id, kind: id}]"],
+    "transformer-in-batch-batch16-user-id-patience10": ["train.batch_size=16",
+                                                        "towers.query.features=[{name: user_id, kind: id}]",
+                                                        "train.early_stopping_patience=10"],
     # The query tower before the transformer: the user id and attention-pooled last items, one
     # example a click, with the settings its runs on MovieLens use (lazy_adam 0.01, batch 1024).
     "pooled-attention": ["train.examples=clicks", "towers.query.history.pooling=attention",
@@ -78,7 +84,8 @@ def _machine() -> dict[str, Any]:
 # u.data's timestamps, a 50-item window.
 MOVIELENS = ["data.source=movielens-100k", "data.clicks=null", "data.item_features=null", "data.item_id_column=item_id",
              "towers.query.history.length=50", "train.batch_size=128", "train.validation_users=null"]
-MOVIELENS_VARIANTS = ["transformer-in-batch", "transformer-in-batch-batch16", "pooled-attention"]
+MOVIELENS_VARIANTS = ["transformer-in-batch", "transformer-in-batch-batch16", "transformer-in-batch-batch16-user-id",
+                      "transformer-in-batch-batch16-user-id-patience10", "pooled-attention"]
 
 
 def run_variant(name: str, overrides: list[str], data_dir: Path, extra: list[str],
@@ -225,7 +232,8 @@ def _movielens_lines() -> list[str]:
     for ranker, values in baselines.items():
         cells = " | ".join(f"{values[key]:.4f}" for key in ("recall@10", "ndcg@10", "recall@20"))
         lines.append(f"| {ranker} | | {cells} | |")
-    return lines
+    notes = {f"- {r['variant']}: {r['note']}" for r in runs if r.get("note") and r["variant"] in MOVIELENS_VARIANTS}
+    return lines + (["", *sorted(notes)] if notes else [])
 
 
 def _throughput_lines() -> list[str]:
