@@ -30,8 +30,11 @@ import os
 import shlex
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
 from benchmarks._harness import RESULTS, ROOT, describe_machine, machine, pyplot, save_figure, write_json
@@ -60,7 +63,8 @@ VARIANTS: dict[str, list[str]] = {
     "transformer-in-batch-batch16": ["train.batch_size=16"],
     # The user id beside the history, as the pooled rows have it (its embedding at every position).
     "transformer-in-batch-user-id": ["towers.query.features=[{name: user_id, kind: id}]"],
-    "transformer-in-batch-batch16-user-id": ["train.batch_size=16", "towers.query.features=[{name: user_id, kind: id}]"],
+    "transformer-in-batch-batch16-user-id": ["train.batch_size=16",
+                                             "towers.query.features=[{name: user_id, kind: id}]"],
     "transformer-in-batch-batch16-user-id-patience10": ["train.batch_size=16",
                                                         "towers.query.features=[{name: user_id, kind: id}]",
                                                         "train.early_stopping_patience=10"],
@@ -198,7 +202,7 @@ def write_report(rows: list[dict[str, Any]]) -> None:
         lines += ["", f"Evaluated users: {counts.get('evaluated_users')}; targets repeating a training item: "
                   f"{counts.get('test_clicks_repeating_a_training_click')}. Machine: {describe_machine(machine)}; "
                   f"commits {', '.join(sorted({row['machine']['commit'] for row in rows}))}, {rows[-1]['date']}."]
-    lines += _movielens_lines() + _throughput_lines()
+    lines += _movielens_lines() + _throughput_lines() + _serving_lines()
     (RESULTS / "bench_sequential.md").write_text("\n".join(lines) + "\n")  # the JSON is written row by row
     _plot(rows)
 
@@ -256,6 +260,73 @@ def _throughput_lines() -> list[str]:
     return lines
 
 
+def serving_latency(data_dir: Path, length: int = 200, users: int = 2000, requests: int = 1000,
+                    k: int = 10) -> dict[str, Any]:
+    """Single-query latency of ``retrieval serve`` over HTTP answering a raw ``length``-item history.
+
+    The bundle is configs/beauty.yaml's transformer at ``towers.query.history.length = length``,
+    trained one epoch on the first ``users`` users' sequences (latency does not depend on how well
+    it ranks) with the whole 54,542-item catalogue indexed. Each request is a history of ``length``
+    distinct trained items drawn at random (seed 0), the history's items excluded (the default);
+    sequential requests, one client, after 20 warm-up requests.
+    """
+    import httpx
+
+    from benchmarks._serving_http import Server
+    from benchmarks._serving_index import percentiles
+
+    beauty = data_dir / "beauty"
+    with tempfile.TemporaryDirectory() as work:
+        lines = (beauty / "sequences.txt").read_text().splitlines()[:users]
+        (Path(work) / "sequences.txt").write_text("\n".join(lines) + "\n")
+        config = load_config(CONFIG, [
+            f"data.clicks.path={Path(work) / 'sequences.txt'}", f"data.item_features.path={beauty / 'items.txt'}",
+            f"towers.query.history.length={length}", "train.epochs=1", "train.validation_fraction=0",
+            "evaluation.baselines.rankers=[popularity]", "evaluation.plots=false", f"run.output_dir={work}",
+            "run.name=serving", "export.topk_model=false",
+        ])
+        run = train_evaluate_export(config, config_name="serving").directory
+        trained = sorted({item for line in lines for item in line.split()[1:]})
+        rng = np.random.default_rng(0)
+        histories = [list(rng.choice(trained, size=length, replace=False)) for _ in range(requests + 20)]
+        server = Server(run)
+        try:
+            latencies, served = [], []
+            with httpx.Client(base_url=server.url, timeout=60) as client:
+                for i, history in enumerate(histories):
+                    started = time.perf_counter()
+                    reply = client.post("/recommend", json={"query": {"history": history}, "k": k})
+                    seconds = time.perf_counter() - started
+                    reply.raise_for_status()
+                    if i >= 20:
+                        latencies.append(seconds)
+                        served.append(reply.json()["item_ids"])
+        finally:
+            server.stop()
+    overlap = sum(len(set(items) & set(history)) for items, history in zip(served, histories[20:], strict=True))
+    catalogue = len((beauty / "items.txt").read_text().split())
+    return {"length": length, "k": k, "catalogue_items": catalogue,
+            "requests": len(latencies), "history_items_served": overlap,
+            **percentiles(latencies, "sequential"), "machine": _machine(), "date": datetime.date.today().isoformat()}
+
+
+def _serving_lines() -> list[str]:
+    path = RESULTS / "bench_sequential_serving.json"
+    if not path.exists():
+        return []
+    r = json.loads(path.read_text())
+    return ["", "## Serving a history", "",
+            "`python -m benchmarks.bench_sequential --serving`: `retrieval serve` over HTTP on loopback, one client, "
+            f"sequential `POST /recommend` with a raw {r['length']}-item history (distinct trained items, its items "
+            f"excluded), k = {r['k']}, the transformer of configs/beauty.yaml at history length {r['length']} over "
+            f"the {r['catalogue_items']:,}-item catalogue (its default exact index).", "",
+            "| history length | requests | p50 ms | p99 ms | mean ms | history items served |",
+            "|---|---|---|---|---|---|",
+            f"| {r['length']} | {r['requests']} | {r['sequential_p50_ms']:.2f} | {r['sequential_p99_ms']:.2f} "
+            f"| {r['sequential_mean_ms']:.2f} | {r['history_items_served']} |", "",
+            f"Machine: {describe_machine(r['machine'])}; commit {r['machine']['commit']}, {r['date']}."]
+
+
 def _plot(rows: list[dict[str, Any]]) -> None:
     plt = pyplot()
     baselines = next((row["baselines"] for row in rows if row.get("baselines")), {})
@@ -278,10 +349,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", dest="extra", action="append", default=[], help="an override for every row")
     parser.add_argument("--report", action="store_true", help="rewrite the md/png from the JSON only")
     parser.add_argument("--throughput", action="store_true", help="measure trained pairs/s instead of the rows")
+    parser.add_argument("--serving", action="store_true",
+                        help="measure single-query HTTP latency with a 200-item history instead of the rows")
     parser.add_argument("--movielens-seeds", default=None,
                         help="e.g. 0,1,2: the MovieLens-100K rows of --variants at each train.seed, not Beauty's")
     args = parser.parse_args(argv)
-    if args.throughput:
+    if args.serving:
+        write_json(RESULTS / "bench_sequential_serving.json", serving_latency(args.data_dir))
+        args.report = True
+    elif args.throughput:
         rates = throughput(args.data_dir)
         write_json(RESULTS / "bench_sequential_throughput.json",
                    {"rows": rates, "machine": _machine(), "date": datetime.date.today().isoformat()})
