@@ -19,7 +19,6 @@ from retrieval.model import build_model
 from retrieval.training.parameter_server import (
     parameter_server_strategy,
     table_bytes,
-    train_parameter_server,
 )
 
 pytestmark = pytest.mark.slow
@@ -80,11 +79,6 @@ def test_only_tables_are_sharded(sharded):
     model, _, _ = sharded
     gap = model.sampler.frequency.gap
     assert not isinstance(gap, tf.__internal__.distribute.ShardedVariable)
-
-
-def test_training_is_not_yet_wired():
-    with pytest.raises(NotImplementedError, match="not yet"):
-        train_parameter_server()
 
 
 def test_memory_arithmetic():
