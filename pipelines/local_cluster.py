@@ -14,6 +14,7 @@ TF_CONFIG and its own ``task``; the chief reads the data and feeds the batches.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -36,12 +37,21 @@ def free_port(host: str = "localhost") -> int:
         return int(sock.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    """In a task, before it runs: SIGKILL when the process that started it ends (Linux), so a
+    launcher killed with SIGKILL leaves no task behind."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class LocalCluster:
     """``workers`` worker tasks and ``ps`` ps tasks as subprocesses on free localhost ports, plus the
     chief's address, one ``cluster`` (``{"chief": [...], "worker": [...], "ps": [...]}``).
 
     A context manager: ``start`` on entry, ``stop`` (every task killed) on exit. ``kill`` and
-    ``restart`` one task (at the same address) to try the cluster's fault tolerance.
+    ``restart`` one task (at the same address) to try the cluster's fault tolerance. On Linux a
+    task also dies with the process that started it.
     ``log_dir``: each task's output goes to ``<log_dir>/<kind>-<index>.log``; None = this process's.
     """
 
@@ -83,7 +93,7 @@ class LocalCluster:
             self._logs[(kind, index)] = output
         self.tasks[(kind, index)] = subprocess.Popen(
             [sys.executable, "-m", "retrieval.training.cluster"],
-            env=self.environment(kind, index), stdout=output, stderr=output,
+            env=self.environment(kind, index), stdout=output, stderr=output, preexec_fn=_die_with_parent,
         )
         if wait:
             self._wait_listening(kind, index, timeout)

@@ -235,15 +235,16 @@ class _Pending:
 
 
 @contextlib.contextmanager
-def _cluster_errors(step: int):
-    """A lost ps task (``UnavailableError`` and kin out of the coordinator) as a ``ClusterError``."""
+def _cluster_errors(state: TrainingState):
+    """A lost ps task (``UnavailableError`` and kin out of the coordinator, or out of a read of the
+    variables on the chief: a save, the validation recall) as a ``ClusterError``."""
     try:
         yield
     except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError) as error:
         first = (str(error).strip().splitlines() or [""])[0][:200]
         raise ClusterError(
-            f"the parameter-server cluster failed by step {step} ({type(error).__name__}: {first}); start "
-            "its tasks again and re-run the job with the same run.name: it resumes from the last checkpoint"
+            f"the parameter-server cluster failed by step {state.steps} ({type(error).__name__}: {first}); "
+            "start its tasks again and re-run the job with the same run.name: it resumes from the last checkpoint"
         ) from error
 
 
@@ -253,13 +254,10 @@ def _settle(pending: list[_Pending], state: TrainingState, epochs: int, model: T
 
     Raises:
       TrainingDiverged: a step's loss or regularization was not finite.
-      ClusterError: a ps task of the cluster is gone (a lost worker's steps are rescheduled by the
-        coordinator instead).
     """
     count = len(pending)
     for done in pending:
-        with _cluster_errors(done.steps):
-            outputs: Any = done.outputs.fetch() if hasattr(done.outputs, "fetch") else done.outputs
+        outputs: Any = done.outputs.fetch() if hasattr(done.outputs, "fetch") else done.outputs
         values = {key: float(value) for key, value in outputs.items()}
         # before any save: a NaN state is never checkpointed
         _stop_if_diverged(values, dataclasses.replace(state, batch=done.batch, steps=done.steps), epochs, model)
@@ -314,11 +312,29 @@ def train_epochs(
       ClusterError: under ``ParameterServerStrategy``, a ps task is gone.
     """
     state = state if state is not None else TrainingState()
-    step = None
     progress = _Progress(verbosity(verbose), source, epochs, state, say, eta_bound)
     if logs is not None and state.history:
         logs.write(state.history, range(state.epoch))  # a resumed run's directory starts with the epochs before it
     coordinator = chief_coordinator()
+    # A lost worker's steps are rescheduled by the coordinator; a lost ps task fails the run.
+    with _cluster_errors(state) if coordinator is not None else contextlib.nullcontext():
+        _train(model, source, epochs, state, checkpoint, logs, hooks, progress, coordinator)
+    return state
+
+
+def _train(
+    model: TwoTowerModel,
+    source: ClickSource,
+    epochs: int,
+    state: TrainingState,
+    checkpoint: TrainingCheckpoint | None,
+    logs: RunLogs | None,
+    hooks: Sequence[EpochHook],
+    progress: _Progress,
+    coordinator: tf.distribute.coordinator.ClusterCoordinator | None,
+) -> None:
+    """``train_epochs``'s loop, advancing ``state`` (see there)."""
+    step = None
     while state.epoch < epochs:
         started, first_batch, settled = time.perf_counter(), state.batch, state.batch
         save_at_epoch_end = False
@@ -331,11 +347,7 @@ def train_epochs(
             step = step_function(model, [batches.element_spec] if worker_count() > 1 else None)
         pending: list[_Pending] = []  # steps whose values are not read yet
         for batch in batches:
-            if coordinator is None:
-                outputs = step(batch)
-            else:
-                with _cluster_errors(state.steps + 1):
-                    outputs = coordinator.schedule(step, args=(batch,))
+            outputs = step(batch) if coordinator is None else coordinator.schedule(step, args=(batch,))
             state.batch += 1
             state.steps += 1
             pending.append(_Pending(state.batch, state.steps, outputs))
@@ -373,4 +385,3 @@ def train_epochs(
             _save_finite(checkpoint, state, epochs, model)
         if stop:
             break
-    return state
