@@ -68,7 +68,7 @@ from retrieval.training import (
     seed_everything,
     training_summary,
 )
-from retrieval.training.parameter_server import cluster_strategy, copy_towers, id_table_shapes
+from retrieval.training.parameter_server import check_cluster, cluster_strategy, copy_towers, id_table_shapes
 
 log = logging.getLogger("retrieval")
 
@@ -113,6 +113,8 @@ def train_evaluate_export(
     # First: MultiWorkerMirroredStrategy precedes other TF work. A parameter-server strategy shards
     # the ID tables by their shapes, known once the data is read: it comes after read_and_split.
     strategy = None if sharded else distribution_strategy(config.train)
+    if sharded:
+        check_cluster()  # TF_CONFIG names a chief, workers and ps tasks: before the data is read
     name = config.run.name or default_run_name(config_name)
     final = Path(config.run.output_dir) / name
     seconds: dict[str, float] = {}

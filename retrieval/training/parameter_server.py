@@ -77,10 +77,17 @@ def parameter_server_strategy(
 def cluster_strategy(
     table_shapes: Iterable[tuple[int, int]], config: ParameterServerConfig
 ) -> tf.distribute.ParameterServerStrategy:
-    """``parameter_server_strategy`` over the TF_CONFIG cluster, for the chief.
+    """``parameter_server_strategy`` over the TF_CONFIG cluster, for the chief (``check_cluster`` first)."""
+    check_cluster()
+    return parameter_server_strategy(table_shapes, config)
+
+
+def check_cluster() -> None:
+    """Check that TF_CONFIG names a parameter-server cluster and this process its chief (the job calls
+    it before reading the data, so a wrong cluster fails at once).
 
     Raises:
-      ClusterError: TF_CONFIG is unset, lacks a ``worker`` or ``ps`` task, or names this
+      ClusterError: TF_CONFIG is unset, lacks a ``chief``, ``worker`` or ``ps`` task, or names this
         process as another task than the chief (workers and ps tasks run
         ``python -m retrieval.training.cluster`` instead).
     """
@@ -96,7 +103,6 @@ def cluster_strategy(
             f"TF_CONFIG names this process task {task.get('type')!r}: under train.distribute: parameter_server "
             "the job runs on the chief; worker and ps tasks run python -m retrieval.training.cluster"
         )
-    return parameter_server_strategy(table_shapes, config)
 
 
 def read_tf_config() -> tuple[dict[str, list[str]], dict]:
