@@ -10,6 +10,7 @@ the job itself (``python -m pipelines.train`` with TF_CONFIG task type ``chief``
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import tensorflow as tf
@@ -43,6 +44,10 @@ def start_task() -> tf.distribute.Server:
 
 @entry_point
 def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(
+        prog="retrieval.training.cluster",
+        description="Run this process's TF_CONFIG worker or ps task of a parameter-server cluster until killed.",
+    ).parse_args(argv)
     start_task().join()
     return 0
 

@@ -108,10 +108,11 @@ class _Progress:
         self.last = now
         rate = self.done / (now - self.started)
         clicks = rate * self.source.batch_size
-        loss = state.epoch_sums.get("loss", 0.0) / max(settled, 1)
+        # Scheduled steps (ParameterServerStrategy) are read at the epoch's end: no loss before then.
+        loss = f"loss {state.epoch_sums.get('loss', 0.0) / settled:.4f}, " if settled else ""
         self.say(
             f"epoch {state.epoch + 1}/{self.epochs} step {state.batch}/{self.source.steps_per_epoch}: "
-            f"{clicks:,.0f} clicks/s, loss {loss:.4f}, {self.eta} {_duration((self.remaining - self.done) / rate)}"
+            f"{clicks:,.0f} clicks/s, {loss}{self.eta} {_duration((self.remaining - self.done) / rate)}"
         )
 
     def epoch(self, epoch: int, logs: dict[str, float], timing: dict[str, float]) -> None:

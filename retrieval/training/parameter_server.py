@@ -110,8 +110,9 @@ def read_tf_config() -> tuple[dict[str, list[str]], dict]:
     raw = os.environ.get("TF_CONFIG")
     if not raw:
         raise ClusterError(
-            "train.distribute: parameter_server reads its cluster from the TF_CONFIG environment variable, "
-            "which is not set (python -m pipelines.local_cluster sets it for a cluster on this machine)"
+            "a parameter-server cluster (train.distribute: parameter_server) is read from the TF_CONFIG "
+            "environment variable, which is not set (python -m pipelines.local_cluster sets it for a cluster "
+            "on this machine)"
         )
     try:
         tf_config = json.loads(raw)
