@@ -196,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         with LocalCluster(args.workers, args.ps, log_dir=args.task_logs) as cluster:
+            print(f"local cluster: {json.dumps(cluster.cluster)}", file=sys.stderr, flush=True)
             return run_chief(cluster, train_args)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

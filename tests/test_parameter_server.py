@@ -8,6 +8,7 @@ pipelines.local_cluster``), whose chief is a subprocess.
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -257,6 +258,22 @@ def test_the_cluster_bundle_loads_and_serves_without_a_cluster(cluster_run):
         shapes = tf.train.load_checkpoint(str(saved)).get_variable_to_shape_map().values()
         assert [rows, dim] in shapes  # the whole table, as one process exports it
         assert not [shape for shape in shapes if len(shape) == 2 and shape[1] == dim and shape[0] < rows]
+
+
+def test_the_launcher_stops_its_tasks_when_the_chief_fails():
+    finished = subprocess.run(
+        [sys.executable, "-m", "pipelines.local_cluster", "--workers", "1", "--ps", "1", "--",
+         "--set", "train.epochs=0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert finished.returncode == 2, finished.stderr[-2000:]  # the chief's status: a config error
+    assert "train.epochs" in finished.stderr
+    line = next(line for line in finished.stderr.splitlines() if line.startswith("local cluster: "))
+    spec = json.loads(line.removeprefix("local cluster: "))
+    for address in spec["worker"] + spec["ps"]:
+        host, port = address.rsplit(":", 1)
+        with pytest.raises(OSError):  # nothing listens there any more
+            socket.create_connection((host, int(port)), timeout=2).close()
 
 
 # --- Errors and config ---------------------------------------------------------------------------
