@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 SET    ?=
 
-.PHONY: install install-browser test test-fast train evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend
+.PHONY: install install-browser test test-fast train train-cluster evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -48,6 +48,14 @@ lint:
 # make train [CONFIG=configs/x.yaml] [SET="train.epochs=3 run.name=demo"]
 train:
 	$(BIN)/python -m pipelines.train --config $(CONFIG) $(foreach kv,$(SET),--set $(kv))
+
+# make train on a parameter-server cluster of local processes (docs/operations.md, "Parameter-server training")
+# make train-cluster [CONFIG=...] [SET="..."] [WORKERS=2] [PS=2]
+WORKERS ?= 2
+PS ?= 2
+train-cluster:
+	$(BIN)/python -m pipelines.local_cluster --workers $(WORKERS) --ps $(PS) -- --config $(CONFIG) \
+		$(foreach kv,$(SET),--set $(kv))
 
 # Optuna search over configs/tune_space.yaml on the evaluation part; the same command again resumes the
 # study (TRIALS is the total). Writes trials.csv, best.yaml (a config for make train) in artifacts/tune/<config>.

@@ -850,7 +850,10 @@ class TrainConfig(_Section):
         "GPU, or the CPU), multi_worker (MultiWorkerMirroredStrategy; the cluster comes from the TF_CONFIG "
         "environment variable). batch_size is the global batch, split over the replicas, and in-batch "
         "negatives are gathered across replicas, so every query still sees batch_size candidates. "
-        "parameter_server (first slice, not yet trainable by the job): ID tables sharded over the ps tasks.",
+        "parameter_server: ParameterServerStrategy over the TF_CONFIG cluster (one chief running the job, "
+        "worker and ps tasks running python -m retrieval.training.cluster; python -m pipelines.local_cluster "
+        "starts one on this machine): the ID tables sharded by rows over the ps tasks, each batch read by the "
+        "chief and its step run on a worker, asynchronously (a step's in-batch negatives are its own batch).",
     )
     parameter_server: ParameterServerConfig = Field(
         default_factory=ParameterServerConfig,
@@ -1065,7 +1068,7 @@ class Config(_Section):
     run: RunConfig = RunConfig()
 
     @model_validator(mode="after")
-    def _parameter_server_first_slice(self) -> Config:
+    def _parameter_server_supported(self) -> Config:
         if self.train.distribute != "parameter_server":
             return self
         loss = self.model.loss
@@ -1079,8 +1082,8 @@ class Config(_Section):
         bad = [key for key, refuse in refused.items() if refuse]
         if bad:
             raise ValueError(
-                f"not yet supported with train.distribute: parameter_server: {bad[0]} (a whole-table read "
-                "or state the first slice does not shard); use ID towers with in-batch negatives"
+                f"not yet supported with train.distribute: parameter_server: {bad[0]} (a whole-table read, "
+                "a worker-side input, or state that is not sharded); use ID towers with in-batch negatives"
             )
         return self
 

@@ -68,6 +68,7 @@ from retrieval.training import (
     seed_everything,
     training_summary,
 )
+from retrieval.training.parameter_server import check_cluster, cluster_strategy, copy_towers, id_table_shapes
 
 log = logging.getLogger("retrieval")
 
@@ -108,7 +109,12 @@ def train_evaluate_export(
     models (``TowerContext``, ``check_custom_towers``); None builds the towers the config names.
     """
     started = time.perf_counter()
-    strategy = distribution_strategy(config.train)  # first: MultiWorkerMirroredStrategy precedes other TF work
+    sharded = config.train.distribute == "parameter_server"
+    # First: MultiWorkerMirroredStrategy precedes other TF work. A parameter-server strategy shards
+    # the ID tables by their shapes, known once the data is read: it comes after read_and_split.
+    strategy = None if sharded else distribution_strategy(config.train)
+    if sharded:
+        check_cluster()  # TF_CONFIG names a chief, workers and ps tasks: before the data is read
     name = config.run.name or default_run_name(config_name)
     final = Path(config.run.output_dir) / name
     seconds: dict[str, float] = {}
@@ -120,11 +126,21 @@ def train_evaluate_export(
             data = read_and_split(config)
             # Who is evaluated follows from the split alone: an empty eval set fails here, not after training.
             evaluated = evaluation_clicks(config, data)
+        if strategy is None:
+            strategy = cluster_strategy(
+                id_table_shapes(len(data.stats.users), len(data.stats.items), config.model.embedding_dim),
+                config.train.parameter_server,
+            )
         with strategy.scope():  # the towers', samplers' and loss's variables belong to the strategy
             model = build_job_model(config, data, towers)
         _require_servable(model, config)  # before training: the index cannot rank it
         with _timed(seconds, "training"):
             history, timing = train(config, strategy, model, data, scratch, checkpoint_dir, inputs, on_epoch_end)
+        if sharded:
+            # Indexing, evaluation and export read the weights here, from towers of this process's own
+            # variables: the bundle is the one a single-process run writes, whatever the cluster was.
+            trained, model = model, build_job_model(config, data, towers)
+            copy_towers(trained, model)
         with _timed(seconds, "indexing"):
             index, item_embeddings, tuning_users = index_catalogue(config, model, data)
         with _timed(seconds, "evaluation"):

@@ -93,6 +93,7 @@ TRAINING_MODULES = [
     "optimizers",
     "runtime",
     "parameter_server",
+    "cluster",
     "sources",
     "checkpoints",
     "loop",

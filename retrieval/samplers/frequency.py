@@ -72,7 +72,10 @@ class StreamingFrequency(tf.Module):
     Under a ``tf.distribute`` strategy the model hands every replica the ids
     of the whole global batch, so the estimator advances once per global step
     over the global batch, as on one device; the variables keep the first
-    replica's (identical) update (``ONLY_FIRST_REPLICA``).
+    replica's (identical) update (``ONLY_FIRST_REPLICA``). Under
+    ``ParameterServerStrategy`` each worker's step folds in its own batch, the
+    workers asynchronously, so steps may land out of order (a gap is then
+    taken as 0, never negative).
 
     Keys are int64: tower indices here; a corpus that grows while training
     can key on ``tf.strings.to_hash_bucket_fast(item_id, 2**62)`` instead.
@@ -150,7 +153,9 @@ class StreamingFrequency(tf.Module):
             index = tf.stack([tf.fill(tf.shape(unique), tf.constant(h, tf.int64)), unique], axis=1)
             last = tf.gather_nd(self.last_step, index)
             old = tf.gather_nd(self.gap, index)
-            elapsed = tf.cast(step - last, tf.float32)
+            # Never negative: under ParameterServerStrategy workers update asynchronously, and a step can
+            # read a last_step a later step already wrote (a negative gap would make log-Q NaN).
+            elapsed = tf.cast(tf.maximum(step - last, 0), tf.float32)
             decayed = tf.pow(1.0 - rate, count - 1.0)
             updated = (1.0 - rate) * decayed * old + rate * decayed * elapsed
             # First sight (last == -1): the steps since the start are the only gap there is.

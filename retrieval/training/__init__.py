@@ -1,9 +1,11 @@
 """Training: click sources, one tf.function step loop, checkpoints, early stopping, embeddings.
 
 Modules, in the order they build on each other: ``optimizers``, ``runtime``
-(seeds, tf.distribute), ``sources`` (click frame or streamed shards, one epoch
-at a time), ``checkpoints``, ``loop`` (the step loop every run uses),
-``early_stopping``, ``fit`` (selection + final run), ``embeddings``.
+(seeds, tf.distribute), ``parameter_server`` (ParameterServerStrategy: sharded ID
+tables, the chief's coordinator), ``cluster`` (a worker or ps task's server),
+``sources`` (click frame or streamed shards, one epoch at a time),
+``checkpoints``, ``loop`` (the step loop every run uses), ``early_stopping``,
+``fit`` (selection + final run), ``embeddings``.
 """
 
 from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState

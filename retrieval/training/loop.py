@@ -6,23 +6,33 @@ through ``train_epochs``. It is a plain loop rather than Keras ``fit``: the
 cost of a step is the model's own (with ``lazy_adam`` or ``adagrad`` it does
 not grow with the ID tables), checkpoints land at any step with the exact data
 position, and the logs are the mean of each epoch's steps.
+
+Under ``ParameterServerStrategy`` the same loop runs on the chief: it reads the
+batches and schedules each step on a worker through the strategy's
+``ClusterCoordinator``, reading the steps' values (the loss) at the end of the
+epoch and before a checkpoint, so logs, early stopping and checkpoints work
+as on one device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import dataclasses
 import logging
 import math
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import tensorflow as tf
 
 from retrieval.errors import UserError
 from retrieval.model import TwoTowerModel
 from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState
+from retrieval.training.parameter_server import ClusterError, chief_coordinator
 from retrieval.training.runtime import worker_count
 from retrieval.training.sources import ClickSource, StreamedClicks
 
@@ -87,7 +97,8 @@ class _Progress:
         self.done = 0
         self.started = self.last = time.perf_counter()
 
-    def step(self, state: TrainingState) -> None:
+    def step(self, state: TrainingState, settled: int) -> None:
+        """After a step; ``settled``: the epoch's steps whose values are in ``state.epoch_sums``."""
         self.done += 1
         if self.level != 1:
             return
@@ -97,10 +108,11 @@ class _Progress:
         self.last = now
         rate = self.done / (now - self.started)
         clicks = rate * self.source.batch_size
-        loss = state.epoch_sums.get("loss", 0.0) / max(state.batch, 1)
+        # Scheduled steps (ParameterServerStrategy) are read at the epoch's end: no loss before then.
+        loss = f"loss {state.epoch_sums.get('loss', 0.0) / settled:.4f}, " if settled else ""
         self.say(
             f"epoch {state.epoch + 1}/{self.epochs} step {state.batch}/{self.source.steps_per_epoch}: "
-            f"{clicks:,.0f} clicks/s, loss {loss:.4f}, {self.eta} {_duration((self.remaining - self.done) / rate)}"
+            f"{clicks:,.0f} clicks/s, {loss}{self.eta} {_duration((self.remaining - self.done) / rate)}"
         )
 
     def epoch(self, epoch: int, logs: dict[str, float], timing: dict[str, float]) -> None:
@@ -194,7 +206,8 @@ def distributed_epoch(source: ClickSource, epoch: int, skip_batches: int = 0):
     """Epoch ``epoch`` of ``source`` (less its first ``skip_batches`` steps) as the loop iterates it
     under the current strategy.
 
-    Without a strategy, ``source.epoch``. Under one, each replica gets its share
+    Without a strategy, ``source.epoch``; under ``ParameterServerStrategy`` too: the chief reads
+    the batches and schedules each one on a worker (``train_epochs``). Under another, each replica gets its share
     of every global batch: with several workers a ``StreamedClicks`` is read by
     each worker on its own shards (``StreamedClicks.worker_epoch``, through
     ``distribute_datasets_from_function``); otherwise every worker makes the
@@ -202,7 +215,7 @@ def distributed_epoch(source: ClickSource, epoch: int, skip_batches: int = 0):
     over the replicas (under ``multi_worker`` each worker keeps its part): a
     ``FrameClicks``, or a ``StreamedClicks`` of a log held in memory (``ClickTable``).
     """
-    if not tf.distribute.has_strategy():
+    if not tf.distribute.has_strategy() or chief_coordinator() is not None:
         return source.epoch(epoch, skip_batches=skip_batches)
     strategy = tf.distribute.get_strategy()
     if isinstance(source, StreamedClicks) and source.reads_own_shards and worker_count(strategy) > 1:
@@ -210,6 +223,49 @@ def distributed_epoch(source: ClickSource, epoch: int, skip_batches: int = 0):
             lambda context: source.worker_epoch(epoch, skip_batches, context)
         )
     return strategy.experimental_distribute_dataset(source.epoch(epoch, skip_batches=skip_batches))
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A step run or scheduled: its position and its logged values (tensors, or a ``RemoteValue``
+    of them under a ``ClusterCoordinator``)."""
+
+    batch: int
+    steps: int
+    outputs: Any
+
+
+@contextlib.contextmanager
+def _cluster_errors(state: TrainingState):
+    """A lost ps task (``UnavailableError`` and kin out of the coordinator, or out of a read of the
+    variables on the chief: a save, the validation recall) as a ``ClusterError``."""
+    try:
+        yield
+    except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError) as error:
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        raise ClusterError(
+            f"the parameter-server cluster failed by step {state.steps} ({type(error).__name__}: {first}); "
+            "start its tasks again and re-run the job with the same run.name: it resumes from the last checkpoint"
+        ) from error
+
+
+def _settle(pending: list[_Pending], state: TrainingState, epochs: int, model: TwoTowerModel) -> int:
+    """Read the values of the ``pending`` steps (waiting for scheduled ones) into ``state.epoch_sums``,
+    stopping at the first that diverged; empty ``pending`` and return how many were read.
+
+    Raises:
+      TrainingDiverged: a step's loss or regularization was not finite.
+    """
+    count = len(pending)
+    for done in pending:
+        outputs: Any = done.outputs.fetch() if hasattr(done.outputs, "fetch") else done.outputs
+        values = {key: float(value) for key, value in outputs.items()}
+        # before any save: a NaN state is never checkpointed
+        _stop_if_diverged(values, dataclasses.replace(state, batch=done.batch, steps=done.steps), epochs, model)
+        for key, value in values.items():
+            state.epoch_sums[key] = state.epoch_sums.get(key, 0.0) + value
+    pending.clear()
+    return count
 
 
 def train_epochs(
@@ -248,16 +304,40 @@ def train_epochs(
       ``regularization_loss``, ``total_loss``) and what the hooks added; its
       ``timing`` the wall time of each epoch.
 
+    Under ``ParameterServerStrategy`` (``chief_coordinator``) each batch is scheduled on a worker
+    and the steps' values are read at the end of the epoch and before each checkpoint, which
+    therefore holds every step scheduled before it; a step's divergence is found then.
+
     Raises:
       DataError: the source could not read a file mid-epoch (``ClickSource.check_epoch``).
+      ClusterError: under ``ParameterServerStrategy``, a ps task is gone.
     """
     state = state if state is not None else TrainingState()
-    step = None
     progress = _Progress(verbosity(verbose), source, epochs, state, say, eta_bound)
     if logs is not None and state.history:
         logs.write(state.history, range(state.epoch))  # a resumed run's directory starts with the epochs before it
+    coordinator = chief_coordinator()
+    # A lost worker's steps are rescheduled by the coordinator; a lost ps task fails the run.
+    with _cluster_errors(state) if coordinator is not None else contextlib.nullcontext():
+        _train(model, source, epochs, state, checkpoint, logs, hooks, progress, coordinator)
+    return state
+
+
+def _train(
+    model: TwoTowerModel,
+    source: ClickSource,
+    epochs: int,
+    state: TrainingState,
+    checkpoint: TrainingCheckpoint | None,
+    logs: RunLogs | None,
+    hooks: Sequence[EpochHook],
+    progress: _Progress,
+    coordinator: tf.distribute.coordinator.ClusterCoordinator | None,
+) -> None:
+    """``train_epochs``'s loop, advancing ``state`` (see there)."""
+    step = None
     while state.epoch < epochs:
-        started, first_batch = time.perf_counter(), state.batch
+        started, first_batch, settled = time.perf_counter(), state.batch, state.batch
         save_at_epoch_end = False
         model.reset_metrics()
         batches = distributed_epoch(source, state.epoch, state.batch)
@@ -266,19 +346,25 @@ def train_epochs(
             # steps on workers whose batches differ (their own shards), and a worker tracing its
             # collectives alone waits for its peers.
             step = step_function(model, [batches.element_spec] if worker_count() > 1 else None)
+        pending: list[_Pending] = []  # steps whose values are not read yet
         for batch in batches:
-            values = {key: float(value) for key, value in step(batch).items()}
+            outputs = step(batch) if coordinator is None else coordinator.schedule(step, args=(batch,))
             state.batch += 1
             state.steps += 1
-            _stop_if_diverged(values, state, epochs, model)  # before any save: a NaN state is never checkpointed
-            for key, value in values.items():
-                state.epoch_sums[key] = state.epoch_sums.get(key, 0.0) + value
-            progress.step(state)
-            if checkpoint is not None and checkpoint.due(state):
+            pending.append(_Pending(state.batch, state.steps, outputs))
+            due = checkpoint is not None and checkpoint.due(state)
+            # One device reads each step's values at once; the coordinator's steps run on the workers
+            # meanwhile and are read at the end of the epoch, or before a checkpoint (which must hold
+            # every step scheduled so far).
+            if coordinator is None or (due and state.batch != source.steps_per_epoch):
+                settled += _settle(pending, state, epochs, model)
+            progress.step(state, settled)
+            if checkpoint is not None and due:
                 if state.batch == source.steps_per_epoch:
                     save_at_epoch_end = True
                 else:
                     _save_finite(checkpoint, state, epochs, model)
+        settled += _settle(pending, state, epochs, model)
         source.check_epoch()  # a shard unreadable mid-epoch: its DataError, raised out here
         if state.batch == 0:
             raise ValueError("the training data yielded no batch")
@@ -300,4 +386,3 @@ def train_epochs(
             _save_finite(checkpoint, state, epochs, model)
         if stop:
             break
-    return state

@@ -31,7 +31,10 @@ def distribution_strategy(config: TrainConfig) -> tf.distribute.Strategy:
       logical CPU device (one on a plain machine);
     - ``multi_worker``: ``MultiWorkerMirroredStrategy``, the cluster and this
       process's task read from the ``TF_CONFIG`` environment variable. Create it
-      at the start of the program, before other TensorFlow work.
+      at the start of the program, before other TensorFlow work;
+    - ``parameter_server``: not here (a ValueError): its partitioner needs the ID tables'
+      shapes, so the job builds it after reading the data
+      (``retrieval.training.parameter_server.cluster_strategy``).
 
     A process gets one strategy of each kind, reused by later calls: a second
     MirroredStrategy over the same devices reuses the first one's collective
@@ -40,9 +43,10 @@ def distribution_strategy(config: TrainConfig) -> tf.distribute.Strategy:
     if config.distribute == "none":
         return tf.distribute.get_strategy()
     if config.distribute == "parameter_server":
-        raise NotImplementedError(
-            "train.distribute: parameter_server is not yet trainable by the job; "
-            "retrieval.training.parameter_server builds its sharded tables"
+        # Its partitioner needs the ID tables' shapes, known only once the data is read.
+        raise ValueError(
+            "train.distribute: parameter_server builds its strategy from the ID tables' shapes, after the "
+            "data is read: retrieval.training.parameter_server.cluster_strategy (the job calls it)"
         )
     if config.distribute == "multi_worker" and not os.environ.get("TF_CONFIG"):
         raise ValueError(

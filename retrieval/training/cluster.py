@@ -1,0 +1,56 @@
+"""A worker or ps task of a parameter-server cluster: ``python -m retrieval.training.cluster``.
+
+Reads this process's task from TF_CONFIG (``{"cluster": {...}, "task": {"type": "worker"|"ps",
+"index": i}}``), starts its ``tf.distribute.Server`` on the task's address and serves until
+killed. A ``worker`` runs the training steps the chief schedules; a ``ps`` task holds its
+shards of the variables (the ID tables' row ranges, the other variables whole). The chief runs
+the job itself (``python -m pipelines.train`` with TF_CONFIG task type ``chief``);
+``pipelines/local_cluster.py`` starts all of them on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import tensorflow as tf
+
+from retrieval.errors import entry_point
+from retrieval.training.parameter_server import ClusterError, read_tf_config
+
+TASK_KINDS = ("worker", "ps")
+
+
+def start_task() -> tf.distribute.Server:
+    """Start this process's ``tf.distribute.Server`` (gRPC) for its TF_CONFIG task; it serves in the
+    background until the process ends (``Server.join`` waits for that).
+
+    Raises:
+      ClusterError: TF_CONFIG is unset, or its task is not a worker or ps task of its cluster.
+    """
+    cluster, task = read_tf_config()
+    kind, index = task.get("type"), int(task.get("index", 0))
+    if kind not in TASK_KINDS:
+        raise ClusterError(
+            f"TF_CONFIG task type {kind!r}: python -m retrieval.training.cluster runs a worker or ps task; "
+            "the chief runs the job (python -m pipelines.train)"
+        )
+    if not 0 <= index < len(cluster.get(kind, [])):
+        raise ClusterError(f"TF_CONFIG task {kind} {index} is not in its cluster: {cluster}")
+    return tf.distribute.Server(
+        tf.train.ClusterSpec(cluster), job_name=kind, task_index=index, protocol="grpc", start=True
+    )
+
+
+@entry_point
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(
+        prog="retrieval.training.cluster",
+        description="Run this process's TF_CONFIG worker or ps task of a parameter-server cluster until killed.",
+    ).parse_args(argv)
+    start_task().join()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
