@@ -145,3 +145,18 @@ def test_the_training_clicks_are_coded_once_for_every_stage_that_needs_them(shar
     item_ids = np.asarray(bundle.index.item_ids, dtype=object)
     for user, items in train.groupby(USER)[ITEM]:
         assert set(item_ids[bundle.seen_items.rows_of(user)]) == set(items), user
+
+
+@pytest.mark.slow
+def test_a_sequence_job_streams_a_click_table_and_trains_as_in_memory(shards, tmp_path):
+    """``train.examples: sequences`` from a timestamped click table: the windows come from the training
+    clicks coded in memory (``ClickHistories``) however the log is read, so both sources train the same
+    model and report the same metrics."""
+    sequence = ["split.kind=leave_last_k", "split.k=1", "towers.query.features=[]",
+                "towers.query.history={length: 6, pooling: transformer}", "train.examples=sequences",
+                "train.epochs=2", "train.batch_size=16", "train.validation_fraction=0.1", "train.refit=false"]
+    metrics = {source: jobs.train_evaluate_export(_config(shards, tmp_path / source, source, *sequence)).metrics
+               for source in SOURCES}
+    assert metrics["streamed"]["model"] == pytest.approx(metrics["in_memory"]["model"], abs=1e-6)
+    assert metrics["streamed"]["data"]["test_clicks"] == metrics["in_memory"]["data"]["test_clicks"] > 100
+    assert metrics["streamed"]["final_train_loss"] == pytest.approx(metrics["in_memory"]["final_train_loss"])
