@@ -37,7 +37,16 @@ from typing import Any
 import numpy as np
 
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-from benchmarks._harness import RESULTS, ROOT, describe_machine, machine, pyplot, save_figure, write_json
+from benchmarks._harness import (
+    RESULTS,
+    ROOT,
+    describe_machine,
+    load_average,
+    machine,
+    pyplot,
+    save_figure,
+    write_json,
+)
 from retrieval.config import load_config
 from retrieval.jobs import train_evaluate_export
 
@@ -182,11 +191,15 @@ def write_report(rows: list[dict[str, Any]]) -> None:
         "evaluated (the count below). HR@k = recall@k (one target a user). SASRec+ (full cross-entropy,",
         f"Klenitskiy & Vasilev 2023) reports HR@10 {SASREC_PLUS['recall@10']} / NDCG@10 {SASREC_PLUS['ndcg@10']} "
         "on the item held back one position later (not the same target: a reference level, not a comparison).",
+        "The popularity and ALS rows are the job's own baselines (`evaluation.baselines`) at their defaults when the "
+        "newest row ran (ALS: regularization 100, alpha 20, factors from the log's size).",
         "",
         "| row | HR@10 | NDCG@10 | HR@20 | NDCG@20 | epochs of its last run | seconds | overrides |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    baselines = next((row["baselines"] for row in rows if row.get("baselines")), {})
+    # The newest row's: the job's own baselines at their current defaults (the ALS defaults changed on
+    # 2026-12-04; rows run before keep theirs in the JSON).
+    baselines = next((row["baselines"] for row in reversed(rows) if row.get("baselines")), {})
     for ranker, values in baselines.items():
         lines.append(f"| {ranker} | " + " | ".join(f"{values[k]:.4f}" for k in METRICS) + " | | | |")
     for row in rows:
@@ -290,6 +303,7 @@ def serving_latency(data_dir: Path, length: int = 200, users: int = 2000, reques
         rng = np.random.default_rng(0)
         histories = [list(rng.choice(trained, size=length, replace=False)) for _ in range(requests + 20)]
         server = Server(run)
+        load_at_start = load_average()
         try:
             latencies, served = [], []
             with httpx.Client(base_url=server.url, timeout=60) as client:
@@ -307,6 +321,7 @@ def serving_latency(data_dir: Path, length: int = 200, users: int = 2000, reques
     catalogue = len((beauty / "items.txt").read_text().split())
     return {"length": length, "k": k, "catalogue_items": catalogue,
             "requests": len(latencies), "history_items_served": overlap,
+            "load_average": {"start": load_at_start, "end": load_average()},
             **percentiles(latencies, "sequential"), "machine": _machine(), "date": datetime.date.today().isoformat()}
 
 
@@ -315,6 +330,7 @@ def _serving_lines() -> list[str]:
     if not path.exists():
         return []
     r = json.loads(path.read_text())
+    load = r.get("load_average", {"start": "not recorded", "end": "not recorded"})
     return ["", "## Serving a history", "",
             "`python -m benchmarks.bench_sequential --serving`: `retrieval serve` over HTTP on loopback, one client, "
             f"sequential `POST /recommend` with a raw {r['length']}-item history (distinct trained items, its items "
@@ -324,12 +340,13 @@ def _serving_lines() -> list[str]:
             "|---|---|---|---|---|---|",
             f"| {r['length']} | {r['requests']} | {r['sequential_p50_ms']:.2f} | {r['sequential_p99_ms']:.2f} "
             f"| {r['sequential_mean_ms']:.2f} | {r['history_items_served']} |", "",
-            f"Machine: {describe_machine(r['machine'])}; commit {r['machine']['commit']}, {r['date']}."]
+            f"Machine: {describe_machine(r['machine'])}, load average (1, 5, 15 min) {load['start']} at the first "
+            f"request, {load['end']} at the last; commit {r['machine']['commit']}, {r['date']}."]
 
 
 def _plot(rows: list[dict[str, Any]]) -> None:
     plt = pyplot()
-    baselines = next((row["baselines"] for row in rows if row.get("baselines")), {})
+    baselines = next((row["baselines"] for row in reversed(rows) if row.get("baselines")), {})
     names = list(baselines) + [row["variant"] for row in rows]
     values = [baselines[n]["recall@10"] for n in baselines] + [row["model"]["recall@10"] for row in rows]
     figure, axis = plt.subplots(figsize=(8, 0.45 * len(names) + 1.2))
