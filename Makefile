@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 SET    ?=
 
-.PHONY: install install-browser test test-fast train train-cluster evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend
+.PHONY: install install-browser test test-fast train train-cluster evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend bench-parameter-server
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -119,6 +119,13 @@ bench-scale-features:
 # with each run's wall time and peak RSS, into bench_scale_both_ways.{json,md} (~9 min on 2 cores).
 bench-scale-both-ways:
 	nice -n 10 $(BIN)/python -m benchmarks.bench_both_ways $(ARGS)
+
+# One process against a localhost parameter-server cluster (1 chief, 2 workers, 2 ps) on a 200k-click
+# synthetic log: recall, clicks/s, wall time and each task's peak RSS; then the cluster's memory with
+# small and large tables, the workers capped below the tables' bytes, into bench_parameter_server.{json,md}
+# (~11 min on 2 cores). ARGS="--clicks 2000000 --users 100000 --items 1000000" for the scale log.
+bench-parameter-server:
+	nice -n 10 $(BIN)/python -m benchmarks.bench_parameter_server $(ARGS)
 
 # Eager call of an ID tower over 1M ids, StringLookup vocabulary as a list vs an array (~1 min).
 bench-tower-call:

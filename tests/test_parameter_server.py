@@ -8,6 +8,7 @@ pipelines.local_cluster``), whose chief is a subprocess.
 
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import tensorflow as tf
 from pydantic import ValidationError
 
 import retrieval  # noqa: F401
-from pipelines.local_cluster import LocalCluster
+from pipelines.local_cluster import CAPPED_STACK_BYTES, LocalCluster, _task_setup, peak_rss_bytes
 from retrieval.config import Config, ModelConfig, ParameterServerConfig, TrainConfig, load_config
 from retrieval.features import FeatureStatistics
 from retrieval.model import build_model
@@ -219,7 +220,8 @@ def cluster_run(tmp_path_factory):
                                       "train.parameter_server.min_shard_bytes=1024"]]
     finished = subprocess.run(
         [sys.executable, "-m", "pipelines.local_cluster", "--workers", "2", "--ps", "2",
-         "--task-logs", str(out / "tasks"), "--", "--config", str(ROOT / "configs" / "default.yaml"), *flags],
+         "--task-logs", str(out / "tasks"), "--rss-report", str(out / "rss.json"),
+         "--", "--config", str(ROOT / "configs" / "default.yaml"), *flags],
         cwd=ROOT, capture_output=True, text=True, timeout=400, env={**os.environ, "TF_CONFIG": ""},
     )
     assert finished.returncode == 0, finished.stderr[-3000:]
@@ -258,6 +260,35 @@ def test_the_cluster_bundle_loads_and_serves_without_a_cluster(cluster_run):
         shapes = tf.train.load_checkpoint(str(saved)).get_variable_to_shape_map().values()
         assert [rows, dim] in shapes  # the whole table, as one process exports it
         assert not [shape for shape in shapes if len(shape) == 2 and shape[1] == dim and shape[0] < rows]
+
+
+def test_the_launcher_reports_each_tasks_peak_rss(cluster_run):
+    directory, _ = cluster_run
+    report = json.loads((directory.parent / "rss.json").read_text())
+    assert sorted(report) == ["chief", "ps-0", "ps-1", "worker-0", "worker-1"]
+    for task, peak in report.items():  # each a TensorFlow process: hundreds of MB, less than the machine
+        assert 100 << 20 < peak < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), (task, peak)
+
+
+def test_peak_rss_is_the_kernels_high_water_mark():
+    # The same figure as this process's rusage (both the kernel's hiwater_rss, in kB).
+    by_rusage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert peak_rss_bytes(os.getpid()) == pytest.approx(by_rusage, rel=0.05)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    assert peak_rss_bytes(ended.pid) is None
+
+
+def test_a_capped_task_gets_its_data_limit_and_small_stacks():
+    limits = ("import resource; "
+              "print(resource.getrlimit(resource.RLIMIT_DATA), resource.getrlimit(resource.RLIMIT_STACK))")
+    capped = subprocess.run([sys.executable, "-c", limits], preexec_fn=_task_setup(3 << 30),
+                            capture_output=True, text=True, check=True).stdout.split(") (")
+    assert capped[0] == f"({3 << 30}, {3 << 30}"
+    assert capped[1].startswith(f"{CAPPED_STACK_BYTES},")
+    free = subprocess.run([sys.executable, "-c", limits], preexec_fn=_task_setup(None),
+                          capture_output=True, text=True, check=True).stdout
+    assert free.startswith(str(resource.getrlimit(resource.RLIMIT_DATA)).replace("L", ""))
 
 
 def test_the_launcher_stops_its_tasks_when_the_chief_fails():
