@@ -19,6 +19,7 @@ import pandas as pd
 import pytest
 import tensorflow as tf
 from pydantic import ValidationError
+from test_end_to_end import SMALL  # the small synthetic job both files run
 
 import retrieval  # noqa: F401
 from pipelines.local_cluster import CAPPED_STACK_BYTES, LocalCluster, _task_setup, peak_rss_bytes
@@ -203,13 +204,6 @@ def test_trained_towers_copy_into_unsharded_ones_and_export_the_same_embeddings(
 
 # --- The job on a launched cluster ---------------------------------------------------------------
 
-SMALL = [
-    "data.synthetic.n_users=600",
-    "data.synthetic.n_items=300",
-    "data.synthetic.mean_clicks_per_user=30",
-    "train.epochs=8",
-    "train.batch_size=512",
-]
 
 
 @pytest.fixture(scope="module")
