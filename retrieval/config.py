@@ -1075,7 +1075,6 @@ class Config(_Section):
         refused = {
             "model.loss.kind": loss.kind == "full_softmax",
             "model.loss.hard_negatives": loss.hard_negatives == "mined",
-            "data.out_of_core": self.data.out_of_core,
             "train.examples": self.train.examples == "sequences",
             "towers.query.history": self.towers.query.history is not None,
         }
@@ -1083,7 +1082,7 @@ class Config(_Section):
         if bad:
             raise ValueError(
                 f"not yet supported with train.distribute: parameter_server: {bad[0]} (a whole-table read, "
-                "a worker-side input, or state that is not sharded); use ID towers with in-batch negatives"
+                "or a history the first cluster runs did not test); use ID towers with in-batch negatives"
             )
         return self
 
