@@ -120,6 +120,8 @@ def markdown(report: dict) -> str:
     if ratio:
         lines += ["", f"Cluster / one process: training clicks/s x{ratio['clicks_per_second']:.3f}, wall time "
                   f"x{ratio['seconds']:.3f}, recall@20 x{ratio['recall@20']:.3f}."]
+    if not memory:  # --skip memory
+        return "\n".join(lines)
     drawn = next((run["data"]["clicks"] for run in memory.values() if "data" in run), None)
     lines += ["", f"## What each task holds ({report['memory_log']}"
               + (f"; the generator drew {drawn:,}" if drawn else "") + ")", "",
