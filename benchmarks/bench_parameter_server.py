@@ -8,7 +8,9 @@ Every run is a subprocess on the project's synthetic generator (``configs/defaul
 and load, so their ratios compare even when the machine is shared; their seconds compare only
 with each other.
 
-1. **Quality and throughput**: one process and the cluster on the same log and flags: recall@20
+1. **Quality and throughput**: one process and the cluster on the same log and flags, the cluster
+   twice: the chief feeding the batches, and the workers reading them themselves
+   (``train.parameter_server.input=workers``): recall@20
    and NDCG@20 (and popularity's) from each run's ``metrics.json``, its training clicks/s (the
    mean of ``timing.clicks_per_second`` over the epochs after the first, which holds the
    tracing), the whole wall time, and the peak RSS of each process (a process's rusage; the
@@ -100,6 +102,17 @@ def markdown(report: dict) -> str:
         f"`{report['command']}` on {report['machine']['cpu']}, {report['machine']['cpus']} CPUs (load average "
         f"{report['machine']['load_average']} at the start: the machine was shared with another long job, so "
         "compare the rows with each other, not with other files).", "",
+    ]
+    if quality:  # not --skip quality
+        lines += _quality_section(report)
+    if memory:  # not --skip memory
+        lines += _memory_section(report)
+    return "\n".join(lines)
+
+
+def _quality_section(report: dict) -> list[str]:
+    quality = report["quality"]
+    lines = [
         f"## One process against the cluster ({report['log']})", "",
         f"Flags: `{' '.join(report['quality_settings'])}`; the cluster adds 2 workers, 2 ps tasks and "
         "`train.parameter_server.max_shards=2`, `min_shard_bytes=1024`.", "",
@@ -116,14 +129,22 @@ def markdown(report: dict) -> str:
                      f"{run['clicks_per_second']:,.0f}", f"{run['seconds']:.0f}",
                      *[_gib(rss.get(task)) for task in ("process", *TASKS)]])
     lines += markdown_table(header, rows, "l" + "r" * (len(header) - 1))
-    ratio = report.get("cluster_vs_process")
-    if ratio:
-        lines += ["", f"Cluster / one process: training clicks/s x{ratio['clicks_per_second']:.3f}, wall time "
-                  f"x{ratio['seconds']:.3f}, recall@20 x{ratio['recall@20']:.3f}."]
-    if not memory:  # --skip memory
-        return "\n".join(lines)
+    for key, what in (("cluster_vs_process", "Cluster"), ("workers_read_vs_process", "Cluster, workers read")):
+        ratio = report.get(key)
+        if ratio:
+            lines += ["", f"{what} / one process: training clicks/s x{ratio['clicks_per_second']:.3f}, wall time "
+                      f"x{ratio['seconds']:.3f}, recall@20 x{ratio['recall@20']:.3f}."]
+    if "cluster, workers read" in quality:
+        lines += ["", "`cluster, workers read`: `train.parameter_server.input=workers`: the chief stages the training "
+                  "batches once as TFRecord files and each worker reads them through the tf.data service; in the "
+                  "`cluster` row the chief reads every batch and sends it with its step."]
+    return lines
+
+
+def _memory_section(report: dict) -> list[str]:
+    memory = report["memory"]
     drawn = next((run["data"]["clicks"] for run in memory.values() if "data" in run), None)
-    lines += ["", f"## What each task holds ({report['memory_log']}"
+    lines = ["", f"## What each task holds ({report['memory_log']}"
               + (f"; the generator drew {drawn:,}" if drawn else "") + ")", "",
               f"Flags: `{' '.join(report['memory_settings'])}` and the dim of the row; peak RSS in GiB.", ""]
     header = ["run", "dim", "table rows", "tables GiB (lazy_adam)", "worker limit GiB", "status", "wall s",
@@ -144,7 +165,7 @@ def markdown(report: dict) -> str:
               "step, "
               "so the capped run's limit is the uncapped run's worker peak RSS + 1.5 GiB (a cap of 2.2 GB crashed "
               "the workers)."]
-    return "\n".join(lines)
+    return lines
 
 
 def rewrite_markdown(stem: Path) -> None:
@@ -213,13 +234,17 @@ def main() -> None:
     if "quality" not in args.skip:
         report["quality"]["one process"] = run_job("process", False, quality_settings, base)
         report["quality"]["cluster"] = run_job("cluster", True, [*quality_settings, *shard], base)
-        one, many = report["quality"]["one process"], report["quality"]["cluster"]
-        if one["exit_status"] == 0 and many["exit_status"] == 0:
-            report["cluster_vs_process"] = {
-                "clicks_per_second": many["clicks_per_second"] / one["clicks_per_second"],
-                "seconds": many["seconds"] / one["seconds"],
-                "recall@20": many["metrics"]["model"]["recall@20"] / one["metrics"]["model"]["recall@20"],
-            }
+        report["quality"]["cluster, workers read"] = run_job(
+            "cluster-workers", True, [*quality_settings, *shard, "train.parameter_server.input=workers"], base)
+        one = report["quality"]["one process"]
+        for name, key in (("cluster", "cluster_vs_process"), ("cluster, workers read", "workers_read_vs_process")):
+            many = report["quality"][name]
+            if one["exit_status"] == 0 and many["exit_status"] == 0:
+                report[key] = {
+                    "clicks_per_second": many["clicks_per_second"] / one["clicks_per_second"],
+                    "seconds": many["seconds"] / one["seconds"],
+                    "recall@20": many["metrics"]["model"]["recall@20"] / one["metrics"]["model"]["recall@20"],
+                }
     write_report(args.out, report, markdown(report))
     print(markdown(report))
 

@@ -101,6 +101,10 @@ class LocalCluster:
             "worker": [f"{host}:{free_port(host)}" for _ in range(workers)],
             "ps": [f"{host}:{free_port(host)}" for _ in range(ps)],
         }
+        # The chief's tf.data dispatcher (train.parameter_server.input: workers): each worker registers a
+        # tf.data worker with it, which idles unless a run's workers read the batches.
+        self.data_dispatcher_port = free_port(host)
+        self.data_dispatcher = f"{host}:{self.data_dispatcher_port}"
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.worker_memory_limit = worker_memory_limit
         self.tasks: dict[tuple[str, int], subprocess.Popen] = {}
@@ -131,7 +135,8 @@ class LocalCluster:
             output = self._logs.get((kind, index)) or open(self.log_dir / f"{kind}-{index}.log", "ab")  # noqa: SIM115
             self._logs[(kind, index)] = output
         self.tasks[(kind, index)] = subprocess.Popen(
-            [sys.executable, "-m", "retrieval.training.cluster"],
+            [sys.executable, "-m", "retrieval.training.cluster",
+             *(["--data-dispatcher", self.data_dispatcher] if kind == "worker" else [])],
             env=self.environment(kind, index), stdout=output, stderr=output,
             preexec_fn=_task_setup(self.worker_memory_limit if kind == "worker" else None),
         )
@@ -196,9 +201,11 @@ class LocalCluster:
 
 
 def run_chief(cluster: LocalCluster, train_args: Sequence[str], usage: dict[str, int] | None = None) -> int:
-    """``python -m pipelines.train <train_args> --set train.distribute=parameter_server`` as the chief;
-    its exit status. Given ``usage``, its ``"chief"`` is set to the chief's peak RSS in bytes."""
-    command = [sys.executable, "-m", "pipelines.train", *train_args, "--set", "train.distribute=parameter_server"]
+    """``python -m pipelines.train <train_args> --set train.distribute=parameter_server`` (and the
+    cluster's ``train.parameter_server.data_dispatcher_port``) as the chief; its exit status. Given
+    ``usage``, its ``"chief"`` is set to the chief's peak RSS in bytes."""
+    command = [sys.executable, "-m", "pipelines.train", *train_args, "--set", "train.distribute=parameter_server",
+               "--set", f"train.parameter_server.data_dispatcher_port={cluster.data_dispatcher_port}"]
     chief = subprocess.Popen(command, env=cluster.environment("chief"))
     try:
         _, status, rusage = os.wait4(chief.pid, 0)

@@ -750,6 +750,40 @@ class ParameterServerConfig(_Section):
     max_shards: int = Field(
         1, ge=1, description="Most shards of one ID table (at most the number of ps tasks is useful).",
     )
+    input: Literal["chief", "workers"] = Field(
+        "chief",
+        description="Who reads the training batches. chief: the chief reads each batch and sends it with the "
+        "step it schedules (one data path for every log; the chief's reading bounds the throughput). workers: "
+        "the chief writes the training batches once as TFRecord files (staging_dir) and each worker reads "
+        "them itself through the tf.data service (the chief runs its dispatcher on data_dispatcher_port; each "
+        "worker task is started with --data-dispatcher CHIEF_HOST:PORT, as pipelines.local_cluster does); an "
+        "epoch is then a number of steps of that stream, and a resumed run starts a new pass over it.",
+    )
+    data_dispatcher_port: int = Field(
+        0, ge=0, le=65535,
+        description="Port of the tf.data service dispatcher the chief runs under input: workers (required "
+        "there; pipelines.local_cluster sets it).",
+    )
+    staging_dir: str = Field(
+        "",
+        description="Where the chief writes the staged batches under input: workers, in a directory of its own "
+        "deleted after training; every worker must read it (on several hosts, a shared filesystem). Empty: "
+        "the chief's temporary directory (one machine only).",
+    )
+    staged_files: int = Field(
+        16, ge=1,
+        description="TFRecord files the staged batches are spread over under input: workers: the tf.data "
+        "service hands each file to one worker at a time, so at least a few per worker.",
+    )
+
+    @model_validator(mode="after")
+    def _workers_need_the_dispatcher(self) -> ParameterServerConfig:
+        if self.input == "workers" and self.data_dispatcher_port == 0:
+            raise ValueError(
+                "data_dispatcher_port: input: workers needs the port of the tf.data dispatcher the chief runs "
+                "and the workers register with (python -m pipelines.local_cluster sets it)"
+            )
+        return self
 
 
 class TrainConfig(_Section):
@@ -1070,6 +1104,11 @@ class Config(_Section):
     @model_validator(mode="after")
     def _parameter_server_supported(self) -> Config:
         if self.train.distribute != "parameter_server":
+            if self.train.parameter_server.input == "workers":
+                raise ValueError(
+                    "train.parameter_server.input: workers needs train.distribute: parameter_server (under the "
+                    "other strategies each worker process runs the job and reads its own data already)"
+                )
             return self
         loss = self.model.loss
         refused = {

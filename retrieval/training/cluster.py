@@ -5,7 +5,9 @@ Reads this process's task from TF_CONFIG (``{"cluster": {...}, "task": {"type": 
 killed. A ``worker`` runs the training steps the chief schedules; a ``ps`` task holds its
 shards of the variables (the ID tables' row ranges, the other variables whole). The chief runs
 the job itself (``python -m pipelines.train`` with TF_CONFIG task type ``chief``);
-``pipelines/local_cluster.py`` starts all of them on one machine.
+``pipelines/local_cluster.py`` starts all of them on one machine. With ``--data-dispatcher
+HOST:PORT`` a worker also runs a tf.data worker, to read the training batches itself
+(``train.parameter_server.input: workers``, ``retrieval.training.worker_input``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import tensorflow as tf
 
 from retrieval.errors import entry_point
 from retrieval.training.parameter_server import ClusterError, read_tf_config
+from retrieval.training.worker_input import start_data_worker
 
 TASK_KINDS = ("worker", "ps")
 
@@ -44,11 +47,19 @@ def start_task() -> tf.distribute.Server:
 
 @entry_point
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="retrieval.training.cluster",
         description="Run this process's TF_CONFIG worker or ps task of a parameter-server cluster until killed.",
-    ).parse_args(argv)
-    start_task().join()
+    )
+    parser.add_argument("--data-dispatcher", default=None, metavar="HOST:PORT",
+                        help="a worker task also runs a tf.data worker registered with the chief's dispatcher "
+                        "there, so it can read the training batches itself (train.parameter_server.input: "
+                        "workers, data_dispatcher_port PORT); ignored by a ps task")
+    args = parser.parse_args(argv)
+    server = start_task()
+    if args.data_dispatcher and read_tf_config()[1].get("type") == "worker":
+        start_data_worker(args.data_dispatcher)
+    server.join()
     return 0
 
 

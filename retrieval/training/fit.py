@@ -19,6 +19,7 @@ from retrieval.training.loop import EpochHook, RunLogs, train_epochs
 from retrieval.training.optimizers import make_optimizer
 from retrieval.training.runtime import seed_everything
 from retrieval.training.sources import ClickSource, FrameClicks
+from retrieval.training.worker_input import fed_by
 
 log = logging.getLogger("retrieval")
 
@@ -140,8 +141,9 @@ def fit(
         if checkpoint is not None:
             checkpoint.save(state)  # the state the final run starts from: a resume need not repeat the selection
     model.compile(optimizer=optimizer)
-    state = train_epochs(model, source, epochs, state=state, checkpoint=checkpoint, logs=logs,
-                         hooks=epoch_hooks, verbose=config.verbose, say=say)
+    with fed_by(source, config.parameter_server) as batches:
+        state = train_epochs(model, batches, epochs, state=state, checkpoint=checkpoint, logs=logs,
+                             hooks=epoch_hooks, verbose=config.verbose, say=say)
     if checkpoint is not None:
         checkpoint.save(state)  # the end state: a job killed after training does not train again
     if logs is not None:
@@ -213,8 +215,9 @@ def select_epochs(
     all_hooks += hooks or []
     model.compile(optimizer=optimizer)
     if state is None or not watch.stopped:  # a selection killed after its last epoch is not trained again
-        state = train_epochs(model, validation.fit_source, config.epochs, state=state, checkpoint=checkpoint,
-                             logs=logs, hooks=all_hooks, verbose=config.verbose, say=say, eta_bound=True)
+        with fed_by(validation.fit_source, config.parameter_server) as batches:
+            state = train_epochs(model, batches, config.epochs, state=state, checkpoint=checkpoint,
+                                 logs=logs, hooks=all_hooks, verbose=config.verbose, say=say, eta_bound=True)
     if timing is not None:
         timing.update(state.timing)
     if initial is not None:

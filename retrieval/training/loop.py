@@ -35,6 +35,7 @@ from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState
 from retrieval.training.parameter_server import ClusterError, chief_coordinator
 from retrieval.training.runtime import worker_count
 from retrieval.training.sources import ClickSource, StreamedClicks
+from retrieval.training.worker_input import WorkerFedClicks
 
 log = logging.getLogger("retrieval")
 
@@ -183,18 +184,22 @@ def _diverged(what: str, state: TrainingState, epochs: int, model: TwoTowerModel
     )
 
 
-def step_function(model: TwoTowerModel, input_signature: list | None = None) -> Callable[[dict], dict]:
+def step_function(model: TwoTowerModel, input_signature: list | None = None,
+                  from_iterator: bool = False) -> Callable[[Any], dict]:
     """One training step of ``model`` (compiled with its optimizer) under the current strategy.
 
     Each replica runs ``model.train_step`` on its share of the global batch;
     their logged values are shares of the global ones and are summed, as
     tf-keras does off TPU. ``input_signature``: traced once for it (None: a
-    trace per new batch shape).
+    trace per new batch shape). ``from_iterator``: the step takes an iterator and trains on its
+    next batch (a per-worker iterator under ``ClusterCoordinator``: ``WorkerFedClicks``).
     """
     strategy = tf.distribute.get_strategy()
 
     @tf.function(input_signature=input_signature)
     def step(batch):
+        if from_iterator:
+            batch = next(batch)
         logs = strategy.run(model.train_step, args=(batch,))
         # One value at a time: MultiWorkerMirroredStrategy.reduce takes no nested structure.
         return {key: strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None) for key, value in logs.items()}
@@ -207,15 +212,22 @@ def distributed_epoch(source: ClickSource, epoch: int, skip_batches: int = 0):
     under the current strategy.
 
     Without a strategy, ``source.epoch``; under ``ParameterServerStrategy`` too: the chief reads
-    the batches and schedules each one on a worker (``train_epochs``). Under another, each replica gets its share
-    of every global batch: with several workers a ``StreamedClicks`` is read by
-    each worker on its own shards (``StreamedClicks.worker_epoch``, through
+    the batches and schedules each one on a worker (``train_epochs``), unless the workers read them
+    (a ``WorkerFedClicks``: the per-worker iterator once a step, ``WorkerFedClicks.worker_steps``).
+    Under another, each replica gets its share of every global batch: with several workers a
+    ``StreamedClicks`` is read by each worker on its own shards (``StreamedClicks.worker_epoch``, through
     ``distribute_datasets_from_function``); otherwise every worker makes the
     whole epoch and ``experimental_distribute_dataset`` splits each global batch
     over the replicas (under ``multi_worker`` each worker keeps its part): a
     ``FrameClicks``, or a ``StreamedClicks`` of a log held in memory (``ClickTable``).
     """
-    if not tf.distribute.has_strategy() or chief_coordinator() is not None:
+    coordinator = chief_coordinator() if tf.distribute.has_strategy() else None
+    if isinstance(source, WorkerFedClicks):
+        if coordinator is None:
+            raise ValueError("batches staged for the workers (train.parameter_server.input: workers) are read by "
+                             "a parameter-server cluster's workers: train under its strategy")
+        return source.worker_steps(coordinator, skip_batches)
+    if not tf.distribute.has_strategy() or coordinator is not None:
         return source.epoch(epoch, skip_batches=skip_batches)
     strategy = tf.distribute.get_strategy()
     if isinstance(source, StreamedClicks) and source.reads_own_shards and worker_count(strategy) > 1:
@@ -345,7 +357,8 @@ def _train(
             # Several workers trace once, for any batch shape: a trace per new shape would come at other
             # steps on workers whose batches differ (their own shards), and a worker tracing its
             # collectives alone waits for its peers.
-            step = step_function(model, [batches.element_spec] if worker_count() > 1 else None)
+            step = step_function(model, [batches.element_spec] if worker_count() > 1 else None,
+                                 from_iterator=isinstance(source, WorkerFedClicks))
         pending: list[_Pending] = []  # steps whose values are not read yet
         for batch in batches:
             outputs = step(batch) if coordinator is None else coordinator.schedule(step, args=(batch,))
