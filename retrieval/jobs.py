@@ -52,7 +52,7 @@ from retrieval.evaluation import (
 from retrieval.export import atomic_directory, write_bundle
 from retrieval.features import ExampleJoin, FeatureStatistics, TowerTables, Vocabulary
 from retrieval.features.histories import ClickHistories
-from retrieval.index import ItemIndex, build_index, check_index_fits
+from retrieval.index import ItemIndex, build_index_in_blocks, check_index_fits, flat_vectors
 from retrieval.model import build_model
 from retrieval.model_parts import resolved
 from retrieval.samplers import UserHistory
@@ -208,7 +208,7 @@ def write_run_outputs(
     metrics: dict[str, Any],
     model,
     index: ItemIndex,
-    item_embeddings: np.ndarray,
+    item_embeddings: np.ndarray | None,
     stats: FeatureStatistics,
     *,
     probe_query: pd.DataFrame | None = None,
@@ -580,16 +580,28 @@ def _validation(config: Config, data: JobData) -> ValidationData:
     return ValidationData(source, validation if data.join is None else data.join.examples(validation), fit_clicks)
 
 
-def index_catalogue(config: Config, model, data: JobData) -> tuple[ItemIndex, np.ndarray, list[str]]:
+def index_catalogue(config: Config, model, data: JobData) -> tuple[ItemIndex, np.ndarray | None, list[str]]:
     """Every catalogue item embedded from its features (clicked in training or not) into the index;
-    ``(index, item_embeddings, tuning_users)``, approximate indexes tuned on a sample of training users."""
+    ``(index, item_embeddings, tuning_users)``, approximate indexes tuned on a sample of training users.
+
+    The items are embedded a block at a time, straight into the index (``build_index_in_blocks``): the
+    catalogue's [items, dim] matrix is never held beside the index. ``item_embeddings`` is that matrix
+    only when the bundle's topk model needs it (``export.topk_model``; a Flat index's own vectors),
+    else None.
+    """
     items = len(data.catalogue_ids)
-    log.info("indexing %d catalogue items (%s)", items, config.index.factory_for(items, config.model.embedding_dim))
-    item_embeddings = embed_frame(model.doc_tower, data.tables.catalogue())
+    dim = int(model.doc_tower.output_shape[-1])
+    log.info("indexing %d catalogue items (%s)", items, config.index.factory_for(items, dim))
+    catalogue = data.tables.catalogue()
     users = np.sort(np.asarray(data.stats.users.ids, dtype=object))
     tuning_users = seeded_subset(users, config.index.tune_queries, config.index.seed).tolist()
-    index = build_index(data.catalogue_ids, item_embeddings, config.index,
-                        embed_frame(model.query_tower, data.tables.queries(tuning_users)), "training users")
+    index = build_index_in_blocks(
+        data.catalogue_ids, lambda rows: embed_frame(model.doc_tower, catalogue.iloc[rows]), dim, config.index,
+        embed_frame(model.query_tower, data.tables.queries(tuning_users)), "training users",
+    )
+    item_embeddings = None
+    if config.export.topk_model:
+        item_embeddings = flat_vectors(index.index) if index.is_exact else embed_frame(model.doc_tower, catalogue)
     return index, item_embeddings, tuning_users
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from retrieval import index as index_module
 from retrieval.config import EXACT_MAX_FLOATS, IndexConfig
-from retrieval.index import ItemIndex, build_index, exact_search, recall_at_k
+from retrieval.index import ItemIndex, build_index, build_index_in_blocks, exact_search, recall_at_k
+from retrieval.index.item_index import _BlockedTopK
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -212,3 +213,34 @@ def test_auto_builds_the_factory_it_names_and_records_it(caplog):
 def test_auto_refuses_fixed_search_parameters():
     with pytest.raises(ValueError, match=r"index\.search_params 'nprobe=8' fix one factory's parameters.*auto"):
         IndexConfig(factory="auto", search_params="nprobe=8")
+
+
+@pytest.mark.parametrize("with_queries", [True, False])
+def test_a_catalogue_indexed_in_blocks_is_the_index_of_the_whole_matrix(monkeypatch, with_queries):
+    """build_index_in_blocks never asks for more rows than a block or the training sample, and gives
+    the index, tuning and reference of build_index on the whole matrix."""
+    ids, items, queries = clustered(8, num_items=3000)
+    config = IndexConfig(factory="IVF32,Flat", train_sample_size=1200, tune_k=20, tune_queries=150)
+    whole = build_index(ids, items, config, queries=queries if with_queries else None)
+    monkeypatch.setattr(index_module, "ADD_BATCH_SIZE", 500)
+    asked = []
+
+    def embed_rows(rows):
+        asked.append(len(rows))
+        return items[rows]
+
+    blocked = build_index_in_blocks(ids, embed_rows, items.shape[1], config, queries if with_queries else None)
+    assert max(asked) <= 1200 and sum(asked) >= len(items)
+    assert blocked.tuning.query_source == whole.tuning.query_source == ("queries" if with_queries else "items")
+    assert blocked.search_params == whole.search_params and blocked.tuning.recall == whole.tuning.recall
+    np.testing.assert_array_equal(blocked.search(queries, 10).rows, whole.search(queries, 10).rows)
+
+
+def test_the_blocked_reference_is_exact_search_over_the_whole_catalogue():
+    _, items, queries = clustered(9, num_items=2500)
+    reference = _BlockedTopK(queries, 30)
+    for first in range(0, len(items), 700):
+        reference.add(first, items[first:first + 700])
+    found, exact = reference.result(), exact_search(items, queries, 30)
+    np.testing.assert_allclose(found.scores, exact.scores, rtol=1e-5)
+    assert recall_at_k(found.rows, exact.rows) == 1.0

@@ -17,8 +17,8 @@ the fastest setting that reaches the target recall is kept
 (``ItemIndex.search_params``) and saved with the index, so a loaded index
 searches exactly as measured.
 
-The package's modules: ``item_index`` (``ItemIndex``, ``build_index``, the
-saved files), ``search`` (``TopK``, exact search, ``recall_at_k``),
+The package's modules: ``item_index`` (``ItemIndex``, ``build_index``, ``build_index_in_blocks``
+for a catalogue embedded a block at a time, the saved files), ``search`` (``TopK``, exact search, ``recall_at_k``),
 ``tuning`` (the ``Tuning`` record and the parameter search). Exact search
 picks ``ExactTopK`` or FAISS by an ``ExactRouting`` (``ItemIndex.routing``,
 ``exact_search(..., routing=)``), so a benchmark or test pins a path by passing
@@ -32,6 +32,7 @@ from retrieval.index.item_index import (
     IndexFilesError,
     ItemIndex,
     build_index,
+    build_index_in_blocks,
     check_index_fits,
 )
 from retrieval.index.search import (
@@ -46,7 +47,9 @@ from retrieval.index.search import (
 )
 from retrieval.index.tuning import MAX_EF_SEARCH, Tuning
 
-ADD_BATCH_SIZE = 100_000  # vectors per index.add call: bounds the progress interval
+# Vectors per index.add call, and per block of an index built in blocks (``build_index_in_blocks``): bounds
+# the progress interval and the vectors a catalogue's indexing holds beside its index.
+ADD_BATCH_SIZE = 100_000
 
 __all__ = [
     "ADD_BATCH_SIZE",
@@ -63,6 +66,7 @@ __all__ = [
     "TopK",
     "Tuning",
     "build_index",
+    "build_index_in_blocks",
     "check_index_fits",
     "exact_search",
     "flat_vectors",

@@ -14,7 +14,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,8 @@ log = logging.getLogger("retrieval.index")
 # FAISS's k-means (faiss.ClusteringParameters().min_points_per_centroid) warns below this many
 # training points per centroid; below one point per centroid it refuses to train.
 POINTS_PER_CENTROID = 39
+
+NORM_TOLERANCE = 1e-3  # |norm - 1| below which an embedding counts as a unit vector
 
 # The parts of a factory string that train k-means, and how many centroids each needs.
 _IVF = re.compile(r"(?<![A-Za-z])IVF(\d+)")  # the coarse quantizer: one centroid per list (IVF200_HNSW32 too)
@@ -161,21 +163,54 @@ class ItemIndex:
             raise ValueError(f"embeddings must be [num_items, dim] with num_items > 0, got {embeddings.shape}")
         if len(item_ids) != embeddings.shape[0]:
             raise ValueError(f"{len(item_ids)} item ids for {embeddings.shape[0]} embeddings")
+        return cls.build_in_blocks(item_ids, embeddings.__getitem__, embeddings.shape[1], factory,
+                                   train_sample_size=train_sample_size, seed=seed)
+
+    @classmethod
+    def build_in_blocks(
+        cls,
+        item_ids: Sequence[str],
+        embed_rows: Callable[[np.ndarray], np.ndarray],
+        dim: int,
+        factory: str = "Flat",
+        *,
+        train_sample_size: int | None = None,
+        seed: int = 0,
+        on_block: Callable[[int, np.ndarray], None] | None = None,
+    ) -> ItemIndex:
+        """``build`` without the [num_items, dim] matrix: the vectors are made a block of rows at a time
+        (``embed_rows(rows)``, rows [n] int64 -> [n, dim] float32) and added to the index as they come,
+        so a catalogue is indexed in the memory of its index plus one block.
+
+        An index that needs training first gets the rows of its training sample (``build``'s, the
+        same seed); then ``retrieval.index.ADD_BATCH_SIZE`` rows a block, in order, each passed to
+        ``on_block(first_row, block)`` once added (``build_index`` computes its exact reference there).
+        """
+        num_items = len(item_ids)
+        if num_items == 0:
+            raise ValueError("cannot index an empty catalogue")
         _require_unique(np.asarray(item_ids, dtype=object))  # before any training on them
-        if not np.all(np.isfinite(embeddings)):
-            raise ValueError("embeddings contain NaN or inf")
         if train_sample_size is not None and train_sample_size <= 0:
             raise ValueError(f"train_sample_size must be positive, got {train_sample_size}")
-        check_index_fits(factory, len(embeddings), train_sample_size)
+        check_index_fits(factory, num_items, train_sample_size)
         try:
-            index = faiss.index_factory(embeddings.shape[1], factory, faiss.METRIC_INNER_PRODUCT)
+            index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
         except RuntimeError as error:
             raise ConfigError(f"index.factory {factory!r} is not a valid FAISS factory string: {error}") from None
+
+        def block_of(rows: np.ndarray) -> np.ndarray:
+            block = np.ascontiguousarray(embed_rows(rows), dtype=np.float32)
+            if block.shape != (len(rows), dim):
+                raise ValueError(f"embeddings must be [{len(rows)}, {dim}] for {len(rows)} rows, got {block.shape}")
+            if not np.all(np.isfinite(block)):
+                raise ValueError("embeddings contain NaN or inf")
+            return block
+
         if not index.is_trained:
-            sample = embeddings
-            if train_sample_size is not None and len(embeddings) > train_sample_size:
-                rows = np.random.default_rng(seed).choice(len(embeddings), train_sample_size, replace=False)
-                sample = embeddings[np.sort(rows)]
+            rows = np.arange(num_items)
+            if train_sample_size is not None and num_items > train_sample_size:
+                rows = np.sort(np.random.default_rng(seed).choice(num_items, train_sample_size, replace=False))
+            sample = block_of(rows)
             started = time.perf_counter()
             try:
                 index.train(sample)
@@ -184,8 +219,24 @@ class ItemIndex:
                     f"index.factory {factory!r} cannot be trained on {len(sample)} vectors: {error}"
                 ) from None
             log.info("trained %s on %d vectors in %.1f s", factory, len(sample), time.perf_counter() - started)
-        _add_with_progress(index, embeddings)
-        return cls(index, list(item_ids), factory, normalized=_is_normalized(embeddings))
+            del sample
+        # Read through the package (retrieval/index/__init__.py), where tests set it.
+        block_size = retrieval.index.ADD_BATCH_SIZE
+        normalized, nonzero, started = True, False, time.perf_counter()
+        for first in range(0, num_items, block_size):
+            block = block_of(np.arange(first, min(first + block_size, num_items)))
+            norms = np.linalg.norm(block, axis=1)
+            # Every non-zero row a unit vector: inner product == cosine.
+            normalized = normalized and bool(np.all(np.abs(norms[norms > 0] - 1) <= NORM_TOLERANCE))
+            nonzero = nonzero or bool(np.any(norms > 0))
+            index.add(block)
+            if on_block is not None:
+                on_block(first, block)
+            if num_items > block_size:
+                done = min(first + block_size, num_items)
+                log.info("index add: %d / %d vectors (%.0f%%), %.1f s", done, num_items, 100 * done / num_items,
+                         time.perf_counter() - started)
+        return cls(index, list(item_ids), factory, normalized=normalized and nonzero)
 
     @property
     def dim(self) -> int:
@@ -315,7 +366,7 @@ class ItemIndex:
 
     def tune(
         self,
-        embeddings: np.ndarray,
+        embeddings: np.ndarray | None,
         queries: np.ndarray,
         *,
         k: int = 100,
@@ -336,7 +387,7 @@ class ItemIndex:
         ``reached_target`` is False.
 
         Args:
-          embeddings: [num_items, dim] the indexed vectors, for the exact reference.
+          embeddings: [num_items, dim] the indexed vectors, for the exact reference (None: ``exact`` is given).
           queries: [num_queries, dim] query embeddings (>= 2); all-zero rows
             (out-of-vocabulary queries, which tie with every item) are dropped.
           k: the k of recall@k (capped at the index size).
@@ -349,10 +400,13 @@ class ItemIndex:
         Returns:
           The Tuning, also kept in ``self.tuning``; ``self.search_params`` is set.
         """
-        embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
         queries = np.ascontiguousarray(queries, dtype=np.float32)
-        if embeddings.shape != (len(self), self.dim):
-            raise ValueError(f"embeddings must be [{len(self)}, {self.dim}], got {embeddings.shape}")
+        if embeddings is None and exact is None:
+            raise ValueError("tune needs the indexed vectors or their exact top-k for the queries")
+        if embeddings is not None:
+            embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
+            if embeddings.shape != (len(self), self.dim):
+                raise ValueError(f"embeddings must be [{len(self)}, {self.dim}], got {embeddings.shape}")
         if queries.ndim != 2 or queries.shape[1] != self.dim:
             raise ValueError(f"queries must be [num_queries, {self.dim}], got {queries.shape}")
         if not 0 < target_recall <= 1:
@@ -364,7 +418,7 @@ class ItemIndex:
         k = min(k, len(self))
         half = len(queries) // 2
         if exact is None:
-            exact = exact_search(embeddings, queries, k)
+            exact = exact_search(embeddings, queries, k)  # type: ignore[arg-type]  # checked above
         else:
             if exact.rows.shape != (len(known), k):
                 raise ValueError(f"exact must be [{len(known)}, {k}] results for these queries, got {exact.rows.shape}")
@@ -503,53 +557,110 @@ def build_index(
         stands in for queries and the tuning record says so.
       query_source: what ``queries`` are, recorded in the tuning record.
     """
-    factory = config.factory_for(len(item_ids), embeddings.shape[1])
+    embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
+    if embeddings.ndim != 2 or embeddings.shape[0] == 0:
+        raise ValueError(f"embeddings must be [num_items, dim] with num_items > 0, got {embeddings.shape}")
+    if len(item_ids) != embeddings.shape[0]:
+        raise ValueError(f"{len(item_ids)} item ids for {embeddings.shape[0]} embeddings")
+    return build_index_in_blocks(item_ids, embeddings.__getitem__, embeddings.shape[1], config, queries, query_source)
+
+
+def build_index_in_blocks(
+    item_ids: Sequence[str],
+    embed_rows: Callable[[np.ndarray], np.ndarray],
+    dim: int,
+    config: IndexConfig,
+    queries: np.ndarray | None = None,
+    query_source: str = "queries",
+) -> ItemIndex:
+    """``build_index`` with the item vectors made a block of rows at a time (``embed_rows(rows)``, rows
+    [n] int64 -> [n, dim] float32; ``ItemIndex.build_in_blocks``), never as one [num_items, dim] matrix.
+
+    The exact reference an approximate index is tuned against is merged block by block as the
+    blocks are added (``exact_search`` of each block, the best ``tune_k`` kept). Without real
+    queries the item vectors standing in for them are known only after that pass (a sample of the
+    non-zero ones, as ``build_index`` always drew it), so their reference takes a second pass.
+    """
+    num_items = len(item_ids)
+    factory = config.factory_for(num_items, dim)
     if factory != config.factory:
-        log.info("index.factory %s: %s for %d items", config.factory, factory, len(item_ids))
-    index = ItemIndex.build(item_ids, embeddings, factory, train_sample_size=config.train_sample_size, seed=config.seed)
-    if index.is_exact:
-        return index
+        log.info("index.factory %s: %s for %d items", config.factory, factory, num_items)
+    exact = _is_exact(factory, dim)
     rng = np.random.default_rng(config.seed)
     source = query_source
     if queries is not None:
         queries = np.asarray(queries, dtype=np.float32)
         queries = queries[np.any(queries != 0, axis=1)]
+        if len(queries) > config.tune_queries:
+            queries = queries[rng.choice(len(queries), config.tune_queries, replace=False)]
+    real = queries is not None and len(queries) >= 2
+    reference = _BlockedTopK(queries if real and not exact else None, min(config.tune_k, num_items))
+    nonzero_rows: list[np.ndarray] = []
+
+    def on_block(first: int, block: np.ndarray) -> None:
+        reference.add(first, block)
+        if not real:
+            nonzero_rows.append(first + np.flatnonzero(np.any(block != 0, axis=1)))
+
+    index = ItemIndex.build_in_blocks(item_ids, embed_rows, dim, factory, train_sample_size=config.train_sample_size,
+                                      seed=config.seed, on_block=None if exact else on_block)
+    if index.is_exact:
+        return index
+    if not real:
+        source = "items"
+        rows = np.concatenate(nonzero_rows) if nonzero_rows else np.zeros(0, np.int64)
+        if len(rows) > config.tune_queries:
+            rows = rows[rng.choice(len(rows), config.tune_queries, replace=False)]
+        queries = np.ascontiguousarray(embed_rows(rows), dtype=np.float32) if len(rows) else np.zeros((0, dim))
+        if len(queries) >= 2:
+            reference = _BlockedTopK(queries, min(config.tune_k, num_items))
+            block_size = retrieval.index.ADD_BATCH_SIZE
+            for first in range(0, num_items, block_size):
+                reference.add(first, embed_rows(np.arange(first, min(first + block_size, num_items))))
     if queries is None or len(queries) < 2:
-        source, queries = "items", np.asarray(embeddings, dtype=np.float32)
-        queries = queries[np.any(queries != 0, axis=1)]
-    if len(queries) > config.tune_queries:
-        queries = queries[rng.choice(len(queries), config.tune_queries, replace=False)]
-    if len(queries) < 2:
         log.warning("index %s left untuned: fewer than 2 non-zero embeddings to tune on", factory)
         if config.search_params:
             index.set_search_params(config.search_params)
         return index
     index.tune(
-        embeddings,
+        None,
         queries,
         k=config.tune_k,
         target_recall=config.target_recall,
         query_source=source,
         params=config.search_params,
+        exact=reference.result(),
     )
     return index
 
 
-def _add_with_progress(index: faiss.Index, embeddings: np.ndarray) -> None:
-    total = len(embeddings)
-    # Read through the package (retrieval/index/__init__.py), where tests set it.
-    batch_size = retrieval.index.ADD_BATCH_SIZE
-    started = time.perf_counter()
-    for start in range(0, total, batch_size):
-        index.add(embeddings[start : start + batch_size])
-        if total > batch_size:
-            done = min(start + batch_size, total)
-            log.info("index add: %d / %d vectors (%.0f%%), %.1f s", done, total, 100 * done / total,
-                     time.perf_counter() - started)
+def _is_exact(factory: str, dim: int) -> bool:
+    """Whether ``factory`` builds a brute-force index (an invalid one: False; building it says why)."""
+    try:
+        return isinstance(faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT), (faiss.IndexFlatIP,
+                                                                                          faiss.IndexFlat))
+    except RuntimeError:
+        return False
 
 
-def _is_normalized(embeddings: np.ndarray, tolerance: float = 1e-3) -> bool:
-    """True when every non-zero row is a unit vector (inner product == cosine)."""
-    norms = np.linalg.norm(embeddings, axis=1)
-    norms = norms[norms > 0]
-    return bool(len(norms)) and bool(np.all(np.abs(norms - 1) <= tolerance))
+class _BlockedTopK:
+    """The exact inner-product top-``k`` of ``queries`` over item blocks added in row order (None: nothing)."""
+
+    def __init__(self, queries: np.ndarray | None, k: int):
+        self.queries, self.k = queries, k
+        self.scores: np.ndarray | None = None
+        self.rows: np.ndarray | None = None
+
+    def add(self, first: int, block: np.ndarray) -> None:
+        if self.queries is None:
+            return
+        found = exact_search(np.asarray(block, dtype=np.float32), self.queries, min(self.k, len(block)))
+        scores, rows = found.scores, np.where(found.rows >= 0, found.rows + first, -1)
+        if self.scores is not None:
+            scores, rows = np.hstack([self.scores, scores]), np.hstack([self.rows, rows])
+        keep = np.argsort(-scores, axis=1, kind="stable")[:, : self.k]
+        self.scores, self.rows = np.take_along_axis(scores, keep, 1), np.take_along_axis(rows, keep, 1)
+
+    def result(self) -> TopK:
+        assert self.scores is not None and self.rows is not None, "no block was added"
+        return TopK(scores=self.scores, rows=self.rows)

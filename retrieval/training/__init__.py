@@ -2,8 +2,9 @@
 
 Modules, in the order they build on each other: ``optimizers``, ``runtime``
 (seeds, tf.distribute), ``parameter_server`` (ParameterServerStrategy: sharded ID
-tables, the chief's coordinator), ``cluster`` (a worker or ps task's server),
-``sources`` (click frame or streamed shards, one epoch at a time),
+tables, the chief's coordinator), ``sources`` (click frame or streamed shards, one
+epoch at a time), ``worker_input`` (a source's batches staged for a cluster's workers
+to read through the tf.data service), ``cluster`` (a worker or ps task's server),
 ``checkpoints``, ``loop`` (the step loop every run uses), ``early_stopping``,
 ``fit`` (selection + final run), ``embeddings``.
 """
