@@ -9,9 +9,9 @@ vocabularies), the model under its scope, and the loop (``retrieval.training.loo
 each batch through the strategy's ``ClusterCoordinator`` (``chief_coordinator``). The batches
 come from the chief (the click sources are Python generators, which a remote worker cannot
 run), or with ``train.parameter_server.input: workers`` from files the chief stages once and the
-workers read themselves (``retrieval.training.worker_input``). Validation, indexing and export read the trained weights on the chief, from a copy in
-towers built without the strategy (``copy_towers``), so a bundle does not depend on how it
-was trained.
+workers read themselves (``retrieval.training.worker_input``). Validation, indexing and export
+read the trained weights on the chief, from a copy in towers built without the strategy
+(``copy_towers``), so a bundle does not depend on how it was trained.
 """
 
 from __future__ import annotations
