@@ -52,7 +52,7 @@ from retrieval.evaluation import (
 from retrieval.export import atomic_directory, write_bundle
 from retrieval.features import ExampleJoin, FeatureStatistics, TowerTables, Vocabulary
 from retrieval.features.histories import ClickHistories
-from retrieval.index import ItemIndex, build_index_in_blocks, check_index_fits, flat_vectors
+from retrieval.index import ItemIndex, build_index_in_blocks, check_index_fits
 from retrieval.model import build_model
 from retrieval.model_parts import resolved
 from retrieval.samplers import UserHistory
@@ -601,7 +601,9 @@ def index_catalogue(config: Config, model, data: JobData) -> tuple[ItemIndex, np
     )
     item_embeddings = None
     if config.export.topk_model:
-        item_embeddings = flat_vectors(index.index) if index.is_exact else embed_frame(model.doc_tower, catalogue)
+        item_embeddings = index.flat_vectors()
+        if item_embeddings is None:
+            item_embeddings = embed_frame(model.doc_tower, catalogue)
     return index, item_embeddings, tuning_users
 
 

@@ -250,6 +250,10 @@ class ItemIndex:
         """True when search is brute force (results equal a full argsort)."""
         return isinstance(self.index, (faiss.IndexFlatIP, faiss.IndexFlat))
 
+    def flat_vectors(self) -> np.ndarray | None:
+        """A Flat index's [ntotal, dim] vectors as a view (no copy; valid while the index lives), else None."""
+        return flat_vectors(self.index) if isinstance(self.index, faiss.IndexFlat) else None
+
     def vectors(self, rows: np.ndarray | Sequence[int]) -> np.ndarray:
         """The vectors the index holds at ``rows`` [n]: [n, dim] float32, read back from FAISS.
 
@@ -656,7 +660,7 @@ class _BlockedTopK:
             return
         found = exact_search(np.asarray(block, dtype=np.float32), self.queries, min(self.k, len(block)))
         scores, rows = found.scores, np.where(found.rows >= 0, found.rows + first, -1)
-        if self.scores is not None:
+        if self.scores is not None and self.rows is not None:
             scores, rows = np.hstack([self.scores, scores]), np.hstack([self.rows, rows])
         keep = np.argsort(-scores, axis=1, kind="stable")[:, : self.k]
         self.scores, self.rows = np.take_along_axis(scores, keep, 1), np.take_along_axis(rows, keep, 1)
