@@ -242,6 +242,26 @@ def test_workers_read_the_staged_batches_themselves(chief, cluster, tmp_path):
     assert not directory.exists()  # the staged files go with the run
 
 
+def test_a_killed_worker_that_reads_its_own_batches_recovers(chief, cluster, tmp_path):
+    """input: workers: a worker SIGKILLed after the first epoch and started again at its address (its
+    tf.data worker registers again); the coordinator rebuilds its dataset and the run completes."""
+    strategy, clicks, stats, _ = chief
+    model = _model(strategy, stats, seed=4)
+    source = FrameClicks(clicks, 32, seed=0)
+    config = ParameterServerConfig(min_shard_bytes=64, max_shards=2, input="workers", staged_files=4,
+                                   data_dispatcher_port=cluster.data_dispatcher_port, staging_dir=str(tmp_path))
+
+    def kill_and_restart(epoch, logs):
+        if epoch == 0:
+            cluster.restart("worker", 1)
+
+    with strategy.scope(), fed_by(source, config) as batches:
+        state = train_epochs(model, batches, 3, hooks=[kill_and_restart], verbose=0)
+    assert state.steps == 3 * source.steps_per_epoch
+    assert state.steps <= int(model.optimizer.iterations) <= state.steps + 1
+    assert all(np.isfinite(state.history["loss"]))
+
+
 def test_staged_batches_stream_every_row_once_a_pass():
     rng = np.random.default_rng(1)
     clicks = pd.DataFrame({"user_id": [f"u{u}" for u in range(300)],
