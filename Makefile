@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 SET    ?=
 
-.PHONY: install install-browser test test-fast train train-cluster evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend bench-parameter-server
+.PHONY: install install-browser test test-fast train train-cluster evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend bench-parameter-server bench-index-blocks
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -126,6 +126,10 @@ bench-scale-both-ways:
 # (~11 min on 2 cores). ARGS="--clicks 2000000 --users 100000 --items 1000000" for the scale log.
 bench-parameter-server:
 	nice -n 10 $(BIN)/python -m benchmarks.bench_parameter_server $(ARGS)
+
+# The catalogue indexed in blocks vs from one matrix: indexing's extra peak RSS at 1M x 256 (~3 min).
+bench-index-blocks:
+	$(BIN)/python -m benchmarks.bench_index_blocks $(ARGS)
 
 # Eager call of an ID tower over 1M ids, StringLookup vocabulary as a list vs an array (~1 min).
 bench-tower-call:
