@@ -311,6 +311,12 @@ class StreamingFrequencyConfig(_Section):
     learning_rate: float = Field(
         0.05, gt=0, le=1, description="EMA rate of the gap estimate: larger tracks drift faster, smaller is less noisy."
     )
+    num_shards: int = Field(
+        0, ge=0,
+        description="Variables each hash array is split into (bucket b in shard b % num_shards), which "
+        "ParameterServerStrategy places on its ps tasks in turn. 0: train.parameter_server.max_shards under "
+        "train.distribute: parameter_server (as the ID tables), else 1.",
+    )
 
 
 class KernelSamplerConfig(_Section):

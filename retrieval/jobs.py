@@ -68,7 +68,13 @@ from retrieval.training import (
     seed_everything,
     training_summary,
 )
-from retrieval.training.parameter_server import check_cluster, cluster_strategy, copy_towers, id_table_shapes
+from retrieval.training.parameter_server import (
+    check_cluster,
+    cluster_strategy,
+    copy_towers,
+    id_table_shapes,
+    with_estimator_shards,
+)
 from retrieval.training.worker_input import data_dispatcher
 
 log = logging.getLogger("retrieval")
@@ -116,6 +122,7 @@ def train_evaluate_export(
     strategy = None if sharded else distribution_strategy(config.train)
     if sharded:
         check_cluster()  # TF_CONFIG names a chief, workers and ps tasks: before the data is read
+        config = with_estimator_shards(config)
         if config.train.parameter_server.input == "workers":  # the workers register while the data is read
             data_dispatcher(config.train.parameter_server.data_dispatcher_port)
     name = config.run.name or default_run_name(config_name)

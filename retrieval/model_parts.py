@@ -71,6 +71,7 @@ LOG_Q_SOURCES: dict[str, Callable[[np.ndarray, LossConfig], tf.Module]] = {
         num_buckets=loss.streaming.num_buckets,
         num_hashes=loss.streaming.num_hashes,
         learning_rate=loss.streaming.learning_rate,
+        num_shards=loss.streaming.num_shards or 1,
     ),
 }
 

@@ -212,3 +212,21 @@ def test_the_training_loop_advances_the_estimator_once_per_batch():
     for batch in source.epoch(2).take(1):
         step(batch)
     assert int(estimator.step.numpy()) == 5
+    with pytest.raises(ValueError, match="num_shards"):
+        StreamingFrequency(num_buckets=8, num_shards=9)
+
+
+def test_a_sharded_estimator_keeps_the_state_of_a_whole_one():
+    """num_shards splits each hash array into row-range variables (bucket b: shard b % S, row b // S):
+    the same updates give the same arrays and estimates as one variable a hash."""
+    rng = np.random.default_rng(6)
+    batches = [rng.integers(0, 5000, size=int(rng.integers(1, 200))) for _ in range(60)]
+    whole = StreamingFrequency(num_buckets=1000, num_hashes=3, learning_rate=0.1)
+    sharded = StreamingFrequency(num_buckets=1000, num_hashes=3, learning_rate=0.1, num_shards=3)
+    assert len(sharded.gaps[0]) == 3 and sharded.gaps[0][0].shape == (334,)
+    _run(whole, batches)
+    _run(sharded, batches)
+    np.testing.assert_array_equal(sharded.gap.numpy(), whole.gap.numpy())
+    np.testing.assert_array_equal(sharded.last_step.numpy(), whole.last_step.numpy())
+    ids = tf.constant([[3, 17], [4999, 123456]], tf.int64)
+    np.testing.assert_array_equal(sharded.log_probability(ids), whole.log_probability(ids))

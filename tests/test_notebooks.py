@@ -133,7 +133,8 @@ def test_committed_notebooks_ran_on_the_current_defaults(name):
 
 
 ADDED_SINCE = {
-    "loss": {"negatives_per_row": False, "margin": 0.9, "negative_weight": 150.0, "bsl_temperature": 1.22},
+    "loss": {"negatives_per_row": False, "margin": 0.9, "negative_weight": 150.0, "bsl_temperature": 1.22,
+             "streaming": {"num_shards": 0}},
     "parameter_server": {"min_shard_bytes": 262144, "max_shards": 1, "input": "chief", "data_dispatcher_port": 0,
                          "staging_dir": "", "staged_files": 16},  # read only by distribute: parameter_server
     "sequence_windows": "all",  # read only by train.examples: sequences

@@ -40,6 +40,7 @@ from retrieval.training.parameter_server import (
     id_table_shapes,
     parameter_server_strategy,
     table_bytes,
+    with_estimator_shards,
 )
 from retrieval.training.worker_input import (
     WorkerFedClicks,
@@ -115,7 +116,25 @@ def test_tables_are_disjoint_row_ranges_on_the_ps_tasks(chief, tower, layer, whi
 
 def test_only_tables_are_sharded(chief):
     strategy, _, stats, _ = chief
-    assert not isinstance(_model(strategy, stats).sampler.frequency.gap, ShardedVariable)
+    frequency = _model(strategy, stats).sampler.frequency
+    variables = [v for hashes in (frequency.gaps, frequency.last_steps) for shards in hashes for v in shards]
+    assert not any(isinstance(v, ShardedVariable) for v in variables)
+
+
+def test_the_streaming_estimator_is_spread_over_the_ps_tasks(chief):
+    """model.loss.streaming.num_shards: each hash array in row-range variables, placed on the ps tasks
+    in turn (the job sets it to train.parameter_server.max_shards)."""
+    strategy, _, stats, _ = chief
+    with strategy.scope():
+        model = build_model(ModelConfig(embedding_dim=DIM, loss={"streaming": {"num_shards": 2}}), stats)
+    frequency = model.sampler.frequency
+    for hashes in (frequency.gaps, frequency.last_steps):
+        for shards in hashes:
+            assert len({shard.device for shard in shards}) == 2 and all("job:ps" in s.device for s in shards)
+    config = load_config(None, ["train.distribute=parameter_server", "train.parameter_server.max_shards=3"])
+    assert with_estimator_shards(config).model.loss.streaming.num_shards == 3
+    pinned = load_config(None, ["train.parameter_server.max_shards=3", "model.loss.streaming.num_shards=1"])
+    assert with_estimator_shards(pinned).model.loss.streaming.num_shards == 1
 
 
 def test_one_scheduled_step_updates_the_batch_rows_as_one_process_does(chief):

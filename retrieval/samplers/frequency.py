@@ -68,7 +68,10 @@ class StreamingFrequency(tf.Module):
     The per-draw probability is ``1 / (B * draws per step)``, the draws per
     step being a running mean of the batch size.
 
-    All state is in ``tf.Variable`` s, so it is saved with a checkpoint.
+    All state is in ``tf.Variable`` s, so it is saved with a checkpoint. Each hash's two arrays are
+    ``num_shards`` variables (bucket ``b`` in shard ``b % num_shards`` at ``b // num_shards``), which
+    ``ParameterServerStrategy`` places on its ps tasks in turn: the estimator is sharded like the
+    ID tables (whose partitioner cannot take it: its arrays are scatter-updated).
     Under a ``tf.distribute`` strategy the model hands every replica the ids
     of the whole global batch, so the estimator advances once per global step
     over the global batch, as on one device; the variables keep the first
@@ -86,6 +89,7 @@ class StreamingFrequency(tf.Module):
       learning_rate: EMA rate of the gap estimate (``alpha`` in the paper):
         larger tracks changes faster, smaller is less noisy.
       initial_gap: gap reported for items never seen.
+      num_shards: variables each hash array is split into.
     """
 
     def __init__(
@@ -95,6 +99,7 @@ class StreamingFrequency(tf.Module):
         learning_rate: float = 0.05,
         initial_gap: float = 1e4,
         name: str = "streaming_frequency",
+        num_shards: int = 1,
     ):
         super().__init__(name=name)
         if num_buckets <= 0:
@@ -105,22 +110,40 @@ class StreamingFrequency(tf.Module):
             raise ValueError(f"learning_rate must be in (0, 1], got {learning_rate}")
         if initial_gap <= 0:
             raise ValueError(f"initial_gap must be positive, got {initial_gap}")
+        if not 1 <= num_shards <= num_buckets:
+            raise ValueError(f"num_shards must be in 1..num_buckets ({num_buckets}), got {num_shards}")
         self.num_buckets = int(num_buckets)
         self.num_hashes = int(num_hashes)
+        self.num_shards = int(num_shards)
         self.learning_rate = float(learning_rate)
         # Every replica computes the same update (see above): keep the first one's.
         first = dict(trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         self.step = tf.Variable(0, dtype=tf.int64, name="step", **first)
-        self.last_step = tf.Variable(
-            tf.fill([num_hashes, num_buckets], tf.constant(-1, tf.int64)), name="last_step", **first
-        )
-        self.gap = tf.Variable(
-            tf.fill([num_hashes, num_buckets], tf.constant(initial_gap, tf.float32)), name="gap", **first
-        )
+        rows = -(-self.num_buckets // self.num_shards)  # the last shards may hold one unused slot
+        # [hash][shard] -> [rows]
+        self.last_steps = [[tf.Variable(tf.fill([rows], tf.constant(-1, tf.int64)), name=f"last_step_{h}_{s}",
+                                        **first) for s in range(self.num_shards)] for h in range(num_hashes)]
+        self.gaps = [[tf.Variable(tf.fill([rows], tf.constant(initial_gap, tf.float32)), name=f"gap_{h}_{s}",
+                                  **first) for s in range(self.num_shards)] for h in range(num_hashes)]
         self.draws_per_step = tf.Variable(0.0, dtype=tf.float32, name="draws_per_step", **first)
         self._multipliers = tf.constant(
             [np.uint64(m).astype(np.int64) for m in _HASH_MULTIPLIERS[:num_hashes]], tf.int64
         )
+
+    @property
+    def gap(self) -> tf.Tensor:
+        """Every gap, float32 ``[num_hashes, num_buckets]`` (read from the shards)."""
+        return tf.stack([self._whole(shards) for shards in self.gaps])
+
+    @property
+    def last_step(self) -> tf.Tensor:
+        """Every bucket's last step, int64 ``[num_hashes, num_buckets]`` (-1: never seen)."""
+        return tf.stack([self._whole(shards) for shards in self.last_steps])
+
+    def _whole(self, shards: list[tf.Variable]) -> tf.Tensor:
+        """One hash's array from its shards: bucket ``b`` is shard ``b % S``'s row ``b // S``."""
+        return tf.reshape(tf.stack([tf.convert_to_tensor(shard) for shard in shards], axis=1), [-1])[
+            : self.num_buckets]
 
     def buckets(self, keys: tf.Tensor) -> tf.Tensor:
         """Bucket of each key under each hash: int64 ``[num_hashes, *keys.shape]``."""
@@ -144,38 +167,42 @@ class StreamingFrequency(tf.Module):
         self.draws_per_step.assign(
             tf.where(step == 1, size, (1.0 - rate) * self.draws_per_step + rate * size)
         )
+        all_buckets = self.buckets(keys)
         for h in range(self.num_hashes):
-            buckets = self.buckets(keys)[h]
-            unique, position = tf.unique(buckets)
+            unique, position = tf.unique(all_buckets[h])
             count = tf.cast(
                 tf.math.unsorted_segment_sum(tf.ones_like(position), position, tf.size(unique)), tf.float32
             )
-            index = tf.stack([tf.fill(tf.shape(unique), tf.constant(h, tf.int64)), unique], axis=1)
-            last = tf.gather_nd(self.last_step, index)
-            old = tf.gather_nd(self.gap, index)
-            # Never negative: under ParameterServerStrategy workers update asynchronously, and a step can
-            # read a last_step a later step already wrote (a negative gap would make log-Q NaN).
-            elapsed = tf.cast(tf.maximum(step - last, 0), tf.float32)
-            decayed = tf.pow(1.0 - rate, count - 1.0)
-            updated = (1.0 - rate) * decayed * old + rate * decayed * elapsed
-            # First sight (last == -1): the steps since the start are the only gap there is.
-            first_sight = tf.cast(step, tf.float32) / count
-            new_gap = tf.where(last < 0, first_sight, updated)
-            _scatter_nd_update(self.gap, index, new_gap)
-            _scatter_nd_update(self.last_step, index, tf.fill(tf.shape(unique), step))
+            shard_of = tf.cast(tf.math.floormod(unique, self.num_shards), tf.int32)
+            rows = tf.math.floordiv(unique, self.num_shards)
+            row_parts = tf.dynamic_partition(rows, shard_of, self.num_shards)
+            count_parts = tf.dynamic_partition(count, shard_of, self.num_shards)
+            for s in range(self.num_shards):
+                at, seen = row_parts[s], count_parts[s]
+                last = tf.gather(self.last_steps[h][s], at)
+                old = tf.gather(self.gaps[h][s], at)
+                # Never negative: under ParameterServerStrategy workers update asynchronously, and a step can
+                # read a last_step a later step already wrote (a negative gap would make log-Q NaN).
+                elapsed = tf.cast(tf.maximum(step - last, 0), tf.float32)
+                decayed = tf.pow(1.0 - rate, seen - 1.0)
+                updated = (1.0 - rate) * decayed * old + rate * decayed * elapsed
+                # First sight (last == -1): the steps since the start are the only gap there is.
+                first_sight = tf.cast(step, tf.float32) / seen
+                _scatter_update(self.gaps[h][s], at, tf.where(last < 0, first_sight, updated))
+                _scatter_update(self.last_steps[h][s], at, tf.fill(tf.shape(at), step))
 
     def expected_count_per_step(self, keys: tf.Tensor) -> tf.Tensor:
         """Estimated occurrences per step, ``1 / max_h B[h(key)]``, same shape as ``keys``."""
-        buckets = self.buckets(keys)
-        hash_index = tf.broadcast_to(
-            tf.reshape(
-                tf.range(self.num_hashes, dtype=tf.int64),
-                tf.concat([[-1], tf.ones([tf.rank(keys)], tf.int32)], 0),
-            ),
-            tf.shape(buckets),
-        )
-        gaps = tf.gather_nd(self.gap, tf.stack([hash_index, buckets], axis=-1))
-        return 1.0 / tf.reduce_max(gaps, axis=0)
+        keys = tf.convert_to_tensor(keys)
+        flat = tf.reshape(self.buckets(keys), [self.num_hashes, -1])
+        gaps = []
+        for h in range(self.num_hashes):
+            shard_of = tf.cast(tf.math.floormod(flat[h], self.num_shards), tf.int32)
+            rows = tf.dynamic_partition(tf.math.floordiv(flat[h], self.num_shards), shard_of, self.num_shards)
+            places = tf.dynamic_partition(tf.range(tf.size(flat[h])), shard_of, self.num_shards)
+            gaps.append(tf.dynamic_stitch(places, [tf.gather(self.gaps[h][s], rows[s])
+                                                   for s in range(self.num_shards)]))
+        return tf.reshape(1.0 / tf.reduce_max(tf.stack(gaps), axis=0), tf.shape(keys))
 
     def log_probability(self, keys: tf.Tensor) -> tf.Tensor:
         """log per-draw probability: log(occurrences per step / draws per step)."""
@@ -184,10 +211,10 @@ class StreamingFrequency(tf.Module):
         return tf.math.log(per_step) - tf.math.log(draws)
 
 
-def _scatter_nd_update(variable: tf.Variable, indices: tf.Tensor, updates: tf.Tensor) -> None:
-    """``variable.scatter_nd_update``; mirrored (``tf.distribute``) variables lack it and get
+def _scatter_update(variable: tf.Variable, rows: tf.Tensor, updates: tf.Tensor) -> None:
+    """``variable[rows] = updates``; mirrored (``tf.distribute``) variables lack scatter updates and get
     the whole updated array assigned instead."""
     if isinstance(variable, tf.distribute.DistributedValues):
-        variable.assign(tf.tensor_scatter_nd_update(variable, indices, updates))
+        variable.assign(tf.tensor_scatter_nd_update(variable, rows[:, tf.newaxis], updates))
     else:
-        variable.scatter_nd_update(indices, updates)
+        variable.scatter_nd_update(rows[:, tf.newaxis], updates)

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import tensorflow as tf
 
-from retrieval.config import ParameterServerConfig
+from retrieval.config import Config, ParameterServerConfig
 from retrieval.errors import UserError
 
 
@@ -104,6 +104,18 @@ def check_cluster() -> None:
             f"TF_CONFIG names this process task {task.get('type')!r}: under train.distribute: parameter_server "
             "the job runs on the chief; worker and ps tasks run python -m retrieval.training.cluster"
         )
+
+
+def with_estimator_shards(config: Config) -> Config:
+    """``config`` with ``model.loss.streaming.num_shards`` 0 (auto) set to ``train.parameter_server.max_shards``,
+    so the streaming log-Q estimator is spread over the ps tasks as the tables are. From the config, not
+    the cluster: a checkpoint restores onto another number of ps tasks only with the same variables."""
+    streaming = config.model.loss.streaming
+    if streaming.num_shards:
+        return config
+    shards = config.train.parameter_server.max_shards
+    loss = config.model.loss.model_copy(update={"streaming": streaming.model_copy(update={"num_shards": shards})})
+    return config.model_copy(update={"model": config.model.model_copy(update={"loss": loss})})
 
 
 def read_tf_config() -> tuple[dict[str, list[str]], dict]:
