@@ -16,7 +16,6 @@ read the trained weights on the chief, from a copy in towers built without the s
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from collections.abc import Iterable
@@ -25,6 +24,7 @@ import tensorflow as tf
 
 from retrieval.config import Config, ParameterServerConfig
 from retrieval.errors import UserError
+from retrieval.training.runtime import tf_config
 
 
 class ClusterError(UserError, RuntimeError):
@@ -120,18 +120,16 @@ def with_estimator_shards(config: Config) -> Config:
 
 def read_tf_config() -> tuple[dict[str, list[str]], dict]:
     """``(cluster, task)`` of the TF_CONFIG environment variable (ClusterError if unset or not JSON)."""
-    raw = os.environ.get("TF_CONFIG")
-    if not raw:
+    if not os.environ.get("TF_CONFIG"):
         raise ClusterError(
             "a parameter-server cluster (train.distribute: parameter_server) is read from the TF_CONFIG "
             "environment variable, which is not set (python -m pipelines.local_cluster sets it for a cluster "
             "on this machine)"
         )
     try:
-        tf_config = json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise ClusterError(f"TF_CONFIG is not JSON: {error}") from None
-    return dict(tf_config.get("cluster") or {}), dict(tf_config.get("task") or {})
+        return tf_config()
+    except ValueError as error:
+        raise ClusterError(str(error)) from None
 
 
 def chief_coordinator(

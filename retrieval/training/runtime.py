@@ -86,11 +86,25 @@ def cluster_task() -> tuple[str, int, bool]:
     without ``TF_CONFIG`` the process is alone and its own chief. Readable
     before the strategy exists (the job locks its checkpoint directory first).
     """
-    tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
-    task = tf_config.get("task") or {}
+    cluster, task = tf_config()
     kind, index = str(task.get("type", "worker")), int(task.get("index", 0))
-    has_chief = bool((tf_config.get("cluster") or {}).get("chief"))
-    return kind, index, kind == "chief" or (kind == "worker" and index == 0 and not has_chief)
+    return kind, index, kind == "chief" or (kind == "worker" and index == 0 and not cluster.get("chief"))
+
+
+def tf_config() -> tuple[dict[str, list[str]], dict]:
+    """``(cluster, task)`` of the ``TF_CONFIG`` environment variable; two empty dicts when it is unset.
+
+    Raises:
+      ValueError: it is set but not JSON.
+    """
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return {}, {}
+    try:
+        parsed = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"TF_CONFIG is not JSON: {error}") from None
+    return dict(parsed.get("cluster") or {}), dict(parsed.get("task") or {})
 
 
 def gather_workers(value: int) -> list[int]:
