@@ -51,15 +51,17 @@ def log_settings(clicks: int, users: int, items: int, seed: int) -> list[str]:
             f"data.synthetic.mean_clicks_per_user={clicks / users}", f"data.synthetic.seed={seed}"]
 
 
-def run_job(name: str, cluster: bool, settings: list[str], base: Path, worker_memory_limit: int | None = None) -> dict:
-    """One run (a ``pipelines.train`` process, or the cluster's launcher): metrics, wall time, peak RSS."""
+def run_job(name: str, cluster: bool, settings: list[str], base: Path, worker_memory_limit: int | None = None,
+            workers: int = 2) -> dict:
+    """One run (a ``pipelines.train`` process, or the cluster's launcher with ``workers`` workers): metrics,
+    wall time, peak RSS."""
     overrides = [*settings, "train.verbose=2", f"run.output_dir={base / 'runs'}", f"run.name={name}",
                  "run.overwrite=true", "train.resume=false"]
     train = ["--config", str(ROOT / "configs" / "default.yaml"), *(p for kv in overrides for p in ("--set", kv))]
     rss_file = base / "rss" / f"{name}.json"
     rss_file.unlink(missing_ok=True)
     if cluster:
-        launcher = ["--workers", "2", "--ps", "2", "--rss-report", str(rss_file),
+        launcher = ["--workers", str(workers), "--ps", "2", "--rss-report", str(rss_file),
                     "--task-logs", str(base / "tasks" / name)]
         if worker_memory_limit is not None:
             launcher += ["--worker-memory-limit", str(worker_memory_limit)]
@@ -114,7 +116,8 @@ def _quality_section(report: dict) -> list[str]:
     quality = report["quality"]
     lines = [
         f"## One process against the cluster ({report['log']})", "",
-        f"Flags: `{' '.join(report['quality_settings'])}`; the cluster adds 2 workers, 2 ps tasks and "
+        f"Flags: `{' '.join(report['quality_settings'])}`; the cluster adds {report.get('workers', 2)} worker(s), "
+        "2 ps tasks and "
         "`train.parameter_server.max_shards=2`, `min_shard_bytes=1024`.", "",
     ]
     header = ["run", "recall@20", "NDCG@20", "popularity recall@20", "train clicks/s", "wall s",
@@ -190,6 +193,7 @@ def main() -> None:
                         help="RLIMIT_DATA of each worker in the capped large-table run, bytes (0: no capped run; "
                         "default: the uncapped run's largest worker peak RSS + 1.5 GiB, the data segment a "
                         "TensorFlow task reserves beyond what it touches)")
+    parser.add_argument("--workers", type=int, default=2, help="worker tasks of the quality runs' cluster")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip", action="append", default=[], choices=["quality", "memory"])
     parser.add_argument("--set", action="append", default=[], help="extra config overrides for every run")
@@ -208,7 +212,7 @@ def main() -> None:
         "machine": machine("numpy", "tensorflow", "faiss"),
         "log": f"{args.clicks:,} clicks by {args.users:,} users over {args.items:,} items",
         "memory_log": f"{args.memory_clicks:,} clicks by {args.memory_users:,} users over {args.memory_items:,} items",
-        "quality_settings": quality_settings, "memory_settings": memory_settings,
+        "quality_settings": quality_settings, "memory_settings": memory_settings, "workers": args.workers,
         "quality": {}, "memory": {},
     }
     if "memory" not in args.skip:
@@ -233,9 +237,11 @@ def main() -> None:
             report["memory"][name] = run
     if "quality" not in args.skip:
         report["quality"]["one process"] = run_job("process", False, quality_settings, base)
-        report["quality"]["cluster"] = run_job("cluster", True, [*quality_settings, *shard], base)
+        report["quality"]["cluster"] = run_job("cluster", True, [*quality_settings, *shard], base,
+                                               workers=args.workers)
         report["quality"]["cluster, workers read"] = run_job(
-            "cluster-workers", True, [*quality_settings, *shard, "train.parameter_server.input=workers"], base)
+            "cluster-workers", True, [*quality_settings, *shard, "train.parameter_server.input=workers"], base,
+            workers=args.workers)
         one = report["quality"]["one process"]
         for name, key in (("cluster", "cluster_vs_process"), ("cluster, workers read", "workers_read_vs_process")):
             many = report["quality"][name]
