@@ -105,6 +105,13 @@ VARIANTS: dict[str, list[str]] = {
     # BSL's MF Gowalla setting: tau1 0.08, tau2 1.22, 800 uniform negatives (shared by the batch).
     "bsl800": ["model.loss.kind=bsl", "model.loss.negatives=uniform", "model.loss.num_negatives=800",
                "model.temperature=0.08", "model.loss.bsl_temperature=1.22", *CHEAP_SELECTION],
+    # Shared against per-row negatives, BSL's loss at a number of negatives per-row draws can afford on 2 cores
+    # (each row's own 100 uniform draws: batch x 100 doc-tower rows a step, against 100 for the batch).
+    "bsl100": ["model.loss.kind=bsl", "model.loss.negatives=uniform", "model.loss.num_negatives=100",
+               "model.temperature=0.08", "model.loss.bsl_temperature=1.22", *CHEAP_SELECTION],
+    "bsl100-per-row": ["model.loss.kind=bsl", "model.loss.negatives=uniform", "model.loss.num_negatives=100",
+                       "model.loss.negatives_per_row=true", "model.temperature=0.08",
+                       "model.loss.bsl_temperature=1.22", *CHEAP_SELECTION],
     # SimpleX's query side on a log without time: the user id plus the mean (or attention) of the user's other
     # training items (its latest 20 in log order, the row's own item left out), through the tower's projection.
     "history-mean": ["towers.query.history={pooling: mean, length: 20}", *CHEAP_SELECTION],
