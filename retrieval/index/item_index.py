@@ -14,7 +14,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -158,11 +158,7 @@ class ItemIndex:
             trained on at most this many rows drawn at random (None = all rows).
           seed: seed of that sample.
         """
-        embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
-        if embeddings.ndim != 2 or embeddings.shape[0] == 0:
-            raise ValueError(f"embeddings must be [num_items, dim] with num_items > 0, got {embeddings.shape}")
-        if len(item_ids) != embeddings.shape[0]:
-            raise ValueError(f"{len(item_ids)} item ids for {embeddings.shape[0]} embeddings")
+        embeddings = _item_matrix(item_ids, embeddings)
         return cls.build_in_blocks(item_ids, embeddings.__getitem__, embeddings.shape[1], factory,
                                    train_sample_size=train_sample_size, seed=seed)
 
@@ -220,11 +216,9 @@ class ItemIndex:
                 ) from None
             log.info("trained %s on %d vectors in %.1f s", factory, len(sample), time.perf_counter() - started)
             del sample
-        # Read through the package (retrieval/index/__init__.py), where tests set it.
-        block_size = retrieval.index.ADD_BATCH_SIZE
         normalized, nonzero, started = True, False, time.perf_counter()
-        for first in range(0, num_items, block_size):
-            block = block_of(np.arange(first, min(first + block_size, num_items)))
+        for rows in _row_blocks(num_items):
+            first, block = int(rows[0]), block_of(rows)
             norms = np.linalg.norm(block, axis=1)
             # Every non-zero row a unit vector: inner product == cosine.
             normalized = normalized and bool(np.all(np.abs(norms[norms > 0] - 1) <= NORM_TOLERANCE))
@@ -232,8 +226,8 @@ class ItemIndex:
             index.add(block)
             if on_block is not None:
                 on_block(first, block)
-            if num_items > block_size:
-                done = min(first + block_size, num_items)
+            if num_items > retrieval.index.ADD_BATCH_SIZE:  # more than one block
+                done = first + len(block)
                 log.info("index add: %d / %d vectors (%.0f%%), %.1f s", done, num_items, 100 * done / num_items,
                          time.perf_counter() - started)
         return cls(index, list(item_ids), factory, normalized=normalized and nonzero)
@@ -561,11 +555,7 @@ def build_index(
         stands in for queries and the tuning record says so.
       query_source: what ``queries`` are, recorded in the tuning record.
     """
-    embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
-    if embeddings.ndim != 2 or embeddings.shape[0] == 0:
-        raise ValueError(f"embeddings must be [num_items, dim] with num_items > 0, got {embeddings.shape}")
-    if len(item_ids) != embeddings.shape[0]:
-        raise ValueError(f"{len(item_ids)} item ids for {embeddings.shape[0]} embeddings")
+    embeddings = _item_matrix(item_ids, embeddings)
     return build_index_in_blocks(item_ids, embeddings.__getitem__, embeddings.shape[1], config, queries, query_source)
 
 
@@ -618,9 +608,8 @@ def build_index_in_blocks(
         queries = np.ascontiguousarray(embed_rows(rows), dtype=np.float32) if len(rows) else np.zeros((0, dim))
         if len(queries) >= 2:
             reference = _BlockedTopK(queries, min(config.tune_k, num_items))
-            block_size = retrieval.index.ADD_BATCH_SIZE
-            for first in range(0, num_items, block_size):
-                reference.add(first, embed_rows(np.arange(first, min(first + block_size, num_items))))
+            for rows in _row_blocks(num_items):
+                reference.add(int(rows[0]), embed_rows(rows))
     if queries is None or len(queries) < 2:
         log.warning("index %s left untuned: fewer than 2 non-zero embeddings to tune on", factory)
         if config.search_params:
@@ -636,6 +625,25 @@ def build_index_in_blocks(
         exact=reference.result(),
     )
     return index
+
+
+def _item_matrix(item_ids: Sequence[str], embeddings: np.ndarray) -> np.ndarray:
+    """``embeddings`` as a float32 [num_items, dim] matrix of one row per id (ValueError otherwise)."""
+    embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
+    if embeddings.ndim != 2 or embeddings.shape[0] == 0:
+        raise ValueError(f"embeddings must be [num_items, dim] with num_items > 0, got {embeddings.shape}")
+    if len(item_ids) != embeddings.shape[0]:
+        raise ValueError(f"{len(item_ids)} item ids for {embeddings.shape[0]} embeddings")
+    return embeddings
+
+
+def _row_blocks(num_items: int) -> Iterator[np.ndarray]:
+    """Rows ``0 .. num_items - 1`` in order, ``retrieval.index.ADD_BATCH_SIZE`` at a time (int64 arrays).
+
+    Read through the package (retrieval/index/__init__.py), where tests set it."""
+    block_size = retrieval.index.ADD_BATCH_SIZE
+    for first in range(0, num_items, block_size):
+        yield np.arange(first, min(first + block_size, num_items))
 
 
 def _is_exact(factory: str, dim: int) -> bool:
