@@ -57,8 +57,6 @@ SASREC_PLUS = {"recall@10": 0.0533, "ndcg@10": 0.0327}  # Klenitskiy & Vasilev 2
 # name -> overrides on configs/beauty.yaml; the first is the recipe the config states.
 VARIANTS: dict[str, list[str]] = {
     "transformer-in-batch": [],
-    # The best epoch's weights as they are: the early-stopping item never a next-item target.
-    "transformer-in-batch-no-refit": ["train.refit=false"],
     "transformer-in-batch-refit-best": ["train.refit_from=best", "train.refit_epochs=1"],
     # SASRec's dropout for its sparse logs (Kang & McAuley 2018: 0.5 on Beauty, 0.2 on MovieLens-1M).
     "transformer-in-batch-dropout-0.5": ["towers.query.history.transformer.dropout=0.5"],
@@ -90,6 +88,9 @@ VARIANTS: dict[str, list[str]] = {
                     "towers.query.features=[{name: user_id, kind: id}]", "train.optimizer=lazy_adam",
                     "train.learning_rate=0.01", "train.batch_size=1024"],
 }
+# Without the refit: the best epoch's weights as they are, the early-stopping item never a next-item target.
+VARIANTS |= {f"{name}-no-refit": [*VARIANTS[name], "train.refit=false"]
+             for name in ("transformer-in-batch", "transformer-mixed-2048", "pooled-attention")}
 
 
 def _machine() -> dict[str, Any]:
