@@ -516,8 +516,24 @@ class ModelConfig(_Section):
         description="Mask candidates (in-batch or sampled) equal to the row's own positive item; "
         "always on for full_softmax, where the positive is also a column of its own.",
     )
+    remove_sequence_items: bool = Field(
+        False,
+        description="With train.examples: sequences, also mask the candidates that are any item of "
+        "the pair's own sequence window (the user's items before and after its position), as "
+        "remove_accidental_hits masks its next item: evaluation and serving exclude a user's items, "
+        "so training does not push them down. Needs remove_accidental_hits.",
+    )
     l2_regularization: float = Field(0.0, ge=0, description="L2 penalty on embedding tables.")
     loss: LossConfig = Field(LossConfig(), description="Objective, negatives and log-Q source.")
+
+    @model_validator(mode="after")
+    def _sequence_items_are_removed_as_hits(self) -> ModelConfig:
+        if self.remove_sequence_items and not self.remove_accidental_hits:
+            raise ValueError(
+                "model.remove_sequence_items masks more than model.remove_accidental_hits does: set "
+                "model.remove_accidental_hits=true, or model.remove_sequence_items=false"
+            )
+        return self
 
     @model_validator(mode="after")
     def _cosine_contrastive_scores_cosines(self) -> ModelConfig:
@@ -1155,6 +1171,12 @@ class Config(_Section):
     @model_validator(mode="after")
     def _sequences_need_a_sequence_tower(self) -> Config:
         if self.train.examples != "sequences":
+            if self.model.remove_sequence_items:
+                raise ValueError(
+                    "model.remove_sequence_items masks the items of a pair's sequence window, which "
+                    "train.examples: clicks does not have: set train.examples: sequences, or "
+                    "model.remove_sequence_items: false"
+                )
             return self
         history = self.towers.query.history
         if history is None or history.pooling != "transformer":

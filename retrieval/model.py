@@ -19,6 +19,7 @@ from retrieval.data import ITEM, USER, WEIGHT
 from retrieval.features import FeatureStatistics, feature_arrays
 from retrieval.losses import (
     LossInputs,
+    OwnItems,
     RetrievalLoss,
     gather_across_replicas,
 )
@@ -54,6 +55,8 @@ class TwoTowerModel(tfrs.Model):
       miner: optional hard-negative miner (needs ``user_ids``).
       user_ids: the user vocabulary, rows of the miner's ``UserHistory``.
       use_weights: weight each example's loss by the batch's ``"weight"``.
+      remove_sequence_items: in a batch of sequences, no item of a pair's sequence window is
+        among its negatives (``LossInputs.own_items``; masked where the loss removes accidental hits).
     """
 
     def __init__(
@@ -68,8 +71,10 @@ class TwoTowerModel(tfrs.Model):
         miner: FaissHardNegativeMiner | None = None,
         user_ids: tuple[str, ...] | None = None,
         use_weights: bool = False,
+        remove_sequence_items: bool = False,
     ):
         super().__init__()
+        self.remove_sequence_items = remove_sequence_items
         self.query_tower = query_tower
         self.doc_tower = doc_tower
         self.objective = objective
@@ -204,13 +209,14 @@ class TwoTowerModel(tfrs.Model):
         """The batch's loss: one (query, positive) pair a row, or with ``[batch, L]`` item ids
         (``training.SequenceClicks``) one pair a non-padded position of each sequence."""
         if features[ITEM].shape.rank == 2:
-            queries, positive_ids, sample_weight = self._position_pairs(features, training)
+            queries, positive_ids, sample_weight, own_items = self._position_pairs(features, training)
             positives = self.embed_items(positive_ids, training)
         else:
             queries = self.query_tower(tower_inputs(self.query_tower, features), training=training)
             positives = self.doc_tower(tower_inputs(self.doc_tower, features), training=training)
             positive_ids = self._item_index(features[ITEM])
             sample_weight = features[WEIGHT] if self.use_weights else None
+            own_items = None
         if training:
             # Under tf.distribute every replica observes the global batch (once per step, as on one device).
             self.sampler.observe(across_replicas(positive_ids))
@@ -227,13 +233,18 @@ class TwoTowerModel(tfrs.Model):
             negative_embeddings=tuple(self.embed_items(n.ids, training) for n in negatives),
             includes_batch_positives=self.sampler.includes_batch_positives,
             sample_weight=sample_weight,
+            own_items=own_items,
         )
         # Under tf.distribute: in-batch candidates from every replica; this replica's share of the loss.
         return self.objective.compute(gather_across_replicas(inputs))
 
-    def _position_pairs(self, features, training: bool) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
-        """``(queries [N, dim], positive tower indices [N], weights [N] or None)`` of a sequence
-        batch: the query tower's state at every position whose next item is not padding."""
+    def _position_pairs(
+        self, features, training: bool
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None, OwnItems | None]:
+        """``(queries [N, dim], positive tower indices [N], weights [N] or None, own items)`` of a
+        sequence batch: the query tower's state at every position whose next item is not padding.
+        With ``remove_sequence_items`` each pair's own items are its sequence's window (history and
+        next items), else None."""
         states = position_states(self.query_tower)
         if states is None:
             raise ValueError("a batch of sequences needs a query tower with a transformer history "
@@ -244,7 +255,14 @@ class TwoTowerModel(tfrs.Model):
         targets = features[ITEM]
         trained = tf.not_equal(targets, "")
         weights = tf.boolean_mask(features[WEIGHT], trained) if self.use_weights else None
-        return tf.boolean_mask(per_position, trained), self._item_index(tf.boolean_mask(targets, trained)), weights
+        own_items = None
+        if self.remove_sequence_items:
+            histories = [features[name] for name in states.model.input_names if features[name].shape.rank == 2]
+            window = self._item_index(tf.concat([*histories, targets], axis=1))  # 0: padding or unknown
+            rows = tf.broadcast_to(tf.range(tf.shape(targets)[0])[:, tf.newaxis], tf.shape(targets))
+            own_items = OwnItems(tf.where(window > 0, window, -1), tf.boolean_mask(rows, trained))
+        positive_ids = self._item_index(tf.boolean_mask(targets, trained))
+        return tf.boolean_mask(per_position, trained), positive_ids, weights, own_items
 
     def train_step(self, inputs):
         """``tfrs.Model.train_step``, exact under a ``tf.distribute`` strategy.
@@ -338,4 +356,5 @@ def build_model(
         miner=build_miner(config.loss, stats, train_clicks, user_history),
         user_ids=stats.users.ids,
         use_weights=use_weights,
+        remove_sequence_items=config.remove_sequence_items,
     )

@@ -18,17 +18,20 @@ import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
 
-def numpy_in_batch_loss(q, d, log_q, ids, temperature, weights=None, remove_hits=True):
+def numpy_in_batch_loss(q, d, log_q, ids, temperature, weights=None, remove_hits=True, removed=None):
     """``sum_i w_i * -log softmax_i(q_i . d / T - log Q)[i] / batch_size``.
 
     Args:
       q, d: [batch_size, dim] query and positive-item embeddings.
       log_q: [batch_size] log Q of each row's positive.
       ids: [batch_size] positive ids; a column with row i's id (other than i) is removed.
+      removed: [batch_size, batch_size] bool, more columns to remove from each row (not its own).
     """
     logits = q @ d.T / temperature - log_q[None, :]
     if remove_hits:
         same = ids[:, None] == ids[None, :]
+        if removed is not None:
+            same = same | removed
         logits = np.where(same & ~np.eye(len(ids), dtype=bool), -np.inf, logits)
     log_softmax = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
     per_row = -np.diag(log_softmax)

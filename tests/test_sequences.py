@@ -19,6 +19,7 @@ from retrieval.config import ConfigError, LossConfig, ModelConfig, TableConfig, 
 from retrieval.data import DataError, read_clicks
 from retrieval.features import FeatureStatistics, TowerStatistics
 from retrieval.features.histories import ClickHistories
+from retrieval.losses import OwnItems, own_item_hits
 from retrieval.model import build_model
 from retrieval.towers import build_towers, position_states
 from retrieval.training import SequenceClicks
@@ -153,6 +154,43 @@ def test_the_all_positions_loss_is_the_in_batch_loss_of_its_pairs(remove_hits, l
     assert loss == pytest.approx(expected, rel=1e-5)
 
 
+def test_with_sequence_items_removed_no_item_of_a_pairs_window_is_its_negative():
+    clicks = _clicks(seed=3)
+    model, stats = _model(clicks, remove_sequence_items=True)
+    source = SequenceClicks(_histories(clicks, stats), "history", LENGTH, batch_size=8, seed=0)
+    batch = next(iter(source.epoch(0)))
+    loss = float(model.compute_loss(batch, training=False))
+    per_position = position_states(model.query_tower).model({"history": batch["history"]}, training=False).numpy()
+    targets, histories = batch["item_id"].numpy().astype(str), batch["history"].numpy().astype(str)
+    trained = targets != ""
+    sequence_of_pair = np.broadcast_to(np.arange(len(targets))[:, None], targets.shape)[trained]
+    windows = [set(histories[s]) | set(targets[s]) for s in range(len(targets))]
+    pair_items = targets[trained]
+    removed = np.array([[item in windows[s] for item in pair_items] for s in sequence_of_pair])
+    q = per_position[trained]
+    d = model.doc_tower({"item_id": tf.constant(pair_items)}).numpy()
+    counts = clicks["item_id"].value_counts()
+    log_prob = np.log(counts.reindex(pair_items).to_numpy() / len(clicks))
+    ids = pd.factorize(pair_items)[0]
+    expected = numpy_in_batch_loss(q, d, log_prob, ids, 0.2, removed=removed)
+    plain = numpy_in_batch_loss(q, d, log_prob, ids, 0.2)
+    assert (removed & (ids[:, None] != ids[None, :])).any()  # the window removes more than accidental hits
+    assert loss == pytest.approx(expected, rel=1e-5) and abs(expected - plain) > 1e-3
+
+
+def test_own_item_hits_are_membership_in_each_rows_group():
+    rng = np.random.default_rng(0)
+    group_items = rng.integers(-1, 30, size=(4, 6))  # -1: padding
+    group = rng.integers(0, 4, size=10)
+    own = OwnItems(tf.constant(group_items, tf.int64), tf.constant(group, tf.int32))
+    shared, per_row = rng.integers(0, 30, size=25), rng.integers(0, 30, size=(10, 7))
+    members = [set(row[row >= 0]) for row in group_items]
+    assert (own_item_hits(own, tf.constant(shared)).numpy()
+            == np.array([[c in members[g] for c in shared] for g in group])).all()
+    assert (own_item_hits(own, tf.constant(per_row)).numpy()
+            == np.array([[c in members[g] for c in per_row[i]] for i, g in enumerate(group)])).all()
+
+
 def test_sequence_files_read_in_order_with_positions_as_time(tmp_path):
     path = tmp_path / "sequences.txt"
     path.write_text("1 5 3 9\n\n2 7\n3  4 4 \n")
@@ -175,6 +213,11 @@ def test_sequence_training_needs_a_transformer_history_alone():
     with pytest.raises(ConfigError, match=r"not yet supported with train.examples: sequences: query features.*age"):
         load_config(None, [*base, "towers.query.features=[{name: age, kind: numeric}]",
                            "towers.query.history={pooling: transformer}"])
+    with pytest.raises(ConfigError, match="model.remove_sequence_items masks the items of a pair's sequence window"):
+        load_config(None, ["model.remove_sequence_items=true"])
+    with pytest.raises(ConfigError, match="set model.remove_accidental_hits=true"):
+        load_config(None, [*base, "towers.query.features=[]", "towers.query.history={pooling: transformer}",
+                           "model.remove_sequence_items=true", "model.remove_accidental_hits=false"])
     load_config(None, [*base, "towers.query.features=[{name: user_id, kind: id}]",
                        "towers.query.history={pooling: transformer}"])
 

@@ -45,7 +45,7 @@ from retrieval.losses.functions import (
     weighted_mean,
 )
 from retrieval.losses.hierarchical import HierarchicalSoftmax, HuffmanTree, hierarchical_log_probability
-from retrieval.losses.inputs import BatchCandidates, LossInputs, gather_across_replicas
+from retrieval.losses.inputs import BatchCandidates, LossInputs, OwnItems, gather_across_replicas, own_item_hits
 from retrieval.losses.sampled import (
     BilateralSoftmax,
     CosineContrastive,
@@ -64,6 +64,7 @@ __all__ = [
     "HuffmanTree",
     "LossInputs",
     "NegativeSampling",
+    "OwnItems",
     "RetrievalLoss",
     "SampledSoftmax",
     "accidental_hits",
@@ -73,6 +74,7 @@ __all__ = [
     "hard_negative_columns",
     "hierarchical_log_probability",
     "mine_hard_negatives",
+    "own_item_hits",
     "remove_accidental_hits",
     "softmax_cross_entropy",
     "weighted_mean",

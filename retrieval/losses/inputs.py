@@ -34,6 +34,43 @@ class BatchCandidates(NamedTuple):
     row_offset: tf.Tensor
 
 
+class OwnItems(NamedTuple):
+    """Items that are never a row's negatives: its group's items (a sequence's window of a user's items).
+
+    Attributes:
+      ids: int64 ``[groups, width]`` tower indices of each group's items, ``-1`` padded.
+      group: int ``[batch_size]`` the group of each row.
+    """
+
+    ids: tf.Tensor
+    group: tf.Tensor
+
+
+def own_item_hits(own: OwnItems, candidate_ids: tf.Tensor) -> tf.Tensor:
+    """Bool ``[batch_size, num_candidates]``: the candidates among each row's group's items.
+
+    A binary search of each group's sorted items: ``[groups, num_candidates]`` work and memory for
+    candidates the batch shares (the whole catalogue of a full softmax included), not
+    ``[batch_size, width, num_candidates]``.
+
+    Args:
+      own: the rows' groups and their items.
+      candidate_ids: ``[num_candidates]`` shared or ``[batch_size, num_candidates]`` per row.
+    """
+    ids = tf.cast(candidate_ids, tf.int64)
+    owned = tf.sort(tf.cast(own.ids, tf.int64), axis=1)
+    if ids.shape.rank == 1:
+        shared = tf.broadcast_to(ids[tf.newaxis, :], [tf.shape(owned)[0], tf.shape(ids)[0]])
+        return tf.gather(_sorted_rows_contain(owned, shared), own.group)
+    return _sorted_rows_contain(tf.gather(owned, own.group), ids)
+
+
+def _sorted_rows_contain(rows: tf.Tensor, values: tf.Tensor) -> tf.Tensor:
+    """``values[r, c]`` in ``rows[r]`` (sorted ascending), bool ``[R, C]``."""
+    at = tf.minimum(tf.searchsorted(rows, values, side="left"), tf.shape(rows)[1] - 1)
+    return tf.equal(tf.gather(rows, at, batch_dims=1), values)
+
+
 class LossInputs(NamedTuple):
     """What the model hands a loss for one batch.
 
@@ -51,6 +88,9 @@ class LossInputs(NamedTuple):
         replicas; None = this batch's positives (row i's label is column i).
       global_batch_size: rows over every replica, the denominator of the mean
         (the loss is then this replica's share); None = ``batch_size``.
+      own_items: items that are no row's negatives beyond its own positive (a
+        sequence's other items); with ``remove_accidental_hits`` they are masked
+        like accidental hits. None = only the positive.
     """
 
     queries: tf.Tensor
@@ -62,6 +102,7 @@ class LossInputs(NamedTuple):
     sample_weight: tf.Tensor | None = None
     batch_candidates: BatchCandidates | None = None
     global_batch_size: tf.Tensor | None = None
+    own_items: OwnItems | None = None
 
 
 def gather_across_replicas(inputs: LossInputs) -> LossInputs:

@@ -21,7 +21,7 @@ from retrieval.losses.functions import (
     softmax_cross_entropy,
     weighted_mean,
 )
-from retrieval.losses.inputs import LossInputs
+from retrieval.losses.inputs import LossInputs, own_item_hits
 from retrieval.samplers import MASKED_LOG_Q
 
 
@@ -117,7 +117,8 @@ class RetrievalLoss(tf.keras.layers.Layer):
         Returns:
           ``(logits, labels, kept)``, ``[batch_size, num_columns]`` each: ``kept``
           is bool, False for padding columns (``log_q = MASKED_LOG_Q``) and, with
-          ``remove_accidental_hits``, for accidental hits; label columns are kept.
+          ``remove_accidental_hits``, for accidental hits and the rows' ``own_items``;
+          label columns are kept.
           Losses that are not a softmax (the masked logits are only pushed to
           ``MIN_FLOAT``) average or sum over ``kept``.
         """
@@ -143,6 +144,10 @@ class RetrievalLoss(tf.keras.layers.Layer):
             head = correct_log_q(head, weight * positive_log_q[:, tf.newaxis])
             head_labels = tf.ones_like(head)
             head_hits = tf.zeros_like(head, dtype=tf.bool)
+        if self.remove_hits and inputs.own_items is not None and inputs.includes_batch_positives:
+            head_ids = positive_ids if inputs.batch_candidates is None else inputs.batch_candidates.ids
+            own = own_item_hits(inputs.own_items, head_ids)
+            head_hits = tf.logical_or(head_hits, tf.logical_and(own, tf.logical_not(tf.cast(head_labels, tf.bool))))
         if self.remove_hits:
             head = head + tf.cast(head_hits, head.dtype) * MIN_FLOAT
         head_kept = tf.logical_not(head_hits) if self.remove_hits else tf.ones_like(head_hits)
@@ -156,6 +161,8 @@ class RetrievalLoss(tf.keras.layers.Layer):
             block_kept = tf.logical_not(tf.broadcast_to(padding, tf.shape(block)))
             if self.remove_hits:
                 hits = accidental_hits(tf.zeros_like(block), negatives.ids, positive_ids)
+                if inputs.own_items is not None:
+                    hits = tf.logical_or(hits, own_item_hits(inputs.own_items, negatives.ids))
                 block = block + tf.cast(hits, block.dtype) * MIN_FLOAT
                 block_kept = tf.logical_and(block_kept, tf.logical_not(hits))
             logits.append(block)
