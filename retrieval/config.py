@@ -474,6 +474,15 @@ class ModelConfig(_Section):
         "64 and 128 on Gowalla and MovieLens-1M, no worse on ML-100K or the synthetic log (bench_public.md); "
         "tables cost (users + items) x dim x 4 bytes, x3 with lazy_adam's two slots.",
     )
+    ensemble_members: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="K independently initialised (query, doc) tower pairs, each trained by its own loss on "
+        "the same batches; served as one pair whose embeddings concatenate the members' (K x "
+        "embedding_dim wide, each scaled by 1/sqrt(K)), so a dot product, the index and the bundle score "
+        "the mean of the members' scores. Training and index memory grow K-fold.",
+    )
     normalize: bool = Field(True, description="L2-normalise tower outputs (cosine similarity).")
     temperature: float | Literal["auto"] = Field(
         "auto",
@@ -525,6 +534,20 @@ class ModelConfig(_Section):
     )
     l2_regularization: float = Field(0.0, ge=0, description="L2 penalty on embedding tables.")
     loss: LossConfig = Field(LossConfig(), description="Objective, negatives and log-Q source.")
+
+    @property
+    def output_dim(self) -> int:
+        """The towers' output width: ``embedding_dim`` a member."""
+        return self.embedding_dim * self.ensemble_members
+
+    @model_validator(mode="after")
+    def _members_score_by_dot_products(self) -> ModelConfig:
+        if self.ensemble_members > 1 and self.loss.kind == "hierarchical_softmax":
+            raise ValueError(
+                "model.ensemble_members > 1 serves the mean of the members' dot products; "
+                "model.loss.kind='hierarchical_softmax' does not score by one: set ensemble_members=1"
+            )
+        return self
 
     @model_validator(mode="after")
     def _sequence_items_are_removed_as_hits(self) -> ModelConfig:
@@ -1138,6 +1161,7 @@ class Config(_Section):
             "model.loss.hard_negatives": loss.hard_negatives == "mined",
             "train.examples": self.train.examples == "sequences",
             "towers.query.history": self.towers.query.history is not None,
+            "model.ensemble_members": self.model.ensemble_members > 1,
         }
         bad = [key for key, refuse in refused.items() if refuse]
         if bad:
@@ -1197,7 +1221,7 @@ class Config(_Section):
     @model_validator(mode="after")
     def _faiss_understands_the_index(self) -> Config:
         # Found here, not when the index is built after training.
-        problem = faiss_index_problem(self.index.factory, self.index.search_params, self.model.embedding_dim)
+        problem = faiss_index_problem(self.index.factory, self.index.search_params, self.model.output_dim)
         if problem:
             raise ValueError(problem)
         return self

@@ -57,7 +57,7 @@ from retrieval.model import build_model
 from retrieval.model_parts import resolved
 from retrieval.samplers import UserHistory
 from retrieval.seen_items import SeenItems
-from retrieval.towers import build_towers
+from retrieval.towers import build_ensemble_towers
 from retrieval.training import (
     SequenceClicks,
     StreamedClicks,
@@ -283,7 +283,7 @@ def derived_settings(config: Config, stats: FeatureStatistics, catalogue_items: 
         if getattr(config.model, key) == "auto"
     }
     if config.index.factory == "auto":
-        derived["index.factory"] = config.index.factory_for(catalogue_items, config.model.embedding_dim)
+        derived["index.factory"] = config.index.factory_for(catalogue_items, config.model.output_dim)
     als = config.evaluation.baselines.als
     if "als" in config.evaluation.baselines.rankers and als.factors is None:
         derived["evaluation.baselines.als.factors"] = als.factors_for(int(stats.item_popularity.counts.sum()))
@@ -393,7 +393,7 @@ def read_and_split(config: Config) -> JobData:
     tables, join = _tower_tables(config, source, counts, histories)
     catalogue_ids = tables.items[ITEM].tolist()  # the feature table's items first, then the log's
     items = len(catalogue_ids)
-    check_index_fits(config.index.factory_for(items, config.model.embedding_dim), items, config.index.train_sample_size)
+    check_index_fits(config.index.factory_for(items, config.model.output_dim), items, config.index.train_sample_size)
     data = JobData(source, plan, counts, stats, tables, join, catalogue_ids, held_out, split.evaluate_on, pairs)
     log.info("data: %s", json.dumps(data.summary(0)))
     return data
@@ -515,6 +515,11 @@ def build_job_model(config: Config, data: JobData, custom_towers: TowerFactory |
     towers = catalogue = None  # None: build_model makes the ID towers
     counts, stats = data.counts, data.stats
     if custom_towers is not None:
+        if config.model.ensemble_members > 1:
+            raise ConfigError(
+                "model.ensemble_members > 1 builds its members from the config's towers; custom towers are one "
+                "pair: set model.ensemble_members=1"
+            )
         if data.join is not None:
             raise ConfigError(
                 "custom towers are not yet supported with feature towers (the towers: section); "
@@ -526,7 +531,7 @@ def build_job_model(config: Config, data: JobData, custom_towers: TowerFactory |
         statistics = data.join.statistics((counts.user_ids, counts.user_counts), (counts.item_ids, counts.item_counts),
                                           clicks, stats.items, data.tables.reference_time)
         del clicks
-        towers = build_towers(config.towers, config.model, statistics)
+        towers = build_ensemble_towers(config.towers, config.model, statistics)
         catalogue = data.tables.catalogue()  # sampled negatives are embedded from their raw features
     user_history = None
     if config.model.loss.hard_negatives == "mined":  # each user's training items, coded while scanning

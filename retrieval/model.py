@@ -26,7 +26,7 @@ from retrieval.losses import (
 from retrieval.model_parts import build_miner, build_objective, build_sampler, resolved
 from retrieval.replicas import across_replicas, replicas_in_step
 from retrieval.samplers import FaissHardNegativeMiner, Sampler, UserHistory
-from retrieval.towers import id_tower, position_states
+from retrieval.towers import ensemble_towers, id_tower, member_embeddings, position_states
 from retrieval.towers.id import lookup_vocabulary
 
 # Placeholder id of catalogue row 0 (the OOV row): blank ids never reach a vocabulary.
@@ -55,6 +55,8 @@ class TwoTowerModel(tfrs.Model):
       miner: optional hard-negative miner (needs ``user_ids``).
       user_ids: the user vocabulary, rows of the miner's ``UserHistory``.
       use_weights: weight each example's loss by the batch's ``"weight"``.
+      ensemble_members: K: the towers are an ensemble of K members (``towers.ensemble_towers``)
+        and the loss is the sum of one loss a member, on its own part of the embeddings.
       remove_sequence_items: in a batch of sequences, no item of a pair's sequence window is
         among its negatives (``LossInputs.own_items``; masked where the loss removes accidental hits).
     """
@@ -72,8 +74,10 @@ class TwoTowerModel(tfrs.Model):
         user_ids: tuple[str, ...] | None = None,
         use_weights: bool = False,
         remove_sequence_items: bool = False,
+        ensemble_members: int = 1,
     ):
         super().__init__()
+        self.ensemble_members = int(ensemble_members)
         self.remove_sequence_items = remove_sequence_items
         self.query_tower = query_tower
         self.doc_tower = doc_tower
@@ -235,8 +239,17 @@ class TwoTowerModel(tfrs.Model):
             sample_weight=sample_weight,
             own_items=own_items,
         )
-        # Under tf.distribute: in-batch candidates from every replica; this replica's share of the loss.
-        return self.objective.compute(gather_across_replicas(inputs))
+        if self.ensemble_members == 1:
+            # Under tf.distribute: in-batch candidates from every replica; this replica's share of the loss.
+            return self.objective.compute(gather_across_replicas(inputs))
+        # One loss a member on its own embeddings: each member trains as it would alone.
+        members = [member_embeddings(x, self.ensemble_members)
+                   for x in (inputs.queries, inputs.positives, *inputs.negative_embeddings)]
+        return tf.add_n([
+            self.objective.compute(gather_across_replicas(inputs._replace(
+                queries=q, positives=d, negative_embeddings=tuple(n[k] for n in members[2:]))))
+            for k, (q, d) in enumerate(zip(members[0], members[1], strict=True))
+        ])
 
     def _position_pairs(
         self, features, training: bool
@@ -340,10 +353,12 @@ def build_model(
     config = resolved(config, stats)
     if towers is None:
         common: dict[str, Any] = dict(normalize=config.normalize, l2_regularization=config.l2_regularization)
-        towers = (
-            id_tower(USER, stats.users, config.embedding_dim, name="query_tower", **common),
-            id_tower(ITEM, stats.items, config.embedding_dim, name="doc_tower", **common),
-        )
+        suffixes = [""] if config.ensemble_members == 1 else [f"_{k}" for k in range(config.ensemble_members)]
+        towers = ensemble_towers([
+            (id_tower(USER, stats.users, config.embedding_dim, name=f"query_tower{suffix}", **common),
+             id_tower(ITEM, stats.items, config.embedding_dim, name=f"doc_tower{suffix}", **common))
+            for suffix in suffixes
+        ])
     counts = stats.item_popularity.counts
     query_tower, doc_tower = towers
     return TwoTowerModel(
@@ -357,4 +372,5 @@ def build_model(
         user_ids=stats.users.ids,
         use_weights=use_weights,
         remove_sequence_items=config.remove_sequence_items,
+        ensemble_members=config.ensemble_members,
     )

@@ -6,9 +6,12 @@ exported tower takes raw values exactly as the log has them.
 - ``id_tower``: the ID-only tower (the default two-tower model);
 - ``feature_tower`` / ``build_towers``: DSSM / YouTube-DNN style feature towers
   from ``Config.towers``;
+- ``ensemble_towers`` / ``build_ensemble_towers``: K independently trained members served as
+  one pair (``model.ensemble_members``);
 - ``layers``: the preprocessing and pooling layers they are made of.
 """
 
+from retrieval.towers.ensemble import build_ensemble_towers, ensemble_towers, member_embeddings
 from retrieval.towers.feature import PositionStates, build_towers, feature_tower, position_states
 from retrieval.towers.id import IdEmbedding, IdLookup, id_lookups, id_tower
 from retrieval.towers.layers import (
@@ -37,8 +40,11 @@ __all__ = [
     "Prefix",
     "SplitPad",
     "TimestampAge",
+    "build_ensemble_towers",
     "build_towers",
+    "ensemble_towers",
     "feature_tower",
+    "member_embeddings",
     "position_states",
     "id_lookups",
     "id_tower",

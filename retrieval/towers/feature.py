@@ -62,7 +62,7 @@ _DTYPES = {"string": tf.string, "float32": tf.float32, "float64": tf.float64}
 
 
 def build_towers(
-    towers: TowersConfig, model: ModelConfig, stats: TowerStatistics
+    towers: TowersConfig, model: ModelConfig, stats: TowerStatistics, *, suffix: str = ""
 ) -> tuple[tf.keras.Model, tf.keras.Model]:
     """The query and doc feature towers, sharing the item-id embedding when the history asks to.
 
@@ -70,6 +70,7 @@ def build_towers(
       towers: features of both towers.
       model: output ``embedding_dim``, ``normalize`` and ``l2_regularization``.
       stats: training statistics of every feature.
+      suffix: appended to the towers' names (``query_tower_1``: an ensemble member).
 
     Returns:
       ``(query_tower, doc_tower)``: functional Keras models from their raw
@@ -93,8 +94,8 @@ def build_towers(
     common: dict[str, Any] = dict(
         embedding_dim=model.embedding_dim, normalize=model.normalize, l2_regularization=model.l2_regularization
     )
-    query = feature_tower(towers.query, stats, item_embedding=shared, name="query_tower", **common)
-    doc = feature_tower(towers.doc, stats, item_embedding=shared, name="doc_tower", **common)
+    query = feature_tower(towers.query, stats, item_embedding=shared, name=f"query_tower{suffix}", **common)
+    doc = feature_tower(towers.doc, stats, item_embedding=shared, name=f"doc_tower{suffix}", **common)
     return query, doc
 
 
