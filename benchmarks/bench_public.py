@@ -116,6 +116,8 @@ VARIANTS: dict[str, list[str]] = {
     # training items (its latest 20 in log order, the row's own item left out), through the tower's projection.
     "history-mean": ["towers.query.history={pooling: mean, length: 20}", *CHEAP_SELECTION],
     "history-attention": ["towers.query.history={pooling: attention, length: 20}", *CHEAP_SELECTION],
+    # Two tower pairs trained side by side and served as one scoring their mean (model.ensemble_members).
+    "ensemble2": ["model.ensemble_members=2"],
 }
 BASELINES = ["popularity", "als", "ease"]
 GRIDS = ("als", "ease")  # baselines tuned on valid over a grid: the tables show each one's best point
