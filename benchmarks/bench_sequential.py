@@ -69,6 +69,11 @@ VARIANTS: dict[str, list[str]] = {
     "transformer-dim128-own-items": ["model.ensemble_members=1"],
     "transformer-dim128": ONE_MEMBER,
     "transformer-in-batch-dim256": ["model.embedding_dim=256", *ONE_MEMBER],
+    # The pooled history given the same two members of dimension 128 (its clicks have no sequence windows).
+    "pooled-attention-ensemble": ["model.remove_sequence_items=false", "train.examples=clicks",
+                                  "towers.query.history.pooling=attention",
+                                  "towers.query.features=[{name: user_id, kind: id}]", "train.optimizer=lazy_adam",
+                                  "train.learning_rate=0.01", "train.batch_size=1024"],
 }
 VARIANTS |= {name: [*ONE_MEMBER_64, *overrides] for name, overrides in {
     "transformer-in-batch": [],

@@ -44,7 +44,8 @@ def _model(clicks: pd.DataFrame, **settings):
     """A transformer-history model on ``clicks``' vocabularies (``settings``: ModelConfig keys)."""
     stats = FeatureStatistics.from_training_clicks(clicks)
     tf.keras.utils.set_random_seed(0)
-    config = ModelConfig(embedding_dim=8, temperature=0.2, loss=LossConfig(log_q_source="static"), **settings)
+    config = ModelConfig(**{"embedding_dim": 8, "temperature": 0.2, "loss": LossConfig(log_q_source="static"),
+                            **settings})
     statistics = TowerStatistics.fit(TOWERS, clicks.assign(history=""), None)
     return build_model(config, stats, towers=build_towers(TOWERS, config, statistics)), stats
 
@@ -176,6 +177,34 @@ def test_with_sequence_items_removed_no_item_of_a_pairs_window_is_its_negative()
     plain = numpy_in_batch_loss(q, d, log_prob, ids, 0.2)
     assert (removed & (ids[:, None] != ids[None, :])).any()  # the window removes more than accidental hits
     assert loss == pytest.approx(expected, rel=1e-5) and abs(expected - plain) > 1e-3
+
+
+@pytest.mark.parametrize("loss", [{"negatives": "mixed", "num_negatives": 12}, {"kind": "full_softmax"}])
+def test_sampled_and_full_softmax_columns_of_a_pairs_window_are_masked(loss, monkeypatch):
+    clicks = _clicks(seed=3)
+    model, stats = _model(clicks, remove_sequence_items=True,
+                          loss=LossConfig(log_q_source="static", **loss))
+    captured = {}
+    monkeypatch.setattr(model.objective, "compute", lambda inputs: captured.setdefault("inputs", inputs) and 0.0)
+    source = SequenceClicks(_histories(clicks, stats), "history", LENGTH, batch_size=8, seed=0)
+    batch = next(iter(source.epoch(0)))
+    model.compute_loss(batch, training=True)
+    inputs = captured["inputs"]
+    _, labels, kept = (x.numpy() for x in model.objective.candidate_columns(inputs))
+    positives = inputs.positive_ids.numpy()
+    head = positives if inputs.includes_batch_positives else positives[:, None]
+    columns = np.concatenate([np.broadcast_to(head, (len(positives), head.shape[-1] if head.ndim == 1 else 1)),
+                              *(np.broadcast_to(n.ids.numpy(), (len(positives), n.ids.shape[-1]))
+                                for n in inputs.negatives)], axis=1)
+    targets, histories = batch["item_id"].numpy().astype(str), batch["history"].numpy().astype(str)
+    trained = targets != ""
+    sequence_of_pair = np.broadcast_to(np.arange(len(targets))[:, None], targets.shape)[trained]
+    window_ids = [set(model.item_index(tf.constant([*histories[s], *targets[s]])).numpy()) - {0}
+                  for s in range(len(targets))]
+    owned = np.array([[c in window_ids[s] for c in row] for s, row in zip(sequence_of_pair, columns, strict=True)])
+    assert owned[labels == 0].any()  # the window's items do come up among the negatives
+    assert not (kept & owned & (labels == 0)).any() and kept[labels == 1].all()
+    assert kept[(labels == 0) & ~owned & (columns > 0)].all()  # and nothing else is
 
 
 def test_own_item_hits_are_membership_in_each_rows_group():
