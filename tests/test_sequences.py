@@ -75,13 +75,17 @@ def test_a_state_never_sees_a_later_item_and_the_newest_state_is_what_the_tower_
         assert not np.allclose(again[0, : p + 1], out[0, : p + 1], atol=1e-4)  # this one and newer: moved
 
 
-def test_unknown_items_are_skipped_and_a_history_of_none_embeds_to_zero():
+def test_unknown_items_are_dropped_from_a_history_and_a_history_of_none_embeds_to_zero():
     model, stats = _model(_clicks())
-    a, b = stats.items.ids[:2]
+    a, b, c = stats.items.ids[:3]
     embed = lambda rows: model.query_tower({"history": tf.constant(rows, dtype=tf.string)}).numpy()  # noqa: E731
-    with_unknown, with_padding = embed([[a, "never-seen", b, "", "", ""]]), embed([[a, "", b, "", "", ""]])
-    np.testing.assert_allclose(with_unknown, with_padding, atol=1e-6)
-    assert np.linalg.norm(with_padding) == pytest.approx(1.0, rel=1e-5)
+    without = embed([[a, b, c, "", "", ""]])
+    for unknown_at in range(4):  # the newest place included: a new item must not blank the known ones
+        history = [a, b, c, "", "", ""]
+        history.insert(unknown_at, "never-seen")
+        np.testing.assert_allclose(embed([history[:LENGTH]]), without, atol=1e-6)
+    assert np.linalg.norm(without) == pytest.approx(1.0, rel=1e-5)
+    assert not np.allclose(embed([[b, a, c, "", "", ""]]), without, atol=1e-4)  # order still counts
     np.testing.assert_array_equal(embed([[""] * LENGTH, ["nope", "", "", "", "", ""]]), np.zeros((2, 8)))
 
 

@@ -47,6 +47,7 @@ from retrieval.towers.layers import (
     HashedText,
     IdDropout,
     Known,
+    KnownFirst,
     MaskedMean,
     Newest,
     NormalizedNumber,
@@ -271,13 +272,19 @@ def _encode_history(history: HistoryConfig, stats: TowerStatistics, context: _Co
         dim = history.embedding_dim or context.embedding_dim
         table = IdEmbedding.build(history.name, stats.items, dim, context.l2_regularization)
     if history.pooling == "transformer":
-        # Items unknown to training are skipped like padding: they keep their places, unattended.
         rows = table.lookup(x)
         known = Known(name=f"{history.name}_known")(rows)
-        encoder = history.transformer
-        states = CausalSequenceEncoder(history.length, encoder.blocks, encoder.heads, encoder.dropout,
-                                       name=f"{history.name}_transformer")(table.embedding(rows), known)
-        return Newest(name=f"{history.name}_newest")(states), (states, known)
+        settings = history.transformer
+        encoder = CausalSequenceEncoder(history.length, settings.blocks, settings.heads, settings.dropout,
+                                        name=f"{history.name}_transformer")
+        # Every position's state, aligned with the input, is what training on every position reads.
+        states = encoder(table.embedding(rows), known)
+        # The tower's own output needs the newest state alone, of the history with its unknown items
+        # dropped: an item new since training (often the newest click) must not blank the others.
+        compact = KnownFirst(name=f"{history.name}_known_first")(rows)
+        newest = encoder(table.embedding(compact), Known(name=f"{history.name}_known_compact")(compact),
+                         newest_only=True)
+        return Newest(name=f"{history.name}_newest")(newest), (states, known)
     mask = NotPadding(name=f"{history.name}_mask")(x)
     pooling = MaskedMean if history.pooling == "mean" else AttentionPooling
     return pooling(name=f"{history.name}_{history.pooling}")(table(x), mask), None

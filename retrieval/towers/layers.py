@@ -278,18 +278,25 @@ class CausalSequenceEncoder(tf.keras.layers.Layer):
         self.drop = tf.keras.layers.Dropout(self.dropout)
         super().build(input_shape)
 
-    def call(self, embeddings, mask, training=None):
+    def call(self, embeddings, mask, training=None, newest_only=False):
+        """``newest_only``: return ``[batch, 1, dim]``, the state at position 0 alone. Its last block
+        attends from that one position (the earlier blocks still run over every position, whose
+        states it reads), which halves a two-block encoder's cost where only the query is needed."""
         x = tf.reverse(embeddings, axis=[1])  # time order, padding first
         keep = tf.reverse(mask, axis=[1])
         keep_f = tf.cast(keep, x.dtype)[..., None]
         x = self.drop(x + self.positions[None], training=training) * keep_f
         causal = tf.linalg.band_part(tf.ones([self.length, self.length], tf.bool), -1, 0)  # [query, key]: key <= query
         attend = tf.logical_and(causal[None], keep[:, None, :])
-        for (attention, (inner, outer), (attention_norm, feed_norm)) in zip(
+        for block, (attention, (inner, outer), (attention_norm, feed_norm)) in enumerate(zip(
             self.attention, self.feed_forward, self.norms, strict=True
-        ):
+        )):
             h = attention_norm(x)
-            x = x + self.drop(attention(h, x, attention_mask=attend, training=training), training=training)
+            if newest_only and block == self.blocks - 1:  # from here on only the newest position
+                h, attend, keep_f, residual = h[:, -1:], attend[:, -1:], keep_f[:, -1:], x[:, -1:]
+            else:
+                residual = x
+            x = residual + self.drop(attention(h, x, attention_mask=attend, training=training), training=training)
             h = feed_norm(x)
             x = x + self.drop(outer(self.drop(inner(h), training=training)), training=training)
             x = x * keep_f
@@ -299,6 +306,16 @@ class CausalSequenceEncoder(tf.keras.layers.Layer):
         return super().get_config() | {
             "length": self.length, "blocks": self.blocks, "heads": self.heads, "dropout": self.dropout
         }
+
+
+class KnownFirst(tf.keras.layers.Layer):
+    """Lookup rows ``[batch, L]`` with the known ones (row > 0) moved to the front in their order and
+    the out-of-vocabulary and padding rows (0) after them: a history whose unknown items are dropped,
+    the rest closing ranks, so it encodes as it would without them. Same shape and dtype."""
+
+    def call(self, rows):
+        order = tf.argsort(tf.cast(rows <= 0, tf.int32), axis=1, stable=True)
+        return tf.gather(rows, order, batch_dims=1)
 
 
 class Newest(tf.keras.layers.Layer):
