@@ -344,6 +344,12 @@ def serve_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--search-threads", type=int, default=1, help="FAISS threads per request; 0 = every core (default: %(default)s)"
     )
     serve.add_argument(
+        "--tensorflow-threads", type=int, default=1,
+        help="threads one query-tower op may use (TensorFlow's intra-op pool); 0 = every core. 1 suits "
+        "single-query traffic, as --search-threads 1 does: concurrent requests take the other cores, and "
+        "independent ops (an ensemble's members) still run side by side (default: %(default)s)",
+    )
+    serve.add_argument(
         "--verify", default="quick", choices=["quick", "full"],
         help="check the bundle's files (at start and every reload) against its manifest's fingerprints: "
         "quick hashes files over 64 MiB by size and both ends, full hashes every file whole (default: %(default)s)",
@@ -397,6 +403,12 @@ def _serve(args: argparse.Namespace) -> int:
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port {args.port} is not a TCP port (0 to 65535)")
+    if args.tensorflow_threads < 0:
+        raise UserError(f"--tensorflow-threads {args.tensorflow_threads} must be 0 (every core) or more")
+    if args.tensorflow_threads:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(args.tensorflow_threads)  # before the bundle loads
     try:  # both check the flags' values: their ValueError is a bad command line
         limits = ServiceLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServiceLimits)})
         check_admin_exposure(args.host, not args.no_admin, token)

@@ -26,8 +26,9 @@ FLAGS = {
              "--pruner-startup-trials", "--pruner-warmup-epochs", "--no-baseline-trial", "--timeout"],
     "recommend": ["--bundle", "--user-id", "--similar", "--users", "-k", "--k", "--exclude", "--include-seen", "--out",
                   "--overwrite", "--block-size"],
-    "serve": ["--bundle", "--host", "--port", "--no-admin", "--admin-token", "--search-threads", "--verify",
-              "--access-log", "--http", "--loop", "--log-level", "--gil-switch-interval", "--max-body-bytes"],
+    "serve": ["--bundle", "--host", "--port", "--no-admin", "--admin-token", "--search-threads",
+              "--tensorflow-threads", "--verify", "--access-log", "--http", "--loop", "--log-level",
+              "--gil-switch-interval", "--max-body-bytes"],
     "reload": ["--bundle", "--url", "--timeout", "--token"],
 }
 PIPELINES = ["train", "evaluate", "export", "tune"]
