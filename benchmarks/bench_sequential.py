@@ -56,21 +56,27 @@ SASREC_PLUS = {"recall@10": 0.0533, "ndcg@10": 0.0327}  # Klenitskiy & Vasilev 2
 
 # configs/beauty.yaml before its recipe became two members of dimension 128 with each sequence's own
 # items kept out of its negatives: the rows measured then run with these first.
-ONE_MEMBER_64 = ["model.embedding_dim=64", "model.remove_sequence_items=false", "model.ensemble_members=1"]
-ONE_MEMBER = ["model.remove_sequence_items=false", "model.ensemble_members=1"]
+# configs/beauty.yaml before it fixed the number of epochs: early stopping (at most 30) on each user's last
+# training item, then the chosen number again on everything (its refit).
+EARLY_STOPPING = ["train.epochs=30", "train.validation_fraction=0.1"]
+ONE_MEMBER_64 = [*EARLY_STOPPING, "model.embedding_dim=64", "model.remove_sequence_items=false",
+                 "model.ensemble_members=1"]
+ONE_MEMBER = [*EARLY_STOPPING, "model.remove_sequence_items=false", "model.ensemble_members=1"]
 
 # name -> overrides on configs/beauty.yaml; the first is the recipe the config states.
 VARIANTS: dict[str, list[str]] = {
     # Two members of dimension 128 trained side by side on each batch, served as one tower pair that
     # scores their mean (model.ensemble_members: 2), a sequence's own items never its negatives.
+    # for the 10 epochs that early stopping chose (the next row), trained once on every item.
     "transformer-ensemble": [],
-    "transformer-ensemble-seed1": ["train.seed=1"],
+    "transformer-ensemble-early-stopping": EARLY_STOPPING,
+    "transformer-ensemble-seed1": [*EARLY_STOPPING, "train.seed=1"],
     # One member of the same recipe, then without removing the sequence's items.
-    "transformer-dim128-own-items": ["model.ensemble_members=1"],
+    "transformer-dim128-own-items": [*EARLY_STOPPING, "model.ensemble_members=1"],
     "transformer-dim128": ONE_MEMBER,
     "transformer-in-batch-dim256": ["model.embedding_dim=256", *ONE_MEMBER],
     # The pooled history given the same two members of dimension 128 (its clicks have no sequence windows).
-    "pooled-attention-ensemble": ["model.remove_sequence_items=false", "train.examples=clicks",
+    "pooled-attention-ensemble": [*EARLY_STOPPING, "model.remove_sequence_items=false", "train.examples=clicks",
                                   "towers.query.history.pooling=attention",
                                   "towers.query.features=[{name: user_id, kind: id}]", "train.optimizer=lazy_adam",
                                   "train.learning_rate=0.01", "train.batch_size=1024"],
@@ -300,22 +306,33 @@ def _throughput_lines() -> list[str]:
     return lines
 
 
-def serving_latency(data_dir: Path, length: int = 200, users: int = 2000, requests: int = 1000,
+def serving_latency(data_dir: Path, history_items: int = 200, users: int = 2000, requests: int = 1000,
                     k: int = 10) -> dict[str, Any]:
-    """Single-query latency of ``retrieval serve`` over HTTP answering a raw ``length``-item history.
+    """Single-query latency of ``retrieval serve`` over HTTP answering raw ``history_items``-item histories.
 
-    The bundle is configs/beauty.yaml's transformer at ``towers.query.history.length = length``,
-    trained one epoch on the first ``users`` users' sequences (latency does not depend on how well
-    it ranks) with the whole 54,542-item catalogue indexed. Each request is a history of ``length``
-    distinct trained items drawn at random (seed 0), the history's items excluded (the default);
-    sequential requests, one client, after 20 warm-up requests.
+    Two bundles, one after the other: configs/beauty.yaml's transformer as it ships (it reads the
+    newest ``towers.query.history.length`` items of a longer history) and the same at
+    ``length = history_items``, where the tower reads all of them. Each is trained one epoch on the
+    first ``users`` users' sequences (latency does not depend on how well it ranks) with the whole
+    54,542-item catalogue indexed. Each request is a history of ``history_items`` distinct trained
+    items drawn at random (seed 0), the history's items excluded (the default); sequential
+    requests, one client, after 20 warm-up requests; the server's default flags.
     """
+    beauty = data_dir / "beauty"
+    shipped = load_config(CONFIG)
+    rows = [_serving_row(beauty, length, history_items, users, requests, k)
+            for length in dict.fromkeys([shipped.towers.query.history.length, history_items])]
+    return {"history_items": history_items, "k": k, "catalogue_items": len((beauty / "items.txt").read_text().split()),
+            "ensemble_members": shipped.model.ensemble_members, "embedding_dim": shipped.model.embedding_dim,
+            "rows": rows, "machine": _machine(), "date": datetime.date.today().isoformat()}
+
+
+def _serving_row(beauty: Path, length: int, history_items: int, users: int, requests: int, k: int) -> dict[str, Any]:
     import httpx
 
     from benchmarks._serving_http import Server
     from benchmarks._serving_index import percentiles
 
-    beauty = data_dir / "beauty"
     with tempfile.TemporaryDirectory() as work:
         lines = (beauty / "sequences.txt").read_text().splitlines()[:users]
         (Path(work) / "sequences.txt").write_text("\n".join(lines) + "\n")
@@ -328,7 +345,7 @@ def serving_latency(data_dir: Path, length: int = 200, users: int = 2000, reques
         run = train_evaluate_export(config, config_name="serving").directory
         trained = sorted({item for line in lines for item in line.split()[1:]})
         rng = np.random.default_rng(0)
-        histories = [list(rng.choice(trained, size=length, replace=False)) for _ in range(requests + 20)]
+        histories = [list(rng.choice(trained, size=history_items, replace=False)) for _ in range(requests + 20)]
         server = Server(run)
         load_at_start = load_average()
         try:
@@ -345,12 +362,8 @@ def serving_latency(data_dir: Path, length: int = 200, users: int = 2000, reques
         finally:
             server.stop()
     overlap = sum(len(set(items) & set(history)) for items, history in zip(served, histories[20:], strict=True))
-    catalogue = len((beauty / "items.txt").read_text().split())
-    return {"length": length, "k": k, "catalogue_items": catalogue, "ensemble_members": config.model.ensemble_members,
-            "embedding_dim": config.model.embedding_dim,
-            "requests": len(latencies), "history_items_served": overlap,
-            "load_average": {"start": load_at_start, "end": load_average()},
-            **percentiles(latencies, "sequential"), "machine": _machine(), "date": datetime.date.today().isoformat()}
+    return {"length": length, "requests": len(latencies), "history_items_served": overlap,
+            "load_average": {"start": load_at_start, "end": load_average()}, **percentiles(latencies, "sequential")}
 
 
 def _serving_lines() -> list[str]:
@@ -358,19 +371,23 @@ def _serving_lines() -> list[str]:
     if not path.exists():
         return []
     r = json.loads(path.read_text())
-    load = r.get("load_average", {"start": "not recorded", "end": "not recorded"})
-    return ["", "## Serving a history", "",
-            "`python -m benchmarks.bench_sequential --serving`: `retrieval serve` over HTTP on loopback, one client, "
-            f"sequential `POST /recommend` with a raw {r['length']}-item history (distinct trained items, its items "
-            f"excluded), k = {r['k']}, the transformer of configs/beauty.yaml at history length {r['length']} "
-            f"({r.get('ensemble_members', 1)} member(s) of dimension {r.get('embedding_dim', 64)}) over "
-            f"the {r['catalogue_items']:,}-item catalogue (its default exact index).", "",
-            "| history length | requests | p50 ms | p99 ms | mean ms | history items served |",
-            "|---|---|---|---|---|---|",
-            f"| {r['length']} | {r['requests']} | {r['sequential_p50_ms']:.2f} | {r['sequential_p99_ms']:.2f} "
-            f"| {r['sequential_mean_ms']:.2f} | {r['history_items_served']} |", "",
-            f"Machine: {describe_machine(r['machine'])}, load average (1, 5, 15 min) {load['start']} at the first "
-            f"request, {load['end']} at the last; commit {r['machine']['commit']}, {r['date']}."]
+    lines = ["", "## Serving a history", "",
+             "`python -m benchmarks.bench_sequential --serving`: `retrieval serve` (default flags) over HTTP on "
+             f"loopback, one client, sequential `POST /recommend` with a raw {r['history_items']}-item history "
+             f"(distinct trained items, its items excluded), k = {r['k']}, over the {r['catalogue_items']:,}-item "
+             f"catalogue (its default exact index): the transformer of configs/beauty.yaml "
+             f"({r['ensemble_members']} members of dimension {r['embedding_dim']}) as it ships, reading the "
+             f"newest items of the history up to its length, and the same at length {r['history_items']}, "
+             "reading all of them.", "",
+             "| tower's history length | requests | p50 ms | p99 ms | mean ms | history items served | load average "
+             "at the first / last request |",
+             "|---|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        load = row["load_average"]
+        lines.append(f"| {row['length']} | {row['requests']} | {row['sequential_p50_ms']:.2f} "
+                     f"| {row['sequential_p99_ms']:.2f} | {row['sequential_mean_ms']:.2f} "
+                     f"| {row['history_items_served']} | {load['start'][0]} / {load['end'][0]} |")
+    return lines + ["", f"Machine: {describe_machine(r['machine'])}; commit {r['machine']['commit']}, {r['date']}."]
 
 
 def _plot(rows: list[dict[str, Any]]) -> None:
