@@ -406,9 +406,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.tensorflow_threads < 0:
         raise UserError(f"--tensorflow-threads {args.tensorflow_threads} must be 0 (every core) or more")
     if args.tensorflow_threads:
-        import tensorflow as tf
-
-        tf.config.threading.set_intra_op_parallelism_threads(args.tensorflow_threads)  # before the bundle loads
+        _limit_tensorflow_threads(args.tensorflow_threads)
     try:  # both check the flags' values: their ValueError is a bad command line
         limits = ServiceLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServiceLimits)})
         check_admin_exposure(args.host, not args.no_admin, token)
@@ -425,6 +423,20 @@ def _serve(args: argparse.Namespace) -> int:
     )
     uvicorn.Server(config).run()
     return 0
+
+
+def _limit_tensorflow_threads(threads: int) -> None:
+    """TensorFlow's intra-op pool at ``threads``, which only holds before TensorFlow first runs an op:
+    a process that already did (``serve`` called from Python after other work) keeps its pool."""
+    import tensorflow as tf
+
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+    except RuntimeError:
+        logging.getLogger(__name__).warning(
+            "--tensorflow-threads %d ignored: TensorFlow already runs in this process with %s intra-op threads",
+            threads, tf.config.threading.get_intra_op_parallelism_threads() or "its default",
+        )
 
 
 def _reload(args: argparse.Namespace) -> int:

@@ -291,10 +291,10 @@ def _rendered(driver, list_id):
 
 @pytest.mark.slow
 def test_the_page_in_a_headless_browser_shows_what_the_json_routes_answer(world, tmp_path):
+    driver = _browser_or_skip()  # first: it skips, naming what is missing, where selenium is not installed
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    driver = _browser_or_skip()
     app = create_app(world["shop"])
     server, thread, port = serve_in_thread(app)
     base = f"http://127.0.0.1:{port}"
