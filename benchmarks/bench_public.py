@@ -118,6 +118,8 @@ VARIANTS: dict[str, list[str]] = {
     "history-attention": ["towers.query.history={pooling: attention, length: 20}", *CHEAP_SELECTION],
     # Two tower pairs trained side by side and served as one scoring their mean (model.ensemble_members).
     "ensemble2": ["model.ensemble_members=2"],
+    # Two members of half the width (the same 256 floats an item) under the cheap selection.
+    "ensemble2-dim128-cheap": ["model.ensemble_members=2", "model.embedding_dim=128", *CHEAP_SELECTION],
 }
 BASELINES = ["popularity", "als", "ease"]
 GRIDS = ("als", "ease")  # baselines tuned on valid over a grid: the tables show each one's best point
