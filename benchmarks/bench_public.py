@@ -118,6 +118,8 @@ VARIANTS: dict[str, list[str]] = {
     "history-attention": ["towers.query.history={pooling: attention, length: 20}", *CHEAP_SELECTION],
     # Two tower pairs trained side by side and served as one scoring their mean (model.ensemble_members).
     "ensemble2": ["model.ensemble_members=2"],
+    # No training item of a click's user among its negatives (model.remove_user_items), cheap selection.
+    "default-cheap-user-items": ["model.remove_user_items=true", *CHEAP_SELECTION],
     # Two members of half the width (the same 256 floats an item) under the cheap selection.
     "ensemble2-dim128-cheap": ["model.ensemble_members=2", "model.embedding_dim=128", *CHEAP_SELECTION],
 }

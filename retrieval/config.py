@@ -532,6 +532,13 @@ class ModelConfig(_Section):
         "remove_accidental_hits masks its next item: evaluation and serving exclude a user's items, "
         "so training does not push them down. Needs remove_accidental_hits.",
     )
+    remove_user_items: bool = Field(
+        False,
+        description="With train.examples: clicks, also mask the candidates that are any training item of "
+        "the row's user, as remove_accidental_hits masks its own item: evaluation and serving exclude a "
+        "user's items, so training does not push them down. Holds each user's distinct training items in "
+        "memory (16 bytes a pair) and searches them per row each step. Needs remove_accidental_hits.",
+    )
     l2_regularization: float = Field(0.0, ge=0, description="L2 penalty on embedding tables.")
     loss: LossConfig = Field(LossConfig(), description="Objective, negatives and log-Q source.")
 
@@ -550,12 +557,13 @@ class ModelConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _sequence_items_are_removed_as_hits(self) -> ModelConfig:
-        if self.remove_sequence_items and not self.remove_accidental_hits:
-            raise ValueError(
-                "model.remove_sequence_items masks more than model.remove_accidental_hits does: set "
-                "model.remove_accidental_hits=true, or model.remove_sequence_items=false"
-            )
+    def _own_items_are_removed_as_hits(self) -> ModelConfig:
+        for key in ("remove_sequence_items", "remove_user_items"):
+            if getattr(self, key) and not self.remove_accidental_hits:
+                raise ValueError(
+                    f"model.{key} masks more than model.remove_accidental_hits does: set "
+                    f"model.remove_accidental_hits=true, or model.{key}=false"
+                )
         return self
 
     @model_validator(mode="after")
@@ -1162,6 +1170,7 @@ class Config(_Section):
             "train.examples": self.train.examples == "sequences",
             "towers.query.history": self.towers.query.history is not None,
             "model.ensemble_members": self.model.ensemble_members > 1,
+            "model.remove_user_items": self.model.remove_user_items,
         }
         bad = [key for key, refuse in refused.items() if refuse]
         if bad:
@@ -1202,6 +1211,11 @@ class Config(_Section):
                     "model.remove_sequence_items: false"
                 )
             return self
+        if self.model.remove_user_items:
+            raise ValueError(
+                "model.remove_user_items masks a click's user's training items; with train.examples: "
+                "sequences use model.remove_sequence_items (the items of each pair's window)"
+            )
         history = self.towers.query.history
         if history is None or history.pooling != "transformer":
             raise ValueError(

@@ -23,7 +23,7 @@ from retrieval.losses import (
     RetrievalLoss,
     gather_across_replicas,
 )
-from retrieval.model_parts import build_miner, build_objective, build_sampler, resolved
+from retrieval.model_parts import build_miner, build_objective, build_sampler, resolved, users_training_items
 from retrieval.replicas import across_replicas, replicas_in_step
 from retrieval.samplers import FaissHardNegativeMiner, Sampler, UserHistory
 from retrieval.towers import ensemble_towers, id_tower, member_embeddings, position_states
@@ -59,6 +59,8 @@ class TwoTowerModel(tfrs.Model):
         and the loss is the sum of one loss a member, on its own part of the embeddings.
       remove_sequence_items: in a batch of sequences, no item of a pair's sequence window is
         among its negatives (``LossInputs.own_items``; masked where the loss removes accidental hits).
+      user_items: each user's training items (rows of ``user_ids``): in a batch of clicks, none of
+        a row's user's items is among its negatives (``LossInputs.own_items``, as above).
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class TwoTowerModel(tfrs.Model):
         user_ids: tuple[str, ...] | None = None,
         use_weights: bool = False,
         remove_sequence_items: bool = False,
+        user_items: UserHistory | None = None,
         ensemble_members: int = 1,
     ):
         super().__init__()
@@ -97,12 +100,15 @@ class TwoTowerModel(tfrs.Model):
         self._catalogue: dict[str, tf.Tensor] = {}
         self.set_catalogue_features(catalogue_features)
         self._user_index: tf.keras.layers.StringLookup | None = None
-        if miner is not None:
+        if miner is not None or user_items is not None:
             if user_ids is None:
-                raise ValueError("a hard-negative miner needs user_ids (the rows of its UserHistory)")
+                raise ValueError("a hard-negative miner or user_items needs user_ids (the rows of its UserHistory)")
             self._user_index = tf.keras.layers.StringLookup(
                 vocabulary=lookup_vocabulary(user_ids), mask_token=None, num_oov_indices=1
             )
+        self._user_items: tuple[tf.Tensor, tf.Tensor] | None = None
+        if user_items is not None:  # CSR: a user's tower indices, sorted, at items[offsets[u]:offsets[u + 1]]
+            self._user_items = (tf.constant(user_items.offsets, tf.int64), tf.constant(user_items.items, tf.int64))
 
     def set_catalogue_features(self, features) -> None:
         """Set the doc tower's raw inputs for every tower index (after replacing the doc tower).
@@ -220,7 +226,7 @@ class TwoTowerModel(tfrs.Model):
             positives = self.doc_tower(tower_inputs(self.doc_tower, features), training=training)
             positive_ids = self._item_index(features[ITEM])
             sample_weight = features[WEIGHT] if self.use_weights else None
-            own_items = None
+            own_items = None if self._user_items is None else self._users_items(features[USER])
         if training:
             # Under tf.distribute every replica observes the global batch (once per step, as on one device).
             self.sampler.observe(across_replicas(positive_ids))
@@ -276,6 +282,20 @@ class TwoTowerModel(tfrs.Model):
             own_items = OwnItems(tf.where(window > 0, window, -1), tf.boolean_mask(rows, trained))
         positive_ids = self._item_index(tf.boolean_mask(targets, trained))
         return tf.boolean_mask(per_position, trained), positive_ids, weights, own_items
+
+    def _users_items(self, users: tf.Tensor) -> OwnItems:
+        """Each row's user's training items, ``-1`` padded to the longest in the batch (none for a
+        user the model does not know): the own items of a batch of clicks."""
+        assert self._user_index is not None and self._user_items is not None
+        offsets, items = self._user_items
+        rows = self._user_index(users) - 1  # -1: unknown user
+        known = rows >= 0
+        safe = tf.where(known, rows, 0)
+        starts = tf.gather(offsets, safe)
+        lengths = tf.where(known, tf.gather(offsets, safe + 1) - starts, tf.zeros_like(starts))
+        positions = tf.ragged.range(starts, starts + lengths)
+        owned = tf.RaggedTensor.from_row_lengths(tf.gather(items, positions.flat_values), lengths)
+        return OwnItems(owned.to_tensor(default_value=-1), tf.range(tf.shape(users)[0]))
 
     def train_step(self, inputs):
         """``tfrs.Model.train_step``, exact under a ``tf.distribute`` strategy.
@@ -339,10 +359,10 @@ def build_model(
       config: the model section.
       stats: vocabularies and popularity from the training clicks.
       use_weights: weight examples by the click weight.
-      train_clicks: the training clicks; needed by mined hard negatives (to
-        exclude each user's clicks) unless ``user_history`` is given.
-      user_history: each user's training items, for mined hard negatives
-        (``UserHistory`` over rows of ``stats.users``); overrides ``train_clicks``.
+      train_clicks: the training clicks; needed by mined hard negatives and
+        ``remove_user_items`` (to exclude each user's clicks) unless ``user_history`` is given.
+      user_history: each user's training items, for mined hard negatives and
+        ``remove_user_items`` (``UserHistory`` over rows of ``stats.users``); overrides ``train_clicks``.
       towers: ``(query_tower, doc_tower)``; None = ID towers.
       catalogue_features: the doc tower's inputs per tower index (see
         ``TwoTowerModel``); None = item ids.
@@ -372,5 +392,6 @@ def build_model(
         user_ids=stats.users.ids,
         use_weights=use_weights,
         remove_sequence_items=config.remove_sequence_items,
+        user_items=users_training_items(stats, train_clicks, user_history) if config.remove_user_items else None,
         ensemble_members=config.ensemble_members,
     )

@@ -216,13 +216,27 @@ def build_miner(
     """
     if loss.hard_negatives != "mined":
         return None
-    if history is None:
-        if train_clicks is None:
-            raise ValueError(
-                "model.loss.hard_negatives='mined' excludes each user's training clicks from their "
-                "negatives: pass train_clicks (or user_history) to build_model"
-            )
-        history = UserHistory(
-            stats.users.lookup(train_clicks[USER]) - 1, stats.items.lookup(train_clicks[ITEM]), len(stats.users)
-        )
+    history = users_training_items(stats, train_clicks, history, needed_by="model.loss.hard_negatives='mined'")
     return FaissHardNegativeMiner(loss.num_hard_negatives, loss.mining_refresh_steps, history)
+
+
+def users_training_items(
+    stats: FeatureStatistics,
+    train_clicks: pd.DataFrame | None,
+    history: UserHistory | None = None,
+    *,
+    needed_by: str = "model.remove_user_items",
+) -> UserHistory:
+    """Each user's training items: ``history`` when given (a streamed log codes it from its
+    shards), else coded from the ``train_clicks`` frame (rows of ``stats.users``, tower indices of
+    ``stats.items``)."""
+    if history is not None:
+        return history
+    if train_clicks is None:
+        raise ValueError(
+            f"{needed_by} excludes each user's training clicks from their negatives: pass train_clicks "
+            "(or user_history) to build_model"
+        )
+    return UserHistory(
+        stats.users.lookup(train_clicks[USER]) - 1, stats.items.lookup(train_clicks[ITEM]), len(stats.users)
+    )

@@ -148,6 +148,28 @@ def test_the_training_clicks_are_coded_once_for_every_stage_that_needs_them(shar
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("source", SOURCES)
+def test_removing_user_items_hands_the_model_each_users_training_items(shards, tmp_path, monkeypatch, source):
+    """``model.remove_user_items`` reads the same coding of the training clicks as mined negatives,
+    from a streamed log as from a loaded one."""
+    handed = {}
+    build_model = jobs.build_model
+    monkeypatch.setattr(jobs, "build_model",
+                        lambda config, stats, **kwargs: handed.update(kwargs, stats=stats) or build_model(
+                            config, stats, **kwargs))
+    config = _config(shards, tmp_path, source, "train.epochs=1", "train.validation_fraction=0",
+                     "model.remove_user_items=true")
+    result = jobs.train_evaluate_export(config)
+    assert np.isfinite(result.metrics["final_train_loss"])
+    clicks = pd.read_parquet(shards.parent / "log.parquet")
+    train, _ = split_clicks(clicks, SplitConfig(kind="temporal", test_fraction=0.2))
+    history, stats = handed["user_history"], handed["stats"]
+    users, items = np.asarray(stats.users.ids, dtype=object), np.asarray(stats.items.ids, dtype=object)
+    coded = {users[row]: set(items[history.of(row) - 1]) for row in range(history.num_users)}
+    assert coded == train.groupby(USER)[ITEM].agg(set).to_dict()
+
+
+@pytest.mark.slow
 def test_a_sequence_job_streams_a_click_table_and_trains_as_in_memory(shards, tmp_path):
     """``train.examples: sequences`` from a timestamped click table: the windows come from the training
     clicks coded in memory (``ClickHistories``) however the log is read, so both sources train the same

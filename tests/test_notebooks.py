@@ -138,6 +138,7 @@ ADDED_SINCE = {
     "parameter_server": {"min_shard_bytes": 262144, "max_shards": 1, "input": "chief", "data_dispatcher_port": 0,
                          "staging_dir": "", "staged_files": 16},  # read only by distribute: parameter_server
     "sequence_windows": "all",  # read only by train.examples: sequences
+    "remove_user_items": False,  # model: off by default
 }
 
 
