@@ -66,7 +66,7 @@ ONE_MEMBER = [*EARLY_STOPPING, "model.remove_sequence_items=false", "model.ensem
 # name -> overrides on configs/beauty.yaml; the first is the recipe the config states.
 VARIANTS: dict[str, list[str]] = {
     # Two members of dimension 128 trained side by side on each batch, served as one tower pair that
-    # scores their mean (model.ensemble_members: 2), a sequence's own items never its negatives.
+    # scores their mean (model.ensemble_members: 2), a sequence's own items never its negatives,
     # for the 10 epochs that early stopping chose (the next row), trained once on every item.
     "transformer-ensemble": [],
     "transformer-ensemble-early-stopping": EARLY_STOPPING,

@@ -547,6 +547,12 @@ class ModelConfig(_Section):
         """The towers' output width: ``embedding_dim`` a member."""
         return self.embedding_dim * self.ensemble_members
 
+    @property
+    def reads_users_training_items(self) -> bool:
+        """Whether training needs each user's training items: mined hard negatives and
+        remove_user_items keep them out of a user's negatives."""
+        return self.loss.hard_negatives == "mined" or self.remove_user_items
+
     @model_validator(mode="after")
     def _members_score_by_dot_products(self) -> ModelConfig:
         if self.ensemble_members > 1 and self.loss.kind == "hierarchical_softmax":

@@ -534,7 +534,7 @@ def build_job_model(config: Config, data: JobData, custom_towers: TowerFactory |
         towers = build_ensemble_towers(config.towers, config.model, statistics)
         catalogue = data.tables.catalogue()  # sampled negatives are embedded from their raw features
     user_history = None
-    if config.model.loss.hard_negatives == "mined" or config.model.remove_user_items:  # coded while scanning
+    if config.model.reads_users_training_items:  # coded while scanning
         user_rows, item_rows = data.training_pairs()
         user_history = UserHistory(user_rows, item_rows.astype(np.int64) + 1, len(stats.users))  # +1: OOV is 0
     return build_model(config.model, stats, use_weights=config.train.use_weights, towers=towers,

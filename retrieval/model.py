@@ -381,6 +381,9 @@ def build_model(
         ])
     counts = stats.item_popularity.counts
     query_tower, doc_tower = towers
+    if config.reads_users_training_items:  # coded once for the miner and the loss
+        needed_by = "model.remove_user_items" if config.remove_user_items else "model.loss.hard_negatives='mined'"
+        user_history = users_training_items(stats, train_clicks, user_history, needed_by=needed_by)
     return TwoTowerModel(
         query_tower,
         doc_tower,
@@ -392,6 +395,6 @@ def build_model(
         user_ids=stats.users.ids,
         use_weights=use_weights,
         remove_sequence_items=config.remove_sequence_items,
-        user_items=users_training_items(stats, train_clicks, user_history) if config.remove_user_items else None,
+        user_items=user_history if config.remove_user_items else None,
         ensemble_members=config.ensemble_members,
     )

@@ -225,7 +225,7 @@ def users_training_items(
     train_clicks: pd.DataFrame | None,
     history: UserHistory | None = None,
     *,
-    needed_by: str = "model.remove_user_items",
+    needed_by: str,
 ) -> UserHistory:
     """Each user's training items: ``history`` when given (a streamed log codes it from its
     shards), else coded from the ``train_clicks`` frame (rows of ``stats.users``, tower indices of
