@@ -186,7 +186,7 @@ def model_overrides(row: str, seed: int, extra: list[str], max_epochs: int | Non
 
 
 def train_row(row: str, seed: int, extra: list[str], max_epochs: int | None, folder: Path, work: Path) -> dict:
-    """Run the job for one model row; its recall/NDCG on valid, wall seconds and epochs trained."""
+    """Run the job for one model row: recall/NDCG on valid, wall seconds, epochs trained, what early stopping chose."""
     name = f"{folder.name}-{row}-{seed}".replace("+", "-")
     overrides = model_overrides(row, seed, extra, max_epochs, folder)
     config = load_config(CONFIG, [*overrides, *BENCH_SETTINGS, f"run.output_dir={work}", f"run.name={name}"])
@@ -195,7 +195,7 @@ def train_row(row: str, seed: int, extra: list[str], max_epochs: int | None, fol
     epochs = max(len(log_file.read_text().splitlines()) - 1, 0) if log_file.exists() else None
     shutil.rmtree(result.directory, ignore_errors=True)
     model = result.metrics["model"]
-    return {
+    row = {
         RECALL: model[RECALL],
         NDCG: model[NDCG],
         "seconds": round(result.seconds, 1),
@@ -203,6 +203,10 @@ def train_row(row: str, seed: int, extra: list[str], max_epochs: int | None, fol
         "users": model["users"],
         "train_clicks": result.metrics["data"].get("train_clicks"),
     }
+    selection = result.metrics.get("training", {}).get("early_stopping")
+    if selection:  # what early stopping chose, so selections that differ only in cost can be compared epoch by epoch
+        row["selection"] = {key: value for key, value in selection.items() if key != "message"}
+    return row
 
 
 class Baselines:
