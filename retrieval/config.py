@@ -540,6 +540,13 @@ class ModelConfig(_Section):
         "memory (16 bytes a pair) and searches them per row each step. Needs remove_accidental_hits.",
     )
     l2_regularization: float = Field(0.0, ge=0, description="L2 penalty on embedding tables.")
+    embedding_dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Training only: dropout on each tower's input encodings (an ID tower's embedding; a "
+        "feature tower's concatenated features, before its MLP), as SimpleX drops its embeddings.",
+    )
     loss: LossConfig = Field(LossConfig(), description="Objective, negatives and log-Q source.")
 
     @property

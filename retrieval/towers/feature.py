@@ -93,7 +93,8 @@ def build_towers(
             feature.name, vocabulary, feature.embedding_dim or model.embedding_dim, model.l2_regularization
         )
     common: dict[str, Any] = dict(
-        embedding_dim=model.embedding_dim, normalize=model.normalize, l2_regularization=model.l2_regularization
+        embedding_dim=model.embedding_dim, normalize=model.normalize, l2_regularization=model.l2_regularization,
+        input_dropout=model.embedding_dropout,
     )
     query = feature_tower(towers.query, stats, item_embedding=shared, name=f"query_tower{suffix}", **common)
     doc = feature_tower(towers.doc, stats, item_embedding=shared, name=f"doc_tower{suffix}", **common)
@@ -107,6 +108,7 @@ def feature_tower(
     embedding_dim: int,
     normalize: bool = True,
     l2_regularization: float = 0.0,
+    input_dropout: float = 0.0,
     item_embedding: IdEmbedding | None = None,
     name: str = "feature_tower",
 ) -> tf.keras.Model:
@@ -118,6 +120,7 @@ def feature_tower(
       embedding_dim: output size D (and the default embedding size of features).
       normalize: L2-normalise the output.
       l2_regularization: L2 penalty on every embedding table.
+      input_dropout: dropout on the concatenated feature encodings, before the MLP, training only.
       item_embedding: the item-id lookup + table to use for the doc tower's
         item-id feature and the query tower's history (shared), or None.
       name: Keras model name.
@@ -142,7 +145,8 @@ def feature_tower(
         inputs[history.name] = tf.keras.Input(shape=(history.length,), dtype=tf.string, name=history.name)
         pooled, states = _encode_history(history, stats, context, inputs[history.name])
         parts.append(pooled)
-    head = [
+    head = [tf.keras.layers.Dropout(input_dropout, name="input_dropout")] if input_dropout else []
+    head += [
         layer
         for i, width in enumerate(tower.mlp.widths)
         for layer in [tf.keras.layers.Dense(width, activation=tower.mlp.activation, name=f"hidden_{i}"),

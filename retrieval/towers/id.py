@@ -120,6 +120,7 @@ def id_tower(
     *,
     normalize: bool = True,
     l2_regularization: float = 0.0,
+    dropout: float = 0.0,
     name: str | None = None,
 ) -> tf.keras.Model:
     """An ID-embedding tower.
@@ -130,6 +131,7 @@ def id_tower(
       embedding_dim: output size D.
       normalize: L2-normalise the output (dot product becomes cosine).
       l2_regularization: L2 penalty on the embedding table.
+      dropout: dropout on the embedding, training only (before the normalisation).
       name: Keras model name.
 
     Returns:
@@ -140,6 +142,8 @@ def id_tower(
         raise ValueError(f"embedding_dim must be positive, got {embedding_dim}")
     inputs = {feature: tf.keras.Input(shape=(), dtype=tf.string, name=feature)}
     outputs = IdEmbedding.build(feature, vocabulary, embedding_dim, l2_regularization)(inputs[feature])
+    if dropout:
+        outputs = tf.keras.layers.Dropout(dropout, name="embedding_dropout")(outputs)
     if normalize:
         outputs = tf.keras.layers.UnitNormalization(axis=-1, name="l2_normalize")(outputs)
     return tf.keras.Model(inputs, outputs, name=name or f"{feature}_tower")
