@@ -122,6 +122,8 @@ VARIANTS: dict[str, list[str]] = {
     "default-cheap-user-items": ["model.remove_user_items=true", *CHEAP_SELECTION],
     # Two members of half the width (the same 256 floats an item) under the cheap selection.
     "ensemble2-dim128-cheap": ["model.ensemble_members=2", "model.embedding_dim=128", *CHEAP_SELECTION],
+    # SimpleX's dropout (0.1) on both towers' embeddings, the default otherwise, cheap selection.
+    "dropout0.1-cheap": ["model.embedding_dropout=0.1", *CHEAP_SELECTION],
 }
 BASELINES = ["popularity", "als", "ease"]
 GRIDS = ("als", "ease")  # baselines tuned on valid over a grid: the tables show each one's best point
@@ -293,13 +295,20 @@ def summarise(rows: list[dict]) -> list[dict]:
         item: dict[str, Any] = {"dataset": dataset, "row": row, "overrides": list(overrides), "extra": list(extra),
                                 "seeds": len(runs), "users": runs[0].get("users"),
                                 "cpu": " / ".join(dict.fromkeys(r["cpu"] for r in runs if r.get("cpu")))}
-        for key in (RECALL, NDCG, "seconds", "epochs"):
-            values = [r[key] for r in runs if r.get(key) is not None]
+        for key in (RECALL, NDCG, "seconds", "epochs", "best_epoch"):
+            values = [value for value in map(partial(_run_value, key=key), runs) if value is not None]
             if values:
                 item[key] = statistics.fmean(values)
                 item[f"{key}_std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
         summary.append(item)
     return summary
+
+
+def _run_value(run: dict, key: str) -> float | None:
+    """A recorded figure of one run; ``best_epoch`` is the epoch its early stopping chose (None before recorded)."""
+    if key == "best_epoch":
+        return (run.get("selection") or {}).get("best_epoch")
+    return run.get(key)
 
 
 def table_rows(summary: list[dict], dataset: str) -> list[dict]:
@@ -337,6 +346,8 @@ def markdown(report: dict) -> str:
         "benchmarks/bench_public.py); their seconds are the whole job's wall time (load, early stopping, "
         "training, index, evaluation, export) on the CPU their row names (2-core VMs whose CPU changed between "
         "sessions; rows run before the CPU was recorded leave it blank): compare seconds within one CPU only. "
+        "Epochs are those of the run whose weights are scored, with the epoch early stopping chose in brackets "
+        "where the row recorded it (a refit from the best weights trains only `train.refit_epochs` more). "
         "ALS is the best point of a grid "
         "(factors x regularization x alpha x iterations) chosen on valid itself, an optimistic baseline; EASE "
         "(Steck 2019, the l2 grid chosen on valid too) is a second, item-item reference, on catalogues of at most "
@@ -346,7 +357,9 @@ def markdown(report: dict) -> str:
         "ran on the code before ad04f46 (Keras `fit`) while other jobs shared the 2 cores, so their seconds are "
         "not comparable with `default`'s (the one training loop). On 2026-12-02 (e79bcc5) the default's "
         "`model.embedding_dim` rose from 64 to 256: rows run before it show `model.embedding_dim=64` among their "
-        "overrides (`dim64` is the old default), as they ran.\n",
+        "overrides (`dim64` is the old default), as they ran. On 2026-12-06 the default's `train.validation_users` "
+        "fell from every validation user to 10,000: rows run before it ranked every user each epoch (on Gowalla, "
+        "benchmarks/results/bench_public_selection/ measured the same chosen epoch and model).\n",
         f"## recall@{K} (rows x datasets)\n",
         "| row | " + " | ".join(datasets) + " |",
         "|---" * (len(datasets) + 1) + "|",
@@ -370,6 +383,8 @@ def markdown(report: dict) -> str:
             ratio_als = f"{s[RECALL] / als[RECALL]:.2f}" if als and als[RECALL] else ""
             ratio_tfrs = f"{s[RECALL] / tfrs[RECALL]:.2f}" if tfrs and tfrs[RECALL] else ""
             epochs = f"{s['epochs']:.1f}" if "epochs" in s else ""
+            if "best_epoch" in s:
+                epochs += f" (best {s['best_epoch']:.1f})"
             overrides = " ".join(s["extra"] if s["row"] in GRIDS else [*s["overrides"], *s["extra"]])
             lines.append(
                 f"| {s['label']} | {_cell(s, RECALL)} | {_cell(s, NDCG)} | {ratio_als} | {ratio_tfrs} | {epochs} | "
