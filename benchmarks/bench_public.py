@@ -193,19 +193,17 @@ def train_row(row: str, seed: int, extra: list[str], max_epochs: int | None, fol
     overrides = model_overrides(row, seed, extra, max_epochs, folder)
     config = load_config(CONFIG, [*overrides, *BENCH_SETTINGS, f"run.output_dir={work}", f"run.name={name}"])
     result = train_evaluate_export(config, config_name=name)
-    log_file = result.directory / "train_log.csv"
-    epochs = max(len(log_file.read_text().splitlines()) - 1, 0) if log_file.exists() else None
     shutil.rmtree(result.directory, ignore_errors=True)
-    model = result.metrics["model"]
+    model, training = result.metrics["model"], result.metrics["training"]
     row = {
         RECALL: model[RECALL],
         NDCG: model[NDCG],
         "seconds": round(result.seconds, 1),
-        "epochs": epochs,
+        "epochs": training["epochs"],  # of the run whose weights are scored (train_log.csv's rows)
         "users": model["users"],
         "train_clicks": result.metrics["data"].get("train_clicks"),
     }
-    selection = result.metrics.get("training", {}).get("early_stopping")
+    selection = training["early_stopping"]
     if selection:  # what early stopping chose, so selections that differ only in cost can be compared epoch by epoch
         row["selection"] = {key: value for key, value in selection.items() if key != "message"}
     return row
@@ -296,7 +294,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                                 "seeds": len(runs), "users": runs[0].get("users"),
                                 "cpu": " / ".join(dict.fromkeys(r["cpu"] for r in runs if r.get("cpu")))}
         for key in (RECALL, NDCG, "seconds", "epochs", "best_epoch"):
-            values = [value for value in map(partial(_run_value, key=key), runs) if value is not None]
+            values = [value for run in runs if (value := _run_value(run, key)) is not None]
             if values:
                 item[key] = statistics.fmean(values)
                 item[f"{key}_std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
