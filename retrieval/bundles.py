@@ -119,6 +119,13 @@ def reindex_bundle(
             new_rows = pd.Index(index.item_ids, dtype=object).get_indexer(pd.Index(old_index.item_ids, dtype=object))
             shutil.rmtree(scratch / seen_folder)
             SeenItems.load(source / seen_folder).remapped(new_rows).save(scratch / seen_folder)
+        histories_folder = manifest["files"].get("user_histories")
+        if histories_folder is not None and list(index.item_ids) != list(old_index.item_ids):
+            # Histories are index rows too, in time order: each click follows its item to the new row.
+            new_rows = pd.Index(index.item_ids, dtype=object).get_indexer(pd.Index(old_index.item_ids, dtype=object))
+            shutil.rmtree(scratch / histories_folder)
+            assert bundle.user_histories is not None  # loaded from the same manifest entry
+            bundle.user_histories.remapped(new_rows).save(scratch / histories_folder)
         manifest["reindexed_from"] = {
             "path": str(source.resolve()), "run": bundle.version,
             "index": manifest.get("index"), "metrics": manifest.pop("metrics", None),

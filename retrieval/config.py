@@ -1136,6 +1136,14 @@ class ExportConfig(_Section):
         "to exclude (brute force; num_items x dim floats, so large catalogues may want it off).",
     )
     topk_k: int = Field(100, gt=0, description="How many ids the topk model returns per query.")
+    history_clicks: int = Field(
+        200,
+        gt=0,
+        description="With a query tower that reads a click history: each training user's most recent "
+        "training clicks the bundle stores (user_histories/, newest first; 4 bytes a click), from which "
+        "serving fills the history of a query that sends only the user id. At least "
+        "towers.query.history.length (the tower reads that many); more lets a page list them.",
+    )
 
 
 class RunConfig(_Section):
@@ -1214,6 +1222,17 @@ class Config(_Section):
                 "data.clicks.format 'user-items' has none: pool them (pooling: mean or attention: a click's "
                 "history is then its user's other items), use format: sequences when each line's items are in "
                 "time order, or give the log as a table with a timestamp column (data.columns.timestamp)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _stored_histories_cover_the_tower(self) -> Config:
+        history = self.towers.query.history
+        if history is not None and self.export.history_clicks < history.length:
+            raise ValueError(
+                f"export.history_clicks ({self.export.history_clicks}) is below towers.query.history.length "
+                f"({history.length}): a query filled from the bundle's stored history would read fewer clicks "
+                "than the tower was trained on; raise export.history_clicks"
             )
         return self
 

@@ -22,6 +22,9 @@ Bundle layout (``artifacts/<run>/``)::
                         user_id and each raw user feature the query tower reads, one row per known
                         user (``retrieval.user_features``): serving fills the features a request
                         lacks from its user's row (feature towers only)
+    user_histories/     each training user's last ``export.history_clicks`` training clicks as index
+                        rows, newest first (CSR ``.npy`` files, ``retrieval.user_histories``): serving
+                        fills the history of a query that lacks it (towers reading a click history only)
     item_features.parquet
                         item_id and the item feature table's string, number and list-of-string
                         columns, one row per indexed item it describes (``retrieval.item_features``):
@@ -86,6 +89,7 @@ from retrieval.seen_items import SeenItems
 from retrieval.towers import id_lookups
 from retrieval.training import embed_frame
 from retrieval.user_features import USER_FEATURES_FILE, UserFeatures
+from retrieval.user_histories import USER_HISTORIES_DIR, UserHistories
 
 MANIFEST_FILE = "manifest.json"
 MODELS_DIR = "models"
@@ -501,6 +505,7 @@ def write_bundle(
     seen_items: SeenItems | None = None,
     user_features: pd.DataFrame | None = None,
     item_features: pd.DataFrame | None = None,
+    user_histories: UserHistories | None = None,
 ) -> dict[str, Any]:
     """Write towers, index and manifest into ``directory``; return the manifest written.
 
@@ -525,6 +530,9 @@ def write_bundle(
     ``item_features.parquet``: its string, number and list-of-string columns for the indexed items
     it describes (``ItemFeatures.from_frame``), described by the manifest's ``item_features``;
     serving shows them beside item ids. Nothing is written when no such column is left.
+    ``user_histories`` (each training user's recent clicks as rows of ``index``, newest first) goes
+    to ``user_histories/``, described by the manifest's ``user_histories``; serving fills the history
+    input of a query that lacks it. Only for a query tower with a ``towers.query.history`` input.
     """
     directory = Path(directory)
     created = datetime.now(timezone.utc).replace(microsecond=0)
@@ -566,6 +574,12 @@ def write_bundle(
                              f"({list(query_tower.input_names)})")
         table.save(directory / USER_FEATURES_FILE)
         files["user_features"] = USER_FEATURES_FILE
+    if user_histories is not None:
+        if user_histories.num_clicks and int(user_histories.item_rows.max()) >= len(index):
+            raise ValueError(f"user_histories holds index rows up to {int(user_histories.item_rows.max())}, "
+                             f"past the {len(index)} items of the index")
+        user_histories.save(directory / USER_HISTORIES_DIR)
+        files["user_histories"] = USER_HISTORIES_DIR
     display = None
     if item_features is not None:
         display = ItemFeatures.from_frame(item_features, list(index.item_ids))
@@ -595,6 +609,7 @@ def write_bundle(
         "probe": probe,
         **({"seen_items": seen_items.info()} if seen_items is not None else {}),
         **({"user_features": table.info()} if table is not None else {}),
+        **({"user_histories": user_histories.info()} if user_histories is not None else {}),
         **({"item_features": display.info()} if display is not None else {}),
         **manifest,
     }

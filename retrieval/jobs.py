@@ -76,6 +76,7 @@ from retrieval.training.parameter_server import (
     with_estimator_shards,
 )
 from retrieval.training.worker_input import data_dispatcher
+from retrieval.user_histories import UserHistories
 
 log = logging.getLogger("retrieval")
 
@@ -170,7 +171,8 @@ def train_evaluate_export(
         # The probe query the bundle must reproduce at load: a training user's raw query.
         write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, data.stats,
                           probe_query=data.tables.queries(tuning_users[:1]), seen_items=seen_items,
-                          user_features=user_features_of(data), item_features=data.source.item_features)
+                          user_features=user_features_of(data), item_features=data.source.item_features,
+                          user_histories=user_histories_of(config, data, index))
         inputs.check_content()  # last: the run directory appears only if the inputs held still
     return RunResult(final, metrics, time.perf_counter() - started)
 
@@ -222,6 +224,7 @@ def write_run_outputs(
     seen_items: SeenItems | None = None,
     user_features: pd.DataFrame | None = None,
     item_features: pd.DataFrame | None = None,
+    user_histories: UserHistories | None = None,
 ) -> None:
     """Metrics (JSON, Markdown, report, TensorBoard) and the serving bundle of a finished run.
 
@@ -251,6 +254,7 @@ def write_run_outputs(
         seen_items=seen_items,
         user_features=user_features,
         item_features=item_features,
+        user_histories=user_histories,
         manifest={
             "run": name,
             "config": config.to_dict(),
@@ -663,6 +667,18 @@ def seen_items_of(data: JobData, index: ItemIndex) -> SeenItems:
     user_rows, item_rows = data.training_pairs()
     item_rows = _recoded(item_rows, data.stats.items.ids, index.item_ids)
     return SeenItems.from_coded_pairs(user_rows, item_rows, users.to_numpy())
+
+
+def user_histories_of(config: Config, data: JobData, index: ItemIndex) -> UserHistories | None:
+    """Each training user's last ``export.history_clicks`` training clicks as rows of ``index``, newest
+    first (``ClickHistories.recent``), for serving to fill the history a query lacks; None when the
+    query tower reads no click history."""
+    if config.towers.query.history is None:
+        return None
+    histories = data.tables.histories or _histories(data.clicks, data.plan, data.stats)
+    user_ids, indptr, item_rows = histories.recent(config.export.history_clicks)
+    rows = _recoded(item_rows, histories.item_ids, index.item_ids)
+    return UserHistories.from_recent(user_ids, indptr, rows, config.export.history_clicks)
 
 
 def user_features_of(data: JobData) -> pd.DataFrame | None:

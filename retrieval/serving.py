@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import reprlib
 import sys
 import time
@@ -48,12 +49,17 @@ from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFil
 from retrieval.item_features import ItemFeatures
 from retrieval.seen_items import SeenItems, find_sorted
 from retrieval.user_features import UserFeatures
+from retrieval.user_histories import UserHistories
 
 log = logging.getLogger("retrieval.serving")
 
 Verify = Literal["quick", "full"]
 # Scores of the probe query equal those at export within this (absolute and relative); ids may reorder in ties.
 PROBE_TOLERANCE = 1e-5
+# How a sent click history is ordered: the most recent click first (what the query tower reads, and the
+# order of a bundle's stored histories), or time order (oldest first, as a sequences file lists a user's items).
+HistoryOrder = Literal["newest_first", "oldest_first"]
+HISTORY_ORDERS: tuple[HistoryOrder, ...] = ("newest_first", "oldest_first")
 
 
 class BundleError(UserError, ValueError):
@@ -160,6 +166,7 @@ class Bundle:
         self.seen_items = self._load_seen_items()
         self._user_input, self._history_input = _seen_inputs(self.manifest, self.query_features)
         self.user_features = self._load_user_features()
+        self.user_histories = self._load_user_histories()
         self.item_display = self._load_item_features()
         self.check_probe()
 
@@ -190,6 +197,24 @@ class Bundle:
         if recorded is not None and recorded != table.info():
             raise BundleError(f"{self.directory}: {name} holds {table.info()}, the manifest says {_short(recorded)}")
         return table
+
+    def _load_user_histories(self) -> UserHistories | None:
+        """The training users' recent clicks, newest first (``user_histories/``); None for a bundle
+        without them (one whose query tower reads no history, or exported before they were stored)."""
+        folder = self.manifest["files"].get("user_histories")
+        if folder is None:
+            return None
+        recorded = self.manifest.get("user_histories")
+        with _part(self.directory, f"user histories {str(folder)!r}"):
+            histories = UserHistories.load(self.directory / str(folder), int((recorded or {})["limit"]))
+        if recorded != histories.info():
+            raise BundleError(f"{self.directory}: user histories hold {histories.info()}, the manifest says "
+                              f"{_short(recorded)}")
+        if self._history_input is None:
+            raise BundleError(f"{self.directory}: it stores user histories but its query tower reads no history")
+        if histories.num_clicks and int(histories.item_rows.max()) >= len(self.index):
+            raise BundleError(f"{self.directory}: user histories name index rows past its {len(self.index)} items")
+        return histories
 
     def _load_item_features(self) -> ItemFeatures | None:
         """The catalogue's display features (``item_features.parquet``); None for a bundle without them."""
@@ -299,6 +324,10 @@ class Bundle:
             # The query keys of the user id and of the click history (None: the tower reads none).
             "user_input": self._user_input,
             "history_input": self._history_input,
+            # A history a request sends is read newest first unless it says history_order: "oldest_first".
+            "history_orders": list(HISTORY_ORDERS) if self._history_input is not None else None,
+            # Each training user's stored recent clicks, filled into a query that sends no history.
+            "user_histories": None if self.user_histories is None else self.user_histories.info(),
             "num_popular_items": int(len(self._popular_rows)),
             # exclude_seen: training items of known users (bundles exported with seen_items/ only) and
             # the items of a query's click history.
@@ -308,26 +337,40 @@ class Bundle:
         }
 
     def check_query(self, query: Any, position: int = 0) -> None:
-        """Raise RequestError (a ValueError) naming the problem unless ``query`` has every query feature
-        in its type, those it lacks filled from the bundle's user table for a known user (``complete_queries``).
+        """Raise RequestError (a ValueError) naming the problem unless ``query`` is one this bundle can
+        embed (``complete_queries`` fills what it lacks for a known user first).
 
-        String inputs take a string or int (None: missing, sent as ""); number
-        inputs an int or a float finite in the input's dtype (float32 for
-        numeric features: at most about 3.4e38 in magnitude), or None (missing,
-        sent as NaN; a NaN itself is refused, as are infinities); list inputs
-        (e.g. a click history) a list of strings or ints, truncated or padded to
-        the signature's width.
+        Which inputs a query may leave out: an ID-only tower's user id must be sent; any input of
+        another tower (user features, the click history) may be left out: it is filled from the
+        bundle's stored row of the query's user when there is one (``complete_queries``), else it
+        counts as a missing value (string "", number NaN, history empty). A query that sends neither
+        the user id nor any input is refused. String inputs take a string or int (None: missing,
+        sent as ""); number inputs an int or a float finite in the input's dtype (float32 for
+        numeric features: at most about 3.4e38 in magnitude), or None (missing, sent as NaN; a NaN
+        itself is refused, as are infinities); list inputs (e.g. a click history) a list of strings
+        or ints, truncated or padded to the signature's width.
         """
         self._check_completed(self.complete_queries([query])[0], position)
 
     def _check_completed(self, query: Any, position: int) -> Mapping[str, Any]:
-        """``query``, already completed from the user table (``complete_queries``), checked (``check_query``)."""
+        """``query``, already completed from the user tables (``complete_queries``), checked
+        (``check_query``), with every input it leaves out as a missing value."""
         if not isinstance(query, Mapping):
             raise RequestError(f"query {position} must be an object of features, got {type(query).__name__}")
+        every_input_needed = self.query_features == [self._user_input]  # an ID-only tower
+        if not every_input_needed and not any(key in query for key in (*self.query_features, self._user_input)):
+            raise RequestError(f"query {position} sends none of this bundle's inputs: send the user id "
+                               f"({self._user_input!r}) or any of {self.query_features}")
+        filled = None
         for feature in self.query_features:
+            spec = self._input_specs[feature]
             if feature not in query:
-                raise RequestError(self._missing_feature(query, feature, position))
-            value, spec = query[feature], self._input_specs[feature]
+                if every_input_needed:
+                    raise RequestError(self._missing_feature(query, feature, position))
+                filled = dict(query) if filled is None else filled
+                filled[feature] = [] if spec.shape.rank == 2 else None  # a missing value, as the tower embeds it
+                continue
+            value = query[feature]
             if spec.dtype != tf.string:
                 problem = finite_feature_value(value, spec.dtype.name)
                 if problem is not None:
@@ -346,61 +389,94 @@ class Bundle:
                 raise RequestError(
                     f"query {position} feature {feature!r} must be a string or integer, got {_short(value)}"
                 )
-        return query
+        return query if filled is None else filled
 
     def complete_query(self, query: Mapping[str, Any]) -> Mapping[str, Any]:
-        """``query`` with the user-table features it lacks filled from its user's row (``complete_queries``)."""
+        """``query`` with what it lacks filled from its user's stored rows (``complete_queries``)."""
         return self.complete_queries([query])[0]
 
     def complete_queries(self, queries: Sequence[Any]) -> list[Any]:
-        """Each query with the user-table features it lacks filled from its user's row (one search of
-        the table for all of them).
+        """Each query with what it lacks filled from its user's stored rows (one search of each table
+        for all of them): the user-table features (``user_features.parquet``) and the click history
+        (``user_histories/``: the user's recent training clicks, newest first).
 
-        The user is the query's user-id input (``metadata()["user_features"]["user_input"]``). What the
-        query itself sends wins, feature by feature (null included: a missing value, as the tower
-        embeds it). A query whose user is not in the table, a bundle without one, a query lacking
-        nothing or one that is no object comes back as it is (``check_query`` then names its problem).
+        The user is the query's user-id input (``metadata()["user_input"]``). What the query itself
+        sends wins, feature by feature (null included: a missing value, as the tower embeds it; an
+        empty history too). A query whose user is not stored, a bundle without the table, a query
+        lacking nothing or one that is no object comes back as it is (``check_query`` then treats
+        what it lacks as missing, or names its problem).
         """
-        table, completed = self.user_features, list(queries)
-        if table is None:
-            return completed
-        lacking = [position for position, query in enumerate(queries)
-                   if isinstance(query, Mapping) and any(feature not in query for feature in table.features)]
-        if not lacking:
-            return completed
-        rows = table.rows_of([_user_key(queries[position].get(self._user_input)) for position in lacking])
-        for position, row in zip(lacking, rows.tolist()):
-            if row >= 0:
-                query = queries[position]
-                completed[position] = {**table.values(row, [f for f in table.features if f not in query]), **query}
+        completed = list(queries)
+        table = self.user_features
+        if table is not None:
+            lacking = [position for position, query in enumerate(queries)
+                       if isinstance(query, Mapping) and any(feature not in query for feature in table.features)]
+            rows = table.rows_of([_user_key(queries[position].get(self._user_input)) for position in lacking])
+            for position, row in zip(lacking, rows.tolist()):
+                if row >= 0:
+                    query = queries[position]
+                    completed[position] = {**table.values(row, [f for f in table.features if f not in query]),
+                                           **query}
+        histories, name = self.user_histories, self._history_input
+        if histories is not None and name is not None:
+            lacking = [position for position, query in enumerate(completed)
+                       if isinstance(query, Mapping) and name not in query]
+            found = histories.rows_of_many([_user_key(completed[position].get(self._user_input))
+                                            for position in lacking])
+            for position, history_rows in zip(lacking, found):
+                if history_rows is not None:
+                    completed[position] = {**completed[position], name: self._ids(history_rows)}
         return completed
+
+    def sends_history(self, queries: Sequence[Any]) -> bool:
+        """Whether any of ``queries`` sends a non-empty click history (whose order then matters)."""
+        name = self._history_input
+        return name is not None and any(
+            isinstance(query, Mapping) and isinstance(query.get(name), Sequence)
+            and not isinstance(query.get(name), str | bytes) and len(query[name]) > 0
+            for query in queries
+        )
+
+    def in_served_order(self, queries: Sequence[Any], history_order: HistoryOrder) -> list[Any]:
+        """``queries`` with the histories they send newest first, the order the tower reads: reversed
+        when ``history_order`` is ``"oldest_first"``.
+
+        Raises:
+          RequestError: ``history_order`` is neither ``"newest_first"`` nor ``"oldest_first"``.
+        """
+        if history_order not in HISTORY_ORDERS:
+            raise RequestError(f"history_order must be one of {list(HISTORY_ORDERS)}, got {_short(history_order)}")
+        name = self._history_input
+        if history_order == "newest_first" or name is None:
+            return list(queries)
+        return [
+            {**query, name: list(query[name])[::-1]}
+            if isinstance(query, Mapping) and isinstance(query.get(name), Sequence)
+            and not isinstance(query.get(name), str | bytes) else query
+            for query in queries
+        ]
 
     def _missing_feature(self, query: Mapping[str, Any], feature: str, position: int) -> str:
         """Why ``query`` (already completed) lacks ``feature``: one line that says what to send."""
-        lacks = f"query {position} lacks the feature {feature!r}"
-        table = self.user_features
-        if table is None:
-            return f"{lacks} (this bundle reads {self.query_features})"
-        if feature not in table.features:
-            return (f"{lacks} (this bundle reads {self.query_features}; its user table fills only "
-                    f"{table.features} for a known user)")
-        user = query.get(self._user_input)
-        if self._user_input not in query or user is None:
-            return (f"{lacks} and has no {self._user_input!r} to fill it from the bundle's user table: send "
-                    f"the user id or the features {table.features}")
-        return (f"{lacks}, and user {_short(user)} is not in the bundle's user table ({len(table)} users) to "
-                f"fill it from: send the features {table.features} for a user the bundle does not know")
+        return f"query {position} lacks the feature {feature!r} (this bundle reads {self.query_features})"
 
-    def embed(self, queries: Sequence[Mapping[str, Any]]) -> np.ndarray:
+    def embed(self, queries: Sequence[Mapping[str, Any]], *,
+              history_order: HistoryOrder = "newest_first") -> np.ndarray:
         """Raw query features -> [num_queries, dim] float32 embeddings.
+
+        ``history_order`` says how the histories the queries send are ordered (``in_served_order``).
+        A query the towers know nothing about (a user id unknown to the tower, or none, and no other
+        input with a value) embeds to zeros: ``recommend_embedded`` answers it with popular items.
 
         Raises ValueError for a query that ``check_query`` refuses or whose embedding is not finite.
         """
-        return self._embed_checked(queries)[0]
+        return self._embed_checked(queries, history_order)[0]
 
-    def _embed_checked(self, queries: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    def _embed_checked(self, queries: Sequence[Mapping[str, Any]],
+                       history_order: HistoryOrder = "newest_first") -> tuple[np.ndarray, np.ndarray]:
         """(embeddings [n, dim], known_ids bool [n]: every id feature in the training vocabulary)."""
-        completed = self.complete_queries(queries)  # one search of the user table for the whole batch
+        # One search of the user tables for the whole batch, after the sent histories are put newest first.
+        completed = self.complete_queries(self.in_served_order(queries, history_order))
         queries = [self._check_completed(query, position) for position, query in enumerate(completed)]
         inputs = {
             feature: _input_tensor([query[feature] for query in queries], self._input_specs[feature])
@@ -410,7 +486,28 @@ class Bundle:
         known = outputs["known_ids"].numpy() if self._reports_known_ids else np.ones(len(queries), dtype=bool)
         embeddings = outputs["embedding"].numpy()
         _check_finite(embeddings, "query")
+        # Nothing to go on: the tower's embedding of all-missing inputs (its biases) would rank items by
+        # whatever those give; popularity is the honest answer, as for an unknown id of an ID tower.
+        user_known = known if self._user_input in self.query_features else np.zeros(len(queries), dtype=bool)
+        empty = np.array([not user_known[i] and not self._carries_a_value(query)
+                          for i, query in enumerate(queries)], dtype=bool)
+        if empty.any():
+            embeddings = embeddings.copy()
+            embeddings[empty] = 0.0
         return embeddings, known
+
+    def _carries_a_value(self, query: Mapping[str, Any]) -> bool:
+        """Whether any input but the user id holds a value (not None, "", NaN, nor an empty history)."""
+        for feature in self.query_features:
+            if feature == self._user_input:
+                continue
+            value = query.get(feature)
+            if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+                if any(str(v) != "" for v in value):
+                    return True
+            elif value is not None and value != "" and not (isinstance(value, float) and math.isnan(value)):
+                return True
+        return False
 
     def recommend(
         self,
@@ -419,13 +516,18 @@ class Bundle:
         exclude_item_ids: Sequence[str] = (),
         *,
         exclude_seen: bool = True,
+        history_order: HistoryOrder = "newest_first",
     ) -> Recommendations:
         """Top-k item ids for one raw query, never returning ``exclude_item_ids``.
 
         With ``exclude_seen`` (the default) neither the user's training items nor the items of
-        the query's click history are returned either (see ``excluded_rows``).
+        the query's click history are returned either (see ``excluded_rows``). A query of a known
+        user may send the user id alone: the bundle fills its stored features and history
+        (``complete_queries``). A history the query sends is read newest first; pass
+        ``history_order="oldest_first"`` for one in time order (a line of a sequences file).
         """
-        return self.recommend_batch([query], k, [exclude_item_ids], exclude_seen=exclude_seen)[0]
+        return self.recommend_batch([query], k, [exclude_item_ids], exclude_seen=exclude_seen,
+                                    history_order=history_order)[0]
 
     def recommend_batch(
         self,
@@ -434,22 +536,25 @@ class Bundle:
         exclude_item_ids: Sequence[Sequence[str]] | None = None,
         *,
         exclude_seen: bool = True,
+        history_order: HistoryOrder = "newest_first",
     ) -> list[Recommendations]:
-        """Top-k for a batch of raw queries (one FAISS search for all); ``exclude_seen`` as in ``recommend``."""
+        """Top-k for a batch of raw queries (one FAISS search for all); ``exclude_seen`` and
+        ``history_order`` as in ``recommend``."""
         if not queries:
             return []
         if k <= 0:
             raise ValueError(f"k must be positive, got {k}")
         if exclude_item_ids is not None and len(exclude_item_ids) != len(queries):
             raise ValueError(f"exclude_item_ids has {len(exclude_item_ids)} lists for {len(queries)} queries")
-        embeddings, known_ids = self.embed_with_known(queries)
+        embeddings, known_ids = self.embed_with_known(queries, history_order=history_order)
         return self.recommend_embedded(
             embeddings, known_ids, k, exclude_item_ids, queries=queries, exclude_seen=exclude_seen
         )
 
-    def embed_with_known(self, queries: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    def embed_with_known(self, queries: Sequence[Mapping[str, Any]], *,
+                         history_order: HistoryOrder = "newest_first") -> tuple[np.ndarray, np.ndarray]:
         """Checked raw queries -> (embeddings [n, dim] float32, known_ids bool [n]) for recommend_embedded."""
-        return self._embed_checked(queries)
+        return self._embed_checked(queries, history_order)
 
     def recommend_embedded(
         self,
@@ -518,6 +623,14 @@ class Bundle:
         if positions[0] < 0:
             return None
         return self._ids(self.seen_items.rows_of(user_id))
+
+    def recent_items(self, user_id: str) -> list[str] | None:
+        """``user_id``'s stored recent training clicks, newest first (repeats kept, at most
+        ``export.history_clicks``), or None for a user without them or a bundle that stores none."""
+        if self.user_histories is None:
+            return None
+        rows = self.user_histories.rows_of_many([user_id])[0]
+        return None if rows is None else self._ids(rows)
 
     def known_user_ids(self, limit: int) -> list[str]:
         """Up to ``limit`` training user ids (sorted as bytes), e.g. for a page's pick list."""
@@ -615,6 +728,8 @@ class Bundle:
                 for own, rows in zip(lists, self.seen_items.rows_of_many(ids)):
                     own.append(rows.astype(np.int64))
             if self._history_input is not None:
+                if self.user_histories is not None:  # a history filled from the bundle is the user's too
+                    queries = self.complete_queries(queries)
                 for own, query in zip(lists, queries):
                     history = _query_value(query, self._history_input)
                     if isinstance(history, Sequence) and not isinstance(history, str | bytes):

@@ -68,16 +68,20 @@ def small_tables(seed: int = 0, n_clicks: int = 60):
     return clicks, users, items
 
 
-def write_feature_bundle(directory, towers: TowersConfig = ALL_KINDS, *, topk: bool = True, manifest=None):
+def write_feature_bundle(directory, towers: TowersConfig = ALL_KINDS, *, topk: bool = True, manifest=None,
+                         history_clicks: int | None = None):
     """A bundle of untrained (seeded) feature towers over ``small_tables(0)``, with the user table's
     features (``user_features.parquet``): (directory, tables, query tower, doc tower, catalogue,
-    item embeddings). Builds two or three SavedModels (~10-30 s on 2 cores)."""
+    item embeddings). Builds two or three SavedModels (~10-30 s on 2 cores). ``history_clicks``:
+    store each user's last that many clicks (``user_histories/``) and its training items (``seen_items/``),
+    as the job does for a history tower."""
     import tensorflow as tf
 
     from retrieval.config import ModelConfig
     from retrieval.export import write_bundle
     from retrieval.features import TowerStatistics, TowerTables
     from retrieval.index import ItemIndex
+    from retrieval.seen_items import SeenItems
     from retrieval.towers import build_towers
     from retrieval.training import embed_frame
 
@@ -92,5 +96,23 @@ def write_feature_bundle(directory, towers: TowersConfig = ALL_KINDS, *, topk: b
     write_bundle(directory, query_tower=query, doc_tower=doc, index=index,
                  manifest=manifest or {"popular_item_ids": ["i0", "i1"]},
                  item_embeddings=item_embeddings if topk else None, topk_k=3 if topk else None,
-                 user_features=tables.user_features())
+                 user_features=tables.user_features(),
+                 user_histories=None if history_clicks is None else stored_histories(
+                     clicks, index.item_ids, history_clicks),
+                 seen_items=None if history_clicks is None else SeenItems.from_pairs(
+                     clicks["user_id"], pd.Index(index.item_ids, dtype=object).get_indexer(clicks["item_id"])))
     return directory, tables, query, doc, catalogue, item_embeddings
+
+
+def stored_histories(clicks, index_item_ids, limit: int):
+    """``UserHistories`` of a click frame as the job stores them (``jobs.user_histories_of``)."""
+    from retrieval.features.histories import ClickHistories
+    from retrieval.user_histories import UserHistories
+
+    user_rows, user_ids = pd.factorize(clicks["user_id"].astype(str))
+    item_rows, item_ids = pd.factorize(clicks["item_id"].astype(str))
+    histories = ClickHistories(user_rows, item_rows, clicks["timestamp"].to_numpy(), user_ids, item_ids)
+    users, indptr, rows = histories.recent(limit)
+    index_rows = pd.Index(index_item_ids, dtype=object).get_indexer(pd.Index(histories.item_ids, dtype=object))
+    return UserHistories.from_recent(users, indptr, index_rows[rows], limit)
+

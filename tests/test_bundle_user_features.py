@@ -19,7 +19,7 @@ from retrieval.export import MANIFEST_FILE, raw_query, write_bundle
 from retrieval.features import TowerTables, feature_arrays
 from retrieval.index import ItemIndex
 from retrieval.service import create_app
-from retrieval.serving import Bundle, BundleError, RequestError
+from retrieval.serving import Bundle, BundleError
 from retrieval.user_features import USER_FEATURES_FILE, UserFeatures
 
 # ALL_KINDS without the click history: every query input but the id comes from the user table.
@@ -102,19 +102,21 @@ def test_an_override_changes_the_answer_and_null_is_a_missing_value(built, serve
         assert not np.allclose(served.embed([request]), served.embed([own]), atol=1e-6), override
 
 
-def test_an_unknown_user_must_send_its_features(built, served):
+def test_an_unknown_user_is_embedded_from_what_it_sends_else_gets_popular_items(built, served):
     # Unknown ids are still embedded from the features they send (the "features" fallback).
     stranger = {"user_id": "new", "age": 30, "zip": "99999", "country": "BR", "signup": None}
     assert served.recommend(stranger, k=3).fallback == "features"
-    # Missing ones are named, with why the table could not fill them.
-    with pytest.raises(RequestError, match=r"^query 0 lacks the feature 'age', and user 'new' is not in the "
-                                           r"bundle's user table \(6 users\) to fill it from: send the features"):
-        served.recommend({"user_id": "new"})
-    batch = [{"user_id": "u0"}, {**{k: v for k, v in stranger.items() if k != "signup"}, "user_id": "nobody"}]
-    with pytest.raises(RequestError, match="query 1 lacks the feature 'signup', and user 'nobody' is not in"):
-        served.recommend_batch(batch)
-    with pytest.raises(RequestError, match="lacks the feature 'age' and has no 'user_id' to fill it from"):
-        served.embed([{"country": "US"}])
+    # A feature it leaves out is a missing value, as null is.
+    partial = {k: v for k, v in stranger.items() if k != "signup"}
+    np.testing.assert_allclose(served.embed([partial]), served.embed([stranger]))
+    batch = served.recommend_batch([{"user_id": "u0"}, {**partial, "user_id": "nobody"}], k=3)
+    assert [r.fallback for r in batch] == [None, "features"]
+    # Nothing to go on (an unknown id and no feature value): the popular items, as an ID bundle answers.
+    for nothing in ({"user_id": "new"}, {"user_id": "new", "age": None, "country": ""}):
+        answer = served.recommend(nothing, k=3)
+        assert (answer.item_ids, answer.scores, answer.fallback) == (["i0", "i1"], [None, None], "popular")
+    # Features alone, no id: embedded from them.
+    assert served.recommend({"country": "US"}, k=3).fallback == "features"
 
 
 def test_http_recommend_takes_a_user_id_alone(built, served):
@@ -127,8 +129,8 @@ def test_http_recommend_takes_a_user_id_alone(built, served):
     batch = call(app, "POST", "/recommend", json={"queries": [{"user_id": "u0"}, {"user_id": "u5"}], "k": 4})
     assert [r["item_ids"] for r in batch.json()["results"]] == [
         served.recommend(_full(built, u), k=4).item_ids for u in ("u0", "u5")]
-    refused = call(app, "POST", "/recommend", json={"query": {"user_id": "new"}, "k": 4})
-    assert refused.status_code == 422 and "user 'new' is not in the bundle's user table" in refused.text
+    stranger = call(app, "POST", "/recommend", json={"query": {"user_id": "new"}, "k": 4})
+    assert stranger.status_code == 200 and stranger.json()["fallback"] == "popular"
     assert call(app, "GET", "/metadata").json()["user_features"]["features"] == TABLE_FEATURES
 
 
@@ -141,7 +143,6 @@ def test_cli_answers_a_user_id_and_says_in_one_line_what_it_cannot(built, served
     shutil.copytree(directory, broken)
     (broken / USER_FEATURES_FILE).write_bytes(b"not parquet")
     for bundle, user, message in [
-        (directory, "new", "error: query 0 lacks the feature 'age', and user 'new' is not in the bundle's user table"),
         (str(tmp_path / "absent"), "u2", f"error: {tmp_path / 'absent'}: manifest.json cannot be loaded"),
         (str(broken), "u2", f"error: {broken}: user_features.parquet: content differs from the manifest's"),
     ]:

@@ -182,3 +182,9 @@ def test_a_pooled_history_trains_and_serves_on_a_log_without_time(tmp_path):
     history = bundle.training_items(user)[:3]
     answer = bundle.recommend({"user_id": user, "history": history}, 10)
     assert len(answer.item_ids) == 10 and not set(history) & set(answer.item_ids)
+    # A user id alone: the bundle fills the stored history, the one the probe query was exported with.
+    probe = bundle.manifest["probe"]
+    assert bundle.manifest["user_histories"]["limit"] == config.export.history_clicks
+    alone = bundle.recommend({"user_id": probe["query"]["user_id"]}, probe["k"], exclude_seen=False)
+    assert alone.item_ids == probe["item_ids"] and alone.fallback is None
+    np.testing.assert_allclose(alone.scores, probe["scores"], rtol=1e-5, atol=1e-6)

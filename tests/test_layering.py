@@ -25,6 +25,7 @@ STAGES = [
     "evaluation",
     "seen_items",  # each training user's items (CSR): written by export, excluded by serving
     "user_features",  # each known user's raw query features: written by export, filled in by serving
+    "user_histories",  # each training user's recent clicks, newest first: written by export, filled in by serving
     "item_features",  # the catalogue's display features (title, category): written by export, shown by serving
     "export",
     # One stage: batch_recommend answers many users through serving's Bundle, and serving's command

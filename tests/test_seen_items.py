@@ -264,7 +264,8 @@ def test_a_history_query_excludes_its_history(world):
     empty = bundle.recommend({"user_id": "stranger", "history": world["popular"][:2]}, k=5)
     assert not set(empty.item_ids) & set(world["popular"][:2])
     # Over HTTP too, and off with the flag.
-    reply = call(create_app(bundle), "POST", "/recommend", json={"query": query, "k": 10}).json()
+    reply = call(create_app(bundle), "POST", "/recommend",
+                 json={"query": query, "k": 10, "history_order": "newest_first"}).json()
     assert reply["item_ids"] == result.item_ids
     off = bundle.recommend(query, k=10, exclude_seen=False)
     assert off.item_ids == ranked[:10]

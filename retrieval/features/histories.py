@@ -92,6 +92,30 @@ class ClickHistories:
         start, end = np.searchsorted(self._users, rows, "left"), np.searchsorted(self._users, rows, "right")
         return self._window(np.where(known, start, 0), np.where(known, end, 0), length)
 
+    def recent(self, limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every user with training clicks: its last ``limit`` clicks, newest first, as CSR (what a
+        bundle stores to fill a served history, ``retrieval.user_histories``). Row u of ``latest(..,
+        length)`` is the first ``length`` of user u's clicks here, "" padded.
+
+        Returns:
+          ``(user_ids, indptr, item_rows)``: [u] object ids, [u + 1] int64 offsets, [n] int32 rows
+          of ``item_ids``.
+        """
+        if limit <= 0:
+            raise ValueError(f"the number of recent clicks kept must be positive, got {limit}")
+        rows, starts, counts = np.unique(self._users, return_index=True, return_counts=True)
+        kept = np.minimum(counts, limit)
+        indptr = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)
+        owner = np.repeat(np.arange(len(rows)), kept)
+        newer = np.arange(int(indptr[-1])) - indptr[:-1][owner]  # 0 for the newest click of its user
+        items = self._items[(starts + counts)[owner] - 1 - newer]
+        return self.user_ids[rows], indptr, items.astype(np.int32)
+
+    @property
+    def item_ids(self) -> np.ndarray:
+        """The ids ``item_rows`` point to, [items] object."""
+        return self._item_ids[:-1]
+
     def windows(self, length: int) -> tuple[np.ndarray, np.ndarray]:
         """Every user's training clicks cut into windows of ``length + 1`` consecutive clicks, newest
         first: the newest window ends at the user's last click, each older one ``length`` clicks before

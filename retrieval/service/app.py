@@ -146,12 +146,16 @@ def create_app(
         limit_search_threads()
         step = chunk or len(queries)
         pieces = []
+        if parsed.history_order is None and current.sends_history(queries):
+            raise HTTPException(422, f"a query sends a click history ({current.metadata()['history_input']!r}): "
+                                f"say its order, history_order 'newest_first' (the most recent click first) "
+                                f"or 'oldest_first' (time order, as a sequences file lists it)")
         try:
             for position, query in enumerate(queries):
                 current.check_query(query, position)
             # One query-tower call for the whole batch (mostly outside the interpreter lock), then the
             # search and the JSON in slices, yielding the interpreter between them.
-            embeddings, known = current.embed_with_known(queries)
+            embeddings, known = current.embed_with_known(queries, history_order=parsed.history_order or "newest_first")
             for start in range(0, len(queries), step):
                 if start:
                     time.sleep(0)  # let the small requests' threads take the interpreter between chunks
@@ -216,14 +220,16 @@ def create_app(
                              "user_ids": current.known_user_ids(int(raw))})
 
     def answer_training_items(current: Bundle, user_id: str) -> bytes:
-        items = current.training_items(user_id)
-        if items is None:
+        items, recent = current.training_items(user_id), current.recent_items(user_id)
+        if items is None and recent is None:
             why = ("it was exported without training items (seen_items/)" if current.seen_items is None
                    else f"it is not one of its {len(current.seen_items)} training users")
             # A long id is cut in the reply: the client sent it, so it need not come back whole.
             who = f"user {user_id[:80]!r}"
             raise HTTPException(404, f"{who} has no training items in bundle {current.version!r}: {why}")
-        return _dumps({"bundle": current.version, "user_id": user_id, "item_ids": items})
+        # The stored recent clicks, newest first, where the bundle keeps them (towers reading a history).
+        return _dumps({"bundle": current.version, "user_id": user_id, "item_ids": items,
+                       "recent_item_ids": recent})
 
     async def training_items(request: Request) -> Response:
         current = holder.current  # read once: a reload mid-request does not affect this request

@@ -10,7 +10,7 @@ the ``{"error": ...}`` replies these failures get.
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException
@@ -34,6 +34,9 @@ class RecommendRequest(BaseModel):
     exclude_item_ids: list[Any] | None = Field(None, max_length=MAX_EXCLUDED)
     # Strict: "false" or 0 must not silently turn the exclusion off (or on).
     exclude_seen: bool = Field(True, strict=True)
+    # How the histories the queries send are ordered; required when one sends a non-empty history
+    # (the service checks: a history pasted in time order must not be read as newest first, silently).
+    history_order: Literal["newest_first", "oldest_first"] | None = None
 
     @model_validator(mode="after")
     def _one_shape(self) -> RecommendRequest:
