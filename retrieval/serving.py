@@ -321,6 +321,10 @@ class Bundle:
             },
             # The catalogue's display features (POST /items); None: ids only.
             "item_features": None if self.item_display is None else self.item_display.features,
+            # The display feature that names an item (the page shows it first, GET /items/search reads it).
+            "item_title": None if self.item_display is None else self.item_display.title_feature,
+            # The raw inputs of the query tower: name -> {"dtype", "shape"} (a page's feature inputs).
+            "query_inputs": self.manifest.get("query_inputs"),
             # The query keys of the user id and of the click history (None: the tower reads none).
             "user_input": self._user_input,
             "history_input": self._history_input,
@@ -644,6 +648,39 @@ class Bundle:
         if self.item_display is None:
             return [None] * len(item_ids)
         return self.item_display.values_of(item_ids)
+
+    def explain(self, item_ids: Sequence[str], history: Sequence[str]) -> list[str | None]:
+        """For each of ``item_ids``, the item of ``history`` that most explains it ("because you
+        clicked X"): the one whose doc-tower embedding has the highest inner product with the item's
+        (``ItemIndex.vectors``: exact for Flat, IVF*,Flat and HNSW, the decoded code for PQ and SQ);
+        None when ``history`` holds no catalogue item, or the item is not in the catalogue. Ties go
+        to the more recent click (``history`` is read newest first).
+
+        Raises:
+          BundleError: the index is of a type FAISS cannot read vectors back from.
+        """
+        known = [item for item in dict.fromkeys(str(item) for item in history) if item in self._row_of]
+        asked = [self._row_of.get(item) if isinstance(item, str) else None for item in item_ids]
+        rows = [row for row in asked if row is not None]
+        if not known or not rows:
+            return [None] * len(item_ids)
+        try:
+            past = self.index.vectors([self._row_of[item] for item in known])
+            wanted = self.index.vectors(rows)
+        except ValueError as error:
+            raise BundleError(f"bundle {self.version!r}: {error}") from None
+        best = iter(np.argmax(wanted @ past.T, axis=1).tolist())  # argmax: the first (newest) of ties
+        return [None if row is None else known[next(best)] for row in asked]
+
+    def search_items(self, text: str, limit: int) -> list[str]:
+        """Up to ``limit`` catalogue item ids whose title contains ``text`` (``ItemFeatures.search``),
+        or, for a bundle without a title column, whose id starts with it."""
+        text = text.strip()
+        if not text:
+            return []
+        if self.item_display is None or self.item_display.title_feature is None:
+            return [item for item in self._id_array.tolist() if item.startswith(text)][:limit]
+        return [item for item in self.item_display.search(text, limit * 2) if item in self._row_of][:limit]
 
     def similar_items(self, item_id: str, k: int = 10, *, exclude_item_ids: Sequence[str] = ()) -> Recommendations:
         """The k items nearest ``item_id``'s own embedding, best first; never the item itself nor

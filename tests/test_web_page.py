@@ -7,10 +7,15 @@
   error shape for an unknown user and for a bundle without seen items;
 - ``POST /items``: each id's display features equal the item table's row (``item_features.parquet``,
   fingerprinted, checked at load), null for an id it lacks; ids only for a bundle without a table;
+- ``GET /items/search`` and ``POST /explain``: against a search of the item frame and the argmax of
+  the item vectors' inner products;
 - the browser (Debian's chromium + chromedriver through selenium; skipped, saying which is missing,
-  without them): the rendered top-k equals ``POST /recommend``'s answer for a typed user and a pasted
-  history, the training column equals ``/users/{id}/items``, a clicked item's list equals
-  ``POST /similar``'s answer, a feature value holding markup shows as text; a screenshot is saved.
+  without them): the rendered top-k equals ``POST /recommend``'s answer for a typed user, a pasted
+  history in either stated order and typed user features, titles come before ids, each
+  recommendation's "because you clicked" is ``/explain``'s, the training column is the user's stored
+  clicks newest first, the search box lists ``/items/search``'s answer, a clicked item's list equals
+  ``POST /similar``'s answer, a feature value holding markup shows as text, and at 390 px the lists
+  stack without overflow; screenshots at 1400 and 390 px are saved in the test's temporary directory.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from retrieval.seen_items import SeenItems
 from retrieval.service import create_app
 from retrieval.service.page import page_headers, page_html
 from retrieval.serving import Bundle, BundleError
+from retrieval.user_histories import UserHistories
 
 DIM, NUM_ITEMS, NUM_USERS, K = 16, 120, 30, 8
 # Users whose ids a URL must carry encoded: a slash, a space, non-ASCII.
@@ -83,6 +89,11 @@ def world(tmp_path_factory):
             for user in user_ids[:-4] + ODD_USERS}  # user26: a user id of the towers without training clicks
     pairs = [(user, row) for user, rows in seen.items() for row in rows]
     seen_items = SeenItems.from_pairs([u for u, _ in pairs], np.array([r for _, r in pairs]))
+    # Each user's clicks newest first, as the job stores them: the seen items in a drawn time order.
+    recent = {user: rng.permutation(rows).tolist() for user, rows in seen.items()}
+    lengths = [len(rows) for rows in recent.values()]
+    histories = UserHistories.from_recent(list(recent), np.concatenate([[0], np.cumsum(lengths)]),
+                                          np.concatenate([np.array(rows) for rows in recent.values()]), 20)
     table = _item_table(item_ids, rng)
     root = tmp_path_factory.mktemp("web")
     doc_tower = _fixed_id_tower("item_id", item_ids, items)
@@ -91,8 +102,8 @@ def world(tmp_path_factory):
     popular = item_ids[:20]
     bundles = {
         "shop": dict(query_tower=_history_tower(user_ids, users, item_ids, items), seen_items=seen_items,
-                     item_features=table, manifest={"run": "shop", "popular_item_ids": popular,
-                                                    "config": history_config}),
+                     item_features=table, user_histories=histories,
+                     manifest={"run": "shop", "popular_item_ids": popular, "config": history_config}),
         "plain": dict(query_tower=_fixed_id_tower("user_id", user_ids, users),
                       manifest={"run": "plain", "popular_item_ids": popular}),
     }
@@ -100,8 +111,9 @@ def world(tmp_path_factory):
         index = build_index(item_ids, items, IndexConfig(factory="Flat", tune_k=K), users, "test users")
         (root / name).mkdir()
         write_bundle(root / name, doc_tower=doc_tower, index=index, **parts)
-    return {"item_ids": item_ids, "user_ids": user_ids, "seen": {u: [item_ids[r] for r in rows]
-                                                                  for u, rows in seen.items()},
+    return {"item_ids": item_ids, "user_ids": user_ids, "items": items,
+            "seen": {u: [item_ids[r] for r in rows] for u, rows in seen.items()},
+            "recent": {u: [item_ids[r] for r in rows] for u, rows in recent.items()},
             "table": table, **{name: root / name for name in bundles}}
 
 
@@ -119,7 +131,8 @@ def test_the_page_is_served_with_a_csp_that_runs_only_its_own_script(shop):
     html = reply.text
     assert html == page_html()
     for anchor in ['id="user"', 'id="go"', 'id="recommendations"', 'id="training"', 'id="similar"',
-                   'id="history"', 'id="k"', 'id="include-seen"', 'id="known-users"']:
+                   'id="history"', 'id="k"', 'id="include-seen"', 'id="known-users"', 'id="search"',
+                   'id="search-results"', 'id="history-order"', 'id="user-features"']:
         assert anchor in html, anchor
     # Data reaches the DOM as text only.
     assert "innerHTML" not in html and "outerHTML" not in html and "insertAdjacentHTML" not in html
@@ -137,7 +150,8 @@ def test_a_users_training_items_are_its_seen_items(world, shop):
     for user, expected in world["seen"].items():
         reply = call(shop, "GET", f"/users/{quote(user, safe='')}/items")
         assert reply.status_code == 200, (user, reply.text)
-        assert reply.json() == {"bundle": "shop", "user_id": user, "item_ids": expected}
+        assert reply.json() == {"bundle": "shop", "user_id": user, "item_ids": expected,
+                                "recent_item_ids": world["recent"][user]}
     # The path converter takes a slash unencoded too.
     assert call(shop, "GET", "/users/team/7/items").json()["item_ids"] == world["seen"]["team/7"]
     bundle = Bundle.load(world["shop"])
@@ -251,6 +265,57 @@ def test_the_table_keeps_only_display_columns_of_indexed_items():
                                                      {"name": None, "n": None, "ok": False}, None, None]
 
 
+def _reference_search(world, text, limit):
+    """Indexed items whose title holds ``text`` (any case) or whose id starts with it: titles that
+    start with it first, then by title, computed from the item frame."""
+    table = world["table"][world["table"]["item_id"].isin(world["item_ids"])]
+    titles = table["title"].fillna("")
+    hit = titles.str.lower().str.contains(text.lower(), regex=False) | table["item_id"].str.startswith(text)
+    rows = [(not title.lower().startswith(text.lower()), title.lower(), item)
+            for item, title in zip(table["item_id"][hit], titles[hit])]
+    return [item for *_, item in sorted(rows, key=lambda row: row[:2])][:limit]
+
+
+@pytest.mark.parametrize("text", ["item01", "TITLE OF ITEM11", "of item00", "<img", "item1", "zzz"])
+def test_search_finds_items_by_title_or_id_prefix(world, shop, text):
+    reply = call(shop, "GET", f"/items/search?q={quote(text)}&limit=7")
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["item_ids"] == _reference_search(world, text, 7)
+    assert [entry["item_id"] for entry in body["items"]] == body["item_ids"]
+    for entry in body["items"]:
+        assert entry["features"] == _expected_features(world["table"], entry["item_id"])
+    assert call(shop, "GET", "/metadata").json()["item_title"] == "title"
+
+
+def test_search_without_a_title_matches_id_prefixes_and_refuses_bad_bounds(world, shop):
+    plain = create_app(world["plain"])
+    assert call(plain, "GET", "/items/search?q=item11").json()["item_ids"] == [f"item11{i}" for i in range(10)]
+    assert call(plain, "GET", "/items/search?q=").json()["item_ids"] == []
+    for query, reason in [("q=a&limit=0", "limit must be an integer from 1 to 100"),
+                          ("q=a&limit=101", "limit must be an integer from 1 to 100"),
+                          (f"q={'a' * 201}", "q must be at most 200 characters")]:
+        reply = call(shop, "GET", f"/items/search?{query}")
+        assert reply.status_code == 422 and reason in reply.json()["error"]
+
+
+def test_explain_names_the_history_item_closest_to_each_recommendation(world, shop):
+    items, ids = world["items"], world["item_ids"]
+    history = ["item007", "item040", "item093", "nowhere", "item007"]
+    asked = ["item001", "item050", "item100", "not-an-item"]
+    reply = call(shop, "POST", "/explain", json={"item_ids": asked, "history": history})
+    assert reply.status_code == 200, reply.text
+    known = ["item007", "item040", "item093"]
+    past = items[[ids.index(item) for item in known]]
+    expected = [known[int(np.argmax(past @ items[ids.index(item)]))] for item in asked[:3]] + [None]
+    assert reply.json()["explanations"] == [{"item_id": item, "because": because}
+                                            for item, because in zip(asked, expected)]
+    empty = call(shop, "POST", "/explain", json={"item_ids": asked, "history": []}).json()
+    assert [entry["because"] for entry in empty["explanations"]] == [None] * 4
+    bad = call(shop, "POST", "/explain", json={"item_ids": "item001", "history": []})
+    assert bad.status_code == 422 and "item_ids" in bad.json()["error"]
+
+
 def test_metadata_names_the_user_and_history_inputs(world, shop):
     meta = call(shop, "GET", "/metadata").json()
     assert meta["user_input"] == "user_id" and meta["history_input"] == "history"
@@ -293,7 +358,7 @@ def _rendered(driver, list_id):
 def test_the_page_in_a_headless_browser_shows_what_the_json_routes_answer(world, tmp_path):
     driver = _browser_or_skip()  # first: it skips, naming what is missing, where selenium is not installed
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
+    from selenium.webdriver.support.ui import Select, WebDriverWait
 
     app = create_app(world["shop"])
     server, thread, port = serve_in_thread(app)
@@ -331,36 +396,62 @@ def test_the_page_in_a_headless_browser_shows_what_the_json_routes_answer(world,
             options = driver.find_elements(By.CSS_SELECTOR, "#known-users option")
             assert [o.get_attribute("value") for o in options] == client.get("/users?limit=200").json()["user_ids"]
 
-            # A typed user: the top-k, in order, is /recommend's answer; the training items /users/{id}/items'.
+            # A typed user: the top-k, in order, is /recommend's answer (the bundle fills the user's stored
+            # clicks); the training items are the user's clicks in time order, newest first.
             user = "user04"
             submitted(user)
-            expected = client.post("/recommend", json={"query": {"user_id": user, "history": []}, "k": K}).json()
+            expected = client.post("/recommend", json={"query": {"user_id": user}, "k": K}).json()
             assert _rendered(driver, "recommendations") == expected["item_ids"] and len(expected["item_ids"]) == K
-            assert _rendered(driver, "training") == world["seen"][user]
+            assert expected["fallback"] is None
+            assert _rendered(driver, "training") == world["recent"][user] != world["seen"][user]
+            assert "newest first" in driver.find_element(By.ID, "training-note").text
             assert "answered by bundle shop" in driver.find_element(By.ID, "answered-by").text
             first = driver.find_element(By.CSS_SELECTOR, "#recommendations li[data-item]")
             assert f"{expected['scores'][0]:.4f}" in first.text
             features = client.post("/items", json={"item_ids": [expected["item_ids"][0]]}).json()["items"][0]
             assert f"category: {features['features']['category']}" in first.text
+            # Titles first, ids second.
+            title = features["features"]["title"] or expected["item_ids"][0]
+            assert first.find_element(By.CSS_SELECTOR, ".head .title").text == title
+            assert first.text.index(title) < first.text.index(expected["item_ids"][0] + "\n")
+            # Each recommendation says which of the user's clicks explains it (POST /explain's answer).
+            explained = client.post("/explain", json={"item_ids": expected["item_ids"],
+                                                      "history": world["recent"][user]}).json()["explanations"]
+            items = driver.find_elements(By.CSS_SELECTOR, "#recommendations li[data-item]")
+            assert [li.get_attribute("data-because") for li in items] == [e["because"] for e in explained]
+            assert all(e["because"] in world["recent"][user] for e in explained)
+            because_title = client.post("/items", json={"item_ids": [explained[0]["because"]]}).json()
+            shown = because_title["items"][0]["features"]["title"] or explained[0]["because"]
+            assert items[0].find_element(By.CSS_SELECTOR, ".because").text == f"because you clicked {shown}"
 
-            # A pasted history (and seen items included) goes into the query as the bundle names it.
-            history = ["item001", "item002", "item005"]
+            screenshots = tmp_path / "screenshots"
+            screenshots.mkdir()
+            wide = screenshots / "page-1400.png"
+            assert driver.save_screenshot(str(wide)) and wide.stat().st_size > 0
+
+            # A pasted history (and seen items included) goes into the query as the bundle names it,
+            # with its order; pasted oldest first and said so, the same answer.
+            history = ["item001", "item002", "item005", "item009", "item013", "item021"]
             submitted("a b", history, include_seen=True)
             expected = client.post("/recommend", json={"query": {"user_id": "a b", "history": history}, "k": K,
-                                                       "exclude_seen": False}).json()
+                                                       "exclude_seen": False, "history_order": "newest_first"}).json()
             assert _rendered(driver, "recommendations") == expected["item_ids"]
             assert _rendered(driver, "history-items") == history
-            assert _rendered(driver, "training") == world["seen"]["a b"]
+            assert _rendered(driver, "training") == world["recent"]["a b"]
             # Item 1's title holds markup: shown as text, never parsed.
-            hostile = driver.find_element(By.CSS_SELECTOR, '#history-items li[data-item="item001"] .features')
-            assert f"title: {HOSTILE_TITLE}" in hostile.text
+            hostile = driver.find_element(By.CSS_SELECTOR, '#history-items li[data-item="item001"] .title')
+            assert hostile.text == HOSTILE_TITLE
             assert driver.find_elements(By.CSS_SELECTOR, "#history-items img") == []
             assert driver.title != "pwned"
+            Select(driver.find_element(By.ID, "history-order")).select_by_value("oldest_first")
+            submitted("a b", history[::-1], include_seen=True)
+            assert _rendered(driver, "recommendations") == expected["item_ids"]
+            assert _rendered(driver, "history-items") == history  # listed newest first whatever the box's order
+            Select(driver.find_element(By.ID, "history-order")).select_by_value("newest_first")
 
             # An unknown user: popular items, and the training column says why it is empty.
             submitted("stranger")
-            expected = client.post("/recommend", json={"query": {"user_id": "stranger", "history": []},
-                                                       "k": K}).json()
+            expected = client.post("/recommend", json={"query": {"user_id": "stranger"}, "k": K}).json()
             assert expected["fallback"] == "popular"
             assert _rendered(driver, "recommendations") == expected["item_ids"]
             assert "not one of its" in driver.find_element(By.ID, "training").text
@@ -374,12 +465,77 @@ def test_the_page_in_a_headless_browser_shows_what_the_json_routes_answer(world,
             similar = client.post("/similar", json={"item_id": clicked, "k": K}).json()
             assert _rendered(driver, "similar") == similar["item_ids"] and clicked not in similar["item_ids"]
 
-            screenshot = tmp_path / "page.png"
-            assert driver.save_screenshot(str(screenshot)) and screenshot.stat().st_size > 0
-            print(f"screenshot: {screenshot}")
+            # The search box lists GET /items/search's answer, titles first.
+            box = driver.find_element(By.ID, "search")
+            box.send_keys("of item01")
+            wait.until(lambda d: d.find_element(By.ID, "search-results").get_attribute("data-query") == "of item01"
+                       and d.find_element(By.ID, "search-results").get_attribute("data-state") == "done")
+            found = client.get("/items/search", params={"q": "of item01", "limit": 20}).json()["item_ids"]
+            assert _rendered(driver, "search-results") == found and len(found) == 10
+            assert driver.find_element(By.CSS_SELECTOR, "#search-results li .title").text == "Title of item010"
+
+            # At a phone's width: one column, nothing wider than the screen.
+            driver.set_window_size(390, 844)
+            wait.until(lambda d: d.execute_script("return window.innerWidth") <= 390)
+            assert driver.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+            boxes = [driver.find_element(By.ID, name).rect for name in ("training", "recommendations", "similar")]
+            assert boxes[0]["x"] == boxes[1]["x"] == boxes[2]["x"] and boxes[0]["y"] < boxes[1]["y"] < boxes[2]["y"]
+            assert all(box["x"] + box["width"] <= 390 for box in boxes)
+            narrow = screenshots / "page-390.png"
+            assert driver.save_screenshot(str(narrow)) and narrow.stat().st_size > 0
+            print(f"screenshots: {wide} {narrow}")
             console = [entry for entry in driver.get_log("browser") if entry.get("level") == "SEVERE"]
             # The unknown user's 404 is the one error the console may show (fetch logs failed requests).
             assert all("/items" in entry["message"] and "404" in entry["message"] for entry in console), console
+    finally:
+        driver.quit()
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.mark.slow
+def test_the_page_sends_the_user_features_typed_into_it(tmp_path):
+    """A bundle with a user table (and stored histories): one input per feature; what is typed is
+    sent, what is left empty is filled from a known user's row, else missing."""
+    driver = _browser_or_skip()
+    from feature_fixtures import ALL_KINDS, write_feature_bundle
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    directory, *_ = write_feature_bundle(
+        tmp_path / "features", ALL_KINDS, topk=False, history_clicks=5,
+        manifest={"run": "features", "popular_item_ids": ["i0", "i1"],
+                  "config": {"towers": ALL_KINDS.model_dump(mode="json")}})
+    server, thread, port = serve_in_thread(create_app(directory))
+    base = f"http://127.0.0.1:{port}"
+    wait = WebDriverWait(driver, 30)
+    try:
+        with httpx.Client(base_url=base) as client:
+            driver.get(base + "/")
+            wait.until(lambda d: d.find_element(By.ID, "status").get_attribute("data-state") == "ready")
+            inputs = driver.find_elements(By.CSS_SELECTOR, "#user-features input")
+            assert [i.get_attribute("data-feature") for i in inputs] == ["age", "zip", "country", "signup"]
+            assert [i.get_attribute("type") for i in inputs] == ["number", "text", "text", "number"]
+            for user, typed, query in [
+                ("new", {"country": "DE", "age": "30"}, {"user_id": "new", "country": "DE", "age": 30}),
+                ("u2", {}, {"user_id": "u2"}),
+                ("new", {}, {"user_id": "new"}),
+            ]:
+                for field in inputs:
+                    field.clear()
+                    if field.get_attribute("data-feature") in typed:
+                        field.send_keys(typed[field.get_attribute("data-feature")])
+                box = driver.find_element(By.ID, "user")
+                box.clear()
+                box.send_keys(user)
+                driver.execute_script("document.getElementById('status').dataset.state = 'sent'")
+                driver.find_element(By.ID, "go").click()
+                wait.until(lambda d: d.find_element(By.ID, "status").get_attribute("data-state") in ("done", "error"))
+                assert driver.find_element(By.ID, "status").get_attribute("data-state") == "done"
+                expected = client.post("/recommend", json={"query": query, "k": 10}).json()
+                assert _rendered(driver, "recommendations") == expected["item_ids"], (user, typed)
+                fallback = {"new": "features" if typed else "popular", "u2": None}[user]
+                assert expected["fallback"] == fallback
     finally:
         driver.quit()
         server.should_exit = True

@@ -1,7 +1,7 @@
 """The ASGI app of the HTTP service: routes, the bundle being served, the bulk lane.
 
 ``create_app`` builds the Starlette app (``/recommend``, ``/similar``, ``/users``,
-``/users/{user_id}/items``, ``/items``, ``/healthz``, ``/metadata``, ``/metrics``,
+``/users/{user_id}/items``, ``/items``, ``/items/search``, ``/explain``, ``/healthz``, ``/metadata``, ``/metrics``,
 ``/admin/reload`` and the web page at ``/``) over a ``BundleHolder``,
 whose ``reload`` swaps a new bundle in with one reference assignment; large batches run in
 the bulk lane (``_bulk_executor``) in chunks, apart from small requests; the
@@ -32,6 +32,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from retrieval.service.inputs import (
+    ExplainRequest,
     ItemsRequest,
     RecommendRequest,
     ReloadRequest,
@@ -55,6 +56,8 @@ if TYPE_CHECKING:  # retrieval.serving loads TensorFlow: imported where a bundle
 log = logging.getLogger("retrieval.service")
 # GET /users: how many known user ids a page's pick list gets by default, and at most.
 DEFAULT_USER_LIST, MAX_USER_LIST = 100, 1000
+# GET /items/search: ids a search answers by default and at most; the longest query text.
+DEFAULT_SEARCH_RESULTS, MAX_SEARCH_RESULTS, MAX_SEARCH_TEXT = 20, 100, 200
 
 
 class BundleHolder:
@@ -250,6 +253,36 @@ def create_app(
         body = await _read_body(request, limits.max_body_bytes)
         return Response(await run_in_threadpool(answer_items, current, body), media_type="application/json")
 
+    def answer_search(current: Bundle, text: str, limit: int) -> bytes:
+        found = current.search_items(text, limit)
+        return _dumps({"bundle": current.version, "q": text, "item_ids": found,
+                       "items": [{"item_id": item, "features": values}
+                                 for item, values in zip(found, current.item_features(found))]})
+
+    async def search_items(request: Request) -> Response:
+        current = holder.current
+        text = request.query_params.get("q", "")
+        raw = request.query_params.get("limit", str(DEFAULT_SEARCH_RESULTS))
+        if not raw.isdigit() or not 1 <= int(raw) <= MAX_SEARCH_RESULTS:
+            return _error(422, f"limit must be an integer from 1 to {MAX_SEARCH_RESULTS}, got {raw[:40]!r}")
+        if len(text) > MAX_SEARCH_TEXT:
+            return _error(422, f"q must be at most {MAX_SEARCH_TEXT} characters, got {len(text)}")
+        return Response(await run_in_threadpool(answer_search, current, text, int(raw)),
+                        media_type="application/json")
+
+    def answer_explain(current: Bundle, body: bytes) -> bytes:
+        parsed = _validated(_parse_object(body), ExplainRequest)
+        limit_search_threads()
+        because = current.explain(parsed.item_ids, parsed.history)
+        return _dumps({"bundle": current.version,
+                       "explanations": [{"item_id": item, "because": reason}
+                                        for item, reason in zip(parsed.item_ids, because)]})
+
+    async def explain(request: Request) -> Response:
+        current = holder.current
+        body = await _read_body(request, limits.max_body_bytes)
+        return Response(await run_in_threadpool(answer_explain, current, body), media_type="application/json")
+
     async def page(request: Request) -> HTMLResponse:
         return HTMLResponse(page_text, headers=page_header_values)
 
@@ -290,6 +323,8 @@ def create_app(
         Route("/users", users, methods=["GET"]),
         Route("/users/{user_id:path}/items", training_items, methods=["GET"]),
         Route("/items", items, methods=["POST"]),
+        Route("/items/search", search_items, methods=["GET"]),
+        Route("/explain", explain, methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metadata", metadata, methods=["GET"]),
         Route(METRICS_PATH, metrics.endpoint, methods=["GET"]),

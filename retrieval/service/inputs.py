@@ -1,7 +1,7 @@
 """Hostile-input handling of the HTTP app: what a request may carry and how it is read.
 
 The request bodies' pydantic models (``RecommendRequest``, ``SimilarRequest``, ``ItemsRequest``,
-``ReloadRequest``),
+``ExplainRequest``, ``ReloadRequest``),
 reading a body under a byte limit (413), parsing it into a JSON object (400)
 and validating it (422), the middleware refusing too many headers (431), and
 the ``{"error": ...}`` replies these failures get.
@@ -87,6 +87,15 @@ class ItemsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     item_ids: list[str] = Field(max_length=MAX_EXCLUDED)
+
+
+class ExplainRequest(BaseModel):
+    """Body of ``POST /explain``: recommended item ids and the click history (newest first) to explain them by."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    item_ids: list[str] = Field(max_length=MAX_K)
+    history: list[str] = Field(max_length=MAX_EXCLUDED)
 
 
 class ReloadRequest(BaseModel):

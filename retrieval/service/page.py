@@ -2,8 +2,9 @@
 
 ``page.html`` (package data, next to this module) needs no build step: it reads ``/metadata`` and
 ``/users``, asks ``/users/{id}/items`` for a user's training items, ``/recommend`` for the top-k,
-``/items`` for display features and ``/similar`` for an item's neighbours, and puts every string
-into the page as text (``textContent``), never as markup.
+``/explain`` for the click that explains each, ``/items`` for display features, ``/items/search``
+for items by title and ``/similar`` for an item's neighbours, and puts every string into the page
+as text (``textContent``), never as markup.
 
 ``page_headers`` gives it a Content-Security-Policy that runs only that inline script (by its
 hash), lets it talk only to the server that sent it and loads nothing from elsewhere: a string
