@@ -27,7 +27,7 @@ from retrieval.bundles import evaluate_bundle
 from retrieval.config import Config, ConfigError, apply_overrides, load_config
 from retrieval.data import USER
 from retrieval.jobs import TowerFactory, train_evaluate_export
-from retrieval.serving import Bundle, Recommendations
+from retrieval.serving import Bundle, HistoryOrder, Recommendations
 
 ConfigLike = Config | str | os.PathLike | None
 
@@ -63,21 +63,25 @@ class Run:
         *,
         exclude_item_ids: Sequence[str] = (),
         exclude_seen: bool = True,
+        history_order: HistoryOrder = "newest_first",
         **features: Any,
     ) -> Recommendations:
         """Top-k for one user: ``user_id`` and/or raw query ``features`` (e.g. ``history=[...]``) as the
-        bundle's query tower reads them; the user's training items are left out unless
-        ``exclude_seen=False`` (``Bundle.recommend``)."""
+        bundle's query tower reads them (a known user's id alone: its stored features and clicks);
+        the user's training items are left out unless ``exclude_seen=False``; a history in time
+        order takes ``history_order="oldest_first"`` (``Bundle.recommend``)."""
         query: dict[str, Any] = dict(features)
         if user_id is not None:
             query[USER] = str(user_id)
-        return self.bundle.recommend(query, k, exclude_item_ids, exclude_seen=exclude_seen)
+        return self.bundle.recommend(query, k, exclude_item_ids, exclude_seen=exclude_seen,
+                                     history_order=history_order)
 
     def recommend_batch(
-        self, queries: Sequence[Mapping[str, Any]], k: int = 10, *, exclude_seen: bool = True
+        self, queries: Sequence[Mapping[str, Any]], k: int = 10, *, exclude_seen: bool = True,
+        history_order: HistoryOrder = "newest_first",
     ) -> list[Recommendations]:
         """``recommend`` for many raw queries at once (one embedding and one index search)."""
-        return self.bundle.recommend_batch(queries, k, exclude_seen=exclude_seen)
+        return self.bundle.recommend_batch(queries, k, exclude_seen=exclude_seen, history_order=history_order)
 
     def similar_items(self, item_id: str, k: int = 10) -> Recommendations:
         """The k catalogue items nearest ``item_id`` by the doc tower's embeddings, itself left out."""

@@ -287,6 +287,19 @@ def test_a_sequence_job_exports_a_bundle_that_serves_a_history(tmp_path):
     assert len(served.item_ids) == 10 and not set(history) & set(served.item_ids) and served.fallback is None
     empty = bundle.recommend({"history": []}, k=5)  # nothing known to read: the popular items, said so
     assert empty.fallback == "popular" and empty.item_ids == bundle.manifest["popular_item_ids"][:5]
+    # A user id alone reads the user's stored training clicks: its line of the file but the held-out
+    # last item, stored newest first, so the line's own order (oldest first) says history_order.
+    for line in lines[:10]:
+        user, *items = line.split()
+        if len(items) < 2:
+            continue
+        assert bundle.recent_items(user) == items[:-1][::-1]
+        alone = bundle.recommend({"user_id": user}, k=10)
+        pasted = bundle.recommend({"user_id": user, "history": items[:-1]}, k=10, history_order="oldest_first")
+        assert alone.item_ids == pasted.item_ids and alone.fallback is None
+        np.testing.assert_allclose(alone.scores, pasted.scores, rtol=1e-6, atol=1e-7)
+    stranger = bundle.recommend({"user_id": "nobody"}, k=5)
+    assert stranger.fallback == "popular" and stranger.item_ids == bundle.manifest["popular_item_ids"][:5]
 
 
 def test_parquet_sequences_are_lists_in_time_order(tmp_path):
