@@ -1403,7 +1403,26 @@ def _kind_of(model: type[BaseModel]) -> Any:
 
 
 class _Yaml12Floats(yaml.SafeLoader):
-    """PyYAML's safe loader, reading ``1e-3`` and ``5E+6`` as floats as YAML 1.2 does (YAML 1.1 needs a dot)."""
+    """PyYAML's safe loader, strict: ``1e-3`` and ``5E+6`` read as floats as YAML 1.2 does (YAML 1.1 needs a
+    dot), and a key given twice in one mapping, at any depth, is an error naming the key and both lines
+    (PyYAML keeps the last silently, so a second ``train:`` block would undo the first)."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # a merge key (<<) may be overridden; complex keys are refused by PyYAML itself
+                key = self.construct_object(key_node)
+                line = key_node.start_mark.line + 1
+                if key in first_line:
+                    raise yaml.constructor.ConstructorError(
+                        None, None,
+                        f"duplicate key {key!r}: set on line {first_line[key]} and again on line {line}",
+                        key_node.start_mark,
+                    )
+                first_line[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 _Yaml12Floats.add_implicit_resolver(
@@ -1414,7 +1433,8 @@ _Yaml12Floats.add_implicit_resolver(
 
 
 def read_yaml(text: str) -> Any:
-    """YAML as configs and ``--set`` values are read: safe, with YAML 1.2 floats (``1e-3`` is a number)."""
+    """YAML as configs, search spaces and ``--set`` values are read: safe, YAML 1.2 floats (``1e-3`` is a
+    number), and no key twice in one mapping (``yaml.YAMLError`` naming the key and both lines)."""
     return yaml.load(text, Loader=_Yaml12Floats)  # noqa: S506 (a SafeLoader subclass)
 
 
