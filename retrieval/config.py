@@ -1086,10 +1086,14 @@ class BaselinesConfig(_Section):
         return self
 
 
+# The largest cut-off of an @k metric: deeper lists say nothing recall@10,000 does not.
+MAX_EVALUATION_K = 10_000
+
+
 class EvaluationConfig(_Section):
     """Offline evaluation over the full corpus (metric formulas: retrieval/evaluation/metrics.py)."""
 
-    ks: tuple[int, ...] = Field((10, 20, 50, 100), description="Cut-offs k of every @k metric.")
+    ks: tuple[int, ...] = Field((10, 20, 50, 100), description="Cut-offs k of every @k metric (each at most 10,000).")
     exclude_train_items: bool = Field(True, description="Never count a user's training items.")
     unseen_users: Literal["drop", "keep"] = Field(
         "drop",
@@ -1120,6 +1124,11 @@ class EvaluationConfig(_Section):
     def _ks_positive(self) -> EvaluationConfig:
         if not self.ks or any(k <= 0 for k in self.ks):
             raise ValueError(f"evaluation.ks must be positive integers, got {list(self.ks)}")
+        if max(self.ks) > MAX_EVALUATION_K:
+            # Evaluation ranks [query_batch_size, max(ks)] items per batch: a huge k is an allocation failure
+            # after training, so it is refused before.
+            raise ValueError(f"evaluation.ks must be at most {MAX_EVALUATION_K:,} (every user's top max(ks) "
+                             f"is ranked), got {max(self.ks):,}")
         edges = list(self.activity_edges)
         if any(e <= 0 for e in edges) or edges != sorted(set(edges)):
             raise ValueError(f"evaluation.activity_edges must be increasing positive integers, got {edges}")

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import reprlib
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -46,6 +45,15 @@ from retrieval.errors import UserError, entry_point
 from retrieval.export import check_fingerprints, read_manifest, served_files
 from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFilesError, ItemIndex
 from retrieval.item_features import ItemFeatures
+from retrieval.request_checks import (
+    RequestError,
+    check_query_keys,
+    checked_id,
+    checked_id_lists,
+    checked_ids,
+    checked_k,
+)
+from retrieval.request_checks import short as _short
 from retrieval.seen_items import SeenItems, find_sorted
 from retrieval.user_features import UserFeatures
 
@@ -63,18 +71,6 @@ class BundleError(UserError, ValueError):
     bytes of the file they failed on), so it is safe to print or send back.
     """
 
-
-class RequestError(UserError, ValueError):
-    """A request the bundle cannot answer as asked (an item id not in its catalogue, k below 1):
-    one line naming the value. A ValueError, so the HTTP service answers it with a 422."""
-
-
-
-def _short(value: Any) -> str:
-    """A bounded repr for error messages: a client's deeply nested or huge value is not echoed whole."""
-    short = reprlib.Repr()
-    short.maxlevel, short.maxlist, short.maxdict, short.maxstring, short.maxother = 2, 4, 4, 40, 40
-    return short.repr(value)
 
 
 
@@ -159,6 +155,12 @@ class Bundle:
         )
         self.seen_items = self._load_seen_items()
         self._user_input, self._history_input = _seen_inputs(self.manifest, self.query_features)
+        # What a query may hold: the tower's inputs and the user id (its training items are excluded).
+        self._query_keys = list(dict.fromkeys([*self.query_features, self._user_input]))
+        self._unread_key_notes = {} if self._history_input is not None else {
+            "history": "its query tower reads no click history, so a history would neither shape nor filter "
+                       "the answer; send items to keep out in exclude_item_ids",
+        }
         self.user_features = self._load_user_features()
         self.item_display = self._load_item_features()
         self.check_probe()
@@ -324,6 +326,7 @@ class Bundle:
         """``query``, already completed from the user table (``complete_queries``), checked (``check_query``)."""
         if not isinstance(query, Mapping):
             raise RequestError(f"query {position} must be an object of features, got {type(query).__name__}")
+        check_query_keys(query, self._query_keys, position, self._unread_key_notes)
         for feature in self.query_features:
             if feature not in query:
                 raise RequestError(self._missing_feature(query, feature, position))
@@ -416,32 +419,37 @@ class Bundle:
         self,
         query: Mapping[str, Any],
         k: int = 10,
-        exclude_item_ids: Sequence[str] = (),
+        exclude_item_ids: Sequence[str | int] | None = (),
         *,
         exclude_seen: bool = True,
     ) -> Recommendations:
         """Top-k item ids for one raw query, never returning ``exclude_item_ids``.
 
         With ``exclude_seen`` (the default) neither the user's training items nor the items of
-        the query's click history are returned either (see ``excluded_rows``).
+        the query's click history are returned either (see ``excluded_rows``). ``k`` and
+        ``exclude_item_ids`` follow ``retrieval.request_checks``: k an int >= 1, capped at the
+        catalogue size; ids strings or ints (``494`` is item ``"494"``), a list of them or None.
+
+        Raises:
+          RequestError: naming the argument, the query feature or the query key that is wrong.
         """
-        return self.recommend_batch([query], k, [exclude_item_ids], exclude_seen=exclude_seen)[0]
+        excluded = checked_ids(exclude_item_ids, "exclude_item_ids")
+        return self.recommend_batch([query], k, [excluded], exclude_seen=exclude_seen)[0]
 
     def recommend_batch(
         self,
         queries: Sequence[Mapping[str, Any]],
         k: int = 10,
-        exclude_item_ids: Sequence[Sequence[str]] | None = None,
+        exclude_item_ids: Sequence[Sequence[str | int]] | None = None,
         *,
         exclude_seen: bool = True,
     ) -> list[Recommendations]:
-        """Top-k for a batch of raw queries (one FAISS search for all); ``exclude_seen`` as in ``recommend``."""
+        """Top-k for a batch of raw queries (one FAISS search for all); ``k``, ``exclude_item_ids`` (one
+        list per query, or None) and ``exclude_seen`` as in ``recommend``."""
+        k = checked_k(k, len(self.index))
+        exclude_item_ids = checked_id_lists(exclude_item_ids, len(queries), "exclude_item_ids")
         if not queries:
             return []
-        if k <= 0:
-            raise ValueError(f"k must be positive, got {k}")
-        if exclude_item_ids is not None and len(exclude_item_ids) != len(queries):
-            raise ValueError(f"exclude_item_ids has {len(exclude_item_ids)} lists for {len(queries)} queries")
         embeddings, known_ids = self.embed_with_known(queries)
         return self.recommend_embedded(
             embeddings, known_ids, k, exclude_item_ids, queries=queries, exclude_seen=exclude_seen
@@ -470,10 +478,8 @@ class Bundle:
         from: with ``exclude_seen`` their users' training items and history items are excluded
         (``excluded_rows``), so they are needed unless the bundle has nothing of the kind to exclude.
         """
-        if k <= 0:
-            raise ValueError(f"k must be positive, got {k}")
-        if exclude_item_ids is not None and len(exclude_item_ids) != len(embeddings):
-            raise ValueError(f"exclude_item_ids has {len(exclude_item_ids)} lists for {len(embeddings)} queries")
+        k = checked_k(k, len(self.index))  # capped: nothing is allocated for ranks the catalogue lacks
+        exclude_item_ids = checked_id_lists(exclude_item_ids, len(embeddings), "exclude_item_ids")
         _check_finite(embeddings, "embedding")  # FAISS drops NaN rows: an empty answer that looks like success
         if queries is not None and len(queries) != len(embeddings):
             raise ValueError(f"queries has {len(queries)} entries for {len(embeddings)} embeddings")
@@ -532,7 +538,9 @@ class Bundle:
             return [None] * len(item_ids)
         return self.item_display.values_of(item_ids)
 
-    def similar_items(self, item_id: str, k: int = 10, *, exclude_item_ids: Sequence[str] = ()) -> Recommendations:
+    def similar_items(
+        self, item_id: str | int, k: int = 10, *, exclude_item_ids: Sequence[str | int] | None = ()
+    ) -> Recommendations:
         """The k items nearest ``item_id``'s own embedding, best first; never the item itself nor
         ``exclude_item_ids`` (ids not in the catalogue are ignored).
 
@@ -546,26 +554,29 @@ class Bundle:
         where an ID-only doc tower puts items without training clicks, ties with every item:
         it gets the most popular items, scores None, ``fallback="popular"``, as a query would.
 
+        Ids and ``k`` follow ``retrieval.request_checks`` as in ``recommend``.
+
         Raises:
-          RequestError: ``item_id`` is not in the bundle's catalogue, or k is not a positive integer.
+          RequestError: ``item_id`` is not in the bundle's catalogue, or an argument breaks a rule of
+            ``retrieval.request_checks`` (k not an int >= 1, a bare string as ``exclude_item_ids``).
           BundleError: the index is of a type FAISS cannot read vectors back from (``ItemIndex.vectors``).
         """
-        return self.similar_items_batch([item_id], k, [exclude_item_ids])[0]
+        item = checked_id(item_id, "item_id")
+        return self.similar_items_batch([item], k, [checked_ids(exclude_item_ids, "exclude_item_ids")])[0]
 
     def similar_items_batch(
         self,
-        item_ids: Sequence[str],
+        item_ids: Sequence[str | int],
         k: int = 10,
-        exclude_item_ids: Sequence[Sequence[str]] | None = None,
+        exclude_item_ids: Sequence[Sequence[str | int]] | None = None,
     ) -> list[Recommendations]:
         """``similar_items`` for [n] item ids (one FAISS search); ``exclude_item_ids`` [n] lists or None."""
-        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
-            raise RequestError(f"k must be a positive integer (the number of similar items), got {_short(k)}")
-        if exclude_item_ids is not None and len(exclude_item_ids) != len(item_ids):
-            raise ValueError(f"exclude_item_ids has {len(exclude_item_ids)} lists for {len(item_ids)} item ids")
+        k = checked_k(k, len(self.index))
+        item_ids = checked_ids(item_ids, "item_ids")
+        exclude_item_ids = checked_id_lists(exclude_item_ids, len(item_ids), "exclude_item_ids")
         rows = []
         for item in item_ids:
-            row = self._row_of.get(item) if isinstance(item, str) else None
+            row = self._row_of.get(item)
             if row is None:
                 raise RequestError(f"item id {_short(item)} is not in the catalogue of bundle {self.version!r} "
                                    f"({len(self.index)} items)")
@@ -578,9 +589,9 @@ class Bundle:
             raise BundleError(f"bundle {self.version!r}: {error}") from None
         # The item is excluded like any other: its own vector is its nearest when the towers normalise,
         # and near the top otherwise.
-        excluded = [[item, *extra] for item, extra in zip(item_ids, exclude_item_ids or [()] * len(item_ids))]
+        excluded = [[item, *extra] for item, extra in zip(item_ids, exclude_item_ids)]
         # known_ids all True: an indexed item is never the "features" fallback of an unseen query id.
-        return self.recommend_embedded(vectors, np.ones(len(rows), dtype=bool), int(k), excluded, exclude_seen=False)
+        return self.recommend_embedded(vectors, np.ones(len(rows), dtype=bool), k, excluded, exclude_seen=False)
 
     def excluded_rows(
         self,
@@ -776,8 +787,7 @@ def recommend_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def recommend(args: argparse.Namespace) -> int:
     """Print one JSON line per query of ``recommend_parser``'s ``args``: its top-k ids, scores and fallback;
     with ``--out``, write them for many users or items to a file (``retrieval.batch_recommend``)."""
-    if args.k <= 0:
-        raise UserError(f"-k must be a positive number of items, got {args.k}")
+    checked_k(args.k, sys.maxsize, "-k")  # the bundle caps it at its catalogue; refused here before it loads
     if args.similar and args.include_seen:
         raise UserError("--include-seen applies to --user-id queries; --similar has no user whose items to keep")
     if args.out is not None or args.users is not None:
