@@ -62,6 +62,9 @@ log = logging.getLogger("retrieval.serving")
 Verify = Literal["quick", "full"]
 # Scores of the probe query equal those at export within this (absolute and relative); ids may reorder in ties.
 PROBE_TOLERANCE = 1e-5
+# A query embedding's norm may be this factor below the smallest or above the largest the training users'
+# queries had at export (the manifest's query_norms): users unseen in training embed a little apart.
+QUERY_NORM_MARGIN = 10.0
 
 
 class BundleError(UserError, ValueError):
@@ -163,6 +166,7 @@ class Bundle:
         }
         self.user_features = self._load_user_features()
         self.item_display = self._load_item_features()
+        self._norm_range = _norm_range(self.manifest.get("query_norms"))
         self.check_probe()
 
     def _load_seen_items(self) -> SeenItems | None:
@@ -413,7 +417,57 @@ class Bundle:
         known = outputs["known_ids"].numpy() if self._reports_known_ids else np.ones(len(queries), dtype=bool)
         embeddings = outputs["embedding"].numpy()
         _check_finite(embeddings, "query")
+        self._check_norms(queries, embeddings)
         return embeddings, known
+
+    def _check_norms(self, queries: Sequence[Mapping[str, Any]], embeddings: np.ndarray) -> None:
+        """Raise RequestError for a query whose embedding [dim] is all zero, or whose norm lies outside
+        the training range (``_norm_range``), when one feature of the query explains it.
+
+        The feature is found by leaving out each feature the query gives (a missing value, as the
+        tower embeds it) in one more query-tower call: the one whose absence brings the norm into
+        range is named (else the one that brings it closest). An all-zero embedding that no feature
+        explains is a query the towers know nothing of (an unknown id, an empty history): it stays,
+        and ``recommend_embedded`` answers it with the popular items.
+        """
+        low, high = self._norm_range
+        norms = np.linalg.norm(embeddings.astype(np.float64), axis=1)
+        zero = ~np.any(embeddings != 0, axis=1)
+        suspects = np.flatnonzero(zero | (norms < low) | (norms > high))
+        if not len(suspects):
+            return
+        variants, owners = [], []
+        for position in suspects.tolist():
+            for feature in self.query_features:
+                if _given(queries[position][feature]):
+                    left_out: list[str] | None = [] if self._input_specs[feature].shape.rank == 2 else None
+                    variants.append({**queries[position], feature: left_out})
+                    owners.append((position, feature))
+        left_out_norms = np.zeros(0)
+        if variants:
+            inputs = {feature: _input_tensor([query[feature] for query in variants], self._input_specs[feature])
+                      for feature in self.query_features}
+            left_out_norms = np.linalg.norm(self._embed(**inputs)["embedding"].numpy().astype(np.float64), axis=1)
+        for position in suspects.tolist():
+            tried = [(feature, norm) for (owner, feature), norm in zip(owners, left_out_norms.tolist())
+                     if owner == position and np.isfinite(norm)]
+            explains = [feature for feature, norm in tried if norm > 0 and low <= norm <= high]
+            if zero[position] and not explains:
+                continue  # nothing the towers know: the popular fallback
+            culprit: str | None = None
+            if explains:
+                culprit = explains[0]
+            elif tried:  # no single feature brings it into range: the one that brings it closest
+                culprit = min(tried, key=lambda pair: _log_distance(pair[1], low, high))[0]
+            value = _short(queries[position][culprit]) if culprit is not None else None
+            cause = (f"the feature {culprit!r} ({value}) causes it: without it the norm is in range; a value "
+                     "far outside what the towers were trained on" if culprit in explains else
+                     f"the feature {culprit!r} ({value}) comes closest to explaining it"
+                     if culprit is not None else "no feature of the query explains it")
+            bounds = (f"outside [{low:.3g}, {high:.3g}] (the training users' query norms at export, widened "
+                      f"{QUERY_NORM_MARGIN:g}-fold)" if "query_norms" in self.manifest else "all zero")
+            raise RequestError(f"query {position}: its embedding's norm is {norms[position]:.3g}, {bounds}, so its "
+                               f"nearest items mean nothing; {cause}")
 
     def recommend(
         self,
@@ -702,6 +756,36 @@ def _check_finite(embeddings: np.ndarray, what: str) -> None:
 _NON_FINITE_CAUSE = (
     "a numeric feature value far outside the training range overflows the tower, or the model was trained to NaN"
 )
+
+
+def _norm_range(record: Any) -> tuple[float, float]:
+    """(lowest, highest) norm a query embedding may have: the manifest's ``query_norms`` widened by
+    ``QUERY_NORM_MARGIN``; for a bundle without the record, any norm above 0 (only zero is suspect)."""
+    if not isinstance(record, Mapping):
+        return float(np.finfo(np.float64).tiny), float("inf")
+    try:
+        low, high = float(record["min"]), float(record["max"])
+    except (KeyError, TypeError, ValueError):
+        raise BundleError(f"manifest.json query_norms must hold numbers min and max, got {_short(record)}") from None
+    if not (np.isfinite(low) and np.isfinite(high) and 0 <= low <= high):
+        raise BundleError(f"manifest.json query_norms must hold 0 <= min <= max, got {_short(record)}")
+    return max(low / QUERY_NORM_MARGIN, float(np.finfo(np.float64).tiny)), high * QUERY_NORM_MARGIN
+
+
+def _given(value: Any) -> bool:
+    """True for a query value that says something (not None, NaN, "" or an empty list)."""
+    if value is None or (isinstance(value, str) and not value):
+        return False
+    if isinstance(value, float) and np.isnan(value):
+        return False
+    return not (isinstance(value, Sequence) and not isinstance(value, str) and not len(value))
+
+
+def _log_distance(norm: float, low: float, high: float) -> float:
+    """How far (in log scale) ``norm`` lies outside [low, high]; 0 inside."""
+    if norm <= 0:
+        return float("inf")
+    return max(np.log(low) - np.log(norm), np.log(norm) - np.log(high), 0.0)
 
 
 def _seen_inputs(manifest: Mapping[str, Any], query_features: Sequence[str]) -> tuple[str, str | None]:

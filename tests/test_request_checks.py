@@ -1,5 +1,6 @@
 """One set of request rules for every entry point (``retrieval.request_checks``): the Python API, the
-command line and HTTP read ids, id lists, k and query keys alike.
+command line and HTTP read ids, id lists, k and query keys alike; a query embedding that a feature
+value breaks is an error naming that feature, not a fallback.
 
 Answers are checked against a numpy ranking of the towers' own vectors (``exact``)."""
 
@@ -9,6 +10,8 @@ import re
 import numpy as np
 import pandas as pd
 import pytest
+import tensorflow as tf
+from feature_fixtures import write_feature_bundle
 from test_service import _fixed_id_tower, call
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
@@ -192,3 +195,72 @@ def test_a_history_sent_to_a_bundle_that_reads_none_is_refused(numeric):
     assert reply.status_code == 422 and "'history'" in reply.json()["error"], reply.text
     with pytest.raises(RequestError, match=r"'usr_id'.*did you mean 'user_id'\?"):
         bundle.recommend({"user_id": "3", "usr_id": "3"})
+
+
+# --- embeddings a feature value breaks ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    """The feature-tower bundle of every feature kind (untrained, seeded; no recorded norm range)."""
+    directory = write_feature_bundle(tmp_path_factory.mktemp("features"), topk=False)[0]
+    return Bundle.load(directory)
+
+
+def test_a_feature_value_that_zeroes_the_embedding_is_named(features):
+    known = {"user_id": "u0", "history": ["i1"]}  # the user table fills age, zip, country, signup
+    assert features.recommend(known, k=3).fallback is None
+    # Finite, so the float32 check passes; the tower's L2 normalisation of its overflowing output gives 0
+    # (a trained tower does so from about 1e20, these untrained seeded weights from about 1e30).
+    huge = {**known, "age": 1e30}
+    assert not np.any(features._embed(**{feature: serving._input_tensor([features.complete_query(huge)[feature]],
+                                                                         features._input_specs[feature])
+                                         for feature in features.query_features})["embedding"].numpy())
+    with pytest.raises(RequestError, match=r"query 0: its embedding's norm is 0, all zero, .* the "
+                                           r"feature 'age' \(1e\+30\) causes it"):
+        features.recommend(huge, k=3)
+    reply = call(create_app(features), "POST", "/recommend", json={"query": huge})
+    assert reply.status_code == 422 and "the feature 'age'" in reply.json()["error"], reply.text
+    with pytest.raises(RequestError, match=r"'contry'.*did you mean 'country'\?"):
+        features.recommend({**known, "contry": "US"})
+
+
+@pytest.fixture(scope="module")
+def scaled(tmp_path_factory):
+    """A bundle whose query embedding is the user's vector times a numeric feature ``scale`` (missing: 1),
+    exported with the norms of its training users' queries (``scale`` 1 and 2)."""
+    rng = np.random.default_rng(5)
+    users = rng.normal(size=(len(USER_IDS), DIM)).astype(np.float32)
+    items = rng.normal(size=(NUM_ITEMS, DIM)).astype(np.float32)
+    ids = _fixed_id_tower("user_id", USER_IDS, users)
+    inputs = {"user_id": tf.keras.Input(shape=(), dtype=tf.string, name="user_id"),
+              "scale": tf.keras.Input(shape=(), dtype=tf.float32, name="scale")}
+    factor = tf.keras.layers.Lambda(lambda x: tf.where(tf.math.is_nan(x), tf.ones_like(x), x)[:, None])
+    query_tower = tf.keras.Model(inputs, ids(inputs["user_id"]) * factor(inputs["scale"]))
+    training = pd.DataFrame({"user_id": USER_IDS, "scale": np.where(np.arange(len(USER_IDS)) % 2, 2.0, 1.0)})
+    directory = tmp_path_factory.mktemp("scaled")
+    written = write_bundle(directory, query_tower=query_tower, doc_tower=_fixed_id_tower("item_id", ITEM_IDS, items),
+                           index=ItemIndex.build(ITEM_IDS, items), training_queries=training,
+                           manifest={"run": "scaled", "popular_item_ids": ITEM_IDS[:5]})
+    norms = np.linalg.norm(users, axis=1) * training["scale"].to_numpy()
+    return {"bundle": Bundle.load(directory), "manifest": written, "norms": norms}
+
+
+def test_the_manifest_records_the_training_queries_norm_range(scaled):
+    record = scaled["manifest"]["query_norms"]
+    assert record["queries"] == len(USER_IDS)
+    np.testing.assert_allclose([record["min"], record["max"]], [scaled["norms"].min(), scaled["norms"].max()],
+                               rtol=1e-5)
+    assert scaled["bundle"].manifest["query_norms"] == record
+
+
+def test_a_norm_outside_the_training_range_is_an_error_naming_the_feature(scaled):
+    bundle = scaled["bundle"]
+    assert bundle.recommend({"user_id": "2", "scale": 3.0}, k=3).fallback is None  # within the margin
+    for scale in (1e4, 1e-4, 0.0):
+        with pytest.raises(RequestError, match=r"query 0: its embedding's norm is .*, (outside \[.*\] \(the "
+                                               r"training users' query norms at export|all zero).*the feature "
+                                               r"'scale' \(.*\) causes it"):
+            bundle.recommend({"user_id": "2", "scale": scale}, k=3)
+    # An id the towers do not know still embeds to zero with nothing to blame: the popular items.
+    assert bundle.recommend({"user_id": "stranger", "scale": 1.0}, k=3).fallback == "popular"
