@@ -315,7 +315,9 @@ class Bundle:
 
     def check_query(self, query: Any, position: int = 0) -> None:
         """Raise RequestError (a ValueError) naming the problem unless ``query`` has every query feature
-        in its type, those it lacks filled from the bundle's user table for a known user (``complete_queries``).
+        in its type, those it lacks filled from the bundle's user table for a known user (``complete_queries``),
+        and no key the bundle does not read (``retrieval.request_checks.check_query_keys``: a misspelt
+        feature gets a "did you mean"; a ``history`` to a tower that reads none is refused, not ignored).
 
         String inputs take a string or int (None: missing, sent as ""); number
         inputs an int or a float finite in the input's dtype (float32 for
