@@ -58,10 +58,10 @@ class Run:
 
     def recommend(
         self,
-        user_id: str | None = None,
+        user_id: str | int | None = None,
         k: int = 10,
         *,
-        exclude_item_ids: Sequence[str] = (),
+        exclude_item_ids: Sequence[str | int] | None = (),
         exclude_seen: bool = True,
         history_order: HistoryOrder = "newest_first",
         **features: Any,
@@ -72,7 +72,7 @@ class Run:
         order takes ``history_order="oldest_first"`` (``Bundle.recommend``)."""
         query: dict[str, Any] = dict(features)
         if user_id is not None:
-            query[USER] = str(user_id)
+            query[USER] = user_id  # checked by the bundle: a string or an int, as every entry point reads ids
         return self.bundle.recommend(query, k, exclude_item_ids, exclude_seen=exclude_seen,
                                      history_order=history_order)
 
@@ -83,9 +83,9 @@ class Run:
         """``recommend`` for many raw queries at once (one embedding and one index search)."""
         return self.bundle.recommend_batch(queries, k, exclude_seen=exclude_seen, history_order=history_order)
 
-    def similar_items(self, item_id: str, k: int = 10) -> Recommendations:
+    def similar_items(self, item_id: str | int, k: int = 10) -> Recommendations:
         """The k catalogue items nearest ``item_id`` by the doc tower's embeddings, itself left out."""
-        return self.bundle.similar_items(str(item_id), k)
+        return self.bundle.similar_items(item_id, k)
 
     def evaluate(self, overrides: Sequence[str] = (), *, out: str | os.PathLike | None = None) -> dict[str, Any]:
         """Re-evaluate the exported bundle on the data its config names (``bundles.evaluate_bundle``):

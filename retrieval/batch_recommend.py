@@ -45,6 +45,7 @@ import pyarrow.parquet as pq
 
 from retrieval.errors import UserError
 from retrieval.progress import Progress
+from retrieval.request_checks import checked_ids, checked_k
 from retrieval.serving import Bundle, Recommendations
 
 # Queries per search and per row group: >= ExactRouting.min_queries, ~100k rows at k=100. recommend_parser's
@@ -230,7 +231,7 @@ def recommend_to_file(
     k: int,
     out: str | Path,
     *,
-    exclude_item_ids: Sequence[str] = (),
+    exclude_item_ids: Sequence[str | int] | None = (),
     exclude_seen: bool = True,
     block_size: int = DEFAULT_BLOCK_SIZE,
     overwrite: bool = False,
@@ -245,9 +246,10 @@ def recommend_to_file(
     as one row group. ``progress`` (if given) is told of each block.
 
     Raises:
-      UserError: ``out`` exists and not ``overwrite``, or is a directory; k or block_size below 1.
+      UserError: ``out`` exists and not ``overwrite``, or is a directory; block_size below 1; k or
+        ``exclude_item_ids`` breaking a rule of ``retrieval.request_checks`` (a RequestError).
     """
-    _check_sizes(k, block_size)
+    k, exclude_item_ids = _checked_request(bundle, k, block_size, exclude_item_ids)
 
     def answer(block: list[str]) -> list[Recommendations]:
         queries = [{"user_id": user} for user in block]
@@ -262,7 +264,7 @@ def similar_to_file(
     k: int,
     out: str | Path,
     *,
-    exclude_item_ids: Sequence[str] = (),
+    exclude_item_ids: Sequence[str | int] | None = (),
     block_size: int = DEFAULT_BLOCK_SIZE,
     overwrite: bool = False,
     progress: Progress | None = None,
@@ -273,7 +275,7 @@ def similar_to_file(
     Raises:
       RequestError: an id of ``items`` is not in the catalogue (``item_source`` checks a file first).
     """
-    _check_sizes(k, block_size)
+    k, exclude_item_ids = _checked_request(bundle, k, block_size, exclude_item_ids)
 
     def answer(block: list[str]) -> list[Recommendations]:
         return bundle.similar_items_batch(block, k, [exclude_item_ids] * len(block))
@@ -291,10 +293,14 @@ def check_out(out: str | Path, overwrite: bool) -> Path:
     return out
 
 
-def _check_sizes(k: int, block_size: int) -> None:
-    for name, value in (("k", k), ("block_size", block_size)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-            raise UserError(f"{name} must be a positive integer, got {value!r}")
+def _checked_request(
+    bundle: Bundle, k: int, block_size: int, exclude_item_ids: Sequence[str | int] | None
+) -> tuple[int, list[str]]:
+    """(k capped at the catalogue, the exclusions as id strings), by the rules every entry point shares
+    (``retrieval.request_checks``), and a positive ``block_size``: before any output is written."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer) or block_size < 1:
+        raise UserError(f"block_size must be a positive integer, got {block_size!r}")
+    return checked_k(k, len(bundle.index)), checked_ids(exclude_item_ids, "exclude_item_ids")
 
 
 def _write(

@@ -1086,10 +1086,14 @@ class BaselinesConfig(_Section):
         return self
 
 
+# The largest cut-off of an @k metric: deeper lists say nothing recall@10,000 does not.
+MAX_EVALUATION_K = 10_000
+
+
 class EvaluationConfig(_Section):
     """Offline evaluation over the full corpus (metric formulas: retrieval/evaluation/metrics.py)."""
 
-    ks: tuple[int, ...] = Field((10, 20, 50, 100), description="Cut-offs k of every @k metric.")
+    ks: tuple[int, ...] = Field((10, 20, 50, 100), description="Cut-offs k of every @k metric (each at most 10,000).")
     exclude_train_items: bool = Field(True, description="Never count a user's training items.")
     unseen_users: Literal["drop", "keep"] = Field(
         "drop",
@@ -1120,6 +1124,11 @@ class EvaluationConfig(_Section):
     def _ks_positive(self) -> EvaluationConfig:
         if not self.ks or any(k <= 0 for k in self.ks):
             raise ValueError(f"evaluation.ks must be positive integers, got {list(self.ks)}")
+        if max(self.ks) > MAX_EVALUATION_K:
+            # Evaluation ranks [query_batch_size, max(ks)] items per batch: a huge k is an allocation failure
+            # after training, so it is refused before.
+            raise ValueError(f"evaluation.ks must be at most {MAX_EVALUATION_K:,} (every user's top max(ks) "
+                             f"is ranked), got {max(self.ks):,}")
         edges = list(self.activity_edges)
         if any(e <= 0 for e in edges) or edges != sorted(set(edges)):
             raise ValueError(f"evaluation.activity_edges must be increasing positive integers, got {edges}")
@@ -1422,7 +1431,26 @@ def _kind_of(model: type[BaseModel]) -> Any:
 
 
 class _Yaml12Floats(yaml.SafeLoader):
-    """PyYAML's safe loader, reading ``1e-3`` and ``5E+6`` as floats as YAML 1.2 does (YAML 1.1 needs a dot)."""
+    """PyYAML's safe loader, strict: ``1e-3`` and ``5E+6`` read as floats as YAML 1.2 does (YAML 1.1 needs a
+    dot), and a key given twice in one mapping, at any depth, is an error naming the key and both lines
+    (PyYAML keeps the last silently, so a second ``train:`` block would undo the first)."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # a merge key (<<) may be overridden; complex keys are refused by PyYAML itself
+                key = self.construct_object(key_node)
+                line = key_node.start_mark.line + 1
+                if key in first_line:
+                    raise yaml.constructor.ConstructorError(
+                        None, None,
+                        f"duplicate key {key!r}: set on line {first_line[key]} and again on line {line}",
+                        key_node.start_mark,
+                    )
+                first_line[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 _Yaml12Floats.add_implicit_resolver(
@@ -1433,7 +1461,8 @@ _Yaml12Floats.add_implicit_resolver(
 
 
 def read_yaml(text: str) -> Any:
-    """YAML as configs and ``--set`` values are read: safe, with YAML 1.2 floats (``1e-3`` is a number)."""
+    """YAML as configs, search spaces and ``--set`` values are read: safe, YAML 1.2 floats (``1e-3`` is a
+    number), and no key twice in one mapping (``yaml.YAMLError`` naming the key and both lines)."""
     return yaml.load(text, Loader=_Yaml12Floats)  # noqa: S506 (a SafeLoader subclass)
 
 

@@ -49,6 +49,9 @@ and last ``HEAD_TAIL_BYTES`` (8 MiB) too: a default load checks those ends
 and the top-k item ids and scores the exported towers and index gave it:
 serving reruns it at load and at every health check, which proves that
 the query model and the index belong together.
+``query_norms`` (``query_norm_record``) holds the smallest and largest norm of the query
+embeddings of a sample of training users: serving refuses a query whose embedding lands far
+outside that range (a feature value the towers never saw, e.g. an age of 1e20), naming the feature.
 
 Everything is written under a hidden ``.<run>.partial-<pid>`` directory next
 to the final one and renamed into place at the end, so a crash never leaves a
@@ -506,6 +509,7 @@ def write_bundle(
     user_features: pd.DataFrame | None = None,
     item_features: pd.DataFrame | None = None,
     user_histories: UserHistories | None = None,
+    training_queries: pd.DataFrame | None = None,
 ) -> dict[str, Any]:
     """Write towers, index and manifest into ``directory``; return the manifest written.
 
@@ -533,6 +537,10 @@ def write_bundle(
     ``user_histories`` (each training user's recent clicks as rows of ``index``, newest first) goes
     to ``user_histories/``, described by the manifest's ``user_histories``; serving fills the history
     input of a query that lacks it. Only for a query tower with a ``towers.query.history`` input.
+    ``training_queries`` (raw query features of training users, as ``TowerTables.queries`` gives
+    them) are embedded through ``query_tower``: the range of their norms is the manifest's
+    ``query_norms`` (``query_norm_record``), outside which serving refuses a query; without them
+    serving refuses only all-zero embeddings that one feature of the query explains.
     """
     directory = Path(directory)
     created = datetime.now(timezone.utc).replace(microsecond=0)
@@ -607,6 +615,8 @@ def write_bundle(
         "doc_inputs": describe_inputs(doc_tower),
         "files": files,
         "probe": probe,
+        **({"query_norms": query_norm_record(embed_frame(query_tower, training_queries))}
+           if training_queries is not None and len(training_queries) else {}),
         **({"seen_items": seen_items.info()} if seen_items is not None else {}),
         **({"user_features": table.info()} if table is not None else {}),
         **({"user_histories": user_histories.info()} if user_histories is not None else {}),
@@ -782,6 +792,15 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and math.isnan(value):
         return None
     return value
+
+
+def query_norm_record(embeddings: np.ndarray) -> dict[str, Any]:
+    """The manifest's ``query_norms``: ``{"min", "max", "queries"}`` of the L2 norms of [n, dim] query
+    embeddings of training users (n >= 1), which serving compares each request's embedding with."""
+    norms = np.linalg.norm(np.asarray(embeddings, dtype=np.float64), axis=1)
+    if not len(norms) or not np.isfinite(norms).all():
+        raise ValueError(f"query norms need finite embeddings of at least one query, got {len(norms)} rows")
+    return {"min": float(norms.min()), "max": float(norms.max()), "queries": len(norms)}
 
 
 def probe_record(query: dict[str, Any], embedding: np.ndarray, index: ItemIndex) -> dict[str, Any]:

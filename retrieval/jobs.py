@@ -172,7 +172,8 @@ def train_evaluate_export(
         write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, data.stats,
                           probe_query=data.tables.queries(tuning_users[:1]), seen_items=seen_items,
                           user_features=user_features_of(data), item_features=data.source.item_features,
-                          user_histories=user_histories_of(config, data, index))
+                          user_histories=user_histories_of(config, data, index),
+                          training_queries=data.tables.queries(tuning_users))
         inputs.check_content()  # last: the run directory appears only if the inputs held still
     return RunResult(final, metrics, time.perf_counter() - started)
 
@@ -225,6 +226,7 @@ def write_run_outputs(
     user_features: pd.DataFrame | None = None,
     item_features: pd.DataFrame | None = None,
     user_histories: UserHistories | None = None,
+    training_queries: pd.DataFrame | None = None,
 ) -> None:
     """Metrics (JSON, Markdown, report, TensorBoard) and the serving bundle of a finished run.
 
@@ -236,6 +238,8 @@ def write_run_outputs(
     bundle fills into requests that lack them (``export.write_bundle``).
     ``item_features``: the raw item feature table (``data.item_features``), whose display columns
     the bundle ships for the web page and ``POST /items`` (``export.write_bundle``).
+    ``training_queries``: raw query features of training users, whose embeddings' norm range the
+    bundle records; serving refuses a query embedded far outside it (``export.write_bundle``).
     """
     (directory / "metrics.json").write_text(json.dumps(metrics, indent=2))
     (directory / "metrics.md").write_text(format_table(metrics) + "\n")
@@ -255,6 +259,7 @@ def write_run_outputs(
         user_features=user_features,
         item_features=item_features,
         user_histories=user_histories,
+        training_queries=training_queries,
         manifest={
             "run": name,
             "config": config.to_dict(),

@@ -29,7 +29,6 @@ import argparse
 import json
 import logging
 import math
-import reprlib
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -47,6 +46,15 @@ from retrieval.errors import UserError, entry_point
 from retrieval.export import check_fingerprints, read_manifest, served_files
 from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFilesError, ItemIndex
 from retrieval.item_features import ItemFeatures
+from retrieval.request_checks import (
+    RequestError,
+    check_query_keys,
+    checked_id,
+    checked_id_lists,
+    checked_ids,
+    checked_k,
+)
+from retrieval.request_checks import short as _short
 from retrieval.seen_items import SeenItems, find_sorted
 from retrieval.user_features import UserFeatures
 from retrieval.user_histories import UserHistories
@@ -60,6 +68,9 @@ PROBE_TOLERANCE = 1e-5
 # order of a bundle's stored histories), or time order (oldest first, as a sequences file lists a user's items).
 HistoryOrder = Literal["newest_first", "oldest_first"]
 HISTORY_ORDERS: tuple[HistoryOrder, ...] = ("newest_first", "oldest_first")
+# A query embedding's norm may be this factor below the smallest or above the largest the training users'
+# queries had at export (the manifest's query_norms): users unseen in training embed a little apart.
+QUERY_NORM_MARGIN = 10.0
 
 
 class BundleError(UserError, ValueError):
@@ -69,18 +80,6 @@ class BundleError(UserError, ValueError):
     bytes of the file they failed on), so it is safe to print or send back.
     """
 
-
-class RequestError(UserError, ValueError):
-    """A request the bundle cannot answer as asked (an item id not in its catalogue, k below 1):
-    one line naming the value. A ValueError, so the HTTP service answers it with a 422."""
-
-
-
-def _short(value: Any) -> str:
-    """A bounded repr for error messages: a client's deeply nested or huge value is not echoed whole."""
-    short = reprlib.Repr()
-    short.maxlevel, short.maxlist, short.maxdict, short.maxstring, short.maxother = 2, 4, 4, 40, 40
-    return short.repr(value)
 
 
 
@@ -165,9 +164,16 @@ class Bundle:
         )
         self.seen_items = self._load_seen_items()
         self._user_input, self._history_input = _seen_inputs(self.manifest, self.query_features)
+        # What a query may hold: the tower's inputs and the user id (its training items are excluded).
+        self._query_keys = list(dict.fromkeys([*self.query_features, self._user_input]))
+        self._unread_key_notes = {} if self._history_input is not None else {
+            "history": "its query tower reads no click history, so a history would neither shape nor filter "
+                       "the answer; send items to keep out in exclude_item_ids",
+        }
         self.user_features = self._load_user_features()
         self.user_histories = self._load_user_histories()
         self.item_display = self._load_item_features()
+        self._norm_range = _norm_range(self.manifest.get("query_norms"))
         self.check_probe()
 
     def _load_seen_items(self) -> SeenItems | None:
@@ -342,7 +348,9 @@ class Bundle:
 
     def check_query(self, query: Any, position: int = 0) -> None:
         """Raise RequestError (a ValueError) naming the problem unless ``query`` is one this bundle can
-        embed (``complete_queries`` fills what it lacks for a known user first).
+        embed (``complete_queries`` fills what it lacks for a known user first) and holds no key the
+        bundle does not read (``retrieval.request_checks.check_query_keys``: a misspelt feature gets a
+        "did you mean"; a ``history`` to a tower that reads none is refused, not ignored).
 
         Which inputs a query may leave out: an ID-only tower's user id must be sent; any input of
         another tower (user features, the click history) may be left out: it is filled from the
@@ -361,6 +369,7 @@ class Bundle:
         (``check_query``), with every input it leaves out as a missing value."""
         if not isinstance(query, Mapping):
             raise RequestError(f"query {position} must be an object of features, got {type(query).__name__}")
+        check_query_keys(query, self._query_keys, position, self._unread_key_notes)
         every_input_needed = self.query_features == [self._user_input]  # an ID-only tower
         if not every_input_needed and not any(key in query for key in (*self.query_features, self._user_input)):
             raise RequestError(f"query {position} sends none of this bundle's inputs: send the user id "
@@ -498,6 +507,7 @@ class Bundle:
         if empty.any():
             embeddings = embeddings.copy()
             embeddings[empty] = 0.0
+        self._check_norms(queries, embeddings, skip=empty)
         return embeddings, known
 
     def _carries_a_value(self, query: Mapping[str, Any]) -> bool:
@@ -513,11 +523,62 @@ class Bundle:
                 return True
         return False
 
+    def _check_norms(self, queries: Sequence[Mapping[str, Any]], embeddings: np.ndarray, *,
+                     skip: np.ndarray | None = None) -> None:
+        """Raise RequestError for a query whose embedding [dim] is all zero, or whose norm lies outside
+        the training range (``_norm_range``), when one feature of the query explains it.
+
+        The feature is found by leaving out each feature the query gives (a missing value, as the
+        tower embeds it) in one more query-tower call: the one whose absence brings the norm into
+        range is named (else the one that brings it closest). An all-zero embedding that no feature
+        explains is a query the towers know nothing of (an unknown id, an empty history): it stays,
+        and ``recommend_embedded`` answers it with the popular items; so do the rows ``skip`` [n]
+        marks (queries with nothing to go on, zeroed on purpose by ``_embed_checked``).
+        """
+        low, high = self._norm_range
+        norms = np.linalg.norm(embeddings.astype(np.float64), axis=1)
+        zero = ~np.any(embeddings != 0, axis=1)
+        suspects = np.flatnonzero((zero | (norms < low) | (norms > high)) & ~(skip if skip is not None else False))
+        if not len(suspects):
+            return
+        variants, owners = [], []
+        for position in suspects.tolist():
+            for feature in self.query_features:
+                if _given(queries[position][feature]):
+                    left_out: list[str] | None = [] if self._input_specs[feature].shape.rank == 2 else None
+                    variants.append({**queries[position], feature: left_out})
+                    owners.append((position, feature))
+        left_out_norms = np.zeros(0)
+        if variants:
+            inputs = {feature: _input_tensor([query[feature] for query in variants], self._input_specs[feature])
+                      for feature in self.query_features}
+            left_out_norms = np.linalg.norm(self._embed(**inputs)["embedding"].numpy().astype(np.float64), axis=1)
+        for position in suspects.tolist():
+            tried = [(feature, norm) for (owner, feature), norm in zip(owners, left_out_norms.tolist())
+                     if owner == position and np.isfinite(norm)]
+            explains = [feature for feature, norm in tried if norm > 0 and low <= norm <= high]
+            if zero[position] and not explains:
+                continue  # nothing the towers know: the popular fallback
+            culprit: str | None = None
+            if explains:
+                culprit = explains[0]
+            elif tried:  # no single feature brings it into range: the one that brings it closest
+                culprit = min(tried, key=lambda pair: _log_distance(pair[1], low, high))[0]
+            value = _short(queries[position][culprit]) if culprit is not None else None
+            cause = (f"the feature {culprit!r} ({value}) causes it: without it the norm is in range; a value "
+                     "far outside what the towers were trained on" if culprit in explains else
+                     f"the feature {culprit!r} ({value}) comes closest to explaining it"
+                     if culprit is not None else "no feature of the query explains it")
+            bounds = (f"outside [{low:.3g}, {high:.3g}] (the training users' query norms at export, widened "
+                      f"{QUERY_NORM_MARGIN:g}-fold)" if "query_norms" in self.manifest else "all zero")
+            raise RequestError(f"query {position}: its embedding's norm is {norms[position]:.3g}, {bounds}, so its "
+                               f"nearest items mean nothing; {cause}")
+
     def recommend(
         self,
         query: Mapping[str, Any],
         k: int = 10,
-        exclude_item_ids: Sequence[str] = (),
+        exclude_item_ids: Sequence[str | int] | None = (),
         *,
         exclude_seen: bool = True,
         history_order: HistoryOrder = "newest_first",
@@ -529,27 +590,31 @@ class Bundle:
         user may send the user id alone: the bundle fills its stored features and history
         (``complete_queries``). A history the query sends is read newest first; pass
         ``history_order="oldest_first"`` for one in time order (a line of a sequences file).
+        ``k`` and ``exclude_item_ids`` follow ``retrieval.request_checks``: k an int >= 1, capped at
+        the catalogue size; ids strings or ints (``494`` is item ``"494"``), a list of them or None.
+
+        Raises:
+          RequestError: naming the argument, the query feature or the query key that is wrong.
         """
-        return self.recommend_batch([query], k, [exclude_item_ids], exclude_seen=exclude_seen,
+        excluded = checked_ids(exclude_item_ids, "exclude_item_ids")
+        return self.recommend_batch([query], k, [excluded], exclude_seen=exclude_seen,
                                     history_order=history_order)[0]
 
     def recommend_batch(
         self,
         queries: Sequence[Mapping[str, Any]],
         k: int = 10,
-        exclude_item_ids: Sequence[Sequence[str]] | None = None,
+        exclude_item_ids: Sequence[Sequence[str | int]] | None = None,
         *,
         exclude_seen: bool = True,
         history_order: HistoryOrder = "newest_first",
     ) -> list[Recommendations]:
-        """Top-k for a batch of raw queries (one FAISS search for all); ``exclude_seen`` and
-        ``history_order`` as in ``recommend``."""
+        """Top-k for a batch of raw queries (one FAISS search for all); ``k``, ``exclude_item_ids`` (one
+        list per query, or None), ``exclude_seen`` and ``history_order`` as in ``recommend``."""
+        k = checked_k(k, len(self.index))
+        exclude_item_ids = checked_id_lists(exclude_item_ids, len(queries), "exclude_item_ids")
         if not queries:
             return []
-        if k <= 0:
-            raise ValueError(f"k must be positive, got {k}")
-        if exclude_item_ids is not None and len(exclude_item_ids) != len(queries):
-            raise ValueError(f"exclude_item_ids has {len(exclude_item_ids)} lists for {len(queries)} queries")
         embeddings, known_ids = self.embed_with_known(queries, history_order=history_order)
         return self.recommend_embedded(
             embeddings, known_ids, k, exclude_item_ids, queries=queries, exclude_seen=exclude_seen
@@ -575,14 +640,12 @@ class Bundle:
         ``recommend_batch`` is embed_with_known + this; a caller answering a large batch embeds it
         once and searches it in slices. A row holding NaN or inf, or whose scores overflow float32,
         is a ValueError naming it (FAISS would drop its results: an empty answer that looks like one).
-        once and searches it in slices. ``queries`` [n] are the raw queries the embeddings came
+        ``queries`` [n] are the raw queries the embeddings came
         from: with ``exclude_seen`` their users' training items and history items are excluded
         (``excluded_rows``), so they are needed unless the bundle has nothing of the kind to exclude.
         """
-        if k <= 0:
-            raise ValueError(f"k must be positive, got {k}")
-        if exclude_item_ids is not None and len(exclude_item_ids) != len(embeddings):
-            raise ValueError(f"exclude_item_ids has {len(exclude_item_ids)} lists for {len(embeddings)} queries")
+        k = checked_k(k, len(self.index))  # capped: nothing is allocated for ranks the catalogue lacks
+        exclude_item_ids = checked_id_lists(exclude_item_ids, len(embeddings), "exclude_item_ids")
         _check_finite(embeddings, "embedding")  # FAISS drops NaN rows: an empty answer that looks like success
         if queries is not None and len(queries) != len(embeddings):
             raise ValueError(f"queries has {len(queries)} entries for {len(embeddings)} embeddings")
@@ -682,7 +745,9 @@ class Bundle:
             return [item for item in self._id_array.tolist() if item.startswith(text)][:limit]
         return [item for item in self.item_display.search(text, limit * 2) if item in self._row_of][:limit]
 
-    def similar_items(self, item_id: str, k: int = 10, *, exclude_item_ids: Sequence[str] = ()) -> Recommendations:
+    def similar_items(
+        self, item_id: str | int, k: int = 10, *, exclude_item_ids: Sequence[str | int] | None = ()
+    ) -> Recommendations:
         """The k items nearest ``item_id``'s own embedding, best first; never the item itself nor
         ``exclude_item_ids`` (ids not in the catalogue are ignored).
 
@@ -696,26 +761,29 @@ class Bundle:
         where an ID-only doc tower puts items without training clicks, ties with every item:
         it gets the most popular items, scores None, ``fallback="popular"``, as a query would.
 
+        Ids and ``k`` follow ``retrieval.request_checks`` as in ``recommend``.
+
         Raises:
-          RequestError: ``item_id`` is not in the bundle's catalogue, or k is not a positive integer.
+          RequestError: ``item_id`` is not in the bundle's catalogue, or an argument breaks a rule of
+            ``retrieval.request_checks`` (k not an int >= 1, a bare string as ``exclude_item_ids``).
           BundleError: the index is of a type FAISS cannot read vectors back from (``ItemIndex.vectors``).
         """
-        return self.similar_items_batch([item_id], k, [exclude_item_ids])[0]
+        item = checked_id(item_id, "item_id")
+        return self.similar_items_batch([item], k, [checked_ids(exclude_item_ids, "exclude_item_ids")])[0]
 
     def similar_items_batch(
         self,
-        item_ids: Sequence[str],
+        item_ids: Sequence[str | int],
         k: int = 10,
-        exclude_item_ids: Sequence[Sequence[str]] | None = None,
+        exclude_item_ids: Sequence[Sequence[str | int]] | None = None,
     ) -> list[Recommendations]:
         """``similar_items`` for [n] item ids (one FAISS search); ``exclude_item_ids`` [n] lists or None."""
-        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
-            raise RequestError(f"k must be a positive integer (the number of similar items), got {_short(k)}")
-        if exclude_item_ids is not None and len(exclude_item_ids) != len(item_ids):
-            raise ValueError(f"exclude_item_ids has {len(exclude_item_ids)} lists for {len(item_ids)} item ids")
+        k = checked_k(k, len(self.index))
+        item_ids = checked_ids(item_ids, "item_ids")
+        exclude_item_ids = checked_id_lists(exclude_item_ids, len(item_ids), "exclude_item_ids")
         rows = []
         for item in item_ids:
-            row = self._row_of.get(item) if isinstance(item, str) else None
+            row = self._row_of.get(item)
             if row is None:
                 raise RequestError(f"item id {_short(item)} is not in the catalogue of bundle {self.version!r} "
                                    f"({len(self.index)} items)")
@@ -728,9 +796,9 @@ class Bundle:
             raise BundleError(f"bundle {self.version!r}: {error}") from None
         # The item is excluded like any other: its own vector is its nearest when the towers normalise,
         # and near the top otherwise.
-        excluded = [[item, *extra] for item, extra in zip(item_ids, exclude_item_ids or [()] * len(item_ids))]
+        excluded = [[item, *extra] for item, extra in zip(item_ids, exclude_item_ids)]
         # known_ids all True: an indexed item is never the "features" fallback of an unseen query id.
-        return self.recommend_embedded(vectors, np.ones(len(rows), dtype=bool), int(k), excluded, exclude_seen=False)
+        return self.recommend_embedded(vectors, np.ones(len(rows), dtype=bool), k, excluded, exclude_seen=False)
 
     def excluded_rows(
         self,
@@ -845,6 +913,36 @@ _NON_FINITE_CAUSE = (
 )
 
 
+def _norm_range(record: Any) -> tuple[float, float]:
+    """(lowest, highest) norm a query embedding may have: the manifest's ``query_norms`` widened by
+    ``QUERY_NORM_MARGIN``; for a bundle without the record, any norm above 0 (only zero is suspect)."""
+    if not isinstance(record, Mapping):
+        return float(np.finfo(np.float64).tiny), float("inf")
+    try:
+        low, high = float(record["min"]), float(record["max"])
+    except (KeyError, TypeError, ValueError):
+        raise BundleError(f"manifest.json query_norms must hold numbers min and max, got {_short(record)}") from None
+    if not (np.isfinite(low) and np.isfinite(high) and 0 <= low <= high):
+        raise BundleError(f"manifest.json query_norms must hold 0 <= min <= max, got {_short(record)}")
+    return max(low / QUERY_NORM_MARGIN, float(np.finfo(np.float64).tiny)), high * QUERY_NORM_MARGIN
+
+
+def _given(value: Any) -> bool:
+    """True for a query value that says something (not None, NaN, "" or an empty list)."""
+    if value is None or (isinstance(value, str) and not value):
+        return False
+    if isinstance(value, float) and np.isnan(value):
+        return False
+    return not (isinstance(value, Sequence) and not isinstance(value, str) and not len(value))
+
+
+def _log_distance(norm: float, low: float, high: float) -> float:
+    """How far (in log scale) ``norm`` lies outside [low, high]; 0 inside."""
+    if norm <= 0:
+        return float("inf")
+    return max(np.log(low) - np.log(norm), np.log(norm) - np.log(high), 0.0)
+
+
 def _seen_inputs(manifest: Mapping[str, Any], query_features: Sequence[str]) -> tuple[str, str | None]:
     """(the query key holding the user id, the query input holding the click history or None).
 
@@ -928,8 +1026,7 @@ def recommend_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def recommend(args: argparse.Namespace) -> int:
     """Print one JSON line per query of ``recommend_parser``'s ``args``: its top-k ids, scores and fallback;
     with ``--out``, write them for many users or items to a file (``retrieval.batch_recommend``)."""
-    if args.k <= 0:
-        raise UserError(f"-k must be a positive number of items, got {args.k}")
+    checked_k(args.k, sys.maxsize, "-k")  # the bundle caps it at its catalogue; refused here before it loads
     if args.similar and args.include_seen:
         raise UserError("--include-seen applies to --user-id queries; --similar has no user whose items to keep")
     if args.out is not None or args.users is not None:

@@ -185,3 +185,30 @@ def test_one_wrong_letter_in_any_key_suggests_a_key_of_that_section(section, dat
     suggested = re.fullmatch(rf"{re.escape(prefix)}\.{re.escape(typo)}: unknown key; did you mean "
                              rf"{re.escape(prefix)}\.(\w+)\?", lines[0])
     assert suggested and suggested.group(1) in model.model_fields, lines
+
+
+@pytest.mark.parametrize(
+    "text,key,first,second",
+    [
+        # Two top-level blocks: PyYAML would keep the second, quietly undoing the first's epochs.
+        ("train:\n  epochs: 5\nmodel:\n  embedding_dim: 8\ntrain:\n  batch_size: 64\n", "train", 1, 5),
+        ("train:\n  epochs: 1\n  epochs: 2\n", "epochs", 2, 3),
+        ("towers:\n  query:\n    features:\n      - {name: user_id, kind: id, name: uid}\n", "name", 4, 4),
+    ],
+)
+def test_a_key_given_twice_is_refused_naming_it_and_both_lines(tmp_path, text, key, first, second):
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    message = str(error.value)
+    assert str(path) in message and f"duplicate key {key!r}" in message
+    assert f"set on line {first} and again on line {second}" in message
+
+
+def test_a_merge_key_may_be_overridden_and_equal_keys_in_sibling_mappings_are_fine():
+    from retrieval.config import read_yaml
+
+    text = "base: &b {epochs: 1, seed: 3}\ntrain:\n  <<: *b\n  epochs: 2\nlist: [{x: 1}, {x: 2}]\n"
+    assert read_yaml(text) == {"base": {"epochs": 1, "seed": 3}, "train": {"epochs": 2, "seed": 3},
+                               "list": [{"x": 1}, {"x": 2}]}

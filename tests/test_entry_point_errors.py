@@ -262,7 +262,7 @@ CASES = {
     "read-only output dir": ("pipelines.train", _sets(*TINY, "run.output_dir={ro}/runs"), "", "{ro}/runs: "),
     "tune space is a directory": ("pipelines.tune", ["--trials", "1", "--space", "{tmp}"], "", "{tmp}: Is a directory"),
     "serving -k 0": ("retrieval.serving", ["--bundle", "{tmp}", "--user-id", "u", "-k", "0"], "",
-                     "-k must be a positive"),
+                     "-k must be at least 1, got 0"),
     "serving missing bundle": ("retrieval.serving", ["--bundle", "{tmp}/nothing", "--user-id", "u"], "",
                                "{tmp}/nothing"),
     "evaluate missing bundle": ("pipelines.evaluate", ["--run", "{tmp}"], "", "{tmp}: manifest.json cannot be loaded"),

@@ -6,6 +6,7 @@ from pathlib import Path
 # Stage order (config and arrays are shared foundations).
 STAGES = [
     "errors",  # UserError and run_main, the one-line errors of every entry point; the RETRIEVAL_DEBUG rule
+    "request_checks",  # the rules of a serving request (ids, id lists, k, query keys): every entry point's
     "native_logs",  # TensorFlow's start-up lines filtered out of stderr: imported by retrieval/__init__.py, first
     "progress",  # count, rate and ETA of a long loop (a tqdm bar on a terminal, else log lines)
     "config",

@@ -186,9 +186,11 @@ def test_a_never_clicked_item_of_a_feature_tower_gets_its_neighbours(bundle):  #
     [
         ("nope", 10, "item id 'nope' is not in the catalogue of bundle 'bundle-a' (300 items)"),
         ("", 10, "item id '' is not in the catalogue"),
-        (7, 10, "item id 7 is not in the catalogue"),
-        ("item001", 0, "k must be a positive integer (the number of similar items), got 0"),
+        (7, 10, "item id '7' is not in the catalogue"),  # an int id is its decimal string, as for users
+        (7.0, 10, "item_id must be an id (a string or an integer), got 7.0"),
+        ("item001", 0, "k must be at least 1, got 0"),
         ("item001", -3, "got -3"),
+        ("item001", "10", "k must be an integer (the number of items to return), got '10'"),
         ("item001", True, "got True"),
         ("item001", 2.5, "got 2.5"),
     ],
@@ -217,15 +219,16 @@ def test_http_answers_as_the_python_call(world, flat):  # noqa: F811
     "kwargs, status, reason",
     [
         ({"json": {"item_id": "nope"}}, 422, "item id 'nope' is not in the catalogue of bundle 'bundle-a'"),
-        ({"json": {"item_id": "item001", "k": 0}}, 422, "k: Input should be greater than or equal to 1"),
-        ({"json": {"item_id": "item001", "k": MAX_K + 1}}, 422, f"k: Input should be less than or equal to {MAX_K}"),
-        ({"json": {"item_id": "item001", "k": "10"}}, 422, "k: Input should be a valid integer"),
-        ({"json": {"item_id": "item001", "k": True}}, 422, "k: Input should be a valid integer"),
-        ({"json": {"item_id": 1}}, 422, "item_id: Input should be a valid string"),
+        ({"json": {"item_id": "item001", "k": 0}}, 422, "k: k must be at least 1, got 0"),
+        ({"json": {"item_id": "item001", "k": MAX_K + 1}}, 422, f"k: k must be at most {MAX_K} over HTTP"),
+        ({"json": {"item_id": "item001", "k": "10"}}, 422, "k: k must be an integer"),
+        ({"json": {"item_id": "item001", "k": True}}, 422, "k: k must be an integer"),
+        ({"json": {"item_id": 1}}, 422, "item id '1' is not in the catalogue"),  # an int id reads as "1"
+        ({"json": {"item_id": 1.5}}, 422, "item_id: item_id must be an id (a string or an integer), got 1.5"),
         ({"json": {"k": 3}}, 422, "item_id: Field required"),
         ({"json": {"item_id": "item001", "top": 3}}, 422, "top: unknown field"),
         ({"json": {"item_id": "item001", "exclude_item_ids": "item002"}}, 422, "exclude_item_ids"),
-        ({"json": {"item_id": "item001", "exclude_item_ids": [["item002"]]}}, 422, "exclude_item_ids.0"),
+        ({"json": {"item_id": "item001", "exclude_item_ids": [["item002"]]}}, 422, "exclude_item_ids[0] must be an id"),
         ({"json": {"item_id": "item001", "exclude_item_ids": ["x"] * 10_001}}, 422, "exclude_item_ids"),
         ({"content": b"{not json"}, 400, "not valid JSON"),
         ({"json": ["item001"]}, 400, "must be a JSON object"),
@@ -257,7 +260,7 @@ def test_cli_prints_similar_items_as_recommendations_print(world, flat, capsys):
     [
         (["--similar", "nope"], "error: item id 'nope' is not in the catalogue of bundle 'bundle-a' (300 items)\n"),
         (["--similar", "item003", "--include-seen"], "error: --include-seen applies to --user-id queries"),
-        (["--similar", "item003", "-k", "0"], "error: -k must be a positive number of items, got 0\n"),
+        (["--similar", "item003", "-k", "0"], "error: -k must be at least 1, got 0\n"),
     ],
 )
 def test_cli_errors_are_one_line(world, capsys, flags, message):  # noqa: F811

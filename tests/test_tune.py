@@ -232,3 +232,10 @@ def test_trials_are_scored_on_the_validation_part_of_the_training_part(tmp_path,
     assert metrics["data"]["train_clicks"] == len(outer.train) - len(validation)
     # best.yaml is for `make train`: the base config's own evaluation part.
     assert load_config(study_dir / "best.yaml").split.evaluate_on == "test"
+
+
+def test_a_search_space_key_given_twice_is_refused(tmp_path):
+    text = ("train.learning_rate: {type: float, low: 1.0e-4, high: 0.1}\n"
+            "train.learning_rate: {type: float, low: 1.0e-3, high: 0.1}\n")
+    with pytest.raises(SearchSpaceError, match=r"duplicate key 'train.learning_rate': set on line 1 and again on"):
+        load_space(_space_file(tmp_path, text), _base())

@@ -219,8 +219,8 @@ def test_items_of_a_bundle_without_a_table_are_ids_only(world):
 
 
 @pytest.mark.parametrize("body, reason", [
-    ({"item_ids": "item001"}, "item_ids: Input should be a valid list"),
-    ({"item_ids": [1]}, "item_ids.0: Input should be a valid string"),
+    ({"item_ids": "item001"}, "item_ids: item_ids must be a list of ids (or None for none), got a single string"),
+    ({"item_ids": [1.5]}, "item_ids: item_ids[0] must be an id (a string or an integer), got 1.5"),
     ({"ids": []}, "ids: unknown field"),
     ({"item_ids": ["x"] * 10_001}, "item_ids: List should have at most 10000 items"),
 ])

@@ -12,31 +12,44 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from retrieval.request_checks import checked_id, checked_id_lists, checked_ids, checked_k
 from retrieval.service.limits import MAX_BATCH, MAX_EXCLUDED, MAX_K
 
 Body = TypeVar("Body", bound=BaseModel)
 
 
+def _request_k(value: Any) -> int:
+    """``k`` as every entry point reads it (``retrieval.request_checks.checked_k``: true is not 1, nor
+    10.0 or "10" ten), and at most ``MAX_K``: a bound on the reply, whatever the catalogue."""
+    k = checked_k(value, MAX_K + 1)
+    if k > MAX_K:
+        raise ValueError(f"k must be at most {MAX_K} over HTTP, got {value}")
+    return k
+
+
 class RecommendRequest(BaseModel):
-    """Body of ``POST /recommend``: exactly one of ``query`` and ``queries``."""
+    """Body of ``POST /recommend``: exactly one of ``query`` and ``queries``; ids and ``k`` follow
+    ``retrieval.request_checks`` (an int id is its decimal string, for items as for users)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     query: dict[str, Any] | None = None
     queries: list[dict[str, Any]] | None = Field(None, min_length=1, max_length=MAX_BATCH)
-    k: int = Field(10, ge=1, le=MAX_K, strict=True)  # strict: true is not 1, nor 10.0 or "10" ten
-    exclude_item_ids: list[Any] | None = Field(None, max_length=MAX_EXCLUDED)
+    k: int = 10
+    exclude_item_ids: Any = None  # checked in _one_shape: its shape depends on query / queries
     # Strict: "false" or 0 must not silently turn the exclusion off (or on).
     exclude_seen: bool = Field(True, strict=True)
     # How the histories the queries send are ordered; required when one sends a non-empty history
     # (the service checks: a history pasted in time order must not be read as newest first, silently).
     history_order: Literal["newest_first", "oldest_first"] | None = None
+
+    _k = field_validator("k", mode="before")(_request_k)
 
     @model_validator(mode="after")
     def _one_shape(self) -> RecommendRequest:
@@ -45,22 +58,18 @@ class RecommendRequest(BaseModel):
         excluded = self.exclude_item_ids
         if excluded is None:
             return self
+        # Sizes first, so that a huge list is refused before its ids are read.
+        sizes = [("exclude_item_ids", excluded)]
+        if self.queries is not None and isinstance(excluded, list):
+            sizes += [(f"exclude_item_ids[{position}]", inner) for position, inner in enumerate(excluded)]
+        for where, items in sizes:
+            if isinstance(items, list) and len(items) > MAX_EXCLUDED:
+                raise ValueError(f"{where} holds {len(items)} ids, more than {MAX_EXCLUDED}")
         if self.query is not None:
-            if not all(isinstance(item, str) for item in excluded):
-                raise ValueError("with 'query', exclude_item_ids must be a list of item id strings")
+            object.__setattr__(self, "exclude_item_ids", checked_ids(excluded, "exclude_item_ids"))
         elif self.queries is not None:  # always here: exactly one of the two is set (checked above)
-            if len(excluded) != len(self.queries) or not all(
-                isinstance(items, list) and all(isinstance(item, str) for item in items) for items in excluded
-            ):
-                raise ValueError(
-                    f"with 'queries', exclude_item_ids must hold one list of item id strings per query "
-                    f"({len(self.queries)})"
-                )
-            for position, items in enumerate(excluded):
-                if len(items) > MAX_EXCLUDED:
-                    raise ValueError(
-                        f"exclude_item_ids[{position}] holds {len(items)} ids, more than {MAX_EXCLUDED}"
-                    )
+            object.__setattr__(self, "exclude_item_ids",
+                               checked_id_lists(excluded, len(self.queries), "exclude_item_ids"))
         return self
 
     def batch(self) -> tuple[list[dict[str, Any]], list[list[str]]]:
@@ -76,9 +85,23 @@ class SimilarRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    item_id: str = Field(strict=True)
-    k: int = Field(10, ge=1, le=MAX_K, strict=True)  # strict: true is not 1, nor 10.0 or "10" ten
+    item_id: str
+    k: int = 10
     exclude_item_ids: list[str] = Field([], max_length=MAX_EXCLUDED)
+
+    _k = field_validator("k", mode="before")(_request_k)
+
+    @field_validator("item_id", mode="before")
+    @classmethod
+    def _item_id(cls, value: Any) -> str:
+        return checked_id(value, "item_id")
+
+    @field_validator("exclude_item_ids", mode="before")
+    @classmethod
+    def _excluded(cls, value: Any) -> list[str]:
+        if isinstance(value, list) and len(value) > MAX_EXCLUDED:
+            return value  # the field's max_length names the bound
+        return checked_ids(value, "exclude_item_ids")
 
 
 class ItemsRequest(BaseModel):
@@ -87,6 +110,13 @@ class ItemsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     item_ids: list[str] = Field(max_length=MAX_EXCLUDED)
+
+    @field_validator("item_ids", mode="before")
+    @classmethod
+    def _ids(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) > MAX_EXCLUDED:
+            return value  # the field's max_length names the bound
+        return checked_ids(value, "item_ids")
 
 
 class ExplainRequest(BaseModel):
@@ -173,5 +203,6 @@ def _describe(error: ValidationError) -> str:
     for problem in error.errors():
         where = ".".join(str(part) for part in problem["loc"]) or "body"
         message = "unknown field" if problem["type"] == "extra_forbidden" else problem["msg"]
+        message = message.removeprefix("Value error, ")  # a validator's own message says what is wrong
         problems.append(f"{where}: {message}")
     return "; ".join(problems)
