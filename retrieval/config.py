@@ -214,7 +214,7 @@ class DataConfig(_Section):
     source: Literal["synthetic", "movielens-100k", "files"] = Field(
         "synthetic", description="Where clicks come from: the embedded generator, MovieLens 100K, or your files."
     )
-    clicks: TableConfig | None = Field(None, description="Click log (source: files).")
+    clicks: TableConfig | None = Field(None, description="Click log (source: files; a config naming it without data.source reads as files).")
     test_clicks: TableConfig | None = Field(
         None, description="Separately given test log; required by split.kind: none."
     )
@@ -243,6 +243,23 @@ class DataConfig(_Section):
         "the training clicks coded, 16 bytes a click (docs/operations.md has the memory).",
     )
     stream: StreamConfig = Field(StreamConfig(), description="Out-of-core reading (data.out_of_core).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_click_file_means_files(cls, raw: Any) -> Any:
+        """A named click file is the log to train on: ``data.clicks.path`` without ``data.source``
+        reads as ``source: files`` (the default, synthetic, would train on a made-up log and ignore the
+        file); a source that is not files beside a click file is refused, naming both keys."""
+        if not isinstance(raw, dict) or raw.get("clicks") is None:
+            return raw
+        if "source" not in raw:
+            return {**raw, "source": "files"}
+        if raw["source"] in ("synthetic", "movielens-100k"):
+            raise ValueError(
+                f"data.source is {raw['source']!r} but data.clicks names a file, which that source would "
+                "ignore: set data.source: files to train on data.clicks, or remove data.clicks"
+            )
+        return raw
 
     @model_validator(mode="after")
     def _files_need_a_path(self) -> DataConfig:
