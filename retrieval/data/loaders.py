@@ -31,8 +31,17 @@ from retrieval.data.schema import (
     USER,
     WEIGHT,
     DataError,
+    format_suffix,
+    read_data,
 )
-from retrieval.data.shards import ClickShards, TextLayout, decode_text, read_text_table, require_columns
+from retrieval.data.shards import (
+    ClickShards,
+    TextLayout,
+    compressed_parquet,
+    decode_text,
+    read_text_table,
+    require_columns,
+)
 from retrieval.data.values import BadValues, click_weights, feature_numbers, id_strings, timestamp_seconds
 
 Duplicates = Literal["keep", "first"]
@@ -88,7 +97,7 @@ def read_clicks(table: TableConfig, columns: ColumnsConfig, *, duplicates: Dupli
             and column.
     """
     fmt = resolve_format(table)
-    if fmt == "sequences" and Path(table.path).suffix.lower() in (".parquet", ".pq"):
+    if fmt == "sequences" and format_suffix(table.path) in (".parquet", ".pq"):
         return apply_duplicates(_read_parquet_sequences(table, columns), duplicates)
     if fmt in ("user-items", "sequences"):
         return apply_duplicates(_read_user_items(table, ordered=fmt == "sequences"), duplicates)
@@ -218,7 +227,7 @@ def resolve_format(table: TableConfig) -> str:
     """The table's format, from its extension when ``format`` is ``"auto"``."""
     if table.format != "auto":
         return table.format
-    suffix = Path(table.path).suffix.lower()
+    suffix = format_suffix(table.path)
     if suffix not in FORMAT_BY_EXTENSION:
         raise DataError(
             f"cannot tell the format from the extension {suffix!r}; set format to one of " + ", ".join(TABLE_FORMATS),
@@ -264,7 +273,7 @@ def _read_user_items(table: TableConfig, *, ordered: bool = False) -> pd.DataFra
     """
     fmt = "sequences" if ordered else "user-items"
     path = _check_file(table)
-    text = decode_text(path.read_bytes(), table.encoding, table.path)
+    text = decode_text(read_data(str(path)), table.encoding, table.path)
     users: list[str] = []
     items: list[str] = []
     positions: list[int] = []
@@ -358,7 +367,7 @@ def _read_raw(table: TableConfig, fmt: str) -> _Raw:
     if _arrow_reads(table, fmt):
         frame, numbers = read_text_table(table.path, _text_layout(table, fmt))
         return _without_blank_rows(frame, numbers, table.path)
-    text = decode_text(path.read_bytes(), table.encoding, table.path)
+    text = decode_text(read_data(str(path)), table.encoding, table.path)
     movielens = fmt.startswith("movielens")
     header = table.header and not movielens
     separator = table.separator or _DEFAULT_SEPARATOR[fmt]
@@ -443,7 +452,7 @@ def _read_parquet(file: str) -> _Raw:
     try:
         frame = pd.read_parquet(file)
     except Exception as error:  # pyarrow raises several unrelated types for bad files
-        raise DataError(f"not a readable parquet file: {error}", file=file) from None
+        raise DataError(f"not a readable parquet file: {compressed_parquet(file) or error}", file=file) from None
     if frame.empty:
         raise DataError("no data rows", file=file)
     frame = frame.reset_index(drop=True)
