@@ -214,7 +214,9 @@ class DataConfig(_Section):
     source: Literal["synthetic", "movielens-100k", "files"] = Field(
         "synthetic", description="Where clicks come from: the embedded generator, MovieLens 100K, or your files."
     )
-    clicks: TableConfig | None = Field(None, description="Click log (source: files; a config naming it without data.source reads as files).")
+    clicks: TableConfig | None = Field(
+        None, description="Click log (source: files; a config naming it without data.source reads as files)."
+    )
     test_clicks: TableConfig | None = Field(
         None, description="Separately given test log; required by split.kind: none."
     )
@@ -1492,6 +1494,27 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         raw = apply_overrides(raw, overrides)
         source += " + --set " + " ".join(overrides)
     return Config.from_dict(raw, source)
+
+
+def with_absolute_data_paths(config: Config, base: str | os.PathLike | None = None) -> Config:
+    """``config`` with every data path (click logs, feature tables, data.movielens_dir) made absolute
+    against ``base`` (default: the working directory), so that a run's config reads the same files
+    wherever the run is later opened (``retrieval evaluate --run`` from another directory)."""
+    root = Path(base) if base is not None else Path.cwd()
+
+    def absolute(path: str) -> str:
+        expanded = Path(path).expanduser()
+        return path if expanded.is_absolute() else os.path.normpath(root / expanded)
+
+    data = config.data
+    tables = {
+        key: table.model_copy(update={"path": absolute(table.path)})
+        for key in ("clicks", "test_clicks", "item_features", "user_features")
+        if (table := getattr(data, key)) is not None
+    }
+    if data.movielens_dir is not None:
+        tables["movielens_dir"] = absolute(data.movielens_dir)
+    return config.model_copy(update={"data": data.model_copy(update=tables)})
 
 
 def save_config(config: Config, path: str | os.PathLike) -> None:

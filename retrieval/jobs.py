@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from retrieval.arrays import seeded_subset
 from retrieval.checkpoint_directory import training_checkpoints
-from retrieval.config import Config, ConfigError, save_config
+from retrieval.config import Config, ConfigError, save_config, with_absolute_data_paths
 from retrieval.data import ITEM, TIME, USER, DataError
 from retrieval.data.dataset import LogSource, catalogue_table, open_log, split_summary
 from retrieval.data.fingerprint import RunInputs
@@ -116,6 +116,8 @@ def train_evaluate_export(
     models (``TowerContext``, ``check_custom_towers``); None builds the towers the config names.
     """
     started = time.perf_counter()
+    # The run's config.yaml and manifest name the files it read wherever the run is opened later.
+    config = with_absolute_data_paths(config)
     sharded = config.train.distribute == "parameter_server"
     # First: MultiWorkerMirroredStrategy precedes other TF work. A parameter-server strategy shards
     # the ID tables by their shapes, known once the data is read: it comes after read_and_split.
