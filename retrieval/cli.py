@@ -264,7 +264,7 @@ def tune_parser(
     parser.add_argument("--seed", type=int, default=0, help="seed of the TPE sampler (default: %(default)s)")
     parser.add_argument("--keep-bundles", action="store_true", help="keep each trial's run directory under runs/")
     parser.add_argument(
-        "--pruner-startup-trials", type=int, default=3,
+        "--pruner-startup-trials", type=int, default=1,
         help="finished trials before any is pruned (default: %(default)s)",
     )
     parser.add_argument(
@@ -275,6 +275,10 @@ def tune_parser(
         help="do not make a new study's first trial the base config's own values",
     )
     parser.add_argument("--timeout", type=float, help="stop starting new trials after this many seconds")
+    parser.add_argument(
+        "--train-best", action="store_true",
+        help="once the study ends, train best.yaml (its refit included) into a bundle under run.output_dir",
+    )
     return parser
 
 
@@ -304,6 +308,14 @@ def _tune(args: argparse.Namespace) -> int:
     if best.exists():
         print(json.dumps(json.loads(best.read_text()), indent=2))
         print(f"\nbest config: {study_dir / 'best.yaml'}  (retrieval train --config {study_dir / 'best.yaml'})")
+        if args.train_best:  # the one refit of the study: trials skip theirs (TRIAL_SETTINGS)
+            from retrieval.evaluation import format_table
+            from retrieval.jobs import train_evaluate_export
+
+            result = train_evaluate_export(load_config(study_dir / "best.yaml"), config_name="tune-best")
+            print()
+            print(format_table(result.metrics))
+            print(f"\nbest config trained: {result.directory}  ({result.seconds:.0f} s)")
     else:
         print("no trial completed: no best config")
     return 0
