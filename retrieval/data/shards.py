@@ -181,8 +181,7 @@ class ClickShards:
             why = compressed_parquet(file) if self.format == "parquet" else None
             if why is None and codec is not None:
                 why = f"cannot decompress the {codec}-compressed file: {error}"
-            why = why or error
-            raise DataError(f"not a readable {self.format} shard: {why}", file=file) from None
+            raise DataError(f"not a readable {self.format} shard: {why or error}", file=file) from None
         text = None if self.format == "parquet" else self.text
         require_columns(self.wanted, found, file, text=text)
 
