@@ -131,6 +131,14 @@ def setup_logging() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def check_inputs_before_tensorflow(config: Any) -> None:
+    """The data files' headers against the config (``retrieval.features.inputs``): a missing file or
+    column stops the command in a second or two, before TensorFlow's start-up."""
+    from retrieval.features.inputs import check_inputs
+
+    check_inputs(config)
+
+
 def _config_name(path: str | None) -> str:
     """The name a run or study takes from its config file; ``default`` for the code's defaults."""
     return Path(path).stem if path else "default"
@@ -153,6 +161,7 @@ def _train(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides)
     setup_logging()
+    check_inputs_before_tensorflow(config)
 
     from retrieval.evaluation import format_table
     from retrieval.jobs import train_evaluate_export
@@ -287,6 +296,7 @@ def _tune(args: argparse.Namespace) -> int:
 
     base = load_config(args.config, args.overrides)
     setup_logging()
+    check_inputs_before_tensorflow(base)
 
     from retrieval.tuning import TuneSettings, load_space, run_study
 

@@ -37,6 +37,7 @@ from retrieval.data.schema import (
 from retrieval.data.shards import (
     ClickShards,
     TextLayout,
+    column_keys,
     compressed_parquet,
     decode_text,
     read_text_table,
@@ -111,7 +112,7 @@ def read_clicks(table: TableConfig, columns: ColumnsConfig, *, duplicates: Dupli
     if fmt.startswith("movielens"):
         columns = _MOVIELENS_COLUMNS
     wanted = [c for c in (columns.user, columns.item, columns.timestamp, columns.weight) if c]
-    _require_columns(raw, wanted, table, fmt)
+    _require_columns(raw, wanted, table, fmt, None if fmt.startswith("movielens") else column_keys(columns))
     clicks = pd.DataFrame({USER: _ids(raw, columns.user, "user"), ITEM: _ids(raw, columns.item, "item")})
     if columns.timestamp is not None:
         clicks[TIME] = _timestamps(raw, columns.timestamp)
@@ -122,7 +123,7 @@ def read_clicks(table: TableConfig, columns: ColumnsConfig, *, duplicates: Dupli
     return apply_duplicates(clicks, duplicates)
 
 
-def read_feature_table(table: TableConfig, id_column: str) -> pd.DataFrame:
+def read_feature_table(table: TableConfig, id_column: str, *, id_key: str | None = None) -> pd.DataFrame:
     """Read an item or user feature table: one row per id.
 
     Text columns are typed after reading: a column whose non-empty cells are
@@ -137,6 +138,7 @@ def read_feature_table(table: TableConfig, id_column: str) -> pd.DataFrame:
     Args:
         table: The file and how to parse it (csv, tsv or parquet).
         id_column: Name of the id column in the file.
+        id_key: The config key naming it (``data.item_id_column``), for the error of a missing one.
 
     Returns:
         The table with ``id_column`` first, as stripped strings, then the other
@@ -153,7 +155,7 @@ def read_feature_table(table: TableConfig, id_column: str) -> pd.DataFrame:
             file=table.path,
         )
     raw = _read_raw(table, fmt)
-    _require_columns(raw, [id_column], table, fmt)
+    _require_columns(raw, [id_column], table, fmt, None if id_key is None else {id_column: id_key})
     ids = _ids(raw, id_column, "id")
     repeated = ids.duplicated(keep="first").to_numpy()
     if repeated.any():
@@ -470,8 +472,11 @@ def _without_blank_rows(frame: pd.DataFrame, numbers: np.ndarray, file: str) -> 
     return _Raw(frame, file, numbers, is_text=True)
 
 
-def _require_columns(raw: _Raw, wanted: list[str], table: TableConfig, fmt: str) -> None:
-    require_columns(wanted, list(raw.frame.columns), raw.file, text=_text_layout(table, fmt) if raw.is_text else None)
+def _require_columns(
+    raw: _Raw, wanted: list[str], table: TableConfig, fmt: str, keys: dict[str, str] | None = None
+) -> None:
+    text = _text_layout(table, fmt) if raw.is_text else None
+    require_columns(wanted, list(raw.frame.columns), raw.file, text=text, keys=keys)
 
 
 def _text_layout(table: TableConfig, fmt: str) -> TextLayout:

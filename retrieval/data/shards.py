@@ -16,6 +16,7 @@ timestamps, float32 weights) with row keys increasing in log order.
 
 from __future__ import annotations
 
+import difflib
 import glob
 import io
 import re
@@ -183,7 +184,7 @@ class ClickShards:
                 why = f"cannot decompress the {codec}-compressed file: {error}"
             raise DataError(f"not a readable {self.format} shard: {why or error}", file=file) from None
         text = None if self.format == "parquet" else self.text
-        require_columns(self.wanted, found, file, text=text)
+        require_columns(self.wanted, found, file, text=text, keys=column_keys(self.columns))
 
     def _dataset(self, file: str) -> pads.Dataset:
         if self.format == "parquet":
@@ -485,10 +486,25 @@ _LIKELY_SEPARATORS = (",", ";", "\t", "|")
 PARQUET_MAGIC = b"PAR1"
 
 
-def require_columns(wanted: Sequence[str], found: Sequence[str], file: str, *, text: TextLayout | None) -> None:
+def column_keys(columns: ColumnsConfig) -> dict[str, str]:
+    """Each click-log column the config names -> the ``data.columns.*`` key that names it."""
+    named = {"user": columns.user, "item": columns.item, "timestamp": columns.timestamp, "weight": columns.weight}
+    return {column: f"data.columns.{key}" for key, column in reversed(named.items()) if column}
+
+
+def require_columns(
+    wanted: Sequence[str],
+    found: Sequence[str],
+    file: str,
+    *,
+    text: TextLayout | None,
+    keys: dict[str, str] | None = None,
+) -> None:
     """A ``DataError`` naming the ``wanted`` columns missing from ``found`` (a text file's header when
     ``text`` is its layout, else Parquet's names), with the likely fix: a header split on another
-    separator names ``separator``, a headerless read says columns are positions."""
+    separator names ``separator``, a headerless read says columns are positions, and else the config
+    key to set (``keys``: column -> key, e.g. ``data.columns.timestamp``), the nearest found name, and
+    for a time column, that a log without time sets it to null."""
     missing = [c for c in wanted if c not in found]
     if not missing:
         return
@@ -504,6 +520,19 @@ def require_columns(wanted: Sequence[str], found: Sequence[str], file: str, *, t
                     f"set the table's separator: {separator!r})"
                 )
                 break
+    if not hint and keys:
+        fixes = []
+        for column in missing:
+            if column not in keys:
+                continue
+            near = difflib.get_close_matches(column, [str(f) for f in found], n=1, cutoff=0.6)
+            fix = f"set {keys[column]} to the column that holds it" + (f" (did you mean {near[0]!r}?)" if near else "")
+            if keys[column] == "data.columns.timestamp":
+                fix += "; a log without time sets data.columns.timestamp: null"
+            elif keys[column] == "data.columns.weight":
+                fix += "; without weights, data.columns.weight: null"
+            fixes.append(f"{column!r}: {fix}" if len(missing) > 1 else fix)
+        hint = f"; {'; '.join(fixes)}" if fixes else ""
     plural = "s" if len(missing) > 1 else ""
     names = ", ".join(map(repr, missing))
     raise DataError(f"missing column{plural} {names}; columns found: {list(found)}{hint}", file=file)
