@@ -8,7 +8,7 @@
     retrieval recommend --bundle artifacts/<run> --users users.txt|all --k 100 --out recs.parquet [--overwrite]
     retrieval recommend --bundle artifacts/<run> --similar items.txt|all -k 10 --out similar.parquet
     retrieval serve --bundle artifacts/<run> [--host 127.0.0.1] [--port 8000] [--admin-token T | --no-admin]
-    retrieval reload --bundle artifacts/<new run> [--url http://127.0.0.1:8000] [--token T]
+    retrieval reload --bundle artifacts/<new run> [--port 8000] [--host H | --url U] [--token T]
 
 Each subcommand takes exactly the flags of the module entry point it stands for, from the same
 parser: ``python -m pipelines.train|evaluate|export|tune`` are ``run_command`` here with their
@@ -399,7 +399,11 @@ def serve_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def reload_parser(prog: str | None = None) -> argparse.ArgumentParser:
     reload = argparse.ArgumentParser(prog=prog, description="Make a running service serve another bundle.")
     reload.add_argument("--bundle", required=True, help="new bundle directory, as the server sees it")
-    reload.add_argument("--url", default="http://127.0.0.1:8000", help="service base URL (default: %(default)s)")
+    reload.add_argument(
+        "--url", help="service base URL (default: http://<--host>:<--port>, i.e. http://127.0.0.1:8000)"
+    )
+    reload.add_argument("--host", help="the service's --host (default: 127.0.0.1); or give --url")
+    reload.add_argument("--port", type=int, help="the service's --port, as serve takes it (default: 8000); or --url")
     reload.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the load")
     reload.add_argument("--token", help=f"the server's admin token (default: ${ADMIN_TOKEN_ENV})")
     return reload
@@ -462,6 +466,13 @@ def _limit_tensorflow_threads(threads: int) -> None:
 
 
 def _reload(args: argparse.Namespace) -> int:
+    if args.url is not None and (args.host is not None or args.port is not None):
+        raise UserError("give the service as --url or as --host/--port, not both")
+    if args.port is not None and not 0 < args.port <= 65535:
+        raise UserError(f"--port {args.port} is not a TCP port (1 to 65535)")
+    if args.url is None:  # serve's own flags and defaults
+        host = args.host or "127.0.0.1"
+        args.url = f"http://{f'[{host}]' if ':' in host else host}:{8000 if args.port is None else args.port}"
     if not args.url.startswith(("http://", "https://")):
         raise UserError(f"--url {args.url!r} is not an http:// or https:// URL")
     headers = {"Content-Type": "application/json"}
