@@ -200,8 +200,8 @@ def run_trained(args, directory: Path, workdir: Path, argv: list[str] | None = N
 def _recall(found: Path, exact: Path) -> float:
     """Mean share of each user's exact top-k (the Flat file) that ``found`` holds for that user."""
     def by_user(path: Path) -> dict[str, set[str]]:
-        table = pq.read_table(path, columns=["user", "item"]).to_pandas()
-        return {user: set(group) for user, group in table.groupby("user", sort=False)["item"]}
+        table = pq.read_table(path, columns=["user_id", "item_id"]).to_pandas()
+        return {user: set(group) for user, group in table.groupby("user_id", sort=False)["item_id"]}
 
     got, truth = by_user(found), by_user(exact)
     return float(np.mean([len(got.get(user, set()) & items) / len(items) for user, items in truth.items()]))

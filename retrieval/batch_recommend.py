@@ -15,8 +15,8 @@ Each block is one row group of the file, written as it is answered: the result i
 held whole. Files (see ``RECOMMENDATION_SCHEMA`` and ``SIMILAR_SCHEMA``), one row per
 (query, rank), best first::
 
-    user: string, rank: int32 (1-based), item: string, score: float32
-    item: string, rank: int32 (1-based), similar_item: string, score: float32
+    user_id: string, rank: int32 (1-based), item_id: string, score: float32
+    item_id: string, rank: int32 (1-based), similar_item_id: string, score: float32
 
 ``score`` is null where the answer is the bundle's popular items (a user id the model
 does not know, as a single request answers it). The file is written under a temporary
@@ -54,10 +54,10 @@ DEFAULT_BLOCK_SIZE = 1024
 ALL = "all"  # --users all / --similar all
 
 RECOMMENDATION_SCHEMA = pa.schema(
-    [("user", pa.string()), ("rank", pa.int32()), ("item", pa.string()), ("score", pa.float32())]
+    [("user_id", pa.string()), ("rank", pa.int32()), ("item_id", pa.string()), ("score", pa.float32())]
 )
 SIMILAR_SCHEMA = pa.schema(
-    [("item", pa.string()), ("rank", pa.int32()), ("similar_item", pa.string()), ("score", pa.float32())]
+    [("item_id", pa.string()), ("rank", pa.int32()), ("similar_item_id", pa.string()), ("score", pa.float32())]
 )
 
 

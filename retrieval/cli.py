@@ -8,7 +8,7 @@
     retrieval recommend --bundle artifacts/<run> --users users.txt|all --k 100 --out recs.parquet [--overwrite]
     retrieval recommend --bundle artifacts/<run> --similar items.txt|all -k 10 --out similar.parquet
     retrieval serve --bundle artifacts/<run> [--host 127.0.0.1] [--port 8000] [--admin-token T | --no-admin]
-    retrieval reload --bundle artifacts/<new run> [--url http://127.0.0.1:8000] [--token T]
+    retrieval reload --bundle artifacts/<new run> [--port 8000] [--host H | --url U] [--token T]
 
 Each subcommand takes exactly the flags of the module entry point it stands for, from the same
 parser: ``python -m pipelines.train|evaluate|export|tune`` are ``run_command`` here with their
@@ -131,6 +131,14 @@ def setup_logging() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def check_inputs_before_tensorflow(config: Any) -> None:
+    """The data files' headers against the config (``retrieval.features.inputs``): a missing file or
+    column stops the command in a second or two, before TensorFlow's start-up."""
+    from retrieval.features.inputs import check_inputs
+
+    check_inputs(config)
+
+
 def _config_name(path: str | None) -> str:
     """The name a run or study takes from its config file; ``default`` for the code's defaults."""
     return Path(path).stem if path else "default"
@@ -153,6 +161,7 @@ def _train(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides)
     setup_logging()
+    check_inputs_before_tensorflow(config)
 
     from retrieval.evaluation import format_table
     from retrieval.jobs import train_evaluate_export
@@ -264,7 +273,7 @@ def tune_parser(
     parser.add_argument("--seed", type=int, default=0, help="seed of the TPE sampler (default: %(default)s)")
     parser.add_argument("--keep-bundles", action="store_true", help="keep each trial's run directory under runs/")
     parser.add_argument(
-        "--pruner-startup-trials", type=int, default=3,
+        "--pruner-startup-trials", type=int, default=1,
         help="finished trials before any is pruned (default: %(default)s)",
     )
     parser.add_argument(
@@ -275,6 +284,10 @@ def tune_parser(
         help="do not make a new study's first trial the base config's own values",
     )
     parser.add_argument("--timeout", type=float, help="stop starting new trials after this many seconds")
+    parser.add_argument(
+        "--train-best", action="store_true",
+        help="once the study ends, train best.yaml (its refit included) into a bundle under run.output_dir",
+    )
     return parser
 
 
@@ -283,6 +296,7 @@ def _tune(args: argparse.Namespace) -> int:
 
     base = load_config(args.config, args.overrides)
     setup_logging()
+    check_inputs_before_tensorflow(base)
 
     from retrieval.tuning import TuneSettings, load_space, run_study
 
@@ -304,6 +318,14 @@ def _tune(args: argparse.Namespace) -> int:
     if best.exists():
         print(json.dumps(json.loads(best.read_text()), indent=2))
         print(f"\nbest config: {study_dir / 'best.yaml'}  (retrieval train --config {study_dir / 'best.yaml'})")
+        if args.train_best:  # the one refit of the study: trials skip theirs (TRIAL_SETTINGS)
+            from retrieval.evaluation import format_table
+            from retrieval.jobs import train_evaluate_export
+
+            result = train_evaluate_export(load_config(study_dir / "best.yaml"), config_name="tune-best")
+            print()
+            print(format_table(result.metrics))
+            print(f"\nbest config trained: {result.directory}  ({result.seconds:.0f} s)")
     else:
         print("no trial completed: no best config")
     return 0
@@ -377,7 +399,11 @@ def serve_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def reload_parser(prog: str | None = None) -> argparse.ArgumentParser:
     reload = argparse.ArgumentParser(prog=prog, description="Make a running service serve another bundle.")
     reload.add_argument("--bundle", required=True, help="new bundle directory, as the server sees it")
-    reload.add_argument("--url", default="http://127.0.0.1:8000", help="service base URL (default: %(default)s)")
+    reload.add_argument(
+        "--url", help="service base URL (default: http://<--host>:<--port>, i.e. http://127.0.0.1:8000)"
+    )
+    reload.add_argument("--host", help="the service's --host (default: 127.0.0.1); or give --url")
+    reload.add_argument("--port", type=int, help="the service's --port, as serve takes it (default: 8000); or --url")
     reload.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the load")
     reload.add_argument("--token", help=f"the server's admin token (default: ${ADMIN_TOKEN_ENV})")
     return reload
@@ -440,6 +466,13 @@ def _limit_tensorflow_threads(threads: int) -> None:
 
 
 def _reload(args: argparse.Namespace) -> int:
+    if args.url is not None and (args.host is not None or args.port is not None):
+        raise UserError("give the service as --url or as --host/--port, not both")
+    if args.port is not None and not 0 < args.port <= 65535:
+        raise UserError(f"--port {args.port} is not a TCP port (1 to 65535)")
+    if args.url is None:  # serve's own flags and defaults
+        host = args.host or "127.0.0.1"
+        args.url = f"http://{f'[{host}]' if ':' in host else host}:{8000 if args.port is None else args.port}"
     if not args.url.startswith(("http://", "https://")):
         raise UserError(f"--url {args.url!r} is not an http:// or https:// URL")
     headers = {"Content-Type": "application/json"}

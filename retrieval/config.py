@@ -214,7 +214,9 @@ class DataConfig(_Section):
     source: Literal["synthetic", "movielens-100k", "files"] = Field(
         "synthetic", description="Where clicks come from: the embedded generator, MovieLens 100K, or your files."
     )
-    clicks: TableConfig | None = Field(None, description="Click log (source: files).")
+    clicks: TableConfig | None = Field(
+        None, description="Click log (source: files; a config naming it without data.source reads as files)."
+    )
     test_clicks: TableConfig | None = Field(
         None, description="Separately given test log; required by split.kind: none."
     )
@@ -243,6 +245,23 @@ class DataConfig(_Section):
         "the training clicks coded, 16 bytes a click (docs/operations.md has the memory).",
     )
     stream: StreamConfig = Field(StreamConfig(), description="Out-of-core reading (data.out_of_core).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_click_file_means_files(cls, raw: Any) -> Any:
+        """A named click file is the log to train on: ``data.clicks.path`` without ``data.source``
+        reads as ``source: files`` (the default, synthetic, would train on a made-up log and ignore the
+        file); a source that is not files beside a click file is refused, naming both keys."""
+        if not isinstance(raw, dict) or raw.get("clicks") is None:
+            return raw
+        if "source" not in raw:
+            return {**raw, "source": "files"}
+        if raw["source"] in ("synthetic", "movielens-100k"):
+            raise ValueError(
+                f"data.source is {raw['source']!r} but data.clicks names a file, which that source would "
+                "ignore: set data.source: files to train on data.clicks, or remove data.clicks"
+            )
+        return raw
 
     @model_validator(mode="after")
     def _files_need_a_path(self) -> DataConfig:
@@ -1523,6 +1542,27 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         raw = apply_overrides(raw, overrides)
         source += " + --set " + " ".join(overrides)
     return Config.from_dict(raw, source)
+
+
+def with_absolute_data_paths(config: Config, base: str | os.PathLike | None = None) -> Config:
+    """``config`` with every data path (click logs, feature tables, data.movielens_dir) made absolute
+    against ``base`` (default: the working directory), so that a run's config reads the same files
+    wherever the run is later opened (``retrieval evaluate --run`` from another directory)."""
+    root = Path(base) if base is not None else Path.cwd()
+
+    def absolute(path: str) -> str:
+        expanded = Path(path).expanduser()
+        return path if expanded.is_absolute() else os.path.normpath(root / expanded)
+
+    data = config.data
+    tables = {
+        key: table.model_copy(update={"path": absolute(table.path)})
+        for key in ("clicks", "test_clicks", "item_features", "user_features")
+        if (table := getattr(data, key)) is not None
+    }
+    if data.movielens_dir is not None:
+        tables["movielens_dir"] = absolute(data.movielens_dir)
+    return config.model_copy(update={"data": data.model_copy(update=tables)})
 
 
 def save_config(config: Config, path: str | os.PathLike) -> None:

@@ -29,7 +29,7 @@ Bundle layout (``artifacts/<run>/``)::
                         item_id and the item feature table's string, number and list-of-string
                         columns, one row per indexed item it describes (``retrieval.item_features``):
                         for display (``POST /items``, the web page), never read by the towers
-    config.yaml         the resolved config of the run
+    config.yaml         the resolved config of the run (absolute data paths)
     train_log.csv       per-epoch training loss
     metrics.json        offline metrics (model and baselines)
 

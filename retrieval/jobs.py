@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from retrieval.arrays import seeded_subset
 from retrieval.checkpoint_directory import training_checkpoints
-from retrieval.config import Config, ConfigError, save_config
+from retrieval.config import Config, ConfigError, save_config, with_absolute_data_paths
 from retrieval.data import ITEM, TIME, USER, DataError
 from retrieval.data.dataset import LogSource, catalogue_table, open_log, split_summary
 from retrieval.data.fingerprint import RunInputs
@@ -55,6 +55,7 @@ from retrieval.features.histories import ClickHistories
 from retrieval.index import ItemIndex, build_index_in_blocks, check_index_fits
 from retrieval.model import build_model
 from retrieval.model_parts import resolved
+from retrieval.native_logs import runtime_filtered_stderr
 from retrieval.samplers import UserHistory
 from retrieval.seen_items import SeenItems
 from retrieval.towers import build_ensemble_towers
@@ -117,6 +118,8 @@ def train_evaluate_export(
     models (``TowerContext``, ``check_custom_towers``); None builds the towers the config names.
     """
     started = time.perf_counter()
+    # The run's config.yaml and manifest name the files it read wherever the run is opened later.
+    config = with_absolute_data_paths(config)
     sharded = config.train.distribute == "parameter_server"
     # First: MultiWorkerMirroredStrategy precedes other TF work. A parameter-server strategy shards
     # the ID tables by their shapes, known once the data is read: it comes after read_and_split.
@@ -130,6 +133,7 @@ def train_evaluate_export(
     final = Path(config.run.output_dir) / name
     seconds: dict[str, float] = {}
     with ExitStack() as cleanup, atomic_directory(final, overwrite=config.run.overwrite) as scratch:
+        cleanup.enter_context(runtime_filtered_stderr())  # TensorFlow's runtime lines nobody can act on
         # Outside the run directory: they outlive a killed run; deleted once the run directory is in place.
         inputs, checkpoint_dir = _inputs_and_checkpoints(config, name, cleanup)
         save_config(config, scratch / "config.yaml")
@@ -359,8 +363,9 @@ class JobData:
         buffer = config.data.stream.shuffle_buffer
         return max(buffer, self.counts.train_rows) if self.source.in_memory else buffer
 
-    def summary(self, evaluated_users: int) -> dict[str, Any]:
-        """Counts for logs and run reports (plain ints and strings)."""
+    def summary(self, evaluated_users: int | None = None) -> dict[str, Any]:
+        """Counts for logs and run reports (plain ints and strings); ``evaluated_users`` once known
+        (None, before evaluation: the key is left out rather than shown as 0)."""
         counts = self.counts
         summary = split_summary(
             self.source.source, (set(counts.user_ids), set(counts.test_user_ids)),
@@ -371,7 +376,7 @@ class JobData:
         return {
             **summary,
             "clicks": self.plan.rows,
-            "evaluated_users": evaluated_users,
+            **({} if evaluated_users is None else {"evaluated_users": evaluated_users}),
             "time_range": list(self.plan.time_range) if self.plan.time_range else None,
             "temporal_cut": self.plan.cut,
         }
@@ -404,7 +409,7 @@ def read_and_split(config: Config) -> JobData:
     items = len(catalogue_ids)
     check_index_fits(config.index.factory_for(items, config.model.output_dim), items, config.index.train_sample_size)
     data = JobData(source, plan, counts, stats, tables, join, catalogue_ids, held_out, split.evaluate_on, pairs)
-    log.info("data: %s", json.dumps(data.summary(0)))
+    log.info("data: %s", json.dumps(data.summary()))
     return data
 
 

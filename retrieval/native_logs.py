@@ -18,7 +18,10 @@ goes to stderr, in order; a real error of the import (or a Python warning) still
 machine with no NVIDIA device (``has_nvidia_device``) the import also lists the physical devices,
 so the cuInit line falls inside that window, and the CUDA lines of ``NO_GPU_NOISE`` are dropped.
 On a machine with one, nothing CUDA says is hidden and TensorFlow finds its devices when it
-always did (``CUDA_VISIBLE_DEVICES`` is read then, unchanged). ``RETRIEVAL_DEBUG=1`` or a
+always did (``CUDA_VISIBLE_DEVICES`` is read then, unchanged). While the job runs
+(``runtime_filtered_stderr``), the lines of ``RUNTIME_NOISE`` (grappler's ``Error in PredictCost()``
+warnings, oneDNN's AVX-512 fallback ERROR at export) are dropped as they come, every other line
+passed on live: ``TF_CPP_MIN_LOG_LEVEL=2`` would hide every warning with them. ``RETRIEVAL_DEBUG=1`` or a
 user's ``TF_CPP_MIN_LOG_LEVEL=0`` turns all of this off. Standard library only (and
 ``retrieval.errors``, which is too): it runs before anything else is imported.
 """
@@ -33,6 +36,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,6 +61,20 @@ NO_GPU_NOISE = re.compile(
     "|".join([
         _ABSL + r"cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine, GPU will not be used\.",
         _ABSL + r"cuda_(platform|executor)\.cc:\d+\] failed call to cuInit: ",
+    ])
+)
+
+
+# Lines TensorFlow's runtime writes while a job runs, after start-up: TF_CPP_MIN_LOG_LEVEL=2 would hide
+# them and every other warning with them, so ``runtime_filtered_stderr`` drops these alone.
+RUNTIME_NOISE = re.compile(
+    "|".join([
+        # Grappler's cost model has no estimate for some ops (the transformer history's among them) and
+        # warns, ~600 characters each, per optimised graph: the graph still runs as written.
+        _ABSL + r"op_level_cost_estimator\.cc:\d+\] Error in PredictCost\(\) for the op: ",
+        # oneDNN has no kernel of a dtype on a CPU without AVX-512 and says so as an ERROR while the
+        # SavedModel is written; TensorFlow runs its Eigen kernel instead.
+        _ABSL + r"\S+\] oneDNN supports \S+ only on platforms with AVX-512\. Falling back to the default ",
     ])
 )
 
@@ -112,6 +130,59 @@ def filtered_stderr(*, gpu_possible: bool) -> Iterator[None]:
         if kept:
             sys.stderr.write("".join(kept))
             sys.stderr.flush()
+
+
+@contextmanager
+def runtime_filtered_stderr() -> Iterator[None]:
+    """File descriptor 2 through a pipe for the block: a thread passes every line on to stderr as it
+    comes, but those of ``RUNTIME_NOISE`` (nothing is held back, so progress lines stay live).
+
+    Off (the block runs as is) when not ``wanted`` or when stderr is already filtered. Should the
+    process crash inside the block, faulthandler writes its traceback to the real stderr.
+    """
+    global _RUNTIME_FILTER_ON
+    if not wanted() or _RUNTIME_FILTER_ON:
+        yield
+        return
+    sys.stderr.flush()
+    real = os.dup(2)
+    read_end, write_end = os.pipe()
+    report_crash = not faulthandler.is_enabled()
+    real_file = os.fdopen(real, "w", closefd=False)
+
+    def forward() -> None:
+        pending = b""
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(65536):
+                lines = (pending + chunk).split(b"\n")
+                pending = lines.pop()
+                kept = [line + b"\n" for line in lines if not RUNTIME_NOISE.match(line.decode("utf-8", "replace"))]
+                if kept:
+                    os.write(real, b"".join(kept))
+        if pending and not RUNTIME_NOISE.match(pending.decode("utf-8", "replace")):
+            os.write(real, pending)
+
+    thread = threading.Thread(target=forward, name="retrieval-stderr-filter", daemon=True)
+    thread.start()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    _RUNTIME_FILTER_ON = True
+    if report_crash:
+        faulthandler.enable(file=real_file)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(real, 2)  # the pipe's last write end closes: the thread reads to its end and stops
+        thread.join(timeout=5)  # a child process that inherited the pipe keeps it open: it forwards on
+        _RUNTIME_FILTER_ON = False
+        if report_crash:
+            faulthandler.disable()
+        real_file.close()
+        os.close(real)
+
+
+_RUNTIME_FILTER_ON = False
 
 
 class _QuietLoader(importlib.abc.Loader):

@@ -1012,8 +1012,8 @@ def recommend_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--out", metavar="FILE.parquet",
-        help="write --users' recommendations (user, rank, item, score) or --similar's similar items "
-        "(item, rank, similar_item, score) to this Parquet file",
+        help="write --users' recommendations (user_id, rank, item_id, score) or --similar's similar items "
+        "(item_id, rank, similar_item_id, score) to this Parquet file",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     parser.add_argument(

@@ -56,7 +56,7 @@ def answers(path, query_column: str, item_column: str) -> list[tuple[str, list[s
     return result
 
 
-def assert_equal_answers(path, queries, expected, query_column="user", item_column="item"):
+def assert_equal_answers(path, queries, expected, query_column="user_id", item_column="item_id"):
     """The file holds, query by query and in order, exactly the expected Recommendations (an empty
     answer has no rows)."""
     answered = [(query, result) for query, result in zip(queries, expected) if result.item_ids]
@@ -77,6 +77,9 @@ def test_all_users_equal_recommend_batch_user_by_user_one_row_group_a_block(seen
     summary = recommend_to_file(seen, all_users(seen), 12, out, block_size=7)
     file = pq.ParquetFile(out)
     assert file.schema_arrow == RECOMMENDATION_SCHEMA
+    # The id columns are named as every other surface names them (requests, manifests, logs).
+    assert file.schema_arrow.names == ["user_id", "rank", "item_id", "score"]
+    assert SIMILAR_SCHEMA.names == ["item_id", "rank", "similar_item_id", "score"]
     assert file.num_row_groups == summary.row_groups == -(-len(users) // 7)
     assert file.metadata.row_group(0).num_rows == 6 * 12 + 5  # user00 has 5 items left
     assert file.metadata.row_group(1).num_rows == 7 * 12
@@ -109,7 +112,7 @@ def test_a_users_file_through_the_command_line(world, seen, tmp_path, capsys):  
     expected = seen.recommend_batch([{"user_id": u} for u in users], 10, [["item001"]] * len(users))
     assert expected[1].fallback == "popular" and len(expected[3].item_ids) == 5  # what is left for user00
     frame = pq.read_table(out).to_pandas()
-    assert frame["user"].tolist()[:10] == ["user03"] * 10 and len(frame) == 10 + 10 + 10 + 5 + 10
+    assert frame["user_id"].tolist()[:10] == ["user03"] * 10 and len(frame) == 10 + 10 + 10 + 5 + 10
     assert_equal_answers(out, users, expected)
     assert pq.ParquetFile(out).num_row_groups == 3
     shown = next(a.help for a in serving.recommend_parser()._actions if a.dest == "block_size")
@@ -213,8 +216,8 @@ def test_similar_items_of_the_catalogue_and_of_a_file_equal_similar_items_batch(
     summary = similar_to_file(seen, all_items(seen), 6, out, exclude_item_ids=["item002"], block_size=128)
     ids = seen.index.item_ids.tolist()
     assert pq.ParquetFile(out).schema_arrow == SIMILAR_SCHEMA and summary.row_groups == 3
-    assert_equal_answers(out, ids, seen.similar_items_batch(ids, 6, [["item002"]] * len(ids)), "item",
-                         "similar_item")
+    assert_equal_answers(out, ids, seen.similar_items_batch(ids, 6, [["item002"]] * len(ids)), "item_id",
+                         "similar_item_id")
 
     listed = tmp_path / "items.txt"
     listed.write_text("item010\nitem299\nitem010\n")
@@ -223,7 +226,7 @@ def test_similar_items_of_the_catalogue_and_of_a_file_equal_similar_items_batch(
     assert serving.main(argv) == 0
     assert "wrote" in capsys.readouterr().out
     asked = ["item010", "item299", "item010"]
-    assert_equal_answers(from_file, asked, seen.similar_items_batch(asked, 4), "item", "similar_item")
+    assert_equal_answers(from_file, asked, seen.similar_items_batch(asked, 4), "item_id", "similar_item_id")
 
     listed.write_text("item010\nnope\nitem011\nalso-not\n")
     assert serving.main([*argv, "--overwrite"]) == 2

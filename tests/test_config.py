@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from retrieval.config import Config, ConfigError, load_config
+from retrieval.config import Config, ConfigError, load_config, save_config
 
 
 def test_defaults_round_trip_through_dict():
@@ -93,3 +93,28 @@ def test_missing_config_file():
 def test_non_positive_ks_rejected():
     with pytest.raises(ConfigError, match="evaluation.ks"):
         load_config(None, ["evaluation.ks=[0, 10]"])
+
+
+def test_a_click_file_without_a_source_reads_as_files(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("data:\n  clicks:\n    path: mydata/clicks.csv\n")
+    config = load_config(path)
+    assert config.data.source == "files"
+    assert config.data.clicks.path == "mydata/clicks.csv"
+    # What the run writes to its config.yaml says files, and reads back the same.
+    saved = tmp_path / "config.yaml"
+    save_config(config, saved)
+    assert yaml.safe_load(saved.read_text())["data"]["source"] == "files"
+    assert load_config(saved) == config
+    assert load_config(None, ["data.clicks.path=a.csv"]).data.source == "files"
+    assert load_config(path).data.source != Config().data.source
+
+
+@pytest.mark.parametrize("source", ["synthetic", "movielens-100k"])
+def test_a_click_file_beside_another_source_is_refused_naming_both(tmp_path, source):
+    path = tmp_path / "mine.yaml"
+    path.write_text(f"data:\n  source: {source}\n  clicks:\n    path: mydata/clicks.csv\n")
+    with pytest.raises(ConfigError, match=rf"data.source is '{source}' but data.clicks names a file"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="data.source.*data.clicks"):
+        load_config("configs/default.yaml", ["data.clicks.path=mydata/clicks.csv"])

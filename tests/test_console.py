@@ -23,13 +23,13 @@ FLAGS = {
     "evaluate": ["--run", "--set", "--out"],
     "export": ["--run", "--out", "--set"],
     "tune": ["--config", "--set", "--trials", "--space", "--study-dir", "--metric", "--seed", "--keep-bundles",
-             "--pruner-startup-trials", "--pruner-warmup-epochs", "--no-baseline-trial", "--timeout"],
+             "--pruner-startup-trials", "--pruner-warmup-epochs", "--no-baseline-trial", "--timeout", "--train-best"],
     "recommend": ["--bundle", "--user-id", "--similar", "--users", "-k", "--k", "--exclude", "--include-seen", "--out",
                   "--overwrite", "--block-size"],
     "serve": ["--bundle", "--host", "--port", "--no-admin", "--admin-token", "--search-threads",
               "--tensorflow-threads", "--verify", "--access-log", "--http", "--loop", "--log-level",
               "--gil-switch-interval", "--max-body-bytes"],
-    "reload": ["--bundle", "--url", "--timeout", "--token"],
+    "reload": ["--bundle", "--url", "--host", "--port", "--timeout", "--token"],
 }
 PIPELINES = ["train", "evaluate", "export", "tune"]
 
@@ -121,3 +121,36 @@ def test_recommend_prints_what_python_m_retrieval_serving_prints(world, asked, c
     assert cli.main(["recommend", *argv]) == 0
     assert capsys.readouterr().out == expected
     assert len(expected.splitlines()) == asked.count("--user-id") + asked.count("--similar")
+
+
+def test_reload_takes_the_port_as_serve_does_or_a_url(capsys):
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    asked = []
+
+    class Admin(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            asked.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            body = b'{"ok": true}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Admin)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        assert cli.main(["reload", "--port", str(port), "--bundle", "b1"]) == 0
+        assert cli.main(["reload", "--url", f"http://127.0.0.1:{port}/", "--bundle", "b2"]) == 0
+        assert cli.main(["reload", "--host", "127.0.0.1", "--port", str(port), "--bundle", "b3"]) == 0
+    finally:
+        server.shutdown()
+    assert asked == [("/admin/reload", {"bundle": f"b{i}"}) for i in (1, 2, 3)]
+    assert cli.main(["reload", "--url", f"http://127.0.0.1:{port}", "--port", str(port), "--bundle", "b"]) == 2
+    assert "give the service as --url or as --host/--port, not both" in capsys.readouterr().err

@@ -293,7 +293,7 @@ CASES = {
                               "training clicks: set evaluation.unseen_items=drop"),
     "evaluate on other data": ("pipelines.evaluate",
                                ["--run", "{bundle}", "--out", "{tmp}/eval",
-                                *_sets("data.source=synthetic", "data.synthetic.n_items=140")], "",
+                                *_sets("data.source=synthetic", "data.clicks=null", "data.synthetic.n_items=140")], "",
                                "some with training clicks: the catalogue (a re-evaluated bundle's index) must hold"),
     "reindex IVF too large": ("pipelines.export",
                               ["--run", "{bundle}", "--out", "{tmp}/x", *_sets("index.factory=IVF200,Flat")], "",

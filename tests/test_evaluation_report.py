@@ -83,3 +83,22 @@ def test_a_run_with_early_stopping_gets_a_training_section_and_curve(tmp_path, r
             "clicks for 2 epochs.") in report
     assert "](training.png)" in report
     assert "## Training" not in (write_report(tmp_path, results) and (tmp_path / "report.md").read_text())
+
+
+def test_the_training_plot_keeps_the_refits_loss_apart_from_the_selection_runs_recall(tmp_path):
+    from retrieval.evaluation.report import plot_training, training_panels
+
+    stopping = {"best_epoch": 2, "epochs_run": 4, "val_recall@20": [0.1, 0.2, 0.19, 0.18],
+                "selection_loss": [6.2, 5.8, 5.6, 5.5], "refit": "initial", "message": "m"}
+    refit = {"epochs": 2, "max_epochs": 30, "loss": [6.1, 5.7], "early_stopping": stopping}
+    selection, served = training_panels(refit)
+    # The selection panel: the selection run's own loss beside its recall; the refit's loss alone in its own.
+    assert (selection.loss, selection.recall, selection.best_epoch) == ([6.2, 5.8, 5.6, 5.5], [0.1, 0.2, 0.19, 0.18], 2)
+    assert selection.recall_label == "val_recall@20 (validation)" and "Selection" in selection.title
+    assert (served.loss, served.recall) == ([6.1, 5.7], None) and served.title == "Refit (from initial, served)"
+    kept = {**refit, "loss": [6.2, 5.8], "early_stopping": {**stopping, "refit": "none"}}
+    assert [p.title for p in training_panels(kept)] == ["Selection run (early stopping)"]
+    (plain,) = training_panels({"epochs": 3, "max_epochs": 3, "loss": [3.0, 2.0, 1.0], "early_stopping": None})
+    assert (plain.loss, plain.recall) == ([3.0, 2.0, 1.0], None)
+    for training in (refit, kept):
+        assert plot_training(training, tmp_path / "t.png").read_bytes().startswith(PNG_MAGIC)

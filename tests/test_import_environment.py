@@ -111,3 +111,28 @@ def test_the_filter_keeps_real_lines_in_order_and_cuda_lines_where_a_gpu_may_be(
         with native_logs.filtered_stderr(gpu_possible=gpu_possible):
             os.write(2, ("\n".join(lines) + "\n").encode())
         assert capfd.readouterr().err.splitlines() == kept
+
+
+def test_the_runtime_filter_drops_tensorflows_noise_lines_only_and_passes_the_rest_on_live(capfd, monkeypatch):
+    import os
+
+    from retrieval import native_logs
+
+    monkeypatch.delenv("RETRIEVAL_DEBUG", raising=False)
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    grappler = ('W0000 00:00:1733570000.123456   4242 op_level_cost_estimator.cc:699] Error in PredictCost() '
+                'for the op: op: "Einsum" attr { key: "T" value { type: DT_FLOAT } } ' + "x" * 500)
+    onednn = ("E0000 00:00:1733570001.5   4242 mkl_util.h:123] oneDNN supports DT_BF16 only on platforms with "
+              "AVX-512. Falling back to the default Eigen-based implementation if present.")
+    real = "E0000 00:00:1733570002.0   4242 some_kernel.cc:12] Out of memory while allocating 12 GiB"
+    with native_logs.runtime_filtered_stderr():
+        os.write(2, (grappler + "\nprogress 1\n" + onednn + "\n").encode())
+        os.write(2, (real + "\npartial line without newline").encode())
+        with native_logs.runtime_filtered_stderr():  # nested: one filter
+            os.write(2, b"\n")
+    err = capfd.readouterr().err
+    assert err == f"progress 1\n{real}\npartial line without newline\n"
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")  # the user asked for every line
+    with native_logs.runtime_filtered_stderr():
+        os.write(2, (grappler + "\n").encode())
+    assert capfd.readouterr().err == grappler + "\n"

@@ -239,3 +239,47 @@ def test_a_search_space_key_given_twice_is_refused(tmp_path):
             "train.learning_rate: {type: float, low: 1.0e-3, high: 0.1}\n")
     with pytest.raises(SearchSpaceError, match=r"duplicate key 'train.learning_rate': set on line 1 and again on"):
         load_space(_space_file(tmp_path, text), _base())
+
+
+def test_trials_skip_the_refit_and_the_default_pruner_acts_from_the_second_trial(tmp_path, monkeypatch):
+    """A stand-in job reports fixed per-epoch recalls: with the default settings the second trial,
+    below the first at its second epoch, is pruned there, and no trial is refit."""
+    from retrieval.jobs import RunResult
+
+    recalls = iter([[0.10, 0.20, 0.30], [0.01, 0.02, 0.03], [0.20, 0.30, 0.40]])
+    seen = []
+
+    def job(config, *, config_name, on_epoch_end):
+        seen.append(config)
+        curve = next(recalls)
+        for epoch, recall in enumerate(curve):
+            on_epoch_end(epoch, {f"val_recall@{config.train.validation_k}": recall})
+        return RunResult(tmp_path / "unused", {"model": {"recall@20": curve[-1], "ndcg@20": 0.0}}, 1.0)
+
+    monkeypatch.setattr(retrieval.tuning, "train_evaluate_export", job)
+    base = _base("train.epochs=3")
+    assert base.train.refit  # the base refits; its trials do not
+    study = run_study(base, load_space(_space_file(tmp_path), base), tmp_path / "study", 3)
+    assert [config.train.refit for config in seen] == [False, False, False]
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "PRUNED", "COMPLETE"]
+    assert list(study.trials[1].intermediate_values) == [0, 1]  # warm-up: its first epoch is never pruned
+    assert load_config(tmp_path / "study" / "best.yaml").train.refit  # best.yaml trains as the base does
+    assert trial_settings(base)["train.refit"] is False
+
+
+def test_train_best_refits_only_the_best_config_once_the_study_ends(tmp_path, monkeypatch, capsys):
+    import retrieval.jobs
+    from retrieval.jobs import RunResult
+
+    trained = []
+
+    def job(config, *, config_name, on_epoch_end=None):
+        trained.append((config_name, config.train.refit, config.split.evaluate_on))
+        recall = 0.1 * len(trained)
+        return RunResult(tmp_path / config_name, {"model": {"users": 5, "recall@20": recall, "ndcg@20": recall}}, 1.0)
+
+    monkeypatch.setattr(retrieval.tuning, "train_evaluate_export", job)
+    monkeypatch.setattr(retrieval.jobs, "train_evaluate_export", job)
+    assert _tune(tmp_path, tmp_path / "study", 2, "--train-best") == 0
+    assert trained == [("tune", False, "validation"), ("tune", False, "validation"), ("tune-best", True, "test")]
+    assert "best config trained:" in capsys.readouterr().out

@@ -235,7 +235,7 @@ def feature_tables(data: DataConfig) -> tuple[pd.DataFrame | None, pd.DataFrame 
 
 def _features(table: TableConfig, id_column: str, key: str) -> pd.DataFrame:
     """Read a feature table and rename its id column to the canonical ``key``."""
-    features = read_feature_table(table, id_column)
+    features = read_feature_table(table, id_column, id_key=f"data.{key.split('_')[0]}_id_column")
     if id_column != key and key in features.columns:
         raise DataError(
             f"the id column is {id_column!r} but the table also has a column {key!r}, the "

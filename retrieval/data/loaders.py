@@ -31,8 +31,18 @@ from retrieval.data.schema import (
     USER,
     WEIGHT,
     DataError,
+    format_suffix,
+    read_data,
 )
-from retrieval.data.shards import ClickShards, TextLayout, decode_text, read_text_table, require_columns
+from retrieval.data.shards import (
+    ClickShards,
+    TextLayout,
+    column_keys,
+    compressed_parquet,
+    decode_text,
+    read_text_table,
+    require_columns,
+)
 from retrieval.data.values import BadValues, click_weights, feature_numbers, id_strings, timestamp_seconds
 
 Duplicates = Literal["keep", "first"]
@@ -88,7 +98,7 @@ def read_clicks(table: TableConfig, columns: ColumnsConfig, *, duplicates: Dupli
             and column.
     """
     fmt = resolve_format(table)
-    if fmt == "sequences" and Path(table.path).suffix.lower() in (".parquet", ".pq"):
+    if fmt == "sequences" and format_suffix(table.path) in (".parquet", ".pq"):
         return apply_duplicates(_read_parquet_sequences(table, columns), duplicates)
     if fmt in ("user-items", "sequences"):
         return apply_duplicates(_read_user_items(table, ordered=fmt == "sequences"), duplicates)
@@ -102,7 +112,7 @@ def read_clicks(table: TableConfig, columns: ColumnsConfig, *, duplicates: Dupli
     if fmt.startswith("movielens"):
         columns = _MOVIELENS_COLUMNS
     wanted = [c for c in (columns.user, columns.item, columns.timestamp, columns.weight) if c]
-    _require_columns(raw, wanted, table, fmt)
+    _require_columns(raw, wanted, table, fmt, None if fmt.startswith("movielens") else column_keys(columns))
     clicks = pd.DataFrame({USER: _ids(raw, columns.user, "user"), ITEM: _ids(raw, columns.item, "item")})
     if columns.timestamp is not None:
         clicks[TIME] = _timestamps(raw, columns.timestamp)
@@ -113,7 +123,7 @@ def read_clicks(table: TableConfig, columns: ColumnsConfig, *, duplicates: Dupli
     return apply_duplicates(clicks, duplicates)
 
 
-def read_feature_table(table: TableConfig, id_column: str) -> pd.DataFrame:
+def read_feature_table(table: TableConfig, id_column: str, *, id_key: str | None = None) -> pd.DataFrame:
     """Read an item or user feature table: one row per id.
 
     Text columns are typed after reading: a column whose non-empty cells are
@@ -128,6 +138,7 @@ def read_feature_table(table: TableConfig, id_column: str) -> pd.DataFrame:
     Args:
         table: The file and how to parse it (csv, tsv or parquet).
         id_column: Name of the id column in the file.
+        id_key: The config key naming it (``data.item_id_column``), for the error of a missing one.
 
     Returns:
         The table with ``id_column`` first, as stripped strings, then the other
@@ -144,7 +155,7 @@ def read_feature_table(table: TableConfig, id_column: str) -> pd.DataFrame:
             file=table.path,
         )
     raw = _read_raw(table, fmt)
-    _require_columns(raw, [id_column], table, fmt)
+    _require_columns(raw, [id_column], table, fmt, None if id_key is None else {id_column: id_key})
     ids = _ids(raw, id_column, "id")
     repeated = ids.duplicated(keep="first").to_numpy()
     if repeated.any():
@@ -218,7 +229,7 @@ def resolve_format(table: TableConfig) -> str:
     """The table's format, from its extension when ``format`` is ``"auto"``."""
     if table.format != "auto":
         return table.format
-    suffix = Path(table.path).suffix.lower()
+    suffix = format_suffix(table.path)
     if suffix not in FORMAT_BY_EXTENSION:
         raise DataError(
             f"cannot tell the format from the extension {suffix!r}; set format to one of " + ", ".join(TABLE_FORMATS),
@@ -264,7 +275,7 @@ def _read_user_items(table: TableConfig, *, ordered: bool = False) -> pd.DataFra
     """
     fmt = "sequences" if ordered else "user-items"
     path = _check_file(table)
-    text = decode_text(path.read_bytes(), table.encoding, table.path)
+    text = decode_text(read_data(str(path)), table.encoding, table.path)
     users: list[str] = []
     items: list[str] = []
     positions: list[int] = []
@@ -358,7 +369,7 @@ def _read_raw(table: TableConfig, fmt: str) -> _Raw:
     if _arrow_reads(table, fmt):
         frame, numbers = read_text_table(table.path, _text_layout(table, fmt))
         return _without_blank_rows(frame, numbers, table.path)
-    text = decode_text(path.read_bytes(), table.encoding, table.path)
+    text = decode_text(read_data(str(path)), table.encoding, table.path)
     movielens = fmt.startswith("movielens")
     header = table.header and not movielens
     separator = table.separator or _DEFAULT_SEPARATOR[fmt]
@@ -443,7 +454,7 @@ def _read_parquet(file: str) -> _Raw:
     try:
         frame = pd.read_parquet(file)
     except Exception as error:  # pyarrow raises several unrelated types for bad files
-        raise DataError(f"not a readable parquet file: {error}", file=file) from None
+        raise DataError(f"not a readable parquet file: {compressed_parquet(file) or error}", file=file) from None
     if frame.empty:
         raise DataError("no data rows", file=file)
     frame = frame.reset_index(drop=True)
@@ -461,8 +472,11 @@ def _without_blank_rows(frame: pd.DataFrame, numbers: np.ndarray, file: str) -> 
     return _Raw(frame, file, numbers, is_text=True)
 
 
-def _require_columns(raw: _Raw, wanted: list[str], table: TableConfig, fmt: str) -> None:
-    require_columns(wanted, list(raw.frame.columns), raw.file, text=_text_layout(table, fmt) if raw.is_text else None)
+def _require_columns(
+    raw: _Raw, wanted: list[str], table: TableConfig, fmt: str, keys: dict[str, str] | None = None
+) -> None:
+    text = _text_layout(table, fmt) if raw.is_text else None
+    require_columns(wanted, list(raw.frame.columns), raw.file, text=text, keys=keys)
 
 
 def _text_layout(table: TableConfig, fmt: str) -> TextLayout:

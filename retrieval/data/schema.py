@@ -17,7 +17,10 @@ column         dtype    meaning
 
 from __future__ import annotations
 
-from typing import get_args
+from pathlib import Path
+from typing import IO, get_args
+
+import pyarrow as pa
 
 from retrieval.config import TableFormat
 from retrieval.errors import UserError
@@ -40,6 +43,64 @@ FORMAT_BY_EXTENSION = {  # what format: auto reads a file as
 }
 SHARD_FORMATS = ("parquet", "csv", "tsv")  # read by ``shards.ClickShards``, whole or streamed; feature tables too
 assert set(FORMAT_BY_EXTENSION.values()) | set(SHARD_FORMATS) <= set(TABLE_FORMATS)
+
+# Compressed text files are read as their decompressed text. The compression is told by the file's
+# first bytes (a gzip log named clicks.csv reads too); its extension only hides the format's
+# extension from format: auto (clicks.csv.gz is csv).
+COMPRESSION_EXTENSIONS = {".gz": "gzip", ".gzip": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd"}
+_MAGIC = (
+    (b"\x1f\x8b", "gzip"),
+    (b"\x28\xb5\x2f\xfd", "zstd"),
+    (b"BZh", "bz2"),  # followed by the block size digit and the block magic (checked below)
+)
+
+
+def format_suffix(path: str) -> str:
+    """The lower-case extension naming a file's format, a compression extension skipped
+    (``clicks.csv.gz`` -> ``.csv``)."""
+    name = Path(path)
+    suffix = name.suffix.lower()
+    if suffix in COMPRESSION_EXTENSIONS:
+        suffix = Path(name.stem).suffix.lower()
+    return suffix
+
+
+def compression_of_bytes(head: bytes) -> str | None:
+    """``"gzip"``, ``"zstd"`` or ``"bz2"`` when ``head`` (a file's first bytes) starts a compressed stream."""
+    for magic, codec in _MAGIC:
+        if head.startswith(magic):
+            if codec == "bz2" and not (head[3:4].isdigit() and head[4:10] == b"\x31\x41\x59\x26\x53\x59"):
+                continue  # a text file that happens to start with "BZh"
+            return codec
+    return None
+
+
+def compression_of(file: str) -> str | None:
+    """The compression of ``file`` by its magic bytes, or None for a plain file."""
+    try:
+        with open(file, "rb") as handle:
+            return compression_of_bytes(handle.read(10))
+    except OSError:
+        return None
+
+
+def open_data(file: str) -> IO[bytes]:
+    """``file``'s bytes, decompressed when it is gzip, zstd or bz2 (by its magic bytes)."""
+    codec = compression_of(file)
+    if codec is None:
+        return open(file, "rb")
+    return pa.input_stream(file, compression=codec)  # a file-like NativeFile
+
+
+def read_data(file: str) -> bytes:
+    """All of ``file``'s bytes, decompressed (``open_data``); a corrupt compressed file is a DataError."""
+    try:
+        with open_data(file) as handle:
+            return handle.read()
+    except (OSError, pa.ArrowException) as error:
+        if compression_of(file) is None:
+            raise
+        raise DataError(f"cannot decompress the {compression_of(file)}-compressed file: {error}", file=file) from None
 
 
 class DataError(UserError, ValueError):

@@ -16,7 +16,9 @@ timestamps, float32 weights) with row keys increasing in log order.
 
 from __future__ import annotations
 
+import difflib
 import glob
+import io
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -32,7 +34,20 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from retrieval.config import ColumnsConfig, TableConfig
-from retrieval.data.schema import FORMAT_BY_EXTENSION, ITEM, SHARD_FORMATS, TIME, USER, WEIGHT, DataError
+from retrieval.data.schema import (
+    FORMAT_BY_EXTENSION,
+    ITEM,
+    SHARD_FORMATS,
+    TIME,
+    USER,
+    WEIGHT,
+    DataError,
+    compression_of,
+    compression_of_bytes,
+    format_suffix,
+    open_data,
+    read_data,
+)
 from retrieval.data.values import FLOAT32_MAX, BadValues, click_weights, id_strings, timestamp_seconds
 
 # A click's row key is its shard's place in the sorted shard list times 2**ROW_KEY_BITS plus its
@@ -106,7 +121,7 @@ class ClickShards:
         files = list_shard_files(table.path)
         formats: dict[str, str] = {}
         for file in files:
-            fmt = table.format if table.format != "auto" else _SHARD_FORMATS.get(Path(file).suffix.lower())
+            fmt = table.format if table.format != "auto" else _SHARD_FORMATS.get(format_suffix(file))
             if fmt is None:
                 raise DataError(
                     f"cannot tell the shard format from the extension {Path(file).suffix!r}; set the "
@@ -163,9 +178,13 @@ class ClickShards:
         except DataError:
             raise
         except Exception as error:  # pyarrow raises several unrelated types for bad files
-            raise DataError(f"not a readable {self.format} shard: {error}", file=file) from None
+            codec = compression_of(file)
+            why = compressed_parquet(file) if self.format == "parquet" else None
+            if why is None and codec is not None:
+                why = f"cannot decompress the {codec}-compressed file: {error}"
+            raise DataError(f"not a readable {self.format} shard: {why or error}", file=file) from None
         text = None if self.format == "parquet" else self.text
-        require_columns(self.wanted, found, file, text=text)
+        require_columns(self.wanted, found, file, text=text, keys=column_keys(self.columns))
 
     def _dataset(self, file: str) -> pads.Dataset:
         if self.format == "parquet":
@@ -174,13 +193,18 @@ class ClickShards:
         # (retrieval.data.values), not by Arrow's per-block type inference.
         return pads.dataset(file, format=self.text.arrow_format(file, self.wanted))
 
+    def _record_batches(self, file: str) -> Iterator[pa.RecordBatch]:
+        if self.format != "parquet":
+            return self.text.record_batches(file, self.wanted, self.read_batch_size)
+        return iter(self._dataset(file).to_batches(columns=self.wanted, batch_size=self.read_batch_size))
+
     def batches(self, file: str) -> Iterator[ClickBatch]:
         """Canonical click batches of one shard (one of ``files``), in file order."""
         text = self.format != "parquet"
         line_of = (lambda row: self.text.line_of_row(file, row)) if text else None
         first_key = self.files.index(file) << ROW_KEY_BITS
         try:
-            scanner = self._dataset(file).to_batches(columns=self.wanted, batch_size=self.read_batch_size)
+            scanner = self._record_batches(file)
             first_row = 1
             for batch in scanner:
                 if batch.num_rows == 0:
@@ -286,7 +310,7 @@ class TextLayout:
         fields, or positions ``"0"``, ``"1"``, ... without a header)."""
         skipped = 0
         try:
-            with open(file, encoding=self.encoding, newline="") as handle:
+            with open_text(file, self.encoding) as handle:
                 for line in handle:
                     first = line.removeprefix("\ufeff").rstrip("\r\n")
                     if first.strip():
@@ -295,28 +319,53 @@ class TextLayout:
                 else:
                     raise DataError("the file is empty: no data rows", file=file)
         except (UnicodeDecodeError, LookupError):
-            decode_text(Path(file).read_bytes(), self.encoding, file)  # raises, naming the line and byte
+            decode_text(read_data(file), self.encoding, file)  # raises, naming the line and byte
             raise
         fields = first.split(self.separator)
         if self.header:
             return skipped + 1, [f.strip() for f in fields]
         return skipped, [str(i) for i in range(len(fields))]
 
-    def arrow_format(self, file: str, text_columns: Sequence[str] | None = None) -> pads.CsvFileFormat:
+    def arrow_options(
+        self, file: str, text_columns: Sequence[str] | None = None
+    ) -> tuple[pacsv.ReadOptions, pacsv.ParseOptions, pacsv.ConvertOptions]:
         """Arrow's reading of ``file``: ``text_columns`` (None: every column) as strings, never null."""
         skipped, names = self.start(file)
         text = {name: pa.string() for name in (names if text_columns is None else text_columns)}
-        return pads.CsvFileFormat(
-            parse_options=pacsv.ParseOptions(delimiter=self.separator),
-            read_options=pacsv.ReadOptions(column_names=names, skip_rows=skipped, encoding=self.encoding),
-            convert_options=pacsv.ConvertOptions(column_types=text, strings_can_be_null=False),
+        return (
+            pacsv.ReadOptions(column_names=names, skip_rows=skipped, encoding=self.encoding),
+            pacsv.ParseOptions(delimiter=self.separator),
+            pacsv.ConvertOptions(column_types=text, strings_can_be_null=False),
         )
+
+    def arrow_format(self, file: str, text_columns: Sequence[str] | None = None) -> pads.CsvFileFormat:
+        """``arrow_options`` as a dataset format (plain files: a compressed one reads by ``record_batches``)."""
+        read, parse, convert = self.arrow_options(file, text_columns)
+        return pads.CsvFileFormat(parse_options=parse, read_options=read, convert_options=convert)
+
+    def record_batches(
+        self, file: str, columns: Sequence[str] | None = None, batch_size: int = 65_536
+    ) -> Iterator[pa.RecordBatch]:
+        """``file``'s rows in batches of at most ``batch_size``, ``columns`` (None: all) as strings; a
+        gzip, zstd or bz2 file (by its magic bytes) is decompressed as it streams."""
+        codec = compression_of(file)
+        if codec is None:
+            dataset = pads.dataset(file, format=self.arrow_format(file, columns))
+            yield from dataset.to_batches(columns=None if columns is None else list(columns), batch_size=batch_size)
+            return
+        read, parse, convert = self.arrow_options(file, columns)
+        if columns is not None:
+            convert.include_columns = list(columns)
+        with pa.input_stream(file, compression=codec) as stream:
+            for batch in pacsv.open_csv(stream, read_options=read, parse_options=parse, convert_options=convert):
+                for start in range(0, batch.num_rows, batch_size):
+                    yield batch.slice(start, batch_size)
 
     def line_of_row(self, file: str, data_row: int) -> int:
         """The 1-based line of the 1-based data row ``data_row``."""
         skipped, _ = self.start(file)
         number = rows = 0
-        with open(file, encoding=self.encoding, errors="replace", newline="") as handle:
+        with open_text(file, self.encoding, errors="replace") as handle:
             for number, line in enumerate(handle, start=1):
                 if number <= skipped or not line.rstrip("\r\n"):
                     continue
@@ -328,14 +377,14 @@ class TextLayout:
     def data_lines(self, file: str) -> np.ndarray:
         """[data rows] int64: each data row's 1-based line (one pass over the file)."""
         skipped, _ = self.start(file)
-        with open(file, encoding=self.encoding, errors="replace", newline="") as handle:
+        with open_text(file, self.encoding, errors="replace") as handle:
             numbers = [n for n, line in enumerate(handle, start=1) if n > skipped and line.rstrip("\r\n")]
         return np.asarray(numbers, dtype=np.int64)
 
     def read_error(self, file: str, error: Exception, what: str) -> DataError:
         """The ``DataError`` of an Arrow read that failed: an undecodable byte at its line, a row of
         the wrong width at its line (with the fix for a trailing separator), else Arrow's words."""
-        decode_text(Path(file).read_bytes(), self.encoding, file)  # an undecodable byte: raised at its line
+        decode_text(read_data(file), self.encoding, file)  # an undecodable byte: raised at its line
         found = re.search(r"CSV parse error: Row #(\d+): Expected (\d+) columns, got (\d+)", str(error))
         if found is None:
             return DataError(f"cannot read {what}: {error}", file=file)
@@ -349,7 +398,7 @@ class TextLayout:
         )
 
     def _line(self, file: str, number: int) -> str:
-        with open(file, encoding=self.encoding, errors="replace", newline="") as handle:
+        with open_text(file, self.encoding, errors="replace") as handle:
             for at, line in enumerate(handle, start=1):
                 if at == number:
                     return line
@@ -363,7 +412,9 @@ def read_text_table(file: str, layout: TextLayout) -> tuple[pd.DataFrame, np.nda
       DataError: undecodable, empty, or a row of the wrong width (naming its line).
     """
     try:
-        table = pads.dataset(file, format=layout.arrow_format(file)).to_table()
+        batches = list(layout.record_batches(file))
+        names = layout.start(file)[1]
+        table = pa.Table.from_batches(batches) if batches else pa.table({n: pa.array([], pa.string()) for n in names})
     except DataError:
         raise
     except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, UnicodeDecodeError) as error:
@@ -379,7 +430,7 @@ def list_shard_files(path: str) -> list[str]:
         files = [
             str(p)
             for p in sorted(target.iterdir())
-            if p.is_file() and not p.name.startswith((".", "_")) and p.suffix.lower() in _SHARD_FORMATS
+            if p.is_file() and not p.name.startswith((".", "_")) and format_suffix(str(p)) in _SHARD_FORMATS
         ]
     elif glob.has_magic(path):
         files = sorted(p for p in glob.glob(path, recursive=True) if Path(p).is_file())
@@ -435,10 +486,25 @@ _LIKELY_SEPARATORS = (",", ";", "\t", "|")
 PARQUET_MAGIC = b"PAR1"
 
 
-def require_columns(wanted: Sequence[str], found: Sequence[str], file: str, *, text: TextLayout | None) -> None:
+def column_keys(columns: ColumnsConfig) -> dict[str, str]:
+    """Each click-log column the config names -> the ``data.columns.*`` key that names it."""
+    named = {"user": columns.user, "item": columns.item, "timestamp": columns.timestamp, "weight": columns.weight}
+    return {column: f"data.columns.{key}" for key, column in reversed(named.items()) if column}
+
+
+def require_columns(
+    wanted: Sequence[str],
+    found: Sequence[str],
+    file: str,
+    *,
+    text: TextLayout | None,
+    keys: dict[str, str] | None = None,
+) -> None:
     """A ``DataError`` naming the ``wanted`` columns missing from ``found`` (a text file's header when
     ``text`` is its layout, else Parquet's names), with the likely fix: a header split on another
-    separator names ``separator``, a headerless read says columns are positions."""
+    separator names ``separator``, a headerless read says columns are positions, and else the config
+    key to set (``keys``: column -> key, e.g. ``data.columns.timestamp``), the nearest found name, and
+    for a time column, that a log without time sets it to null."""
     missing = [c for c in wanted if c not in found]
     if not missing:
         return
@@ -454,9 +520,36 @@ def require_columns(wanted: Sequence[str], found: Sequence[str], file: str, *, t
                     f"set the table's separator: {separator!r})"
                 )
                 break
+    if not hint and keys:
+        fixes = []
+        for column in missing:
+            if column not in keys:
+                continue
+            near = difflib.get_close_matches(column, [str(f) for f in found], n=1, cutoff=0.6)
+            fix = f"set {keys[column]} to the column that holds it" + (f" (did you mean {near[0]!r}?)" if near else "")
+            if keys[column] == "data.columns.timestamp":
+                fix += "; a log without time sets data.columns.timestamp: null"
+            elif keys[column] == "data.columns.weight":
+                fix += "; without weights, data.columns.weight: null"
+            fixes.append(f"{column!r}: {fix}" if len(missing) > 1 else fix)
+        hint = f"; {'; '.join(fixes)}" if fixes else ""
     plural = "s" if len(missing) > 1 else ""
     names = ", ".join(map(repr, missing))
     raise DataError(f"missing column{plural} {names}; columns found: {list(found)}{hint}", file=file)
+
+
+def compressed_parquet(file: str) -> str | None:
+    """Why a compressed file is no Parquet file (Parquet compresses inside the file), or None."""
+    codec = compression_of(file)
+    return None if codec is None else (
+        f"the file is {codec}-compressed; a Parquet file is compressed inside (by its writer's codec): "
+        "decompress it first"
+    )
+
+
+def open_text(file: str, encoding: str, errors: str | None = None) -> io.TextIOWrapper:
+    """``file`` as text lines (newlines kept as written), decompressed when it is compressed."""
+    return io.TextIOWrapper(open_data(file), encoding=encoding, errors=errors, newline="")
 
 
 def decode_text(data: bytes, encoding: str, file: str) -> str:
@@ -469,6 +562,10 @@ def decode_text(data: bytes, encoding: str, file: str) -> str:
         message = f"unknown encoding {encoding!r}; set encoding to e.g. utf-8 or latin-1"
         raise DataError(message, file=file) from None
     except UnicodeDecodeError as error:
+        codec = compression_of_bytes(data[:10])
+        if codec is not None:  # a reader that was handed the compressed bytes: say so, not "set an encoding"
+            message = f"the file is {codec}-compressed, not {encoding} text: decompress it first"
+            raise DataError(message, file=file) from None
         if data.startswith(PARQUET_MAGIC):
             message = "the file looks like Parquet (it starts with PAR1), not text: set the table's format: parquet"
             raise DataError(message, file=file) from None

@@ -8,8 +8,11 @@ module stays light and works without a display.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 REPORT_FILE = "report.md"
 PLOT_FILES = {
@@ -153,26 +156,60 @@ def training_text(training: dict[str, Any]) -> str:
     return text
 
 
-def plot_training(training: dict[str, Any], path: str | Path) -> Path:
-    """Loss per epoch of the served run and, with early stopping, the selection's validation recall
-    per epoch (its best epoch marked), saved as a PNG."""
-    figure = _figure()
-    axes = figure.subplots()
-    loss = training["loss"]
-    axes.plot(range(1, len(loss) + 1), loss, marker="o", color="tab:blue", label="training loss")
-    axes.set_xlabel("epoch")
-    axes.set_ylabel("loss")
+@dataclass(frozen=True)
+class TrainingPanel:
+    """One panel of the training plot: a run's curves per epoch; ``recall`` on a second axis."""
+
+    title: str
+    loss_label: str
+    loss: list[float]
+    recall_label: str | None = None
+    recall: list[float] | None = None
+    best_epoch: int | None = None
+
+
+def training_panels(training: dict[str, Any]) -> list[TrainingPanel]:
+    """The training plot's panels: one per run, never one run's loss beside another's recall.
+
+    With early stopping: the selection run (its loss and validation recall, the best epoch marked)
+    and, when a refit followed, the refit (the served run's loss) in a panel of its own. Without it:
+    the one run's loss.
+    """
     stopping = training.get("early_stopping")
-    if stopping:
-        key = next(name for name in stopping if name.startswith("val_recall@"))
-        recall = figure.gca().twinx()
-        recall.plot(range(1, len(stopping[key]) + 1), stopping[key], marker="s", color="tab:orange", label=key)
-        recall.axvline(stopping["best_epoch"], color="tab:orange", linestyle="--", alpha=0.5)
-        recall.set_ylabel(f"{key} (selection run)")
-        recall.legend(loc="lower right")
-    axes.legend(loc="upper right")
-    axes.set_title("Training")
-    axes.grid(True, alpha=0.3)
+    if not stopping:
+        return [TrainingPanel("Training", "training loss", list(training["loss"]))]
+    key = next(name for name in stopping if name.startswith("val_recall@"))
+    selection = TrainingPanel(
+        "Selection run (early stopping)", "selection loss", list(stopping["selection_loss"]),
+        f"{key} (validation)", list(stopping[key]), int(stopping["best_epoch"]),
+    )
+    if stopping.get("refit", "none") == "none":
+        return [selection]  # the served weights are the selection's best epoch
+    return [selection, TrainingPanel(f"Refit (from {stopping['refit']}, served)", "refit loss", list(training["loss"]))]
+
+
+def plot_training(training: dict[str, Any], path: str | Path) -> Path:
+    """``training_panels`` side by side, saved as a PNG."""
+    panels = training_panels(training)
+    figure = _figure()
+    figure.set_size_inches(6 * len(panels), 4)
+    figure.set_layout_engine("constrained")  # the recall axis's label clear of the next panel
+    for axes, panel in zip(np.atleast_1d(figure.subplots(1, len(panels))), panels):
+        axes.plot(range(1, len(panel.loss) + 1), panel.loss, marker="o", color="tab:blue", label=panel.loss_label)
+        axes.set_xlabel("epoch")
+        axes.set_ylabel("loss")
+        axes.xaxis.get_major_locator().set_params(integer=True)
+        if panel.recall is not None:
+            recall = axes.twinx()
+            recall.plot(range(1, len(panel.recall) + 1), panel.recall, marker="s", color="tab:orange",
+                        label=panel.recall_label)
+            if panel.best_epoch is not None:
+                recall.axvline(panel.best_epoch, color="tab:orange", linestyle="--", alpha=0.5, label="best epoch")
+            recall.set_ylabel(str(panel.recall_label))
+            recall.legend(loc="lower right")
+        axes.legend(loc="upper right")
+        axes.set_title(panel.title)
+        axes.grid(True, alpha=0.3)
     figure.savefig(path, dpi=100, bbox_inches="tight")
     return Path(path)
 

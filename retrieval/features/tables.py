@@ -22,6 +22,7 @@ Fixed-width columns hold one tuple of W strings per row in a frame and become
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -140,6 +141,17 @@ def _window(clicks: pd.DataFrame, order: np.ndarray, start: np.ndarray, end: np.
     return items[index]
 
 
+def missing_feature_column(name: str, column: str, side: str, available: Sequence[str]) -> str:
+    """The error of tower feature ``name`` reading a ``column`` not ``available``, with the nearest name."""
+    near = difflib.get_close_matches(column, [str(c) for c in available], n=1, cutoff=0.6)
+    key = "source" if name != column else "name (or source)"
+    return (
+        f"towers.{side}: feature {name!r} reads column {column!r}, which is in neither the click log nor the "
+        f"{'user' if side == 'query' else 'item'} features (columns: {sorted(set(available))})"
+        + (f"; did you mean {near[0]!r}? (the feature's {key} names the column)" if near else "")
+    )
+
+
 def tower_frame(
     tower: TowerConfig,
     rows: pd.DataFrame,
@@ -167,11 +179,7 @@ def tower_frame(
     available = list(rows.columns) + ([] if table is None else [c for c in table.columns if c != key])
     for feature in tower.features:
         if feature.column not in available:
-            raise DataError(
-                f"towers.{side}: feature {feature.name!r} reads column {feature.column!r}, which is in "
-                f"neither the click log nor the {'user' if side == 'query' else 'item'} features "
-                f"(columns: {sorted(set(available))})"
-            )
+            raise DataError(missing_feature_column(feature.name, feature.column, side, available))
     values = {column: rows[column].to_numpy() for column in wanted if column in rows.columns}
     if table is not None and from_table:  # a column missing from both raised above
         joined = table.set_index(key)[from_table].reindex(pd.Index(rows[key].astype(str).to_numpy(), dtype=object))

@@ -93,7 +93,9 @@ class _Progress:
     def __init__(self, level: int, source: ClickSource, epochs: int, start: TrainingState, say=print,
                  eta_bound: bool = False):
         self.level, self.source, self.epochs, self.say = level, source, epochs, say
-        self.eta = "ETA at most" if eta_bound else "ETA"  # early stopping may end the run before ``epochs``
+        # Early stopping ends the run at an epoch nobody knows in advance (often a fraction of ``epochs``):
+        # a run ETA would be a bound many times the real time, so only the current epoch's end is given.
+        self.run_eta = not eta_bound
         self.remaining = max(epochs * source.steps_per_epoch - start.steps, 0)
         self.done = 0
         self.started = self.last = time.perf_counter()
@@ -111,9 +113,10 @@ class _Progress:
         clicks = rate * self.source.batch_size
         # Scheduled steps (ParameterServerStrategy) are read at the epoch's end: no loss before then.
         loss = f"loss {state.epoch_sums.get('loss', 0.0) / settled:.4f}, " if settled else ""
+        left = self.remaining - self.done if self.run_eta else self.source.steps_per_epoch - state.batch
         self.say(
             f"epoch {state.epoch + 1}/{self.epochs} step {state.batch}/{self.source.steps_per_epoch}: "
-            f"{clicks:,.0f} clicks/s, {loss}{self.eta} {_duration((self.remaining - self.done) / rate)}"
+            f"{clicks:,.0f} clicks/s, {loss}{'ETA' if self.run_eta else 'epoch ETA'} {_duration(left / rate)}"
         )
 
     def epoch(self, epoch: int, logs: dict[str, float], timing: dict[str, float]) -> None:
@@ -128,7 +131,7 @@ class _Progress:
         self.say(
             f"epoch {epoch + 1}/{self.epochs}: {timing['epoch_seconds']:.0f}s, "
             f"{timing['clicks_per_second']:,.0f} clicks/s, {shown}"
-            + (f", {self.eta} {_duration(eta)}" if self.done < self.remaining else "")
+            + (f", ETA {_duration(eta)}" if self.run_eta and self.done < self.remaining else "")
         )
 
 
@@ -308,7 +311,7 @@ def train_epochs(
         validation recall); a hook returning True stops training after that
         epoch, and one that raises abandons it.
       verbose: ``train.verbose``; ``say`` prints the lines.
-      eta_bound: the progress lines' ETA is an upper bound (early stopping may stop sooner).
+      eta_bound: early stopping may stop the run at any epoch: the lines give no run ETA, only the epoch's end.
 
     Returns:
       The final state; its ``history`` holds, per epoch, the mean over the

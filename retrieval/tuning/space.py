@@ -28,6 +28,9 @@ from retrieval.errors import UserError, yaml_problem
 # killed trial is tried again from the start, so it writes no checkpoints. `trial_settings` adds
 # split.evaluate_on: validation where the config splits the log itself.
 TRIAL_SETTINGS: dict[str, Any] = {
+    # A trial is scored on its selection run (the best epoch's weights): a refit on the whole training
+    # part would double its cost without changing which config wins; best.yaml keeps the base's refit.
+    "train.refit": False,
     "evaluation.baselines.rankers": [],
     "evaluation.plots": False,
     "train.checkpoint_every_seconds": 0,

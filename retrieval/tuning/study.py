@@ -47,7 +47,8 @@ class TuneSettings:
       metric: the job's ``model`` metric to maximise; its k must be in ``evaluation.ks``.
       seed: seed of the TPE sampler.
       keep_bundles: keep each trial's run directory under ``runs/``.
-      pruner_startup_trials: finished trials before the median rule prunes anything.
+      pruner_startup_trials: finished trials before the median rule prunes anything (1: from the second
+        trial on, against the first; a 3-trial study prunes nothing at 3).
       pruner_warmup_epochs: epochs of a trial before it can be pruned.
       baseline_trial: a new study's first trial takes the base config's values (those inside
         the space), so the best config found is never worse than the base on the measured metric.
@@ -57,7 +58,7 @@ class TuneSettings:
     metric: str = "recall@20"
     seed: int = 0
     keep_bundles: bool = False
-    pruner_startup_trials: int = 3
+    pruner_startup_trials: int = 1
     pruner_warmup_epochs: int = 1
     baseline_trial: bool = True
     timeout: float | None = None
