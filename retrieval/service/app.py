@@ -203,7 +203,17 @@ def create_app(
 
     async def healthz(request: Request) -> JSONResponse:
         current = holder.current
-        # The probe query through the live query model and index: a bundle that cannot answer it is not healthy.
+        # The files on disk are still those loaded (the loaded copy keeps serving either way: a restart or a
+        # reload would read the changed ones), then the probe query through the live query model and index:
+        # a bundle that cannot answer it is not healthy.
+        changed = await run_in_threadpool(current.changed_files)
+        if changed:
+            names = ", ".join(name.encode("utf-8", "backslashreplace").decode() for name in changed[:10])
+            problem = (f"bundle files changed on disk since they were loaded: {names}"
+                       f"{f' and {len(changed) - 10} more' if len(changed) > 10 else ''}; the loaded copy keeps "
+                       "serving, a reload or restart would read the changed files")
+            log.error("health check failed on %s: %s", current.version, problem)
+            return JSONResponse({"status": "failing", "bundle": current.version, "error": problem}, status_code=503)
         problem = await run_in_threadpool(current.probe_problem)
         if problem:
             log.error("health check failed on %s: %s", current.version, problem)
