@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -63,3 +65,22 @@ def seeded_subset(values: np.ndarray, size: int | None, seed: int) -> np.ndarray
     if size is None or len(values) <= size:
         return values
     return values[np.sort(np.random.default_rng(seed).choice(len(values), size, replace=False))]
+
+
+def write_faiss_index(index: Any, path: str | Path) -> None:
+    """Write a FAISS ``index`` to ``path`` through Python's file layer, so a failed write is an OSError.
+
+    ``faiss.write_index(index, path)`` reports a short write as a ``RuntimeError`` and a failed
+    final flush (a small index on a full disk) only as a line on stderr, returning as if the
+    file were whole. Serialized in memory first (a transient copy of the index's bytes) and
+    written here, a full disk is ``OSError(ENOSPC)`` naming ``path``, which entry points print
+    as one line.
+    """
+    import faiss
+
+    data = faiss.serialize_index(index)
+    try:
+        with open(path, "wb") as handle:
+            handle.write(memoryview(data))
+    except OSError as error:
+        raise OSError(error.errno, error.strerror or str(error), str(path)) from None

@@ -177,6 +177,16 @@ def disk_full(directory, manifest):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(directory, "manifest.json"))
 retrieval.bundles.write_manifest = disk_full
 """
+# The FAISS index of a re-indexed bundle written to a full disk (/dev/full: every write fails with ENOSPC).
+DISK_FULL_INDEX = """
+import builtins
+import retrieval.arrays
+def full_disk_for_the_index(path, mode="r", *args, **kwargs):
+    if str(path).endswith("index.faiss") and "w" in mode:
+        return builtins.open("/dev/full", mode, *args, **kwargs)
+    return builtins.open(path, mode, *args, **kwargs)
+retrieval.arrays.open = full_disk_for_the_index
+"""
 DISK_FULL_CHECKPOINT = """
 import errno, os
 import retrieval
@@ -301,11 +311,13 @@ CASES = {
     "export to read-only out": ("pipelines.export", ["--run", "{bundle}", "--out", "{ro}/x"], "", "{ro}"),
     "export on a full disk": ("pipelines.export", ["--run", "{bundle}", "--out", "{tmp}/x"], DISK_FULL_EXPORT,
                               "manifest.json: No space left on device: free space on that disk"),
+    "index on a full disk": ("pipelines.export", ["--run", "{bundle}", "--out", "{tmp}/x"], DISK_FULL_INDEX,
+                             "index.faiss: No space left on device: free space on that disk"),
 }
 TRAINS = {"read-only output dir", "IVF too large", "IVF too large out of core", "run dir exists",
           "checkpoint on a full disk", "evaluate on new items",
           "evaluate on other data", "reindex IVF too large", "export to read-only out",
-          "export on a full disk"}
+          "export on a full disk", "index on a full disk"}
 
 
 @pytest.mark.parametrize(
@@ -329,3 +341,21 @@ def test_entry_points_print_one_line_and_exit_2(case, tmp_path, request):
         assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob(".ivf.checkpoints*"))
     if "full disk" in case:  # a failed write leaves no half-written checkpoint or bundle behind
         assert not list(tmp_path.rglob("*_temp*")) and not (tmp_path / "x").exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux), whose writes fail with ENOSPC")
+def test_a_faiss_index_written_to_a_full_disk_is_an_oserror_naming_the_file(tmp_path):
+    """faiss.write_index reports a small index's failed flush only on stderr and returns; the write
+    through Python's file layer raises ENOSPC, which an entry point prints as one line."""
+    from retrieval.arrays import write_faiss_index
+
+    index = faiss.IndexFlatIP(8)
+    index.add(np.arange(80, dtype=np.float32).reshape(10, 8))
+    with pytest.raises(OSError) as raised:
+        write_faiss_index(index, "/dev/full")
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == "/dev/full"
+    assert user_message(raised.value) == ("/dev/full: No space left on device: "
+                                          "free space on that disk or write elsewhere")
+    write_faiss_index(index, tmp_path / "index.faiss")
+    assert faiss.serialize_index(faiss.read_index(str(tmp_path / "index.faiss"))).tobytes() == \
+        faiss.serialize_index(index).tobytes()

@@ -439,3 +439,45 @@ def test_the_bulk_lane_runs_below_the_server_priority(world, monkeypatch):  # no
     assert seen == {1: os.getpriority(os.PRIO_PROCESS, 0), 8: os.getpriority(os.PRIO_PROCESS, 0) + 5}
     with pytest.raises(ValueError, match="bulk_nice must be an integer from 0 to 19"):
         ServiceLimits(bulk_nice=20)
+
+
+# --- values that would reach a 500 -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("limit", ["%C2%B2", "%D9%A3", "%EF%BC%95", "1e2", "-5", "+5", " 5", "0"])
+def test_a_users_limit_takes_ascii_digits_only(world, limit):  # noqa: F811
+    """str.isdigit is true for a superscript two (int() refuses it), an Arabic-Indic three and a
+    fullwidth five (int() reads them): all are a 422 naming the value, as are signs and blanks."""
+    response = call(app := create_app(world["bundle-a"]), "GET", f"/users?limit={limit}")
+    assert response.status_code == 422, response.text
+    assert response.json()["error"].startswith("limit must be an integer from 1 to 1000, got ")
+    assert call(app, "GET", "/users?limit=3").json()["user_ids"] == call(app, "GET", "/users").json()["user_ids"][:3]
+
+
+LONE = '"\\ud800"'  # a JSON escape of a lone surrogate: valid JSON, not Unicode text
+
+
+@pytest.mark.parametrize(
+    "path, body, where",
+    [
+        ("/items", '{"item_ids": ["item001", ' + LONE + "]}", "item_ids.1"),
+        ("/recommend", '{"query": {"user_id": ' + LONE + "}}", "query.user_id"),
+        ("/recommend", '{"queries": [{"user_id": "user01"}, {"user_id": "x' + LONE[1:] + "}]}", "queries.1.user_id"),
+        ("/recommend", '{"query": {"user_id": "user01"}, "exclude_item_ids": [' + LONE + "]}", "exclude_item_ids.0"),
+        ("/similar", '{"item_id": ' + LONE + "}", "item_id"),
+        ("/recommend", '{"query": {' + LONE + ': "user01"}}', "query.'\\ud800'"),
+    ],
+)
+def test_a_lone_surrogate_anywhere_in_a_body_is_a_422_naming_its_field(world, path, body, where):  # noqa: F811
+    app = create_app(world["bundle-a"])
+    response = call(app, "POST", path, content=body.encode(), headers={"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    reason = "not valid Unicode text (a lone surrogate, e.g. from a \\ud800 escape)"
+    assert response.json() == {"error": f"{where}: {reason}"}
+
+
+def test_a_surrogate_in_raw_utf8_bytes_is_named_too(world):  # noqa: F811
+    """Python's JSON reader decodes UTF-8 with surrogatepass: the three bytes of an encoded surrogate
+    become one, as the escape does."""
+    response = call(create_app(world["bundle-a"]), "POST", "/items", content=b'{"item_ids": ["\xed\xa0\x80"]}')
+    assert response.status_code == 422 and response.json()["error"].startswith("item_ids.0: not valid Unicode")

@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 import retrieval.index
-from retrieval.arrays import drop_members
+from retrieval.arrays import drop_members, write_faiss_index
 from retrieval.config import ConfigError, IndexConfig
 from retrieval.exact_topk import ExactTopK, checked_search_args
 from retrieval.index.search import (
@@ -464,7 +464,7 @@ class ItemIndex:
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
-        faiss.write_index(self.index, str(directory / INDEX_FILE))
+        write_faiss_index(self.index, directory / INDEX_FILE)
         pd.DataFrame({"row": np.arange(len(self)), "item_id": self.item_ids.astype(str)}).to_parquet(
             directory / ITEM_IDS_FILE, index=False
         )

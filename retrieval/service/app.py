@@ -44,6 +44,7 @@ from retrieval.service.inputs import (
     _query_count,
     _read_body,
     _validated,
+    ascii_count,
 )
 from retrieval.service.limits import INLINE_PARSE_BYTES, ServiceLimits
 from retrieval.service.metrics import METRICS_PATH, RequestMetrics, ServiceMetrics
@@ -226,11 +227,12 @@ def create_app(
     async def users(request: Request) -> JSONResponse:
         current = holder.current
         raw = request.query_params.get("limit", str(DEFAULT_USER_LIST))
-        if not raw.isdigit() or not 1 <= int(raw) <= MAX_USER_LIST:
-            return _error(422, f"limit must be an integer from 1 to {MAX_USER_LIST}, got {raw[:40]!r}")
+        limit = ascii_count(raw)
+        if limit is None or not 1 <= limit <= MAX_USER_LIST:
+            return _error(422, f"limit must be an integer from 1 to {MAX_USER_LIST}, got {ascii(raw[:40])}")
         known = current.seen_items
         return JSONResponse({"bundle": current.version, "num_users": 0 if known is None else len(known),
-                             "user_ids": current.known_user_ids(int(raw))})
+                             "user_ids": current.known_user_ids(limit)})
 
     def answer_training_items(current: Bundle, user_id: str) -> bytes:
         items, recent = current.training_items(user_id), current.recent_items(user_id)
