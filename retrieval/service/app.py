@@ -46,7 +46,7 @@ from retrieval.service.inputs import (
     _validated,
     ascii_count,
 )
-from retrieval.service.limits import INLINE_PARSE_BYTES, ServiceLimits
+from retrieval.service.limits import INLINE_PARSE_BYTES, ServiceLimits, admin_host_allowed, same_origin
 from retrieval.service.metrics import METRICS_PATH, RequestMetrics, ServiceMetrics
 from retrieval.service.page import PAGE_PATH, page_headers, page_html
 
@@ -103,6 +103,7 @@ def create_app(
     *,
     admin: bool = True,
     admin_token: str | None = None,
+    host: str = "127.0.0.1",
     limits: ServiceLimits | None = None,
     search_threads: int | None = 1,
     verify: Verify = "quick",
@@ -116,6 +117,13 @@ def create_app(
         (``check_admin_exposure`` says which host needs what).
       admin_token: when set, ``/admin/reload`` requires
         ``Authorization: Bearer <admin_token>``.
+      host: the address the server is bound to. Admin routes refuse (403) a
+        ``Host`` header that does not name it (``admin_host_allowed``) and an
+        ``Origin`` other than the server itself (``same_origin``), then check
+        the token (401), then require ``Content-Type: application/json`` (415):
+        a page on another site can neither post to them (a cross-site form or
+        ``no-cors`` fetch sends ``text/plain`` and its own Origin) nor reach
+        them through a DNS name it controls.
       limits: body, header and bulk-lane bounds (the connection-level ones
         apply when uvicorn runs the app through ``server_config``).
       search_threads: OpenMP threads one request's FAISS search may use
@@ -298,7 +306,14 @@ def create_app(
     async def page(request: Request) -> HTMLResponse:
         return HTMLResponse(page_text, headers=page_header_values)
 
-    async def reload(request: Request) -> JSONResponse:
+    def admin_refusal(request: Request) -> JSONResponse | None:
+        """Why an admin request is refused (403 Host or Origin, 401 token, 415 Content-Type), or None."""
+        host_header, origin = request.headers.get("host"), request.headers.get("origin")
+        if not admin_host_allowed(host, host_header):
+            return _error(403, f"admin requests must name the server's address ({host}) in their Host header, "
+                               f"got {ascii((host_header or '')[:80])}")
+        if not same_origin(origin, host_header):
+            return _error(403, f"admin requests from another origin are refused, got Origin {ascii(origin[:80])}")
         if expected_authorization is not None and not hmac.compare_digest(
             request.headers.get("authorization", "").encode(), expected_authorization
         ):
@@ -307,6 +322,16 @@ def create_app(
                 status_code=401,
                 headers={"www-authenticate": "Bearer"},
             )
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != "application/json":
+            return _error(415, f"admin requests must be sent as Content-Type: application/json, "
+                               f"got {ascii(media_type[:80]) if media_type else 'none'}")
+        return None
+
+    async def reload(request: Request) -> JSONResponse:
+        refusal = admin_refusal(request)
+        if refusal is not None:
+            return refusal
         body = _parse_object(await _read_body(request, limits.max_body_bytes))
         try:
             parsed = ReloadRequest.model_validate(body)
@@ -358,6 +383,7 @@ def create_app(
     app.state.holder = holder
     app.state.metrics = metrics
     app.state.limits = limits
+    app.state.admin_host = host
     return app
 
 
