@@ -81,6 +81,6 @@ def write_faiss_index(index: Any, path: str | Path) -> None:
     data = faiss.serialize_index(index)
     try:
         with open(path, "wb") as handle:
-            handle.write(memoryview(data))
+            handle.write(np.ascontiguousarray(data).data)
     except OSError as error:
         raise OSError(error.errno, error.strerror or str(error), str(path)) from None

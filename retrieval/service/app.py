@@ -218,11 +218,11 @@ def create_app(
         changed = await run_in_threadpool(current.changed_files)
         if changed:
             names = ", ".join(name.encode("utf-8", "backslashreplace").decode() for name in changed[:10])
-            problem = (f"bundle files changed on disk since they were loaded: {names}"
-                       f"{f' and {len(changed) - 10} more' if len(changed) > 10 else ''}; the loaded copy keeps "
-                       "serving, a reload or restart would read the changed files")
-            log.error("health check failed on %s: %s", current.version, problem)
-            return JSONResponse({"status": "failing", "bundle": current.version, "error": problem}, status_code=503)
+            reason = (f"bundle files changed on disk since they were loaded: {names}"
+                      f"{f' and {len(changed) - 10} more' if len(changed) > 10 else ''}; the loaded copy keeps "
+                      "serving, a reload or restart would read the changed files")
+            log.error("health check failed on %s: %s", current.version, reason)
+            return JSONResponse({"status": "failing", "bundle": current.version, "error": reason}, status_code=503)
         problem = await run_in_threadpool(current.probe_problem)
         if problem:
             log.error("health check failed on %s: %s", current.version, problem)
@@ -313,7 +313,7 @@ def create_app(
             return _error(403, f"admin requests must name the server's address ({host}) in their Host header, "
                                f"got {ascii((host_header or '')[:80])}")
         if not same_origin(origin, host_header):
-            return _error(403, f"admin requests from another origin are refused, got Origin {ascii(origin[:80])}")
+            return _error(403, f"admin requests from another origin are refused, got Origin {ascii((origin or '')[:80])}")
         if expected_authorization is not None and not hmac.compare_digest(
             request.headers.get("authorization", "").encode(), expected_authorization
         ):
