@@ -89,7 +89,7 @@ class IdList:
 
 
 class _Ids:
-    """An array of ids (bytes or str), decoded a block at a time: 10M memory-mapped user ids stay on disk."""
+    """An array of ids (bytes or str), decoded a block at a time: 10M user ids are never all Python strings."""
 
     def __init__(self, ids: np.ndarray, description: str):
         self._ids, self.description, self.total = ids, description, len(ids)

@@ -313,7 +313,8 @@ def create_app(
             return _error(403, f"admin requests must name the server's address ({host}) in their Host header, "
                                f"got {ascii((host_header or '')[:80])}")
         if not same_origin(origin, host_header):
-            return _error(403, f"admin requests from another origin are refused, got Origin {ascii((origin or '')[:80])}")
+            return _error(403, "admin requests from another origin are refused, "
+                               f"got Origin {ascii((origin or '')[:80])}")
         if expected_authorization is not None and not hmac.compare_digest(
             request.headers.get("authorization", "").encode(), expected_authorization
         ):
