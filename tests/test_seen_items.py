@@ -376,6 +376,31 @@ def test_a_smaller_bundles_seen_items_copied_over_crash_nothing(world, tmp_path)
         assert f"seen_items/{name}" in health.json()["error"]
 
 
+@pytest.mark.parametrize("part, donor", [("index.faiss", "seen-hnsw"), ("query_model", "history")])
+def test_any_part_copied_over_from_another_bundle_changes_no_answer(world, tmp_path, part, donor):
+    """Every part is held in memory: another bundle's index (HNSW over Flat) or query SavedModel
+    copied over the served one changes no answer, and /healthz names what changed."""
+    import shutil
+
+    from retrieval import export
+
+    copy, app, expected = _serving_copy(world, tmp_path)
+    before = _answers(app)
+    if part in export.SERVED_MODELS:
+        target, source = export.model_path(copy, part), export.model_path(world[donor], part)
+        for path in source.rglob("*"):
+            if path.is_file():
+                (target / path.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, target / path.relative_to(source))
+        changed = target.relative_to(copy).as_posix()
+    else:
+        shutil.copyfile(world[donor] / part, copy / part)
+        changed = part
+    assert _answers(app) == before and before[0] == expected
+    health = call(app, "GET", "/healthz")
+    assert health.status_code == 503 and f"since they were loaded: {changed}" in health.json()["error"]
+
+
 def test_a_bundle_changed_while_it_loads_is_refused(world, tmp_path, monkeypatch):
     """A file rewritten between the fingerprint check and the end of the load: the parts in memory
     might mix old and new bytes, so the load is refused naming the file."""
