@@ -434,6 +434,9 @@ class Bundle:
                 filled[feature] = [] if spec.shape.rank == 2 else None  # a missing value, as the tower embeds it
                 continue
             value = query[feature]
+            if _not_unicode(value):
+                raise RequestError(f"query {position} feature {feature!r} is not valid Unicode text (a lone "
+                                   "surrogate, e.g. from a non-UTF-8 command-line argument or a \\ud800 escape)")
             if spec.dtype != tf.string:
                 problem = finite_feature_value(value, spec.dtype.name)
                 if problem is not None:
@@ -916,6 +919,18 @@ def _same_top_k(expected_ids: Sequence[str], expected_scores: Sequence[float], i
                 return False
             start = end
     return True
+
+
+def _not_unicode(value: Any) -> bool:
+    """Whether ``value`` (a string or a list of them) holds a string UTF-8 cannot encode (a lone surrogate)."""
+    values = value if isinstance(value, list) else [value]
+    for text in values:
+        if isinstance(text, str) and not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+    return False
 
 
 def _file_state(path: Path) -> tuple[int, int, int, str]:

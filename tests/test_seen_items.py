@@ -529,3 +529,16 @@ def test_a_reindexed_bundle_holds_what_it_serves_under_its_own_name(trained, tmp
     assert manifest["reindexed_from"]["index"]["factory"] == source["index"]["factory"]
     served = {Path(path).parts[0] for path in manifest["files"].values()}  # models/query/<version>: models
     assert names <= {*served, "manifest.json", "config.yaml"}
+
+
+def test_a_user_id_that_is_not_unicode_text_is_named_by_every_entry_point(world, capsys):
+    """A non-UTF-8 command-line argument reaches Python as a lone surrogate (surrogateescape), as a
+    JSON \\ud800 escape does: the CLI, the Python API and HTTP each name the feature, no traceback."""
+    assert serving.main(["--bundle", str(world["seen"]), "--user-id", "user0\udcff", "-k", "3"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "query 0 feature 'user_id' is not valid Unicode text" in error
+    bundle = Bundle.load(world["seen"])
+    with pytest.raises(serving.RequestError, match="query 1 feature 'user_id' is not valid Unicode text"):
+        bundle.recommend_batch([{"user_id": "user01"}, {"user_id": "\ud800"}], 3)
+    reply = call(create_app(bundle), "POST", "/recommend", content=b'{"query": {"user_id": "\\ud800"}}')
+    assert reply.status_code == 422 and reply.json()["error"].startswith("query.user_id: not valid Unicode text")
