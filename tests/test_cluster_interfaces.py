@@ -127,3 +127,42 @@ def test_a_loopback_task_listening_on_every_interface_stops_unless_allowed():
     assert everywhere and refused.returncode == 2, err[-3000:]
     assert len(ours) == 1 and f"although TF_CONFIG gives it 127.0.0.1:{port}" in ours[0], err[-3000:]
     assert "--allow-all-interfaces" in ours[0] and "(every interface)" in ours[0]
+
+
+CHIEF = """
+import logging, os, socket, sys, errno
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(name)s: %(message)s")
+from pipelines.local_cluster import LocalCluster
+with LocalCluster(1, 1) as cluster:
+    os.environ["TF_CONFIG"] = cluster.tf_config("chief", 0)
+    import retrieval
+    from retrieval.config import ParameterServerConfig
+    from retrieval.training.parameter_server import cluster_strategy
+    from retrieval.training.worker_input import data_dispatcher
+    cluster_strategy([(10, 4), (10, 4)], ParameterServerConfig())
+    data_dispatcher(cluster.data_dispatcher_port)
+    for port in (int(cluster.cluster["chief"][0].rsplit(":", 1)[1]), cluster.data_dispatcher_port):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.2", port))
+                print("loopback-only", port)
+            except OSError as error:
+                assert error.errno == errno.EADDRINUSE
+                print("every-interface", port)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc/net/tcp (Linux)")
+def test_the_chief_and_its_data_dispatcher_warn_when_they_listen_on_every_interface():
+    """The chief's own gRPC server (started by the strategy) and the tf.data dispatcher bind every
+    interface too; the chief keeps training (a warning, not an error) and names each port."""
+    done = subprocess.run([sys.executable, "-c", CHIEF], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    found = [line.split() for line in lines if line.split()[0] in ("every-interface", "loopback-only")]
+    assert len(found) == 2, lines
+    for (how, port), who in zip(found, ("TF_CONFIG task chief 0", "the tf.data dispatcher")):
+        warned = [line for line in lines if f"keep port {port} closed to other machines" in line]
+        assert len(warned) == (how == "every-interface"), lines
+        assert all(f"{who} listens on" in line for line in warned), warned

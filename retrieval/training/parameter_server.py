@@ -78,9 +78,19 @@ def parameter_server_strategy(
 def cluster_strategy(
     table_shapes: Iterable[tuple[int, int]], config: ParameterServerConfig
 ) -> tf.distribute.ParameterServerStrategy:
-    """``parameter_server_strategy`` over the TF_CONFIG cluster, for the chief (``check_cluster`` first)."""
+    """``parameter_server_strategy`` over the TF_CONFIG cluster, for the chief (``check_cluster`` first).
+
+    The strategy starts the chief's own gRPC server, on every interface whatever TF_CONFIG's host
+    (``retrieval.training.cluster``): a warning names its port when it listens beyond that host.
+    """
+    from retrieval.training.cluster import check_listening  # cluster.py imports this module
+
     check_cluster()
-    return parameter_server_strategy(table_shapes, config)
+    strategy = parameter_server_strategy(table_shapes, config)
+    cluster, task = read_tf_config()
+    index = int(task.get("index", 0))
+    check_listening(f"TF_CONFIG task chief {index}", cluster["chief"][index], allow_all_interfaces=True)
+    return strategy
 
 
 def check_cluster() -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -56,6 +57,15 @@ def data_dispatcher(port: int) -> tf.data.experimental.service.DispatchServer:
         _dispatchers[port] = tf.data.experimental.service.DispatchServer(
             tf.data.experimental.service.DispatcherConfig(port=port)
         )
+        # It binds every interface (its config takes a port only): a warning names the port when this
+        # chief's TF_CONFIG address is narrower.
+        cluster, task = read_tf_config() if os.environ.get("TF_CONFIG") else ({}, {})
+        if cluster.get("chief"):
+            from retrieval.training.cluster import check_listening
+
+            chief = cluster["chief"][int(task.get("index", 0)) if task.get("type") == "chief" else 0]
+            check_listening("the tf.data dispatcher", f"{chief.rsplit(':', 1)[0]}:{port}",
+                            allow_all_interfaces=True)
     return _dispatchers[port]
 
 
