@@ -13,6 +13,8 @@ The bundles are test_seen_items' fixed-tower bundles (no training).
 from __future__ import annotations
 
 import io
+import os
+import stat
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -394,3 +396,26 @@ def test_sigterm_during_recommend_out_removes_the_partial_file(world, tmp_path):
             process.kill()
         assert process.returncode == -number
         assert list(out.parent.iterdir()) == []
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full") or not stat.S_ISCHR(os.stat("/dev/full").st_mode),
+                    reason="needs the /dev/full device (Linux), whose writes fail with ENOSPC")
+def test_a_full_disk_under_out_is_one_line_and_leaves_no_file(world, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """The partial file's writes go to /dev/full: a small result (Arrow's own sink would drop the error of
+    its last flush and the truncated file would be renamed) is one line naming --out, status 2, no file."""
+    import builtins
+
+    from retrieval import batch_recommend
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        full = ".partial-" in str(path) and "w" in mode
+        return builtins.open("/dev/full" if full else path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(batch_recommend, "open", full_disk, raising=False)
+    listed = tmp_path / "users.txt"
+    listed.write_text("user01\nuser02\n")
+    out = tmp_path / "recs.parquet"
+    assert serving.main(["--bundle", str(world["seen"]), "--users", str(listed), "-k", "3", "--out", str(out)]) == 2
+    error = capsys.readouterr().err
+    assert error == f"error: {out}: No space left on device: free space on that disk or write elsewhere\n"
+    assert sorted(tmp_path.iterdir()) == [listed]

@@ -3,6 +3,7 @@
 import errno
 import os
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -343,7 +344,8 @@ def test_entry_points_print_one_line_and_exit_2(case, tmp_path, request):
         assert not list(tmp_path.rglob("*_temp*")) and not (tmp_path / "x").exists()
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux), whose writes fail with ENOSPC")
+@pytest.mark.skipif(not os.path.exists("/dev/full") or not stat.S_ISCHR(os.stat("/dev/full").st_mode),
+                    reason="needs the /dev/full device (Linux), whose writes fail with ENOSPC")
 def test_a_faiss_index_written_to_a_full_disk_is_an_oserror_naming_the_file(tmp_path):
     """faiss.write_index reports a small index's failed flush only on stderr and returns; the write
     through Python's file layer raises ENOSPC, which an entry point prints as one line."""
