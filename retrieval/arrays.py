@@ -84,3 +84,47 @@ def write_faiss_index(index: Any, path: str | Path) -> None:
             handle.write(np.ascontiguousarray(data).data)
     except OSError as error:
         raise OSError(error.errno, error.strerror or str(error), str(path)) from None
+
+
+class CheckedSink:
+    """A Python file as Arrow writes to it, every write and the close left to Python (which raises
+    on a failed write or flush) rather than to Arrow's file sink (which ignores a failed last flush)."""
+
+    def __init__(self, handle: Any):
+        self._handle, self._position, self.closed = handle, 0, False
+
+    def write(self, data: Any) -> int:
+        written = len(memoryview(data))
+        self._handle.write(data)
+        self._position += written
+        return written
+
+    def tell(self) -> int:
+        return self._position
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    def close(self) -> None:  # the owner closes the file, so that its flush error is raised
+        self.closed = True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+
+def write_parquet(table: Any, path: str | Path) -> None:
+    """Write the Arrow ``table`` to ``path`` as Parquet through Python's file layer (``CheckedSink``):
+    a full disk is ``OSError(ENOSPC)`` naming ``path``, where ``pq.write_table(table, path)`` drops
+    the error of its last flush and leaves a truncated file."""
+    import pyarrow.parquet as pq
+
+    try:
+        with open(path, "wb") as handle:
+            pq.write_table(table, CheckedSink(handle))
+    except OSError as error:
+        if error.errno is None:
+            raise
+        raise OSError(error.errno, error.strerror or str(error), str(path)) from None

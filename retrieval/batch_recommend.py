@@ -40,13 +40,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from retrieval.arrays import CheckedSink
 from retrieval.errors import UserError
 from retrieval.progress import Progress
 from retrieval.request_checks import checked_ids, checked_k
@@ -365,7 +366,7 @@ def _atomic_parquet(out: Path, schema: pa.Schema) -> Iterator[pq.ParquetWriter]:
     """A ParquetWriter on a hidden file beside ``out``, renamed to ``out`` when the block ends
     without an error; on an error (or Ctrl-C) the partial file is removed.
 
-    The writer writes through Python's file layer (``_CheckedSink``): Arrow's own file sink drops
+    The writer writes through Python's file layer (``retrieval.arrays.CheckedSink``): Arrow's own file sink drops
     an error of its final flush, so on a full disk a small result would be renamed truncated;
     here the close raises ``OSError(ENOSPC)`` naming the file (one line from the command).
     """
@@ -374,7 +375,7 @@ def _atomic_parquet(out: Path, schema: pa.Schema) -> Iterator[pq.ParquetWriter]:
     try:
         try:
             with open(partial, "wb") as handle:
-                with pq.ParquetWriter(_CheckedSink(handle), schema) as writer:
+                with pq.ParquetWriter(CheckedSink(handle), schema) as writer:
                     yield writer
         except OSError as error:
             if error.errno is None:
@@ -383,35 +384,6 @@ def _atomic_parquet(out: Path, schema: pa.Schema) -> Iterator[pq.ParquetWriter]:
         os.replace(partial, out)
     finally:
         partial.unlink(missing_ok=True)
-
-
-class _CheckedSink:
-    """A Python file as Arrow writes to it, every write and the close left to Python (which raises
-    on a failed write or flush) rather than to Arrow's file sink (which ignores a failed last flush)."""
-
-    def __init__(self, handle: Any):
-        self._handle, self._position, self.closed = handle, 0, False
-
-    def write(self, data: Any) -> int:
-        written = len(memoryview(data))
-        self._handle.write(data)
-        self._position += written
-        return written
-
-    def tell(self) -> int:
-        return self._position
-
-    def flush(self) -> None:
-        self._handle.flush()
-
-    def close(self) -> None:  # the owner closes the file, so that its flush error is raised
-        self.closed = True
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
 
 
 def recommend_to_files(args: argparse.Namespace) -> int:

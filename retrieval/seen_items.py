@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from retrieval.arrays import write_parquet
+
 USER_IDS_FILE = "user_ids.npy"
 INDPTR_FILE = "indptr.npy"
 ITEM_ROWS_FILE = "item_rows.npy"
@@ -83,10 +85,9 @@ def write_keyed_table(path: str | Path, key: str, ids: np.ndarray, columns: dict
     """A Parquet table of ``key`` (the sorted bytes ids of ``sorted_ids``, as strings) then ``columns``
     (Arrow arrays in that row order): what a bundle's user and item feature tables are."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     strings = pa.array(np.char.decode(ids, "utf-8").astype(object), pa.string())
-    pq.write_table(pa.table({key: strings, **columns}), str(path))
+    write_parquet(pa.table({key: strings, **columns}), path)
 
 
 def read_keyed_table(path: str | Path, key: str) -> tuple[np.ndarray, dict]:

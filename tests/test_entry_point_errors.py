@@ -361,3 +361,28 @@ def test_a_faiss_index_written_to_a_full_disk_is_an_oserror_naming_the_file(tmp_
     write_faiss_index(index, tmp_path / "index.faiss")
     assert faiss.serialize_index(faiss.read_index(str(tmp_path / "index.faiss"))).tobytes() == \
         faiss.serialize_index(index).tobytes()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full") or not stat.S_ISCHR(os.stat("/dev/full").st_mode),
+                    reason="needs the /dev/full device (Linux), whose writes fail with ENOSPC")
+@pytest.mark.parametrize("name", ["index.faiss", "item_ids.parquet"])
+def test_an_index_saved_onto_a_full_disk_names_the_file_it_could_not_write(tmp_path, monkeypatch, name):
+    """Both files of an index go through Python's file layer: a full disk is ENOSPC naming the file, also for
+    a small Parquet file, whose last flush error Arrow's own sink would drop (a truncated file, no error)."""
+    import builtins
+
+    from retrieval import arrays
+    from retrieval.index import ItemIndex
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        return builtins.open("/dev/full" if str(path).endswith(name) and "w" in mode else path, mode, *args, **kwargs)
+
+    index = faiss.IndexFlatIP(4)
+    index.add(np.eye(4, dtype=np.float32))
+    monkeypatch.setattr(arrays, "open", full_disk, raising=False)
+    with pytest.raises(OSError) as raised:
+        ItemIndex(index, ["a", "b", "c", "d"], "Flat").save(tmp_path)
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / name)
+    monkeypatch.undo()
+    ItemIndex(index, ["a", "b", "c", "d"], "Flat").save(tmp_path)
+    assert list(ItemIndex.load(tmp_path).item_ids) == ["a", "b", "c", "d"]
