@@ -1,4 +1,4 @@
-"""Which interfaces a parameter-server task listens on (``retrieval.training.cluster``).
+"""Which interfaces a parameter-server task listens on (``retrieval.training.interfaces``, ``cluster``).
 
 TensorFlow's gRPC server binds every interface whatever TF_CONFIG's host; a task given a loopback
 address refuses to serve so (one line, status 2) unless started with ``--allow-all-interfaces``,
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from retrieval.training.cluster import exposure, listening_addresses
+from retrieval.training.interfaces import exposure, listening_addresses
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"

@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from retrieval.config import Config, ParameterServerConfig
 from retrieval.errors import UserError
+from retrieval.training.interfaces import check_listening
 from retrieval.training.runtime import tf_config
 
 
@@ -81,10 +82,8 @@ def cluster_strategy(
     """``parameter_server_strategy`` over the TF_CONFIG cluster, for the chief (``check_cluster`` first).
 
     The strategy starts the chief's own gRPC server, on every interface whatever TF_CONFIG's host
-    (``retrieval.training.cluster``): a warning names its port when it listens beyond that host.
+    (``retrieval.training.interfaces``): a warning names its port when it listens beyond that host.
     """
-    from retrieval.training.cluster import check_listening  # cluster.py imports this module
-
     check_cluster()
     strategy = parameter_server_strategy(table_shapes, config)
     cluster, task = read_tf_config()

@@ -38,6 +38,7 @@ from pathlib import Path
 import tensorflow as tf
 
 from retrieval.config import ParameterServerConfig
+from retrieval.training.interfaces import check_listening
 from retrieval.training.parameter_server import ClusterError, read_tf_config
 from retrieval.training.sources import ClickSource
 
@@ -61,8 +62,6 @@ def data_dispatcher(port: int) -> tf.data.experimental.service.DispatchServer:
         # chief's TF_CONFIG address is narrower.
         cluster, task = read_tf_config() if os.environ.get("TF_CONFIG") else ({}, {})
         if cluster.get("chief"):
-            from retrieval.training.cluster import check_listening
-
             chief = cluster["chief"][int(task.get("index", 0)) if task.get("type") == "chief" else 0]
             check_listening("the tf.data dispatcher", f"{chief.rsplit(':', 1)[0]}:{port}",
                             allow_all_interfaces=True)
