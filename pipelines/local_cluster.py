@@ -135,7 +135,9 @@ class LocalCluster:
             output = self._logs.get((kind, index)) or open(self.log_dir / f"{kind}-{index}.log", "ab")  # noqa: SIM115
             self._logs[(kind, index)] = output
         self.tasks[(kind, index)] = subprocess.Popen(
-            [sys.executable, "-m", "retrieval.training.cluster",
+            # Every task listens on every interface, whatever its localhost address (TensorFlow's gRPC
+            # server cannot bind one): allowed here, and each task logs a warning naming its port.
+            [sys.executable, "-m", "retrieval.training.cluster", "--allow-all-interfaces",
              *(["--data-dispatcher", self.data_dispatcher] if kind == "worker" else [])],
             env=self.environment(kind, index), stdout=output, stderr=output,
             preexec_fn=_task_setup(self.worker_memory_limit if kind == "worker" else None),

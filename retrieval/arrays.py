@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -63,3 +65,66 @@ def seeded_subset(values: np.ndarray, size: int | None, seed: int) -> np.ndarray
     if size is None or len(values) <= size:
         return values
     return values[np.sort(np.random.default_rng(seed).choice(len(values), size, replace=False))]
+
+
+def write_faiss_index(index: Any, path: str | Path) -> None:
+    """Write a FAISS ``index`` to ``path`` through Python's file layer, so a failed write is an OSError.
+
+    ``faiss.write_index(index, path)`` reports a short write as a ``RuntimeError`` and a failed
+    final flush (a small index on a full disk) only as a line on stderr, returning as if the
+    file were whole. Serialized in memory first (a transient copy of the index's bytes) and
+    written here, a full disk is ``OSError(ENOSPC)`` naming ``path``, which entry points print
+    as one line.
+    """
+    import faiss
+
+    data = faiss.serialize_index(index)
+    try:
+        with open(path, "wb") as handle:
+            handle.write(np.ascontiguousarray(data).data)
+    except OSError as error:
+        raise OSError(error.errno, error.strerror or str(error), str(path)) from None
+
+
+class CheckedSink:
+    """A Python file as Arrow writes to it, every write and the close left to Python (which raises
+    on a failed write or flush) rather than to Arrow's file sink (which ignores a failed last flush)."""
+
+    def __init__(self, handle: Any):
+        self._handle, self._position, self.closed = handle, 0, False
+
+    def write(self, data: Any) -> int:
+        written = len(memoryview(data))
+        self._handle.write(data)
+        self._position += written
+        return written
+
+    def tell(self) -> int:
+        return self._position
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    def close(self) -> None:  # the owner closes the file, so that its flush error is raised
+        self.closed = True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+
+def write_parquet(table: Any, path: str | Path) -> None:
+    """Write the Arrow ``table`` to ``path`` as Parquet through Python's file layer (``CheckedSink``):
+    a full disk is ``OSError(ENOSPC)`` naming ``path``, where ``pq.write_table(table, path)`` drops
+    the error of its last flush and leaves a truncated file."""
+    import pyarrow.parquet as pq
+
+    try:
+        with open(path, "wb") as handle:
+            pq.write_table(table, CheckedSink(handle))
+    except OSError as error:
+        if error.errno is None:
+            raise
+        raise OSError(error.errno, error.strerror or str(error), str(path)) from None

@@ -21,7 +21,9 @@ held whole. Files (see ``RECOMMENDATION_SCHEMA`` and ``SIMILAR_SCHEMA``), one ro
 ``score`` is null where the answer is the bundle's popular items (a user id the model
 does not know, as a single request answers it). The file is written under a temporary
 name beside ``out`` and renamed at the end, so a killed run leaves no partial file
-under the final name, and an existing ``out`` is replaced only with ``overwrite``.
+under the final name, and an existing ``out`` is replaced only with ``overwrite``. The
+partial file is removed on an error, Ctrl-C, and (``retrieval recommend --out``) SIGTERM or
+SIGHUP, after which the process ends by that signal; only SIGKILL leaves it behind.
 
 ``all_users(bundle)`` is every user of the bundle's ``seen_items/`` (the users it saw in
 training), ``all_items(bundle)`` its catalogue, ``IdFile`` a text file of ids, one a line.
@@ -31,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -43,6 +47,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from retrieval.arrays import CheckedSink
 from retrieval.errors import UserError
 from retrieval.progress import Progress
 from retrieval.request_checks import checked_ids, checked_k
@@ -52,6 +57,9 @@ from retrieval.serving import Bundle, Recommendations
 # --block-size help quotes it.
 DEFAULT_BLOCK_SIZE = 1024
 ALL = "all"  # --users all / --similar all
+# The longest line an id file may hold (bytes, line end excluded): a file that is not one id a line (a
+# 300 MB line) is refused naming the line rather than read whole into memory as one id.
+MAX_ID_BYTES = 4096
 
 RECOMMENDATION_SCHEMA = pa.schema(
     [("user_id", pa.string()), ("rank", pa.int32()), ("item_id", pa.string()), ("score", pa.float32())]
@@ -82,7 +90,7 @@ class IdList:
 
 
 class _Ids:
-    """An array of ids (bytes or str), decoded a block at a time: 10M memory-mapped user ids stay on disk."""
+    """An array of ids (bytes or str), decoded a block at a time: 10M user ids are never all Python strings."""
 
     def __init__(self, ids: np.ndarray, description: str):
         self._ids, self.description, self.total = ids, description, len(ids)
@@ -117,8 +125,9 @@ class IdFile:
 
     The check (one pass, nothing kept) finds a bad line before any work is done rather than
     after hours of it: a missing or empty file, a blank line, an id with spaces around it
-    (which a request would not match) or bytes that are not UTF-8 are each a ``UserError``
-    naming the file and the line. A final newline is optional; ``\\r\\n`` line ends are read.
+    (which a request would not match), bytes that are not UTF-8 or a line longer than
+    ``MAX_ID_BYTES`` (read no further) are each a ``UserError`` naming the file and the line.
+    A final newline is optional; ``\\r\\n`` line ends are read.
 
     Args:
       path: the file.
@@ -138,9 +147,13 @@ class IdFile:
 
     def _ids(self) -> Iterator[str]:
         with self.path.open("rb") as lines:
-            for number, raw in enumerate(lines, 1):
+            # At most an id and its line end at a time: a line with no end in sight is never held whole.
+            for number, raw in enumerate(iter(lambda: lines.readline(MAX_ID_BYTES + 2), b""), 1):
                 line = raw[:-1] if raw.endswith(b"\n") else raw
                 line = line[:-1] if line.endswith(b"\r") else line
+                if len(line) > MAX_ID_BYTES:
+                    raise UserError(f"{self.path} line {number}: longer than {MAX_ID_BYTES:,} bytes; give one "
+                                    f"{self.what} id a line")
                 try:
                     text = line.decode("utf-8")
                 except UnicodeDecodeError:
@@ -351,12 +364,23 @@ def _table(block: list[str], results: list[Recommendations], schema: pa.Schema) 
 @contextmanager
 def _atomic_parquet(out: Path, schema: pa.Schema) -> Iterator[pq.ParquetWriter]:
     """A ParquetWriter on a hidden file beside ``out``, renamed to ``out`` when the block ends
-    without an error; on an error (or Ctrl-C) the partial file is removed."""
+    without an error; on an error (or Ctrl-C) the partial file is removed.
+
+    The writer writes through Python's file layer (``retrieval.arrays.CheckedSink``): Arrow's own file sink drops
+    an error of its final flush, so on a full disk a small result would be renamed truncated;
+    here the close raises ``OSError(ENOSPC)`` naming the file (one line from the command).
+    """
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
-        with pq.ParquetWriter(partial, schema) as writer:
-            yield writer
+        try:
+            with open(partial, "wb") as handle:
+                with pq.ParquetWriter(CheckedSink(handle), schema) as writer:
+                    yield writer
+        except OSError as error:
+            if error.errno is None:
+                raise
+            raise OSError(error.errno, error.strerror or str(error), str(out)) from None
         os.replace(partial, out)
     finally:
         partial.unlink(missing_ok=True)
@@ -376,6 +400,11 @@ def recommend_to_files(args: argparse.Namespace) -> int:
     if block_size < 1:
         raise UserError(f"--block-size must be a positive number of queries, got {block_size}")
     check_out(args.out, args.overwrite)  # before the bundle loads: a refusal costs nothing
+    with _removing_partial_files_on_termination():
+        return _recommend_to_files(args, block_size)
+
+
+def _recommend_to_files(args: argparse.Namespace, block_size: int) -> int:
     bundle = Bundle.load(args.bundle)
     if args.similar:
         items = item_source(bundle, args.similar[0])
@@ -390,3 +419,35 @@ def recommend_to_files(args: argparse.Namespace) -> int:
                                         overwrite=args.overwrite, progress=progress)
     print(summary.line())
     return 0
+
+
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised where the work is so that every ``finally`` on the way out runs."""
+
+
+@contextmanager
+def _removing_partial_files_on_termination() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP (a ``kill``, a closed terminal, a scheduler stopping the
+    job) raise instead of ending the process at once, so ``_atomic_parquet`` removes its partial
+    file; then the process ends by the same signal, as it would have. Main thread only (elsewhere
+    Python cannot set handlers): the block then runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+
+    def terminate(signum: int, frame: object) -> None:
+        caught.append(signum)
+        raise _Terminated(signum)
+
+    previous = {number: signal.signal(number, terminate) for number in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    except _Terminated:
+        pass
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    if caught:
+        os.kill(os.getpid(), caught[0])  # the previous handler (by default: the process ends by that signal)
+        raise SystemExit(128 + caught[0])  # a handler that returned: end as a shell reports the signal

@@ -439,7 +439,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise UserError(str(error)) from error
     app = create_app(
-        args.bundle, admin=not args.no_admin, admin_token=token, limits=limits,
+        args.bundle, admin=not args.no_admin, admin_token=token, host=args.host, limits=limits,
         search_threads=args.search_threads or None, verify=args.verify,
     )
     sys.setswitchinterval(args.gil_switch_interval)

@@ -7,19 +7,23 @@ items here (``retrieval.jobs``), the bundle keeps them under ``seen_items/``
 (``retrieval.export.write_bundle``) and ``retrieval.serving.Bundle`` excludes
 them from what it serves.
 
-The layout is CSR, three ``.npy`` files loaded with ``np.load(mmap_mode="r")``
-so that opening a bundle reads nothing until a user is looked up::
+The layout is CSR, three ``.npy`` files, read whole into the process's own memory
+when a bundle loads (``SeenItems.load``)::
 
     user_ids.npy    [num_users] fixed-width bytes (UTF-8), sorted: binary search, no hash table to build
     indptr.npy      [num_users + 1] int64: user u's items are item_rows[indptr[u]:indptr[u + 1]]
     item_rows.npy   [num_pairs] int32 rows of the bundle's index (item_ids.parquet), sorted per user
 
-User ids are a sorted fixed-width ``.npy`` rather than Parquet: a memory-mapped
-array is open in constant time and ``np.searchsorted`` finds a batch of ids in
-``O(batch * log num_users)`` page reads, where Parquet would be read and
-decoded whole and then hashed (seconds for tens of millions of users) before
-the first lookup. Fixed width costs the longest id's length per user; ids of
-training logs are short.
+User ids are a sorted fixed-width ``.npy`` rather than Parquet: the array is read
+with one copy, no decoding, and ``np.searchsorted`` finds a batch of ids in
+``O(batch * log num_users)``, where Parquet would be decoded and then hashed
+(seconds for tens of millions of users) before the first lookup. Fixed width
+costs the longest id's length per user; ids of training logs are short.
+
+The files are read, not memory-mapped: a mapped file edited or replaced under a
+running server would change its answers, and one truncated under it (a smaller
+bundle's files copied over) kills it with SIGBUS. Read, they cost their size in
+memory (4 bytes a distinct pair, 8 a user, the id width a user).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from retrieval.arrays import write_parquet
 
 USER_IDS_FILE = "user_ids.npy"
 INDPTR_FILE = "indptr.npy"
@@ -79,10 +85,9 @@ def write_keyed_table(path: str | Path, key: str, ids: np.ndarray, columns: dict
     """A Parquet table of ``key`` (the sorted bytes ids of ``sorted_ids``, as strings) then ``columns``
     (Arrow arrays in that row order): what a bundle's user and item feature tables are."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     strings = pa.array(np.char.decode(ids, "utf-8").astype(object), pa.string())
-    pq.write_table(pa.table({key: strings, **columns}), str(path))
+    write_parquet(pa.table({key: strings, **columns}), path)
 
 
 def read_keyed_table(path: str | Path, key: str) -> tuple[np.ndarray, dict]:
@@ -235,6 +240,7 @@ class SeenItems:
 
     @classmethod
     def load(cls, directory: str | Path) -> SeenItems:
-        """Memory-map the files ``save`` wrote (nothing is read until a lookup)."""
+        """Read the files ``save`` wrote whole into memory (never memory-mapped: see the module docstring)."""
         directory = Path(directory)
-        return cls(*(np.load(directory / name, mmap_mode="r") for name in (USER_IDS_FILE, INDPTR_FILE, ITEM_ROWS_FILE)))
+        return cls(*(np.load(directory / name, allow_pickle=False)
+                     for name in (USER_IDS_FILE, INDPTR_FILE, ITEM_ROWS_FILE)))

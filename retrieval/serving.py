@@ -26,9 +26,11 @@ Over HTTP, ``retrieval serve --bundle artifacts/my-run`` (``retrieval/service.py
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -43,7 +45,7 @@ import tensorflow as tf
 from retrieval.data import USER
 from retrieval.data.values import finite_feature_value
 from retrieval.errors import UserError, entry_point
-from retrieval.export import check_fingerprints, read_manifest, served_files
+from retrieval.export import MANIFEST_FILE, check_fingerprints, read_manifest, served_files
 from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFilesError, ItemIndex
 from retrieval.item_features import ItemFeatures
 from retrieval.request_checks import (
@@ -71,6 +73,8 @@ HISTORY_ORDERS: tuple[HistoryOrder, ...] = ("newest_first", "oldest_first")
 # A query embedding's norm may be this factor below the smallest or above the largest the training users'
 # queries had at export (the manifest's query_norms): users unseen in training embed a little apart.
 QUERY_NORM_MARGIN = 10.0
+# Bytes hashed at each end of every bundle file when /healthz checks that the files are those loaded.
+WATCH_BYTES = 64 * 1024
 
 
 class BundleError(UserError, ValueError):
@@ -123,6 +127,9 @@ class Bundle:
             self.manifest = read_manifest(self.directory)
             self.query_features: list[str] = [str(f) for f in self.manifest["query_features"]]
             query_model = str(self.manifest["files"]["query_model"])
+        # Taken before the fingerprint check, compared again after the last part is read: the parts
+        # in memory are then the files that were checked (``changed_files``).
+        self._watched = self._served_states(missing_ok=True)
         self._check_files(verify)
         with _part(self.directory, f"query SavedModel {query_model!r}"):
             self._query_model = tf.saved_model.load(str(self.directory / query_model))
@@ -174,7 +181,47 @@ class Bundle:
         self.user_histories = self._load_user_histories()
         self.item_display = self._load_item_features()
         self._norm_range = _norm_range(self.manifest.get("query_norms"))
+        changed = self.changed_files()
+        if changed:
+            raise BundleError(f"{self.directory}: {', '.join(changed)} changed while the bundle was being loaded: "
+                              "load it again once it is written")
         self.check_probe()
+
+    def _served_states(self, missing_ok: bool = False) -> dict[str, tuple[int, int, int, str] | None]:
+        """manifest.json and every served file (``served_files``) -> ``_file_state``; None for a file that
+        cannot be read, and {} when the manifest's files cannot be listed with ``missing_ok`` (the
+        fingerprint check then says why)."""
+        try:
+            found = served_files(self.directory, self.manifest["files"])
+        except Exception:
+            if missing_ok:
+                return {}
+            raise
+        found[MANIFEST_FILE] = self.directory / MANIFEST_FILE
+        states: dict[str, tuple[int, int, int, str] | None] = {}
+        for name, path in found.items():
+            try:
+                states[name] = _file_state(path)
+            except OSError:
+                states[name] = None
+        return states
+
+    def changed_files(self) -> list[str]:
+        """The bundle's files that differ on disk from what this Bundle loaded (sorted; empty when none).
+
+        Each of manifest.json and the served files was stat-ed and hashed at both ends
+        (``_file_state``: size, modification time, inode, blake2b of the first and last
+        ``WATCH_BYTES``) before the fingerprint check; this does it again. Every part is held in
+        memory, so a changed file never changes an answer: ``/healthz`` reports it (503) while
+        the loaded parts keep serving, and a reload reads the files as they are now.
+        """
+        try:
+            now = self._served_states()
+        except Exception:  # the manifest's files can no longer be listed (a part deleted or replaced)
+            return sorted(self._watched) or [MANIFEST_FILE]
+        names = set(self._watched) | set(now)
+        return sorted(name for name in names
+                      if self._watched.get(name) is None or self._watched.get(name) != now.get(name))
 
     def _load_seen_items(self) -> SeenItems | None:
         """The training users' items (``seen_items/``); None for a bundle exported without them."""
@@ -186,6 +233,9 @@ class Bundle:
         recorded = self.manifest.get("seen_items")
         if recorded is not None and recorded != seen.info():
             raise BundleError(f"{self.directory}: seen items hold {seen.info()}, the manifest says {recorded}")
+        if seen.num_pairs and not 0 <= int(seen.item_rows.min()) <= int(seen.item_rows.max()) < len(self.index):
+            raise BundleError(f"{self.directory}: seen items name index rows outside the {len(self.index)} rows of "
+                              "index.faiss: the bundle's parts do not belong together")
         return seen
 
     def _load_user_features(self) -> UserFeatures | None:
@@ -384,6 +434,9 @@ class Bundle:
                 filled[feature] = [] if spec.shape.rank == 2 else None  # a missing value, as the tower embeds it
                 continue
             value = query[feature]
+            if _not_unicode(value):
+                raise RequestError(f"query {position} feature {feature!r} is not valid Unicode text (a lone "
+                                   "surrogate, e.g. from a non-UTF-8 command-line argument or a \\ud800 escape)")
             if spec.dtype != tf.string:
                 problem = finite_feature_value(value, spec.dtype.name)
                 if problem is not None:
@@ -866,6 +919,30 @@ def _same_top_k(expected_ids: Sequence[str], expected_scores: Sequence[float], i
                 return False
             start = end
     return True
+
+
+def _not_unicode(value: Any) -> bool:
+    """Whether ``value`` (a string or a list of them) holds a string UTF-8 cannot encode (a lone surrogate)."""
+    values = value if isinstance(value, list) else [value]
+    for text in values:
+        if isinstance(text, str) and not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+    return False
+
+
+def _file_state(path: Path) -> tuple[int, int, int, str]:
+    """(size, mtime in ns, inode, blake2b-128 of the first and last ``WATCH_BYTES``) of ``path``: cheap
+    enough for every ``/healthz``, and it changes with an edit in place, a copy or a move over the file."""
+    with open(path, "rb") as handle:
+        stat = os.fstat(handle.fileno())
+        digest = hashlib.blake2b(handle.read(WATCH_BYTES), digest_size=16)
+        if stat.st_size > WATCH_BYTES:
+            handle.seek(max(stat.st_size - WATCH_BYTES, WATCH_BYTES))
+            digest.update(handle.read(WATCH_BYTES))
+    return stat.st_size, stat.st_mtime_ns, stat.st_ino, digest.hexdigest()
 
 
 @contextmanager

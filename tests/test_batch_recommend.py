@@ -13,6 +13,8 @@ The bundles are test_seen_items' fixed-tower bundles (no training).
 from __future__ import annotations
 
 import io
+import os
+import stat
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -136,6 +138,8 @@ def test_a_users_file_through_the_command_line(world, seen, tmp_path, capsys):  
         ("user01\n  \t\n", "users.txt line 2: a blank line"),
         ("user01\r\nuser02 \r\n", "users.txt line 2: user id 'user02 ' has spaces around it"),
         (b"user01\n\xff\xfe\n", "users.txt line 2: not UTF-8 text"),
+        ("user01\n" + "u" * 4097 + "\nuser02\n", "users.txt line 2: longer than 4,096 bytes; give one user id a line"),
+        ("user01\nuser02\n" + "u" * 4097, "users.txt line 3: longer than 4,096 bytes"),
     ],
 )
 def test_a_bad_users_file_is_a_one_line_error_naming_the_line(world, tmp_path, capsys, content, message):  # noqa: F811
@@ -337,3 +341,84 @@ def test_the_command_shows_progress_lines_on_stderr(world, tmp_path, capsys, mon
     lines = capsys.readouterr().err.splitlines()
     assert lines[-1].startswith(f"recommend: {NUM_USERS - 1} users in ")
     assert any(line.startswith("recommend: 10 / 39 users (25.6%), ") and "ETA" in line for line in lines)
+
+
+def test_an_id_file_line_is_bounded_and_never_read_whole(tmp_path):
+    """An id of MAX_ID_BYTES bytes (with \\r\\n) is read; a 32 MB line is refused after reading at most
+    a bounded piece of it (peak Python allocation far below the line's size)."""
+    import tracemalloc
+
+    from retrieval.batch_recommend import MAX_ID_BYTES
+
+    longest = tmp_path / "longest.txt"
+    longest.write_bytes(b"a\r\n" + "é".encode() * (MAX_ID_BYTES // 2) + b"\r\nb")
+    assert IdFile(longest, "user").ids() == ["a", "é" * (MAX_ID_BYTES // 2), "b"]
+    huge = tmp_path / "huge.txt"
+    huge.write_bytes(b"user01\n" + b"x" * (32 << 20) + b"\n")
+    tracemalloc.start()
+    try:
+        with pytest.raises(UserError, match=f"{huge} line 2: longer than 4,096 bytes"):
+            IdFile(huge, "user")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
+def test_sigterm_during_recommend_out_removes_the_partial_file(world, tmp_path):  # noqa: F811
+    """``retrieval recommend --out`` stopped by SIGTERM (and SIGHUP) mid-file: the hidden partial file is
+    removed, nothing is left under the final name, and the process ends by that signal."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    users = tmp_path / "users.txt"
+    users.write_text("".join(f"user{u % 39:02d}\n" for u in range(200_000)))
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        out = tmp_path / "out" / "recs.parquet"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "retrieval.serving", "--bundle", str(world["seen"]), "--users", str(users),
+             "-k", "5", "--block-size", "1", "--out", str(out)],
+            cwd=root, env={**os.environ, "PYTHONPATH": str(root), "TF_CPP_MIN_LOG_LEVEL": "3"},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not list(out.parent.glob(".recs.parquet.partial-*")):
+                assert process.poll() is None, process.communicate()[1][-3000:]
+                assert time.monotonic() < deadline, "no partial file appeared"
+                time.sleep(0.05)
+            time.sleep(0.3)  # some blocks written
+            process.send_signal(number)
+            process.communicate(timeout=60)
+        finally:
+            process.kill()
+        assert process.returncode == -number
+        assert list(out.parent.iterdir()) == []
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full") or not stat.S_ISCHR(os.stat("/dev/full").st_mode),
+                    reason="needs the /dev/full device (Linux), whose writes fail with ENOSPC")
+def test_a_full_disk_under_out_is_one_line_and_leaves_no_file(world, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """The partial file's writes go to /dev/full: a small result (Arrow's own sink would drop the error of
+    its last flush and the truncated file would be renamed) is one line naming --out, status 2, no file."""
+    import builtins
+
+    from retrieval import batch_recommend
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        full = ".partial-" in str(path) and "w" in mode
+        return builtins.open("/dev/full" if full else path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(batch_recommend, "open", full_disk, raising=False)
+    listed = tmp_path / "users.txt"
+    listed.write_text("user01\nuser02\n")
+    out = tmp_path / "recs.parquet"
+    assert serving.main(["--bundle", str(world["seen"]), "--users", str(listed), "-k", "3", "--out", str(out)]) == 2
+    error = capsys.readouterr().err
+    assert error == f"error: {out}: No space left on device: free space on that disk or write elsewhere\n"
+    assert sorted(tmp_path.iterdir()) == [listed]

@@ -3,6 +3,7 @@
 import errno
 import os
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -177,6 +178,16 @@ def disk_full(directory, manifest):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(directory, "manifest.json"))
 retrieval.bundles.write_manifest = disk_full
 """
+# The FAISS index of a re-indexed bundle written to a full disk (/dev/full: every write fails with ENOSPC).
+DISK_FULL_INDEX = """
+import builtins
+import retrieval.arrays
+def full_disk_for_the_index(path, mode="r", *args, **kwargs):
+    if str(path).endswith("index.faiss") and "w" in mode:
+        return builtins.open("/dev/full", mode, *args, **kwargs)
+    return builtins.open(path, mode, *args, **kwargs)
+retrieval.arrays.open = full_disk_for_the_index
+"""
 DISK_FULL_CHECKPOINT = """
 import errno, os
 import retrieval
@@ -301,11 +312,13 @@ CASES = {
     "export to read-only out": ("pipelines.export", ["--run", "{bundle}", "--out", "{ro}/x"], "", "{ro}"),
     "export on a full disk": ("pipelines.export", ["--run", "{bundle}", "--out", "{tmp}/x"], DISK_FULL_EXPORT,
                               "manifest.json: No space left on device: free space on that disk"),
+    "index on a full disk": ("pipelines.export", ["--run", "{bundle}", "--out", "{tmp}/x"], DISK_FULL_INDEX,
+                             "index.faiss: No space left on device: free space on that disk"),
 }
 TRAINS = {"read-only output dir", "IVF too large", "IVF too large out of core", "run dir exists",
           "checkpoint on a full disk", "evaluate on new items",
           "evaluate on other data", "reindex IVF too large", "export to read-only out",
-          "export on a full disk"}
+          "export on a full disk", "index on a full disk"}
 
 
 @pytest.mark.parametrize(
@@ -329,3 +342,47 @@ def test_entry_points_print_one_line_and_exit_2(case, tmp_path, request):
         assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob(".ivf.checkpoints*"))
     if "full disk" in case:  # a failed write leaves no half-written checkpoint or bundle behind
         assert not list(tmp_path.rglob("*_temp*")) and not (tmp_path / "x").exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full") or not stat.S_ISCHR(os.stat("/dev/full").st_mode),
+                    reason="needs the /dev/full device (Linux), whose writes fail with ENOSPC")
+def test_a_faiss_index_written_to_a_full_disk_is_an_oserror_naming_the_file(tmp_path):
+    """faiss.write_index reports a small index's failed flush only on stderr and returns; the write
+    through Python's file layer raises ENOSPC, which an entry point prints as one line."""
+    from retrieval.arrays import write_faiss_index
+
+    index = faiss.IndexFlatIP(8)
+    index.add(np.arange(80, dtype=np.float32).reshape(10, 8))
+    with pytest.raises(OSError) as raised:
+        write_faiss_index(index, "/dev/full")
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == "/dev/full"
+    assert user_message(raised.value) == ("/dev/full: No space left on device: "
+                                          "free space on that disk or write elsewhere")
+    write_faiss_index(index, tmp_path / "index.faiss")
+    assert faiss.serialize_index(faiss.read_index(str(tmp_path / "index.faiss"))).tobytes() == \
+        faiss.serialize_index(index).tobytes()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full") or not stat.S_ISCHR(os.stat("/dev/full").st_mode),
+                    reason="needs the /dev/full device (Linux), whose writes fail with ENOSPC")
+@pytest.mark.parametrize("name", ["index.faiss", "item_ids.parquet"])
+def test_an_index_saved_onto_a_full_disk_names_the_file_it_could_not_write(tmp_path, monkeypatch, name):
+    """Both files of an index go through Python's file layer: a full disk is ENOSPC naming the file, also for
+    a small Parquet file, whose last flush error Arrow's own sink would drop (a truncated file, no error)."""
+    import builtins
+
+    from retrieval import arrays
+    from retrieval.index import ItemIndex
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        return builtins.open("/dev/full" if str(path).endswith(name) and "w" in mode else path, mode, *args, **kwargs)
+
+    index = faiss.IndexFlatIP(4)
+    index.add(np.eye(4, dtype=np.float32))
+    monkeypatch.setattr(arrays, "open", full_disk, raising=False)
+    with pytest.raises(OSError) as raised:
+        ItemIndex(index, ["a", "b", "c", "d"], "Flat").save(tmp_path)
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / name)
+    monkeypatch.undo()
+    ItemIndex(index, ["a", "b", "c", "d"], "Flat").save(tmp_path)
+    assert list(ItemIndex.load(tmp_path).item_ids) == ["a", "b", "c", "d"]

@@ -94,6 +94,7 @@ def test_evaluation_does_not_import_tensorflow():
 TRAINING_MODULES = [
     "optimizers",
     "runtime",
+    "interfaces",
     "parameter_server",
     "sources",
     "worker_input",

@@ -60,7 +60,7 @@ def test_round_trip_equals_a_dict_of_sets(tmp_path_factory, clicks, strangers):
     folder = tmp_path_factory.mktemp("seen")
     seen.save(folder)
     loaded = SeenItems.load(folder)
-    assert isinstance(loaded.item_rows, np.memmap)  # memory-mapped, not read at load
+    assert not isinstance(loaded.item_rows, np.memmap)  # read into memory: a file changed later changes nothing
     assert loaded.indptr.dtype == np.int64 and loaded.item_rows.dtype == np.int32
     assert len(loaded) == len(expected) and loaded.num_pairs == sum(len(v) for v in expected.values())
     for items in (seen, loaded):
@@ -314,6 +314,113 @@ def test_seen_items_that_do_not_match_the_manifest_are_refused(world, tmp_path):
         Bundle.load(copy)
 
 
+# --- served files changed under a running server ------------------------------------------------------
+
+
+def _serving_copy(world, tmp_path):
+    """A copy of the "seen" bundle, an app serving it, and user01's answer and the brute-force reference."""
+    import shutil
+
+    copy = tmp_path / "served"
+    shutil.copytree(world["seen"], copy)
+    app = create_app(copy)
+    expected = exact_top(world, "user01", 20, exclude=world["had"]["user01"])
+    return copy, app, expected
+
+
+def _answers(app, users=("user01", "user05", "user38")):
+    replies = [call(app, "POST", "/recommend", json={"query": {"user_id": user}, "k": 20}) for user in users]
+    assert all(reply.status_code == 200 for reply in replies), [reply.text for reply in replies]
+    return [reply.json()["item_ids"] for reply in replies]
+
+
+def test_seen_items_rewritten_in_place_change_no_answer_and_fail_healthz(world, tmp_path):
+    """Same size, same inode, modification time put back: the answers stay those of the loaded files
+    (user01's training items still excluded, the brute-force top-k over the rest) and /healthz names
+    the changed file with a 503 while the old state serves on; a reload refuses the edited bundle."""
+    import os
+
+    copy, app, expected = _serving_copy(world, tmp_path)
+    before = _answers(app)
+    assert before[0] == expected and call(app, "GET", "/healthz").status_code == 200
+    rows = copy / SEEN_ITEMS_DIR / "item_rows.npy"
+    stat = rows.stat()
+    stored = np.load(rows)
+    with open(rows, "r+b") as handle:  # every user's items now point at the rows user01 scores lowest
+        np.lib.format.write_array(handle, np.full_like(stored, np.argsort(world["items"] @ world["users"][1])[0]))
+    os.utime(rows, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert rows.stat().st_size == stat.st_size and rows.stat().st_ino == stat.st_ino
+    assert _answers(app) == before
+    health = call(app, "GET", "/healthz")
+    assert health.status_code == 503 and health.json()["status"] == "failing"
+    assert "changed on disk since they were loaded: seen_items/item_rows.npy;" in health.json()["error"]
+    assert str(tmp_path) not in health.text
+    reload = call(app, "POST", "/admin/reload", json={"bundle": str(copy)})
+    assert reload.status_code == 422 and "item_rows.npy: content differs" in reload.json()["error"]
+    assert _answers(app) == before and call(app, "GET", "/healthz").status_code == 503
+
+
+def test_a_smaller_bundles_seen_items_copied_over_crash_nothing(world, tmp_path):
+    """The files of a bundle with one user and one pair written over the served ones (truncated, as
+    cp does): no crash (the files are not mapped), the same answers, and /healthz names all three."""
+    copy, app, expected = _serving_copy(world, tmp_path)
+    before = _answers(app)
+    SeenItems.from_pairs(["user01"], np.array([0])).save(copy / SEEN_ITEMS_DIR)
+    assert (copy / SEEN_ITEMS_DIR / "item_rows.npy").stat().st_size < 4096
+    assert _answers(app) == before and before[0] == expected
+    assert call(app, "GET", "/users/user05/items").json()["item_ids"] == sorted(
+        world["had"]["user05"], key=world["item_ids"].index)
+    health = call(app, "GET", "/healthz")
+    assert health.status_code == 503
+    for name in ("indptr.npy", "item_rows.npy", "user_ids.npy"):
+        assert f"seen_items/{name}" in health.json()["error"]
+
+
+@pytest.mark.parametrize("part, donor", [("index.faiss", "seen-hnsw"), ("query_model", "history")])
+def test_any_part_copied_over_from_another_bundle_changes_no_answer(world, tmp_path, part, donor):
+    """Every part is held in memory: another bundle's index (HNSW over Flat) or query SavedModel
+    copied over the served one changes no answer, and /healthz names what changed."""
+    import shutil
+
+    from retrieval import export
+
+    copy, app, expected = _serving_copy(world, tmp_path)
+    before = _answers(app)
+    if part in export.SERVED_MODELS:
+        target, source = export.model_path(copy, part), export.model_path(world[donor], part)
+        for path in source.rglob("*"):
+            if path.is_file():
+                (target / path.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, target / path.relative_to(source))
+        changed = target.relative_to(copy).as_posix()
+    else:
+        shutil.copyfile(world[donor] / part, copy / part)
+        changed = part
+    assert _answers(app) == before and before[0] == expected
+    health = call(app, "GET", "/healthz")
+    assert health.status_code == 503 and f"since they were loaded: {changed}" in health.json()["error"]
+
+
+def test_a_bundle_changed_while_it_loads_is_refused(world, tmp_path, monkeypatch):
+    """A file rewritten between the fingerprint check and the end of the load: the parts in memory
+    might mix old and new bytes, so the load is refused naming the file."""
+    import shutil
+
+    copy = tmp_path / "bundle"
+    shutil.copytree(world["seen"], copy)
+    load = SeenItems.load
+
+    def rewritten_meanwhile(directory):
+        loaded = load(directory)
+        index = copy / "index.json"
+        index.write_text(index.read_text() + " ")
+        return loaded
+
+    monkeypatch.setattr(serving.SeenItems, "load", rewritten_meanwhile)
+    with pytest.raises(BundleError, match="index.json changed while the bundle was being loaded"):
+        Bundle.load(copy)
+
+
 def test_the_user_and_history_inputs_come_from_the_run_config():
     from retrieval.serving import _seen_inputs
 
@@ -422,3 +529,16 @@ def test_a_reindexed_bundle_holds_what_it_serves_under_its_own_name(trained, tmp
     assert manifest["reindexed_from"]["index"]["factory"] == source["index"]["factory"]
     served = {Path(path).parts[0] for path in manifest["files"].values()}  # models/query/<version>: models
     assert names <= {*served, "manifest.json", "config.yaml"}
+
+
+def test_a_user_id_that_is_not_unicode_text_is_named_by_every_entry_point(world, capsys):
+    """A non-UTF-8 command-line argument reaches Python as a lone surrogate (surrogateescape), as a
+    JSON \\ud800 escape does: the CLI, the Python API and HTTP each name the feature, no traceback."""
+    assert serving.main(["--bundle", str(world["seen"]), "--user-id", "user0\udcff", "-k", "3"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "query 0 feature 'user_id' is not valid Unicode text" in error
+    bundle = Bundle.load(world["seen"])
+    with pytest.raises(serving.RequestError, match="query 1 feature 'user_id' is not valid Unicode text"):
+        bundle.recommend_batch([{"user_id": "user01"}, {"user_id": "\ud800"}], 3)
+    reply = call(create_app(bundle), "POST", "/recommend", content=b'{"query": {"user_id": "\\ud800"}}')
+    assert reply.status_code == 422 and reply.json()["error"].startswith("query.user_id: not valid Unicode text")

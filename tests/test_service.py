@@ -84,7 +84,8 @@ def call(app, method, path, **kwargs):
 
     async def go():
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://in-process") as client:
+        # The address create_app assumes it is bound to by default: admin routes check the Host header.
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as client:
             return await client.request(method, path, **kwargs)
 
     return asyncio.run(go())

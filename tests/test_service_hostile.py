@@ -29,6 +29,7 @@ from retrieval.service import (
     create_app,
     is_loopback,
 )
+from retrieval.service.limits import admin_host_allowed
 from retrieval.serving import Bundle, BundleError
 
 TOKEN = "s3cret-token-0123456789"
@@ -439,3 +440,118 @@ def test_the_bulk_lane_runs_below_the_server_priority(world, monkeypatch):  # no
     assert seen == {1: os.getpriority(os.PRIO_PROCESS, 0), 8: os.getpriority(os.PRIO_PROCESS, 0) + 5}
     with pytest.raises(ValueError, match="bulk_nice must be an integer from 0 to 19"):
         ServiceLimits(bulk_nice=20)
+
+
+# --- values that would reach a 500 -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("limit", ["%C2%B2", "%D9%A3", "%EF%BC%95", "1e2", "-5", "+5", " 5", "0"])
+def test_a_users_limit_takes_ascii_digits_only(world, limit):  # noqa: F811
+    """str.isdigit is true for a superscript two (int() refuses it), an Arabic-Indic three and a
+    fullwidth five (int() reads them): all are a 422 naming the value, as are signs and blanks."""
+    response = call(app := create_app(world["bundle-a"]), "GET", f"/users?limit={limit}")
+    assert response.status_code == 422, response.text
+    assert response.json()["error"].startswith("limit must be an integer from 1 to 1000, got ")
+    assert call(app, "GET", "/users?limit=3").json()["user_ids"] == call(app, "GET", "/users").json()["user_ids"][:3]
+
+
+LONE = '"\\ud800"'  # a JSON escape of a lone surrogate: valid JSON, not Unicode text
+
+
+@pytest.mark.parametrize(
+    "path, body, where",
+    [
+        ("/items", '{"item_ids": ["item001", ' + LONE + "]}", "item_ids.1"),
+        ("/recommend", '{"query": {"user_id": ' + LONE + "}}", "query.user_id"),
+        ("/recommend", '{"queries": [{"user_id": "user01"}, {"user_id": "x' + LONE[1:] + "}]}", "queries.1.user_id"),
+        ("/recommend", '{"query": {"user_id": "user01"}, "exclude_item_ids": [' + LONE + "]}", "exclude_item_ids.0"),
+        ("/similar", '{"item_id": ' + LONE + "}", "item_id"),
+        ("/recommend", '{"query": {' + LONE + ': "user01"}}', "query.'\\ud800'"),
+    ],
+)
+def test_a_lone_surrogate_anywhere_in_a_body_is_a_422_naming_its_field(world, path, body, where):  # noqa: F811
+    app = create_app(world["bundle-a"])
+    response = call(app, "POST", path, content=body.encode(), headers={"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    reason = "not valid Unicode text (a lone surrogate, e.g. from a \\ud800 escape)"
+    assert response.json() == {"error": f"{where}: {reason}"}
+
+
+def test_a_surrogate_in_raw_utf8_bytes_is_named_too(world):  # noqa: F811
+    """Python's JSON reader decodes UTF-8 with surrogatepass: the three bytes of an encoded surrogate
+    become one, as the escape does."""
+    response = call(create_app(world["bundle-a"]), "POST", "/items", content=b'{"item_ids": ["\xed\xa0\x80"]}')
+    assert response.status_code == 422 and response.json()["error"].startswith("item_ids.0: not valid Unicode")
+
+
+# --- the admin surface against cross-site requests ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "headers, status, reason",
+    [
+        ({"content-type": "text/plain"}, 415, "Content-Type: application/json, got 'text/plain'"),
+        ({"content-type": "application/x-www-form-urlencoded"}, 415, "got 'application/x-www-form-urlencoded'"),
+        ({"content-type": ""}, 415, "got none"),
+        ({"content-type": "application/json", "origin": "http://evil.example"}, 403, "Origin 'http://evil.example'"),
+        ({"content-type": "text/plain", "origin": "null"}, 403, "another origin are refused, got Origin 'null'"),
+        ({"content-type": "application/json", "origin": "http://127.0.0.1:9999"}, 403, "another origin"),
+        ({"content-type": "application/json", "host": "rebound.evil.example:8000"}, 403,
+         "Host header, got 'rebound.evil.example:8000'"),
+        ({"content-type": "application/json", "host": "rebound.evil.example:8000",
+          "origin": "http://rebound.evil.example:8000"}, 403, "must name the server's address (127.0.0.1)"),
+    ],
+)
+def test_admin_reload_refuses_what_a_page_on_another_site_can_send(world, headers, status, reason):  # noqa: F811
+    """A cross-site form or no-cors fetch sends text/plain (or a form type) with its own Origin; a DNS
+    name pointed at 127.0.0.1 still sends its own Host. None of them swaps the bundle."""
+    app = create_app(world["bundle-a"])
+    body = json.dumps({"bundle": str(world["bundle-b"])}).encode()
+    response = call(app, "POST", "/admin/reload", content=body, headers=headers)
+    assert response.status_code == status and reason in response.json()["error"], response.text
+    assert call(app, "GET", "/healthz").json()["bundle"] == "bundle-a"
+
+
+@pytest.mark.parametrize("headers", [
+    {"content-type": "application/json"},
+    {"content-type": "Application/JSON; charset=utf-8", "origin": "http://127.0.0.1:8000"},
+    {"content-type": "application/json", "host": "localhost:8000", "origin": "http://localhost:8000"},
+    {"content-type": "application/json", "host": "[::1]:8000"},
+])
+def test_admin_reload_from_the_server_itself_is_taken(world, headers):  # noqa: F811
+    app = create_app(world["bundle-a"])
+    body = json.dumps({"bundle": str(world["bundle-b"])}).encode()
+    response = call(app, "POST", "/admin/reload", content=body, headers=headers)
+    assert response.status_code == 200 and response.json()["bundle"] == "bundle-b", response.text
+
+
+@pytest.mark.parametrize(
+    "bound, host_header, allowed",
+    [
+        ("127.0.0.1", "127.0.0.1:8000", True), ("127.0.0.1", "localhost", True), ("127.0.0.1", "[::1]:80", True),
+        ("127.0.0.1", "LOCALHOST.:8000", True), ("::1", "127.0.0.1:8000", True),
+        ("127.0.0.1", "evil.example:8000", False), ("127.0.0.1", "192.168.1.20:8000", False),
+        ("127.0.0.1", None, False), ("127.0.0.1", "", False),
+        ("192.168.1.20", "192.168.1.20:8000", True), ("192.168.1.20", "evil.example", False),
+        ("192.168.1.20", "localhost:8000", False), ("recs.internal", "Recs.Internal:8000", True),
+        ("recs.internal", "other.internal", False), ("fe80::1", "[fe80::1]:8000", True),
+        ("0.0.0.0", "anything.example:8000", True), ("::", "10.1.2.3", True), ("0.0.0.0", None, False),
+    ],
+)
+def test_admin_host_must_name_the_bound_address(bound, host_header, allowed):
+    assert admin_host_allowed(bound, host_header) is allowed
+
+
+def test_serve_checks_admin_hosts_against_its_host_flag(world, monkeypatch):  # noqa: F811
+    seen = {}
+    monkeypatch.setenv("RETRIEVAL_ADMIN_TOKEN", TOKEN)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: seen.update(host=self.config.app.state.admin_host))
+    assert cli.main(["serve", "--bundle", str(world["bundle-a"]), "--host", "192.168.1.20"]) == 0
+    assert seen == {"host": "192.168.1.20"}
+    app = create_app(world["bundle-a"], admin_token=TOKEN, host="192.168.1.20")
+    target = json.dumps({"bundle": str(world["bundle-b"])}).encode()
+    auth = {"content-type": "application/json", "authorization": f"Bearer {TOKEN}"}
+    refused = call(app, "POST", "/admin/reload", content=target, headers={**auth, "host": "127.0.0.1:8000"})
+    assert refused.status_code == 403
+    taken = call(app, "POST", "/admin/reload", content=target, headers={**auth, "host": "192.168.1.20:8000"})
+    assert taken.status_code == 200 and taken.json()["bundle"] == "bundle-b"

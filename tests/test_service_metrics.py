@@ -92,6 +92,9 @@ def test_an_unhandled_error_is_counted_as_500(bundle_a):
     class ExplodingBundle:
         version = "exploding"
 
+        def changed_files(self):
+            return []
+
         def probe_problem(self):
             raise RuntimeError("probe exploded")
 

@@ -21,9 +21,10 @@ from typing import Any
 import faiss
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 import retrieval.index
-from retrieval.arrays import drop_members
+from retrieval.arrays import drop_members, write_faiss_index, write_parquet
 from retrieval.config import ConfigError, IndexConfig
 from retrieval.exact_topk import ExactTopK, checked_search_args
 from retrieval.index.search import (
@@ -464,10 +465,9 @@ class ItemIndex:
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
-        faiss.write_index(self.index, str(directory / INDEX_FILE))
-        pd.DataFrame({"row": np.arange(len(self)), "item_id": self.item_ids.astype(str)}).to_parquet(
-            directory / ITEM_IDS_FILE, index=False
-        )
+        write_faiss_index(self.index, directory / INDEX_FILE)
+        frame = pd.DataFrame({"row": np.arange(len(self)), "item_id": self.item_ids.astype(str)})
+        write_parquet(pa.Table.from_pandas(frame, preserve_index=False), directory / ITEM_IDS_FILE)
         (directory / INDEX_INFO_FILE).write_text(json.dumps(self.info(), indent=2))
 
     @classmethod

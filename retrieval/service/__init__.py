@@ -48,7 +48,9 @@ Endpoints (request and response bodies are JSON):
     A web page over these endpoints (``retrieval.service.page``): a user's training items
     beside its top-k with item features, an item's similar items on a click.
 ``GET /healthz``
-    ``{"status": "ok", "bundle": "<run>", "num_items": n}``.
+    ``{"status": "ok", "bundle": "<run>", "num_items": n}``; 503 ``{"status": "failing", ...,
+    "error": ...}`` when a bundle file on disk is no longer the one loaded (``Bundle.changed_files``,
+    named; the loaded copy keeps serving) or the probe query gives other items than at export.
 ``GET /metadata``
     Bundle version, query features, index factory, tuned search parameters
     and their measured recall, library versions (no server paths).
@@ -60,16 +62,20 @@ Endpoints (request and response bodies are JSON):
     then swaps it in with one reference assignment. Requests already running
     finish on the bundle they started with; none is dropped. If loading
     fails, the old bundle keeps serving and the reply says why (without
-    quoting the files). With an admin token, the request must carry
+    quoting the files). The request must name the bound address in its
+    ``Host`` header and carry no foreign ``Origin`` (403 otherwise:
+    ``admin_host_allowed``, ``same_origin``), and be sent as
+    ``Content-Type: application/json`` (415). With an admin token, it must carry
     ``Authorization: Bearer <token>`` (401 otherwise); ``retrieval serve``
     requires one whenever it binds a non-loopback address with admin on
     (``check_admin_exposure``).
 
 Bad requests get a 4xx and ``{"error": "<reason>"}``: 400 for a body that is
 not a JSON object (nested too deeply to parse included), 401 for a missing or
-wrong admin token, 408 for a request not received within
+wrong admin token, 403 for an admin request with a foreign Host or Origin, 415 for one
+not sent as JSON, 408 for a request not received within
 ``request_read_timeout``, 413 for a body over ``max_body_bytes``, 422 for a
-well-formed body with wrong fields or values, 431 for too many or too large
+well-formed body with wrong fields or values (a lone surrogate in any string among them), 431 for too many or too large
 headers, 404/405 for unknown paths and methods.
 
 Hostile clients are bounded by ``ServiceLimits`` (one ``retrieval serve``

@@ -44,8 +44,9 @@ from retrieval.service.inputs import (
     _query_count,
     _read_body,
     _validated,
+    ascii_count,
 )
-from retrieval.service.limits import INLINE_PARSE_BYTES, ServiceLimits
+from retrieval.service.limits import INLINE_PARSE_BYTES, ServiceLimits, admin_host_allowed, same_origin
 from retrieval.service.metrics import METRICS_PATH, RequestMetrics, ServiceMetrics
 from retrieval.service.page import PAGE_PATH, page_headers, page_html
 
@@ -102,6 +103,7 @@ def create_app(
     *,
     admin: bool = True,
     admin_token: str | None = None,
+    host: str = "127.0.0.1",
     limits: ServiceLimits | None = None,
     search_threads: int | None = 1,
     verify: Verify = "quick",
@@ -115,6 +117,13 @@ def create_app(
         (``check_admin_exposure`` says which host needs what).
       admin_token: when set, ``/admin/reload`` requires
         ``Authorization: Bearer <admin_token>``.
+      host: the address the server is bound to. Admin routes refuse (403) a
+        ``Host`` header that does not name it (``admin_host_allowed``) and an
+        ``Origin`` other than the server itself (``same_origin``), then check
+        the token (401), then require ``Content-Type: application/json`` (415):
+        a page on another site can neither post to them (a cross-site form or
+        ``no-cors`` fetch sends ``text/plain`` and its own Origin) nor reach
+        them through a DNS name it controls.
       limits: body, header and bulk-lane bounds (the connection-level ones
         apply when uvicorn runs the app through ``server_config``).
       search_threads: OpenMP threads one request's FAISS search may use
@@ -203,7 +212,17 @@ def create_app(
 
     async def healthz(request: Request) -> JSONResponse:
         current = holder.current
-        # The probe query through the live query model and index: a bundle that cannot answer it is not healthy.
+        # The files on disk are still those loaded (the loaded copy keeps serving either way: a restart or a
+        # reload would read the changed ones), then the probe query through the live query model and index:
+        # a bundle that cannot answer it is not healthy.
+        changed = await run_in_threadpool(current.changed_files)
+        if changed:
+            names = ", ".join(name.encode("utf-8", "backslashreplace").decode() for name in changed[:10])
+            reason = (f"bundle files changed on disk since they were loaded: {names}"
+                      f"{f' and {len(changed) - 10} more' if len(changed) > 10 else ''}; the loaded copy keeps "
+                      "serving, a reload or restart would read the changed files")
+            log.error("health check failed on %s: %s", current.version, reason)
+            return JSONResponse({"status": "failing", "bundle": current.version, "error": reason}, status_code=503)
         problem = await run_in_threadpool(current.probe_problem)
         if problem:
             log.error("health check failed on %s: %s", current.version, problem)
@@ -216,11 +235,12 @@ def create_app(
     async def users(request: Request) -> JSONResponse:
         current = holder.current
         raw = request.query_params.get("limit", str(DEFAULT_USER_LIST))
-        if not raw.isdigit() or not 1 <= int(raw) <= MAX_USER_LIST:
-            return _error(422, f"limit must be an integer from 1 to {MAX_USER_LIST}, got {raw[:40]!r}")
+        limit = ascii_count(raw)
+        if limit is None or not 1 <= limit <= MAX_USER_LIST:
+            return _error(422, f"limit must be an integer from 1 to {MAX_USER_LIST}, got {ascii(raw[:40])}")
         known = current.seen_items
         return JSONResponse({"bundle": current.version, "num_users": 0 if known is None else len(known),
-                             "user_ids": current.known_user_ids(int(raw))})
+                             "user_ids": current.known_user_ids(limit)})
 
     def answer_training_items(current: Bundle, user_id: str) -> bytes:
         items, recent = current.training_items(user_id), current.recent_items(user_id)
@@ -286,7 +306,15 @@ def create_app(
     async def page(request: Request) -> HTMLResponse:
         return HTMLResponse(page_text, headers=page_header_values)
 
-    async def reload(request: Request) -> JSONResponse:
+    def admin_refusal(request: Request) -> JSONResponse | None:
+        """Why an admin request is refused (403 Host or Origin, 401 token, 415 Content-Type), or None."""
+        host_header, origin = request.headers.get("host"), request.headers.get("origin")
+        if not admin_host_allowed(host, host_header):
+            return _error(403, f"admin requests must name the server's address ({host}) in their Host header, "
+                               f"got {ascii((host_header or '')[:80])}")
+        if not same_origin(origin, host_header):
+            return _error(403, "admin requests from another origin are refused, "
+                               f"got Origin {ascii((origin or '')[:80])}")
         if expected_authorization is not None and not hmac.compare_digest(
             request.headers.get("authorization", "").encode(), expected_authorization
         ):
@@ -295,6 +323,16 @@ def create_app(
                 status_code=401,
                 headers={"www-authenticate": "Bearer"},
             )
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != "application/json":
+            return _error(415, f"admin requests must be sent as Content-Type: application/json, "
+                               f"got {ascii(media_type[:80]) if media_type else 'none'}")
+        return None
+
+    async def reload(request: Request) -> JSONResponse:
+        refusal = admin_refusal(request)
+        if refusal is not None:
+            return refusal
         body = _parse_object(await _read_body(request, limits.max_body_bytes))
         try:
             parsed = ReloadRequest.model_validate(body)
@@ -346,6 +384,7 @@ def create_app(
     app.state.holder = holder
     app.state.metrics = metrics
     app.state.limits = limits
+    app.state.admin_host = host
     return app
 
 

@@ -154,9 +154,10 @@ async def _read_body(request: Request, limit: int) -> bytes:
     too_large = HTTPException(413, f"request body over {limit} bytes", headers={"connection": "close"})
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.strip().isdigit():
+        count = ascii_count(declared.strip())
+        if count is None:
             raise HTTPException(400, "Content-Length is not a byte count", headers={"connection": "close"})
-        if int(declared) > limit:
+        if count > limit:
             raise too_large
     chunks, size = [], 0
     async for chunk in request.stream():
@@ -167,8 +168,18 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def ascii_count(text: str) -> int | None:
+    """``text`` as a non-negative integer when it is ASCII digits only, else None.
+
+    ``str.isdigit`` is true for superscripts and other scripts' digits that ``int`` refuses
+    (``"\u00b2"``) or reads (``"\u0663"``): a query parameter or header takes 0-9 only.
+    """
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
 def _parse_object(body: bytes) -> dict[str, Any]:
-    """A JSON object from ``body``, or 400."""
+    """A JSON object from ``body``, or 400; a string in it that is not Unicode text (a lone
+    surrogate, which JSON's ``\\ud800`` escape can carry) is a 422 naming where it is."""
     try:
         payload = json.loads(body)
     except ValueError as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -177,7 +188,41 @@ def _parse_object(body: bytes) -> dict[str, Any]:
         raise HTTPException(400, "request body is not valid JSON: nested too deeply") from None
     if not isinstance(payload, dict):
         raise HTTPException(400, f"request body must be a JSON object, got {type(payload).__name__}")
+    where = _not_text(payload, "")
+    if where is not None:
+        raise HTTPException(
+            422, f"{where or 'body'}: not valid Unicode text (a lone surrogate, e.g. from a \\ud800 escape)"
+        )
     return payload
+
+
+def _not_text(value: Any, where: str) -> str | None:
+    """The path (``queries.3.user_id``, as pydantic names fields) of a string, key or value,
+    that cannot be encoded as UTF-8 in ``value``; None when there is none."""
+    stack = [(value, where)]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and not _encodes(value):
+                return where
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                inner = f"{where}.{key}" if where else str(key)
+                if not key.isascii() and not _encodes(key):
+                    return (f"{where}." if where else "") + ascii(key)
+                stack.append((item, inner))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}.{position}" if where else str(position))
+                         for position, item in reversed(list(enumerate(value))))
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _validated(payload: dict[str, Any], model: type[Body]) -> Body:

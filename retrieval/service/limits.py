@@ -2,9 +2,10 @@
 
 The bounds on what one request may ask for (``MAX_K``, ``MAX_BATCH``,
 ``MAX_EXCLUDED``, body sizes), ``ServiceLimits`` (what one client may hold;
-``retrieval serve`` has one flag per field), and the check that
+``retrieval serve`` has one flag per field), the check that
 ``/admin/reload`` is not exposed off loopback without a token
-(``is_loopback``, ``check_admin_exposure``). Nothing here loads a bundle, so
+(``is_loopback``, ``check_admin_exposure``), and which ``Host`` and ``Origin``
+headers an admin request may carry (``admin_host_allowed``, ``same_origin``). Nothing here loads a bundle, so
 ``retrieval reload`` and ``retrieval serve --help`` start fast.
 """
 
@@ -96,3 +97,50 @@ def check_admin_exposure(host: str, admin: bool, admin_token: str | None) -> Non
             f"--host {host} is not a loopback address: /admin/reload needs a token there "
             f"(--admin-token or {ADMIN_TOKEN_ENV}), or turn it off with --no-admin"
         )
+
+
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+def _hostname(host_header: str) -> str:
+    """The host name of a ``Host`` header (``[::1]:8000`` -> ``::1``, ``Example.COM.:80`` -> ``example.com``)."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        host = host[1 : host.find("]")] if "]" in host else host[1:]
+    elif host.count(":") == 1:
+        host = host.rsplit(":", 1)[0]
+    return host.rstrip(".")
+
+
+def admin_host_allowed(bound_host: str, host_header: str | None) -> bool:
+    """Whether an admin request's ``Host`` header names the address the server is bound to.
+
+    A page on another site can make a browser send requests to a loopback server
+    by pointing its own DNS name at 127.0.0.1 (DNS rebinding); the ``Host`` header
+    then still carries that name. On loopback the name must be a loopback one
+    (``localhost``, 127.0.0.0/8, ``::1``); bound to one address, that address (or,
+    for a host name, that name); on every interface (``0.0.0.0``, ``::``) any,
+    as a token is required there (``check_admin_exposure``). No header: refused.
+    """
+    if host_header is None or not host_header.strip():
+        return False
+    if bound_host.strip() in WILDCARD_HOSTS:
+        return True
+    name = _hostname(host_header)
+    if is_loopback(bound_host):
+        return is_loopback(name)
+    bound = _hostname(bound_host) if bound_host.startswith("[") else bound_host.strip().lower().rstrip(".")
+    try:
+        return ipaddress.ip_address(name) == ipaddress.ip_address(bound)
+    except ValueError:
+        return name == bound
+
+
+def same_origin(origin: str | None, host_header: str | None) -> bool:
+    """Whether a request's ``Origin`` header (sent by browsers) is the server itself: absent (a
+    command-line client), or ``http(s)://`` plus exactly the ``Host`` header. ``null`` (a sandboxed
+    page or a file) and every other site are foreign."""
+    if origin is None:
+        return True
+    scheme, _, netloc = origin.strip().lower().partition("://")
+    return scheme in ("http", "https") and host_header is not None and netloc == host_header.strip().lower()

@@ -1,7 +1,8 @@
 """Training: click sources, one tf.function step loop, checkpoints, early stopping, embeddings.
 
 Modules, in the order they build on each other: ``optimizers``, ``runtime``
-(seeds, tf.distribute), ``parameter_server`` (ParameterServerStrategy: sharded ID
+(seeds, tf.distribute), ``interfaces`` (which interfaces a cluster's servers listen on),
+``parameter_server`` (ParameterServerStrategy: sharded ID
 tables, the chief's coordinator), ``sources`` (click frame or streamed shards, one
 epoch at a time), ``worker_input`` (a source's batches staged for a cluster's workers
 to read through the tf.data service), ``cluster`` (a worker or ps task's server),

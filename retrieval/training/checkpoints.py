@@ -15,6 +15,7 @@ from pathlib import Path
 import faiss
 import tensorflow as tf
 
+from retrieval.arrays import write_faiss_index
 from retrieval.model import TwoTowerModel
 from retrieval.training.runtime import gather_workers, worker_count
 
@@ -167,7 +168,7 @@ class TrainingCheckpoint:
         try:
             miner_index = self._miner is not None and self._miner.index is not None
             if self._miner is not None and miner_index:
-                faiss.write_index(self._miner.index, str(self.directory / f".miner-{step}.tmp"))
+                write_faiss_index(self._miner.index, self.directory / f".miner-{step}.tmp")
                 os.replace(self.directory / f".miner-{step}.tmp", self.directory / f"miner-{step}.faiss")
             saved = {**dataclasses.asdict(state), "miner_index": miner_index}
             (self.directory / f".state-{step}.tmp").write_text(json.dumps(saved))

@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from retrieval.config import Config, ParameterServerConfig
 from retrieval.errors import UserError
+from retrieval.training.interfaces import check_listening
 from retrieval.training.runtime import tf_config
 
 
@@ -78,9 +79,17 @@ def parameter_server_strategy(
 def cluster_strategy(
     table_shapes: Iterable[tuple[int, int]], config: ParameterServerConfig
 ) -> tf.distribute.ParameterServerStrategy:
-    """``parameter_server_strategy`` over the TF_CONFIG cluster, for the chief (``check_cluster`` first)."""
+    """``parameter_server_strategy`` over the TF_CONFIG cluster, for the chief (``check_cluster`` first).
+
+    The strategy starts the chief's own gRPC server, on every interface whatever TF_CONFIG's host
+    (``retrieval.training.interfaces``): a warning names its port when it listens beyond that host.
+    """
     check_cluster()
-    return parameter_server_strategy(table_shapes, config)
+    strategy = parameter_server_strategy(table_shapes, config)
+    cluster, task = read_tf_config()
+    index = int(task.get("index", 0))
+    check_listening(f"TF_CONFIG task chief {index}", cluster["chief"][index], allow_all_interfaces=True)
+    return strategy
 
 
 def check_cluster() -> None:

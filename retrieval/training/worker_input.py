@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -37,6 +38,7 @@ from pathlib import Path
 import tensorflow as tf
 
 from retrieval.config import ParameterServerConfig
+from retrieval.training.interfaces import check_listening
 from retrieval.training.parameter_server import ClusterError, read_tf_config
 from retrieval.training.sources import ClickSource
 
@@ -56,6 +58,13 @@ def data_dispatcher(port: int) -> tf.data.experimental.service.DispatchServer:
         _dispatchers[port] = tf.data.experimental.service.DispatchServer(
             tf.data.experimental.service.DispatcherConfig(port=port)
         )
+        # It binds every interface (its config takes a port only): a warning names the port when this
+        # chief's TF_CONFIG address is narrower.
+        cluster, task = read_tf_config() if os.environ.get("TF_CONFIG") else ({}, {})
+        if cluster.get("chief"):
+            chief = cluster["chief"][int(task.get("index", 0)) if task.get("type") == "chief" else 0]
+            check_listening("the tf.data dispatcher", f"{chief.rsplit(':', 1)[0]}:{port}",
+                            allow_all_interfaces=True)
     return _dispatchers[port]
 
 
