@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 SET    ?=
 
-.PHONY: install install-browser test test-fast train train-cluster evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend bench-parameter-server bench-index-blocks
+.PHONY: install install-browser test test-fast train train-cluster evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend bench-parameter-server bench-index-blocks bench-demo
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -73,6 +73,10 @@ bench-eval:
 # Seconds to generate synthetic click logs of 100k and 1M clicks (the timing the unit tests do not assert).
 bench-synthetic:
 	$(BIN)/python -m benchmarks.bench_synthetic
+
+# make train at train.seed 0, 1, 2: the model beside popularity and ALS, each seed's table (~3 min on 2 cores).
+bench-demo:
+	$(BIN)/python -m benchmarks.bench_demo
 
 # ID-only vs feature towers vs + history on MovieLens 100K, with cold-start users and items (~40 min on 2 cores).
 bench-features:

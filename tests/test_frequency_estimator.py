@@ -53,7 +53,8 @@ def _poisson_stream(rates, steps, rng):
 
 def _per_occurrence_reference(batches, rate):
     """The paper's rule applied occurrence by occurrence, in plain Python: {item: gap B}, and
-    the running mean of the batch size. First sight: B = steps so far / occurrences that step."""
+    the running mean of the batch size. The c occurrences of an item in one step share the gap
+    since its last step evenly. First sight: B = steps so far / occurrences that step."""
     gap, last, draws = {}, {}, 0.0
     for step, batch in enumerate(batches, start=1):
         draws = len(batch) if step == 1 else (1 - rate) * draws + rate * len(batch)
@@ -62,8 +63,8 @@ def _per_occurrence_reference(batches, rate):
             if item not in last:
                 gap[item] = step / occurrences
             else:
-                for i in range(occurrences):  # the first sees the gap since its last step, the rest 0
-                    gap[item] = (1 - rate) * gap[item] + rate * (step - last[item] if i == 0 else 0)
+                for _ in range(occurrences):
+                    gap[item] = (1 - rate) * gap[item] + rate * (step - last[item]) / occurrences
             last[item] = step
     return gap, draws
 
@@ -113,6 +114,20 @@ def test_several_occurrences_per_batch_are_counted(seed):
     # Per-draw probability = count per step / draws per step (noisier: one snapshot).
     probability = np.exp(estimator.log_probability(tf.range(5, dtype=tf.int64)).numpy())
     np.testing.assert_allclose(probability, rates / rates.sum(), rtol=0.4)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_items_many_times_per_batch_are_not_overcounted(seed):
+    """Head items of a small catalogue fill a large batch: 10 to 100 occurrences a step at the
+    default EMA rate 0.05. The estimate stays within 10% of the Poisson rate (a numpy replay of
+    both rules over seeds 0-5: within 5%); with the batch's gap given to its first occurrence and
+    0 to the rest, 1 / gap ends every step on c - 1 zero gaps and reads about 1.3 times the rate
+    at 10, 2.8 at 36 and 33 at 100."""
+    rng = np.random.default_rng(seed)
+    rates = np.array([10.0, 36.0, 100.0])
+    estimator = StreamingFrequency(num_buckets=1024, learning_rate=0.05)
+    estimate = _averaged(estimator, _poisson_stream(rates, 1500, rng), np.arange(3), every=20, tail=1000)
+    np.testing.assert_allclose(estimate, rates, rtol=0.1)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -58,13 +58,18 @@ class StreamingFrequency(tf.Module):
         B <- (1 - lr) * B + lr * (t - A);   A <- t
 
     so ``1 / B`` estimates the item's occurrences per step. An item seen ``c``
-    times in one batch gets ``c`` sequential updates, the first with gap
-    ``t - A`` and the rest with gap 0, which in closed form is
-    ``B <- (1 - lr)^c B + lr (1 - lr)^(c - 1) (t - A)``; at the fixed point
-    ``1 / B`` is the expected number of occurrences per step, also above 1. On
-    an item's first occurrence B is set to the steps since the start (there is
-    no earlier gap to average). Collisions only shrink a bucket's gap, so the
-    estimate over several hashings takes the largest gap (Yi et al., Alg. 3).
+    times in one batch gets ``c`` updates that share the batch's gap evenly, each
+    with gap ``(t - A) / c``, which in closed form is
+    ``B <- (1 - lr)^c B + (1 - (1 - lr)^c) (t - A) / c``; with ``c = 1`` that
+    is the rule above, and at the fixed point of ``c`` occurrences a step
+    ``B = 1 / c`` exactly. (Ordering them as one update with gap ``t - A`` then
+    ``c - 1`` with gap 0 ends each batch on ``c - 1`` zeros, so ``1 / B``
+    overestimates by a factor that grows like ``(1 - lr)^-c``: at lr 0.05, 1.27
+    at 10 a step, 2.8 at 36, as often as a 1,024-click batch of the synthetic
+    log holds its most clicked item.) On an item's first occurrence B is set to
+    the steps since the start (there is no earlier gap to average), divided by c.
+    Collisions only shrink a bucket's gap, so the estimate over several hashings
+    takes the largest gap (Yi et al., Alg. 3).
     The per-draw probability is ``1 / (B * draws per step)``, the draws per
     step being a running mean of the batch size.
 
@@ -184,8 +189,9 @@ class StreamingFrequency(tf.Module):
                 # Never negative: under ParameterServerStrategy workers update asynchronously, and a step can
                 # read a last_step a later step already wrote (a negative gap would make log-Q NaN).
                 elapsed = tf.cast(tf.maximum(step - last, 0), tf.float32)
-                decayed = tf.pow(1.0 - rate, seen - 1.0)
-                updated = (1.0 - rate) * decayed * old + rate * decayed * elapsed
+                # c updates, each with the mean gap elapsed / c of the batch's c occurrences.
+                decayed = tf.pow(1.0 - rate, seen)
+                updated = decayed * old + (1.0 - decayed) * elapsed / seen
                 # First sight (last == -1): the steps since the start are the only gap there is.
                 first_sight = tf.cast(step, tf.float32) / seen
                 _scatter_update(self.gaps[h][s], at, tf.where(last < 0, first_sight, updated))
