@@ -114,13 +114,14 @@ def client_value(scalar) -> Any:
     return None if isinstance(value, float) and math.isnan(value) else value
 
 
-class SeenItems:
-    """Distinct item rows per user id, CSR: ``rows_of(user)`` is that user's training items.
+class UserRowTable:
+    """Index rows per user id, CSR over sorted ids: the layout that ``seen_items/`` and
+    ``retrieval.user_histories`` share (three ``.npy`` files, read whole, never memory-mapped).
 
     Args:
       user_ids: [num_users] sorted, distinct, UTF-8 bytes (dtype ``S<width>``).
-      indptr: [num_users + 1] int64, from 0 to num_pairs, non-decreasing.
-      item_rows: [num_pairs] int32 index rows.
+      indptr: [num_users + 1] int64, from 0 to len(item_rows), non-decreasing.
+      item_rows: [n] int32 index rows; user u's are item_rows[indptr[u]:indptr[u + 1]].
     """
 
     def __init__(self, user_ids: np.ndarray, indptr: np.ndarray, item_rows: np.ndarray):
@@ -130,11 +131,50 @@ class SeenItems:
             raise ValueError(f"indptr must be int64 [{len(user_ids) + 1}], got {indptr.dtype} {indptr.shape}")
         if item_rows.dtype != np.int32 or item_rows.ndim != 1:
             raise ValueError(f"item_rows must be a 1-D int32 array, got {item_rows.dtype} {item_rows.shape}")
-        if indptr[0] != 0 or indptr[-1] != len(item_rows):
+        if indptr[0] != 0 or indptr[-1] != len(item_rows) or (np.diff(indptr) < 0).any():
             raise ValueError(
-                f"indptr must run from 0 to len(item_rows) = {len(item_rows)}, got {indptr[0]} to {indptr[-1]}"
+                f"indptr must rise from 0 to len(item_rows) = {len(item_rows)}, got {indptr[0]} to {indptr[-1]}"
             )
         self.user_ids, self.indptr, self.item_rows = user_ids, indptr, item_rows
+
+    def __len__(self) -> int:
+        return len(self.user_ids)
+
+    def rows_or_none(self, user_ids: Sequence[str | None]) -> list[np.ndarray | None]:
+        """Each id's [n] int32 index rows (views into ``item_rows``; one binary search for all), None
+        for an id not in the table (or None)."""
+        found: list[np.ndarray | None] = [None] * len(user_ids)
+        for slot, position in enumerate(find_sorted(self.user_ids, user_ids)):
+            if position >= 0:
+                found[slot] = self.item_rows[self.indptr[position] : self.indptr[position + 1]]
+        return found
+
+    def save(self, directory: str | Path) -> None:
+        """Write the three ``.npy`` files into ``directory`` (created)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        np.save(directory / USER_IDS_FILE, self.user_ids)
+        np.save(directory / INDPTR_FILE, self.indptr)
+        np.save(directory / ITEM_ROWS_FILE, self.item_rows)
+
+    @staticmethod
+    def read_arrays(directory: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(user_ids, indptr, item_rows) as ``save`` wrote them, read whole into memory (never
+        memory-mapped: a mapped file edited under a server would change its answers)."""
+        directory = Path(directory)
+        user_ids, indptr, item_rows = (np.load(directory / name, allow_pickle=False)
+                                       for name in (USER_IDS_FILE, INDPTR_FILE, ITEM_ROWS_FILE))
+        return user_ids, indptr, item_rows
+
+
+class SeenItems(UserRowTable):
+    """Distinct item rows per user id, CSR: ``rows_of(user)`` is that user's training items.
+
+    Args:
+      user_ids: [num_users] sorted, distinct, UTF-8 bytes (dtype ``S<width>``).
+      indptr: [num_users + 1] int64, from 0 to num_pairs, non-decreasing.
+      item_rows: [num_pairs] int32 index rows.
+    """
 
     @classmethod
     def from_pairs(cls, user_ids: Sequence[str] | np.ndarray | pd.Series, item_rows: np.ndarray) -> SeenItems:
@@ -207,9 +247,6 @@ class SeenItems:
         users = np.repeat(np.arange(len(self), dtype=np.int64), np.diff(np.asarray(self.indptr)))
         return SeenItems.from_coded_pairs(users, mapped, np.char.decode(np.asarray(self.user_ids), "utf-8"))
 
-    def __len__(self) -> int:
-        return len(self.user_ids)
-
     @property
     def num_pairs(self) -> int:
         return len(self.item_rows)
@@ -224,23 +261,9 @@ class SeenItems:
 
     def rows_of_many(self, user_ids: Sequence[str | None]) -> list[np.ndarray]:
         """``rows_of`` for each id (one binary search for all); None means no user (empty)."""
-        found: list[np.ndarray] = [np.zeros(0, np.int32)] * len(user_ids)
-        for slot, position in enumerate(find_sorted(self.user_ids, user_ids)):
-            if position >= 0:
-                found[slot] = np.array(self.item_rows[self.indptr[position] : self.indptr[position + 1]])
-        return found
-
-    def save(self, directory: str | Path) -> None:
-        """Write the three ``.npy`` files into ``directory`` (created)."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        np.save(directory / USER_IDS_FILE, self.user_ids)
-        np.save(directory / INDPTR_FILE, self.indptr)
-        np.save(directory / ITEM_ROWS_FILE, self.item_rows)
+        return [np.zeros(0, np.int32) if rows is None else np.array(rows) for rows in self.rows_or_none(user_ids)]
 
     @classmethod
     def load(cls, directory: str | Path) -> SeenItems:
         """Read the files ``save`` wrote whole into memory (never memory-mapped: see the module docstring)."""
-        directory = Path(directory)
-        return cls(*(np.load(directory / name, allow_pickle=False)
-                     for name in (USER_IDS_FILE, INDPTR_FILE, ITEM_ROWS_FILE)))
+        return cls(*cls.read_arrays(directory))

@@ -27,16 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.seen_items import find_sorted, sorted_ids
+from retrieval.seen_items import UserRowTable, sorted_ids
 
 USER_HISTORIES_DIR = "user_histories"
-USER_IDS_FILE = "user_ids.npy"
-INDPTR_FILE = "indptr.npy"
-ITEM_ROWS_FILE = "item_rows.npy"
 ORDER = "newest first"
 
 
-class UserHistories:
+class UserHistories(UserRowTable):
     """Item rows per user id, newest first, CSR: ``rows_of_many([user])[0]`` is that user's history.
 
     Args:
@@ -47,19 +44,12 @@ class UserHistories:
     """
 
     def __init__(self, user_ids: np.ndarray, indptr: np.ndarray, item_rows: np.ndarray, limit: int):
-        if user_ids.ndim != 1 or user_ids.dtype.kind != "S":
-            raise ValueError(f"user_ids must be a 1-D bytes array, got {user_ids.dtype} {user_ids.shape}")
-        if indptr.dtype != np.int64 or indptr.shape != (len(user_ids) + 1,):
-            raise ValueError(f"indptr must be int64 [{len(user_ids) + 1}], got {indptr.dtype} {indptr.shape}")
-        if item_rows.dtype != np.int32 or item_rows.ndim != 1:
-            raise ValueError(f"item_rows must be a 1-D int32 array, got {item_rows.dtype} {item_rows.shape}")
-        if indptr[0] != 0 or indptr[-1] != len(item_rows) or (np.diff(indptr) < 0).any():
-            raise ValueError(f"indptr must rise from 0 to len(item_rows) = {len(item_rows)}")
+        super().__init__(user_ids, indptr, item_rows)
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"limit must be a positive number of clicks, got {limit!r}")
         if len(indptr) > 1 and int(np.diff(indptr).max()) > limit:
             raise ValueError(f"a user holds {int(np.diff(indptr).max())} clicks, more than the limit {limit}")
-        self.user_ids, self.indptr, self.item_rows, self.limit = user_ids, indptr, item_rows, limit
+        self.limit = limit
 
     @classmethod
     def from_recent(cls, user_ids: Sequence[str] | np.ndarray, indptr: np.ndarray, item_rows: np.ndarray,
@@ -95,9 +85,6 @@ class UserHistories:
             raise ValueError(f"{int((mapped < 0).sum())} history clicks name items the new index lacks")
         return UserHistories(self.user_ids, self.indptr, mapped.astype(np.int32), self.limit)
 
-    def __len__(self) -> int:
-        return len(self.user_ids)
-
     @property
     def num_clicks(self) -> int:
         return len(self.item_rows)
@@ -109,26 +96,12 @@ class UserHistories:
     def rows_of_many(self, user_ids: Sequence[str | None]) -> list[np.ndarray | None]:
         """Each id's [n] int32 index rows, newest first (one binary search for all); None for an id
         not in the table (or None)."""
-        found: list[np.ndarray | None] = [None] * len(user_ids)
-        for slot, position in enumerate(find_sorted(self.user_ids, user_ids)):
-            if position >= 0:
-                found[slot] = self.item_rows[self.indptr[position] : self.indptr[position + 1]]
-        return found
-
-    def save(self, directory: str | Path) -> None:
-        """Write the three ``.npy`` files into ``directory`` (created)."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        np.save(directory / USER_IDS_FILE, self.user_ids)
-        np.save(directory / INDPTR_FILE, self.indptr)
-        np.save(directory / ITEM_ROWS_FILE, self.item_rows)
+        return self.rows_or_none(user_ids)
 
     @classmethod
     def load(cls, directory: str | Path, limit: int) -> UserHistories:
         """Read the files ``save`` wrote whole into private read-only arrays (``limit``: the manifest's)."""
-        directory = Path(directory)
-        user_ids, indptr, item_rows = (np.load(directory / name, allow_pickle=False)
-                                       for name in (USER_IDS_FILE, INDPTR_FILE, ITEM_ROWS_FILE))
-        for array in (user_ids, indptr, item_rows):
+        arrays = cls.read_arrays(directory)
+        for array in arrays:
             array.setflags(write=False)
-        return cls(user_ids, indptr, item_rows, limit)
+        return cls(*arrays, limit)
