@@ -294,6 +294,7 @@ def test_search_without_a_title_matches_id_prefixes_and_refuses_bad_bounds(world
     assert call(plain, "GET", "/items/search?q=").json()["item_ids"] == []
     for query, reason in [("q=a&limit=0", "limit must be an integer from 1 to 100"),
                           ("q=a&limit=101", "limit must be an integer from 1 to 100"),
+                          ("q=a&limit=%C2%B2", "limit must be an integer from 1 to 100"),  # isdigit, not int
                           (f"q={'a' * 201}", "q must be at most 200 characters")]:
         reply = call(shop, "GET", f"/items/search?{query}")
         assert reply.status_code == 422 and reason in reply.json()["error"]
@@ -314,6 +315,11 @@ def test_explain_names_the_history_item_closest_to_each_recommendation(world, sh
     assert [entry["because"] for entry in empty["explanations"]] == [None] * 4
     bad = call(shop, "POST", "/explain", json={"item_ids": "item001", "history": []})
     assert bad.status_code == 422 and "item_ids" in bad.json()["error"]
+    # Ids follow the rule every route shares: an int is its decimal string, a float is no id.
+    coerced = call(shop, "POST", "/explain", json={"item_ids": [7], "history": [40]})
+    assert coerced.status_code == 200 and coerced.json()["explanations"] == [{"item_id": "7", "because": None}]
+    floats = call(shop, "POST", "/explain", json={"item_ids": ["item001"], "history": [1.5]})
+    assert floats.status_code == 422 and "history" in floats.json()["error"]
 
 
 def test_metadata_names_the_user_and_history_inputs(world, shop):

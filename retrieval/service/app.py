@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,6 +97,29 @@ def _timed_load(directory: str | Path, verify: Verify) -> tuple[Bundle, float]:
     started = time.perf_counter()
     bundle = Bundle.load(directory, verify=verify)
     return bundle, time.perf_counter() - started
+
+
+def _count_parameter(request: Request, name: str, default: int, bound: int) -> int | JSONResponse:
+    """The query parameter ``name`` as a count from 1 to ``bound`` (``default`` when absent), or the
+    422 that names it: ASCII digits only (``ascii_count``), as ``Content-Length`` is read."""
+    raw = request.query_params.get(name, str(default))
+    count = ascii_count(raw)
+    if count is None or not 1 <= count <= bound:
+        return _error(422, f"{name} must be an integer from 1 to {bound}, got {ascii(raw[:40])}")
+    return count
+
+
+def _body_handler(holder: BundleHolder, answer: Callable[[Bundle, bytes], bytes],
+                  max_body_bytes: int) -> Callable[[Request], Awaitable[Response]]:
+    """A POST route that reads the body (at most ``max_body_bytes``) and answers it with
+    ``answer(bundle, body)`` in the thread pool, against the bundle served when the request arrived."""
+
+    async def handler(request: Request) -> Response:
+        current = holder.current  # read once: a reload mid-request does not affect this request
+        body = await _read_body(request, max_body_bytes)
+        return Response(await run_in_threadpool(answer, current, body), media_type="application/json")
+
+    return handler
 
 
 def create_app(
@@ -205,10 +229,7 @@ def create_app(
             raise HTTPException(422, str(error)) from None
         return _dumps({"bundle": current.version, "item_id": parsed.item_id, **_result(result)})
 
-    async def similar(request: Request) -> Response:
-        current = holder.current  # read once: a reload mid-request does not affect this request
-        body = await _read_body(request, limits.max_body_bytes)
-        return Response(await run_in_threadpool(answer_similar, current, body), media_type="application/json")
+    similar = _body_handler(holder, answer_similar, limits.max_body_bytes)
 
     async def healthz(request: Request) -> JSONResponse:
         current = holder.current
@@ -234,10 +255,9 @@ def create_app(
 
     async def users(request: Request) -> JSONResponse:
         current = holder.current
-        raw = request.query_params.get("limit", str(DEFAULT_USER_LIST))
-        limit = ascii_count(raw)
-        if limit is None or not 1 <= limit <= MAX_USER_LIST:
-            return _error(422, f"limit must be an integer from 1 to {MAX_USER_LIST}, got {ascii(raw[:40])}")
+        limit = _count_parameter(request, "limit", DEFAULT_USER_LIST, MAX_USER_LIST)
+        if isinstance(limit, JSONResponse):
+            return limit
         known = current.seen_items
         return JSONResponse({"bundle": current.version, "num_users": 0 if known is None else len(known),
                              "user_ids": current.known_user_ids(limit)})
@@ -268,10 +288,7 @@ def create_app(
                        "items": [{"item_id": item, "features": values}
                                  for item, values in zip(parsed.item_ids, features)]})
 
-    async def items(request: Request) -> Response:
-        current = holder.current
-        body = await _read_body(request, limits.max_body_bytes)
-        return Response(await run_in_threadpool(answer_items, current, body), media_type="application/json")
+    items = _body_handler(holder, answer_items, limits.max_body_bytes)
 
     def answer_search(current: Bundle, text: str, limit: int) -> bytes:
         found = current.search_items(text, limit)
@@ -282,12 +299,12 @@ def create_app(
     async def search_items(request: Request) -> Response:
         current = holder.current
         text = request.query_params.get("q", "")
-        raw = request.query_params.get("limit", str(DEFAULT_SEARCH_RESULTS))
-        if not raw.isdigit() or not 1 <= int(raw) <= MAX_SEARCH_RESULTS:
-            return _error(422, f"limit must be an integer from 1 to {MAX_SEARCH_RESULTS}, got {raw[:40]!r}")
+        limit = _count_parameter(request, "limit", DEFAULT_SEARCH_RESULTS, MAX_SEARCH_RESULTS)
+        if isinstance(limit, JSONResponse):
+            return limit
         if len(text) > MAX_SEARCH_TEXT:
             return _error(422, f"q must be at most {MAX_SEARCH_TEXT} characters, got {len(text)}")
-        return Response(await run_in_threadpool(answer_search, current, text, int(raw)),
+        return Response(await run_in_threadpool(answer_search, current, text, limit),
                         media_type="application/json")
 
     def answer_explain(current: Bundle, body: bytes) -> bytes:
@@ -298,10 +315,7 @@ def create_app(
                        "explanations": [{"item_id": item, "because": reason}
                                         for item, reason in zip(parsed.item_ids, because)]})
 
-    async def explain(request: Request) -> Response:
-        current = holder.current
-        body = await _read_body(request, limits.max_body_bytes)
-        return Response(await run_in_threadpool(answer_explain, current, body), media_type="application/json")
+    explain = _body_handler(holder, answer_explain, limits.max_body_bytes)
 
     async def page(request: Request) -> HTMLResponse:
         return HTMLResponse(page_text, headers=page_header_values)

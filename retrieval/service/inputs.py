@@ -33,6 +33,15 @@ def _request_k(value: Any) -> int:
     return k
 
 
+def _bounded_ids(value: Any, name: str, bound: int) -> Any:
+    """A request's list of ids through the shared rule (``checked_ids``: ints are their decimal
+    strings), left to the field's ``max_length`` (which names the bound) when it holds more than
+    ``bound``, so an oversized list is refused before any id is read."""
+    if isinstance(value, list) and len(value) > bound:
+        return value
+    return checked_ids(value, name)
+
+
 class RecommendRequest(BaseModel):
     """Body of ``POST /recommend``: exactly one of ``query`` and ``queries``; ids and ``k`` follow
     ``retrieval.request_checks`` (an int id is its decimal string, for items as for users)."""
@@ -98,10 +107,8 @@ class SimilarRequest(BaseModel):
 
     @field_validator("exclude_item_ids", mode="before")
     @classmethod
-    def _excluded(cls, value: Any) -> list[str]:
-        if isinstance(value, list) and len(value) > MAX_EXCLUDED:
-            return value  # the field's max_length names the bound
-        return checked_ids(value, "exclude_item_ids")
+    def _excluded(cls, value: Any) -> Any:
+        return _bounded_ids(value, "exclude_item_ids", MAX_EXCLUDED)
 
 
 class ItemsRequest(BaseModel):
@@ -114,9 +121,7 @@ class ItemsRequest(BaseModel):
     @field_validator("item_ids", mode="before")
     @classmethod
     def _ids(cls, value: Any) -> Any:
-        if isinstance(value, list) and len(value) > MAX_EXCLUDED:
-            return value  # the field's max_length names the bound
-        return checked_ids(value, "item_ids")
+        return _bounded_ids(value, "item_ids", MAX_EXCLUDED)
 
 
 class ExplainRequest(BaseModel):
@@ -126,6 +131,16 @@ class ExplainRequest(BaseModel):
 
     item_ids: list[str] = Field(max_length=MAX_K)
     history: list[str] = Field(max_length=MAX_EXCLUDED)
+
+    @field_validator("item_ids", mode="before")
+    @classmethod
+    def _items(cls, value: Any) -> Any:
+        return _bounded_ids(value, "item_ids", MAX_K)
+
+    @field_validator("history", mode="before")
+    @classmethod
+    def _history(cls, value: Any) -> Any:
+        return _bounded_ids(value, "history", MAX_EXCLUDED)
 
 
 class ReloadRequest(BaseModel):
