@@ -88,7 +88,7 @@ from retrieval.data.fingerprint import blake2b_hex
 from retrieval.errors import UserError
 from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, ItemIndex
 from retrieval.item_features import ITEM_FEATURES_FILE, ItemFeatures
-from retrieval.seen_items import SeenItems
+from retrieval.seen_items import SeenItems, UserRowTable
 from retrieval.towers import id_lookups
 from retrieval.training import embed_frame
 from retrieval.user_features import USER_FEATURES_FILE, UserFeatures
@@ -568,11 +568,7 @@ def write_bundle(
         query = raw_query(probe_query, list(query_tower.input_names))
         probe = probe_record(query, embed_frame(query_tower, probe_query), index)
     if seen_items is not None:
-        if seen_items.num_pairs and int(seen_items.item_rows.max()) >= len(index):
-            raise ValueError(f"seen_items holds index rows up to {int(seen_items.item_rows.max())}, "
-                             f"past the {len(index)} items of the index")
-        seen_items.save(directory / SEEN_ITEMS_DIR)
-        files["seen_items"] = SEEN_ITEMS_DIR
+        files["seen_items"] = _save_user_rows(seen_items, directory, SEEN_ITEMS_DIR, "seen_items", len(index))
     table = None
     if user_features is not None:
         table = UserFeatures.from_frame(user_features)
@@ -583,11 +579,8 @@ def write_bundle(
         table.save(directory / USER_FEATURES_FILE)
         files["user_features"] = USER_FEATURES_FILE
     if user_histories is not None:
-        if user_histories.num_clicks and int(user_histories.item_rows.max()) >= len(index):
-            raise ValueError(f"user_histories holds index rows up to {int(user_histories.item_rows.max())}, "
-                             f"past the {len(index)} items of the index")
-        user_histories.save(directory / USER_HISTORIES_DIR)
-        files["user_histories"] = USER_HISTORIES_DIR
+        files["user_histories"] = _save_user_rows(user_histories, directory, USER_HISTORIES_DIR, "user_histories",
+                                                  len(index))
     display = None
     if item_features is not None:
         display = ItemFeatures.from_frame(item_features, list(index.item_ids))
@@ -792,6 +785,16 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and math.isnan(value):
         return None
     return value
+
+
+def _save_user_rows(table: UserRowTable, directory: Path, part: str, name: str, num_items: int) -> str:
+    """Save a per-user table of index rows (seen items, histories) as the bundle's ``part``, refusing
+    rows past the ``num_items`` of the index; return ``part`` for the manifest's files."""
+    if len(table.item_rows) and int(table.item_rows.max()) >= num_items:
+        raise ValueError(f"{name} holds index rows up to {int(table.item_rows.max())}, "
+                         f"past the {num_items} items of the index")
+    table.save(directory / part)
+    return part
 
 
 def query_norm_record(embeddings: np.ndarray) -> dict[str, Any]:
