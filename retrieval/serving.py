@@ -496,12 +496,17 @@ class Bundle:
 
     def sends_history(self, queries: Sequence[Any]) -> bool:
         """Whether any of ``queries`` sends a non-empty click history (whose order then matters)."""
+        return any(self._sent_history(query) for query in queries)
+
+    def _sent_history(self, query: Any) -> list[Any] | None:
+        """The click history ``query`` sends as a list (None when it sends none, or no list)."""
         name = self._history_input
-        return name is not None and any(
-            isinstance(query, Mapping) and isinstance(query.get(name), Sequence)
-            and not isinstance(query.get(name), str | bytes) and len(query[name]) > 0
-            for query in queries
-        )
+        if name is None or not isinstance(query, Mapping):
+            return None
+        history = query.get(name)
+        if not isinstance(history, Sequence) or isinstance(history, str | bytes):
+            return None
+        return list(history)
 
     def in_served_order(self, queries: Sequence[Any], history_order: HistoryOrder) -> list[Any]:
         """``queries`` with the histories they send newest first, the order the tower reads: reversed
@@ -515,12 +520,8 @@ class Bundle:
         name = self._history_input
         if history_order == "newest_first" or name is None:
             return list(queries)
-        return [
-            {**query, name: list(query[name])[::-1]}
-            if isinstance(query, Mapping) and isinstance(query.get(name), Sequence)
-            and not isinstance(query.get(name), str | bytes) else query
-            for query in queries
-        ]
+        sent = [self._sent_history(query) for query in queries]
+        return [query if history is None else {**query, name: history[::-1]} for query, history in zip(queries, sent)]
 
     def _missing_feature(self, query: Mapping[str, Any], feature: str, position: int) -> str:
         """Why ``query`` (already completed) lacks ``feature``: one line that says what to send."""
