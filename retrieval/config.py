@@ -8,7 +8,6 @@ path of the bad key in the message.
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
 import re
@@ -19,7 +18,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from retrieval.errors import UserError, yaml_problem
+from retrieval.errors import UserError, nearest_name, yaml_problem
 
 
 class ConfigError(UserError, ValueError):
@@ -1406,10 +1405,10 @@ def _did_you_mean(loc: tuple[int | str, ...]) -> str:
     """``"; did you mean train.epochs?"`` for the unknown key at ``loc`` (``("train", "epoch")``): the
     closest valid key of its section (difflib ratio >= 0.6), or "" when none is that close."""
     *section, key = loc
-    close = difflib.get_close_matches(str(key), _keys_at(section), n=1, cutoff=0.6)
-    if not close:
+    close = nearest_name(key, _keys_at(section))
+    if close is None:
         return ""
-    return f"; did you mean {'.'.join(str(part) for part in [*section, close[0]])}?"
+    return f"; did you mean {'.'.join(str(part) for part in [*section, close])}?"
 
 
 def _keys_at(section: list[int | str]) -> list[str]:

@@ -27,17 +27,25 @@ Foundation module: standard library only and nothing from the project, so every 
 
 from __future__ import annotations
 
+import difflib
 import errno
 import functools
 import os
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 DEBUG_ENV = "RETRIEVAL_DEBUG"
 EXIT_USER_ERROR = 2  # as argparse exits on a bad command line
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a process killed by Ctrl-C
+
+
+def nearest_name(word: Any, choices: Iterable[Any]) -> str | None:
+    """The one of ``choices`` closest to ``word`` (difflib ratio >= 0.6), for an error's "did you mean";
+    None when none is that close. Every such suggestion (config keys, columns, query keys) reads it."""
+    close = difflib.get_close_matches(str(word), [str(choice) for choice in choices], n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def debugging() -> bool:

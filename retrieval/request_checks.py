@@ -18,14 +18,13 @@ Every refusal is a ``RequestError``: a ``ValueError`` (the HTTP service answers 
 
 from __future__ import annotations
 
-import difflib
 import reprlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from retrieval.errors import UserError
+from retrieval.errors import UserError, nearest_name
 
 
 class RequestError(UserError, ValueError):
@@ -108,8 +107,8 @@ def check_query_keys(
     for key in query:
         if key in known:
             continue
-        near = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
+        near = nearest_name(key, known)
         note = (notes or {}).get(str(key))
         raise RequestError(f"query {position} has the key {short(key)}, which this bundle does not read "
                            f"(it reads {list(known)})" + (f": {note}" if note else "")
-                           + (f"; did you mean {near[0]!r}?" if near else ""))
+                           + (f"; did you mean {near!r}?" if near else ""))

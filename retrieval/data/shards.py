@@ -16,7 +16,6 @@ timestamps, float32 weights) with row keys increasing in log order.
 
 from __future__ import annotations
 
-import difflib
 import glob
 import io
 import re
@@ -49,6 +48,7 @@ from retrieval.data.schema import (
     read_data,
 )
 from retrieval.data.values import FLOAT32_MAX, BadValues, click_weights, id_strings, timestamp_seconds
+from retrieval.errors import nearest_name
 
 # A click's row key is its shard's place in the sorted shard list times 2**ROW_KEY_BITS plus its
 # 0-based row in the shard: increasing in log order (the in-memory frame's row order) without a
@@ -525,8 +525,8 @@ def require_columns(
         for column in missing:
             if column not in keys:
                 continue
-            near = difflib.get_close_matches(column, [str(f) for f in found], n=1, cutoff=0.6)
-            fix = f"set {keys[column]} to the column that holds it" + (f" (did you mean {near[0]!r}?)" if near else "")
+            near = nearest_name(column, found)
+            fix = f"set {keys[column]} to the column that holds it" + (f" (did you mean {near!r}?)" if near else "")
             if keys[column] == "data.columns.timestamp":
                 fix += "; a log without time sets data.columns.timestamp: null"
             elif keys[column] == "data.columns.weight":

@@ -22,7 +22,6 @@ Fixed-width columns hold one tuple of W strings per row in a frame and become
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ import pandas as pd
 from retrieval.config import FeatureConfig, TowerConfig, TowersConfig
 from retrieval.data import ITEM, TIME, USER, WEIGHT, DataError
 from retrieval.data.values import BadValues, feature_numbers
+from retrieval.errors import nearest_name
 
 if TYPE_CHECKING:
     from retrieval.features.histories import ClickHistories
@@ -143,12 +143,12 @@ def _window(clicks: pd.DataFrame, order: np.ndarray, start: np.ndarray, end: np.
 
 def missing_feature_column(name: str, column: str, side: str, available: Sequence[str]) -> str:
     """The error of tower feature ``name`` reading a ``column`` not ``available``, with the nearest name."""
-    near = difflib.get_close_matches(column, [str(c) for c in available], n=1, cutoff=0.6)
+    near = nearest_name(column, available)
     key = "source" if name != column else "name (or source)"
     return (
         f"towers.{side}: feature {name!r} reads column {column!r}, which is in neither the click log nor the "
         f"{'user' if side == 'query' else 'item'} features (columns: {sorted(set(available))})"
-        + (f"; did you mean {near[0]!r}? (the feature's {key} names the column)" if near else "")
+        + (f"; did you mean {near!r}? (the feature's {key} names the column)" if near else "")
     )
 
 
