@@ -62,7 +62,8 @@ def towers_for(user_ids, queries, item_ids, items):
 def write_test_bundle(workdir: Path, factory: str, index, towers, seen_items=None) -> Path:
     """A bundle per index; the towers (and ``seen_items``, given to the first) are saved once and
     hard-linked into the others."""
-    from retrieval.export import MANIFEST_FILE, write_bundle, write_manifest
+    from retrieval.bundle.manifest import MANIFEST_FILE, write_manifest
+    from retrieval.bundle.writer import write_bundle
 
     name = "bench-" + "".join(c if c.isalnum() else "-" for c in factory)
     directory = workdir / name

@@ -269,8 +269,8 @@ def save_embeddings(bundle_dir: Path, out: Path, *, query_users: int, seed: int)
     import pyarrow.dataset as ds
     import tensorflow as tf
 
+    from retrieval.bundle.manifest import read_manifest
     from retrieval.config import Config
-    from retrieval.export import read_manifest
 
     started = time.perf_counter()
     manifest = read_manifest(bundle_dir)

@@ -14,14 +14,16 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
+from retrieval.bundle.manifest import BUNDLE_FORMAT_VERSION, write_manifest
+from retrieval.bundle.run_directory import atomic_directory
+from retrieval.bundle.seen_items import SeenItems
+from retrieval.bundle.writer import probe_record
 from retrieval.config import Config, IndexConfig, apply_overrides, save_config
 from retrieval.data import ITEM, DataError
 from retrieval.evaluation import write_report
-from retrieval.export import BUNDLE_FORMAT_VERSION, atomic_directory, probe_record, write_manifest
 from retrieval.features import feature_arrays
 from retrieval.index import INDEX_INFO_FILE, build_index, check_index_fits
 from retrieval.jobs import evaluate, evaluation_clicks, read_and_split
-from retrieval.seen_items import SeenItems
 from retrieval.serving import Bundle
 
 

@@ -232,9 +232,9 @@ new directory.""",
 def _export(args: argparse.Namespace) -> int:
     setup_logging()
 
+    from retrieval.bundle.manifest import read_manifest
     from retrieval.bundles import reindex_bundle
     from retrieval.config import Config, apply_overrides
-    from retrieval.export import read_manifest
 
     manifest = read_manifest(args.run)
     config = Config.from_dict(apply_overrides(manifest["config"], args.overrides), source="--set")

@@ -16,7 +16,7 @@ or from a shell::
 (``retrieval recommend`` takes the same arguments; ``--out`` runs ``retrieval.batch_recommend``.)
 
 What a user already has is never served by default: the user's training
-items (the bundle's ``seen_items/``, ``retrieval.seen_items``) and the items
+items (the bundle's ``seen_items/``, ``retrieval.bundle.seen_items``) and the items
 of the query's click history; ``exclude_seen=False`` (``--include-seen``)
 serves them too.
 
@@ -42,12 +42,16 @@ from typing import Any, Literal
 import numpy as np
 import tensorflow as tf
 
+from retrieval.bundle.display_features import DisplayFeatures
+from retrieval.bundle.fingerprints import check_fingerprints, served_files
+from retrieval.bundle.manifest import MANIFEST_FILE, read_manifest
+from retrieval.bundle.seen_items import SeenItems, find_sorted
+from retrieval.bundle.user_features import UserFeatures
+from retrieval.bundle.user_histories import UserHistories
 from retrieval.data import USER
 from retrieval.data.values import finite_feature_value
 from retrieval.errors import UserError, entry_point
-from retrieval.export import MANIFEST_FILE, check_fingerprints, read_manifest, served_files
 from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFilesError, ItemIndex
-from retrieval.item_features import ItemFeatures
 from retrieval.request_checks import (
     RequestError,
     check_query_keys,
@@ -57,9 +61,6 @@ from retrieval.request_checks import (
     checked_k,
 )
 from retrieval.request_checks import short as _short
-from retrieval.seen_items import SeenItems, find_sorted
-from retrieval.user_features import UserFeatures
-from retrieval.user_histories import UserHistories
 
 log = logging.getLogger("retrieval.serving")
 
@@ -134,7 +135,7 @@ class Bundle:
         with _part(self.directory, f"query SavedModel {query_model!r}"):
             self._query_model = tf.saved_model.load(str(self.directory / query_model))
             self._embed = self._query_model.signatures["serving_default"]
-            # Bundles whose query tower reads id features say which ids it knew (export.save_tower).
+            # Bundles whose query tower reads id features say which ids it knew (bundle.saved_models.save_tower).
             self._reports_known_ids = "known_ids" in self._embed.structured_outputs
             # name -> TensorSpec: string [batch], float32/float64 [batch] or string [batch, width].
             self._input_specs: dict[str, tf.TensorSpec] = dict(self._embed.structured_input_signature[1])
@@ -272,13 +273,13 @@ class Bundle:
             raise BundleError(f"{self.directory}: user histories name index rows past its {len(self.index)} items")
         return histories
 
-    def _load_item_features(self) -> ItemFeatures | None:
+    def _load_item_features(self) -> DisplayFeatures | None:
         """The catalogue's display features (``item_features.parquet``); None for a bundle without them."""
         name = self.manifest["files"].get("item_features")
         if name is None:
             return None
         with _part(self.directory, f"item features {str(name)!r}"):
-            table = ItemFeatures.load(self.directory / str(name))
+            table = DisplayFeatures.load(self.directory / str(name))
         recorded = self.manifest.get("item_features")
         if recorded is not None and recorded != table.info():
             raise BundleError(f"{self.directory}: {name} holds {table.info()}, the manifest says {_short(recorded)}")
@@ -320,7 +321,7 @@ class Bundle:
     def check_probe(self) -> None:
         """Raise BundleError unless the manifest's probe query gives the items it gave at export.
 
-        The probe (``retrieval.export.probe_record``) is one training user's raw query; it runs
+        The probe (``retrieval.bundle.writer.probe_record``) is one training user's raw query; it runs
         through this bundle's query model and index as a request would. A bundle without a probe passes.
         """
         problem = self.probe_problem()
@@ -760,7 +761,7 @@ class Bundle:
         return [user.decode("utf-8") for user in np.asarray(self.seen_items.user_ids[:limit]).tolist()]
 
     def item_features(self, item_ids: Sequence[str]) -> list[dict[str, Any] | None]:
-        """[len(item_ids)] each item's display features (``retrieval.item_features``), None for an
+        """[len(item_ids)] each item's display features (``retrieval.bundle.display_features``), None for an
         item the table does not describe; all None for a bundle without a table."""
         if self.item_display is None:
             return [None] * len(item_ids)
@@ -790,7 +791,7 @@ class Bundle:
         return [None if row is None else known[next(best)] for row in asked]
 
     def search_items(self, text: str, limit: int) -> list[str]:
-        """Up to ``limit`` catalogue item ids whose title contains ``text`` (``ItemFeatures.search``),
+        """Up to ``limit`` catalogue item ids whose title contains ``text`` (``DisplayFeatures.search``),
         or, for a bundle without a title column, whose id starts with it."""
         text = text.strip()
         if not text:

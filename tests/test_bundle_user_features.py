@@ -15,12 +15,13 @@ from test_service import _fixed_id_tower, call
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
 from retrieval import bundles, serving
-from retrieval.export import MANIFEST_FILE, raw_query, write_bundle
+from retrieval.bundle.manifest import MANIFEST_FILE
+from retrieval.bundle.user_features import USER_FEATURES_FILE, UserFeatures
+from retrieval.bundle.writer import raw_query, write_bundle
 from retrieval.features import TowerTables, feature_arrays
 from retrieval.index import ItemIndex
 from retrieval.service import create_app
 from retrieval.serving import Bundle, BundleError
-from retrieval.user_features import USER_FEATURES_FILE, UserFeatures
 
 # ALL_KINDS without the click history: every query input but the id comes from the user table.
 NO_HISTORY = ALL_KINDS.model_copy(update={"query": ALL_KINDS.query.model_copy(update={"history": None})})

@@ -17,8 +17,8 @@ from test_service import _fixed_id_tower, call
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
 from retrieval import serving
 from retrieval.batch_recommend import IdList, recommend_to_file
+from retrieval.bundle.writer import write_bundle
 from retrieval.config import MAX_EVALUATION_K, ConfigError, load_config
-from retrieval.export import write_bundle
 from retrieval.index import ItemIndex
 from retrieval.request_checks import RequestError, check_query_keys, checked_id, checked_ids, checked_k
 from retrieval.service import create_app

@@ -28,10 +28,10 @@ from test_service import _fixed_id_tower, _unit, call
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
 from retrieval import serving
+from retrieval.bundle.seen_items import SeenItems
+from retrieval.bundle.writer import SEEN_ITEMS_DIR, write_bundle
 from retrieval.config import IndexConfig
-from retrieval.export import SEEN_ITEMS_DIR, write_bundle
 from retrieval.index import ItemIndex, build_index
-from retrieval.seen_items import SeenItems
 from retrieval.service import create_app
 from retrieval.serving import Bundle, BundleError
 
@@ -294,7 +294,7 @@ def test_metadata_and_manifest_describe_the_seen_items(world):
 def test_seen_items_that_do_not_match_the_manifest_are_refused(world, tmp_path):
     import shutil
 
-    from retrieval.export import write_manifest
+    from retrieval.bundle.manifest import write_manifest
 
     copy = tmp_path / "bundle"
     shutil.copytree(world["seen"], copy)
@@ -382,12 +382,12 @@ def test_any_part_copied_over_from_another_bundle_changes_no_answer(world, tmp_p
     copied over the served one changes no answer, and /healthz names what changed."""
     import shutil
 
-    from retrieval import export
+    from retrieval.bundle import saved_models
 
     copy, app, expected = _serving_copy(world, tmp_path)
     before = _answers(app)
-    if part in export.SERVED_MODELS:
-        target, source = export.model_path(copy, part), export.model_path(world[donor], part)
+    if part in saved_models.SERVED_MODELS:
+        target, source = saved_models.model_path(copy, part), saved_models.model_path(world[donor], part)
         for path in source.rglob("*"):
             if path.is_file():
                 (target / path.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
@@ -511,8 +511,8 @@ def test_a_reindexed_bundle_holds_what_it_serves_under_its_own_name(trained, tmp
     (which measured the old index) stay behind; where it came from is in its manifest."""
     import yaml
 
+    from retrieval.bundle.manifest import read_manifest
     from retrieval.bundles import reindex_bundle
-    from retrieval.export import read_manifest
 
     _, result = trained
     assert {"metrics.json", "report.md", "train_log.csv"} <= {p.name for p in result.directory.iterdir()}
