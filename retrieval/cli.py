@@ -237,7 +237,7 @@ def _export(args: argparse.Namespace) -> int:
     from retrieval.config import Config, apply_overrides
 
     manifest = read_manifest(args.run)
-    config = Config.from_dict(apply_overrides(manifest["config"], args.overrides), source="--set")
+    config = Config.from_dict(apply_overrides(manifest.config or {}, args.overrides), source="--set")
     out = reindex_bundle(args.run, args.out, config.index, overwrite=config.run.overwrite)
     print(f"bundle with index {config.index.factory!r}: {out}")
     return 0

@@ -271,21 +271,8 @@ def write_run_outputs(
             "metrics": {k: metrics[k] for k in [*ranker_names(metrics), "counts"]},
             "popular_item_ids": stats.item_popularity.ranked_item_ids(POPULAR_ITEMS_IN_MANIFEST),
             "derived": metrics.get("derived", {}),
-            **_history_manifest(config),
         },
     )
-
-
-def _history_manifest(config: Config) -> dict[str, Any]:
-    """How a client lays out the query tower's history input, when it reads one."""
-    history = config.towers.query.history
-    if history is None:
-        return {}
-    return {"query_history": {
-        "input": history.name, "length": history.length, "pooling": history.pooling,
-        "order": "most recent first; \"\" pads the end; a longer history keeps its most recent items; items "
-                 "unknown to training are " + ("skipped" if history.pooling == "transformer" else "the OOV row"),
-    }}
 
 
 def derived_settings(config: Config, stats: FeatureStatistics, catalogue_items: int) -> dict[str, Any]:

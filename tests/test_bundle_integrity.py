@@ -23,7 +23,7 @@ from retrieval import cli
 from retrieval.bundle import fingerprints, saved_models
 from retrieval.bundle import manifest as bundle_manifest
 from retrieval.bundle.fingerprints import check_fingerprints
-from retrieval.bundle.manifest import MANIFEST_FILE, write_manifest
+from retrieval.bundle.manifest import MANIFEST_FILE
 from retrieval.bundle.writer import write_bundle
 from retrieval.bundles import reindex_bundle
 from retrieval.config import IndexConfig
@@ -85,7 +85,9 @@ def _manifest(directory: Path) -> dict:
 
 def _reseal(directory: Path) -> None:
     """Fingerprints recomputed over the files as they are now: what a careless hand-edit would do."""
-    write_manifest(directory, _manifest(directory))
+    manifest = _manifest(directory)
+    manifest["fingerprints"] = fingerprints.fingerprint_files(directory, manifest["files"])
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 
 def _at(directory: Path, part: str) -> Path:

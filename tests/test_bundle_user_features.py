@@ -169,7 +169,7 @@ def test_reindexing_carries_the_user_table(built, tmp_path, monkeypatch):
     catalogue = tables.catalogue()
     monkeypatch.setattr(bundles, "_doc_inputs",  # the catalogue the bundle's doc tower read, not re-read from data
                         lambda manifest, ids: feature_arrays(catalogue.set_index("item_id").loc[list(ids)]
-                                                             .reset_index(), manifest["doc_features"]))
+                                                             .reset_index(), manifest.doc_features))
     out = bundles.reindex_bundle(directory, tmp_path / "reindexed", "HNSW8")
     copied = Bundle.load(out, verify="full")
     assert (out / USER_FEATURES_FILE).read_bytes() == (directory / USER_FEATURES_FILE).read_bytes()

@@ -14,8 +14,7 @@ import pytest
 import tensorflow as tf
 
 import retrieval  # noqa: F401
-from retrieval.bundle.seen_items import SeenItems
-from retrieval.bundle.writer import SEEN_ITEMS_DIR
+from retrieval.bundle.seen_items import SEEN_ITEMS_DIR, SeenItems
 from retrieval.config import ColumnsConfig, ConfigError, SplitConfig, SyntheticConfig, TableConfig, load_config
 from retrieval.data import (
     DataError,

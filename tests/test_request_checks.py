@@ -243,7 +243,7 @@ def scaled(tmp_path_factory):
                            index=ItemIndex.build(ITEM_IDS, items), training_queries=training,
                            manifest={"run": "scaled", "popular_item_ids": ITEM_IDS[:5]})
     norms = np.linalg.norm(users, axis=1) * training["scale"].to_numpy()
-    return {"bundle": Bundle.load(directory), "manifest": written, "norms": norms}
+    return {"bundle": Bundle.load(directory), "manifest": written.to_dict(), "norms": norms}
 
 
 def test_the_manifest_records_the_training_queries_norm_range(scaled):

@@ -22,7 +22,8 @@ from test_service import _fixed_id_tower, _unit
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
 from retrieval.bundle import saved_models
-from retrieval.bundle.manifest import MANIFEST_FILE, write_manifest
+from retrieval.bundle.fingerprints import fingerprint_files
+from retrieval.bundle.manifest import MANIFEST_FILE
 from retrieval.bundle.saved_models import SERVED_MODELS, model_path, save_topk_model
 from retrieval.bundle.seen_items import SeenItems
 from retrieval.bundle.writer import write_bundle
@@ -217,7 +218,8 @@ def _to_old_layout(directory: Path) -> None:
         manifest["files"][key] = key
     shutil.rmtree(directory / "models")
     del manifest["files"]["tf_serving_config"], manifest["model_version"]
-    write_manifest(directory, {k: v for k, v in manifest.items() if k != "fingerprints"})
+    manifest["fingerprints"] = fingerprint_files(directory, manifest["files"])
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 
 def test_a_bundle_of_the_older_layout_still_loads_and_reindexes(world, tmp_path):

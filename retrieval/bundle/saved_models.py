@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from retrieval.bundle.manifest import read_manifest
+from retrieval.bundle.manifest import Manifest, read_manifest
 from retrieval.towers import id_lookups
 
 MODELS_DIR = "models"
@@ -205,7 +205,7 @@ def model_dir(key: str, version: int) -> str:
     return f"{MODELS_DIR}/{SERVED_MODELS[key]}/{version}"
 
 
-def model_path(directory: str | Path, key: str, manifest: Mapping[str, Any] | None = None) -> Path:
+def model_path(directory: str | Path, key: str, manifest: Manifest | None = None) -> Path:
     """The SavedModel directory of ``key`` ("query_model", "doc_model", "topk_model") in a bundle.
 
     Read from the manifest's ``files`` (``manifest``, else the bundle's manifest.json), so it
@@ -214,12 +214,11 @@ def model_path(directory: str | Path, key: str, manifest: Mapping[str, Any] | No
     Raises:
       ValueError: the bundle has no such model (a topk model is written only with export.topk_model).
     """
-    manifest = read_manifest(directory) if manifest is None else manifest
-    relative = manifest["files"].get(key)
+    files = (read_manifest(directory) if manifest is None else manifest).files
+    relative = files.get(key)
     if relative is None:
-        raise ValueError(f"{directory}: the bundle has no {key} "
-                         f"(manifest.json files lists {sorted(manifest['files'])})")
-    return Path(directory) / str(relative)
+        raise ValueError(f"{directory}: the bundle has no {key} (manifest.json files lists {sorted(files)})")
+    return Path(directory) / relative
 
 
 def write_tf_serving_config(directory: str | Path, files: Mapping[str, str]) -> str:

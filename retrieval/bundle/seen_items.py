@@ -38,6 +38,7 @@ import pandas as pd
 
 from retrieval.arrays import write_parquet
 
+SEEN_ITEMS_DIR = "seen_items"  # the folder of a bundle that holds them
 USER_IDS_FILE = "user_ids.npy"
 INDPTR_FILE = "indptr.npy"
 ITEM_ROWS_FILE = "item_rows.npy"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import platform
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -16,27 +16,27 @@ import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
 import retrieval
-from retrieval.bundle.display_features import DISPLAY_FEATURES_FILE, DisplayFeatures
-from retrieval.bundle.manifest import BUNDLE_FORMAT_VERSION, write_manifest
-from retrieval.bundle.saved_models import (
-    describe_inputs,
-    model_dir,
-    save_topk_model,
-    save_tower,
-    write_tf_serving_config,
+from retrieval.bundle.manifest import BUNDLE_FORMAT_VERSION, Manifest, write_manifest
+from retrieval.bundle.parts import (
+    BundlePart,
+    DisplayFeaturesPart,
+    IndexPart,
+    SavedModelsPart,
+    SeenItemsPart,
+    UserFeaturesPart,
+    UserHistoriesPart,
 )
-from retrieval.bundle.seen_items import SeenItems, UserRowTable
-from retrieval.bundle.user_features import USER_FEATURES_FILE, UserFeatures
-from retrieval.bundle.user_histories import USER_HISTORIES_DIR, UserHistories
-from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, ItemIndex
+from retrieval.bundle.seen_items import SeenItems
+from retrieval.bundle.user_histories import UserHistories
+from retrieval.index import ItemIndex
 from retrieval.training import embed_frame
 
-SEEN_ITEMS_DIR = "seen_items"
-
-
 PROBE_K = 10  # ids the probe query records (fewer for a smaller catalogue)
-
-
+# The manifest keys a caller of the writer may set: what the parts cannot know.
+CALLER_KEYS = frozenset({"run", "config", "metrics", "derived", "popular_item_ids", "reindexed_from",
+                         "user_input", "query_history"})
+# Every other key of the manifest: the writer derives it from the parts and the time of writing.
+WRITER_KEYS = frozenset(Manifest.model_fields) - CALLER_KEYS
 
 
 def library_versions() -> dict[str, str]:
@@ -55,7 +55,7 @@ def write_bundle(
     query_tower: tf.keras.Model,
     doc_tower: tf.keras.Model,
     index: ItemIndex,
-    manifest: dict[str, Any],
+    manifest: Mapping[str, Any],
     item_embeddings: np.ndarray | None = None,
     topk_k: int | None = None,
     probe_query: pd.DataFrame | None = None,
@@ -64,8 +64,14 @@ def write_bundle(
     item_features: pd.DataFrame | None = None,
     user_histories: UserHistories | None = None,
     training_queries: pd.DataFrame | None = None,
-) -> dict[str, Any]:
-    """Write towers, index and manifest into ``directory``; return the manifest written.
+) -> Manifest:
+    """Write towers, index, parts and manifest into ``directory``; return the manifest written.
+
+    The one writer of a new bundle: each part (``retrieval.bundle.parts``) writes its files and
+    records, then the manifest is validated (``Manifest``) and written last. ``manifest`` holds the
+    caller's keys (``CALLER_KEYS``: run, config, metrics, ...); a key the writer derives from the
+    parts (``files``, ``format_version``, ``index``, ...) is refused, naming it, so a caller
+    cannot replace what the files say.
 
     The SavedModels go where TensorFlow Serving loads them, ``models/<name>/<version>/``
     (``model_dir``), version = the export's Unix time in seconds (the manifest's
@@ -96,81 +102,80 @@ def write_bundle(
     ``query_norms`` (``query_norm_record``), outside which serving refuses a query; without them
     serving refuses only all-zero embeddings that one feature of the query explains.
     """
+    clash = sorted(WRITER_KEYS.intersection(manifest))
+    if clash:
+        raise ValueError(f"manifest keys {clash} are written by the bundle writer from the parts it is given; "
+                         f"a caller sets only {sorted(CALLER_KEYS)}")
     directory = Path(directory)
     created = datetime.now(timezone.utc).replace(microsecond=0)
     version = int(created.timestamp())
-    files = {"query_model": model_dir("query_model", version), "doc_model": model_dir("doc_model", version)}
-    save_tower(query_tower, directory / files["query_model"])
-    save_tower(doc_tower, directory / files["doc_model"])
-    if item_embeddings is not None and topk_k is not None:
-        files["topk_model"] = model_dir("topk_model", version)
-        save_topk_model(
-            directory / files["topk_model"],
-            query_tower=query_tower,
-            item_ids=list(index.item_ids),
-            item_embeddings=item_embeddings,
-            k=topk_k,
-            popular_item_ids=manifest.get("popular_item_ids", ()),
-        )
-    files["tf_serving_config"] = write_tf_serving_config(directory, files)
-    index.save(directory)
-    files.update(index=INDEX_FILE, item_ids=ITEM_IDS_FILE, index_info=INDEX_INFO_FILE)
+    popular = manifest.get("popular_item_ids", ())
+    topk = (list(index.item_ids), item_embeddings, topk_k, popular) \
+        if item_embeddings is not None and topk_k is not None else None
+    parts: list[BundlePart] = [SavedModelsPart(query_tower, doc_tower, version, topk), IndexPart(index)]
+    if seen_items is not None:
+        parts.append(SeenItemsPart(seen_items, len(index)))
+    if user_features is not None:
+        parts.append(UserFeaturesPart.from_frame(user_features, list(query_tower.input_names)))
+    if user_histories is not None:
+        parts.append(UserHistoriesPart(user_histories, len(index)))
+    display = None if item_features is None else DisplayFeaturesPart.from_frame(item_features, list(index.item_ids))
+    if display is not None:
+        parts.append(display)
     probe = None
     if probe_query is not None:
         if len(probe_query) != 1:
             raise ValueError(f"probe_query must be one row of raw query features, got {len(probe_query)} rows")
         query = raw_query(probe_query, list(query_tower.input_names))
         probe = probe_record(query, embed_frame(query_tower, probe_query), index)
-    if seen_items is not None:
-        files["seen_items"] = _save_user_rows(seen_items, directory, SEEN_ITEMS_DIR, "seen_items", len(index))
-    table = None
-    if user_features is not None:
-        table = UserFeatures.from_frame(user_features)
-        strangers = [name for name in table.features if name not in query_tower.input_names]
-        if strangers:
-            raise ValueError(f"user_features columns {strangers} are not inputs of the query tower "
-                             f"({list(query_tower.input_names)})")
-        table.save(directory / USER_FEATURES_FILE)
-        files["user_features"] = USER_FEATURES_FILE
-    if user_histories is not None:
-        files["user_histories"] = _save_user_rows(user_histories, directory, USER_HISTORIES_DIR, "user_histories",
-                                                  len(index))
-    display = None
-    if item_features is not None:
-        display = DisplayFeatures.from_frame(item_features, list(index.item_ids))
-        if display.features:
-            display.save(directory / DISPLAY_FEATURES_FILE)
-            files["item_features"] = DISPLAY_FEATURES_FILE
-        else:
-            display = None
-    full = {
+    files: dict[str, str] = {}
+    records: dict[str, Any] = {}
+    for part in parts:
+        files.update(part.write(directory))
+        records.update(part.info())
+    if training_queries is not None and len(training_queries):
+        records["query_norms"] = query_norm_record(embed_frame(query_tower, training_queries))
+    written = {
         "format_version": BUNDLE_FORMAT_VERSION,
         "created_at": created.isoformat(timespec="seconds"),
-        # The SavedModels' TensorFlow Serving version (their folder under models/<name>/).
-        "model_version": version,
         "versions": library_versions(),
-        "embedding_dim": index.dim,
-        "metric": "inner_product",
-        # Unit-norm item vectors: inner product is cosine similarity.
-        "normalized": index.normalized,
-        "num_items": len(index),
-        "index": index.info(),
-        "query_features": list(query_tower.input_names),
-        "doc_features": list(doc_tower.input_names),
-        # dtype and shape of each raw input of the serving signatures ("" pads lists, NaN = missing number).
-        "query_inputs": describe_inputs(query_tower),
-        "doc_inputs": describe_inputs(doc_tower),
+        **records,
         "files": files,
         "probe": probe,
-        **({"query_norms": query_norm_record(embed_frame(query_tower, training_queries))}
-           if training_queries is not None and len(training_queries) else {}),
-        **({"seen_items": seen_items.info()} if seen_items is not None else {}),
-        **({"user_features": table.info()} if table is not None else {}),
-        **({"user_histories": user_histories.info()} if user_histories is not None else {}),
-        **({"item_features": display.info()} if display is not None else {}),
         **manifest,
     }
-    return write_manifest(directory, full)
+    return write_manifest(directory, Manifest.from_dict(written, source="the manifest to write"))
+
+
+def rewrite_bundle(
+    directory: str | Path, source: Manifest, *, index: ItemIndex, probe: dict[str, Any] | None,
+    changes: Mapping[str, Any],
+) -> Manifest:
+    """Write the manifest of a bundle copied into ``directory`` with its index rebuilt; return it.
+
+    The caller has put every served file but the index in place; this writes ``index`` (its
+    files, ``IndexPart``) and then the manifest: ``source``'s, with the new index's records, the
+    given ``probe`` (recorded through ``index``: ``probe_record``), a new ``created_at``, the
+    current format version, fresh fingerprints and the caller's ``changes`` (only keys of
+    ``CALLER_KEYS``). Re-indexing and the serving benchmarks call it.
+    """
+    clash = sorted(WRITER_KEYS.intersection(changes))
+    if clash:
+        raise ValueError(f"manifest keys {clash} are written by the bundle writer from the parts it is given; "
+                         f"a caller sets only {sorted(CALLER_KEYS)}")
+    directory = Path(directory)
+    part = IndexPart(index)
+    files = {**source.files, **part.write(directory)}
+    written = {
+        **source.to_dict(),
+        **part.info(),
+        "format_version": BUNDLE_FORMAT_VERSION,
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "files": files,
+        "probe": probe,
+        **changes,
+    }
+    return write_manifest(directory, Manifest.from_dict(written, source="the manifest to write"))
 
 
 def raw_query(frame: pd.DataFrame, features: Sequence[str]) -> dict[str, Any]:
@@ -192,16 +197,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and math.isnan(value):
         return None
     return value
-
-
-def _save_user_rows(table: UserRowTable, directory: Path, part: str, name: str, num_items: int) -> str:
-    """Save a per-user table of index rows (seen items, histories) as the bundle's ``part``, refusing
-    rows past the ``num_items`` of the index; return ``part`` for the manifest's files."""
-    if len(table.item_rows) and int(table.item_rows.max()) >= num_items:
-        raise ValueError(f"{name} holds index rows up to {int(table.item_rows.max())}, "
-                         f"past the {num_items} items of the index")
-    table.save(directory / part)
-    return part
 
 
 def query_norm_record(embeddings: np.ndarray) -> dict[str, Any]:
