@@ -196,3 +196,26 @@ def test_serving_refuses_a_bundle_whose_manifest_has_an_unknown_key_naming_it(tm
     (tmp_path / MANIFEST_FILE).write_text(json.dumps({**raw, "colour": "blue"}))
     with pytest.raises(BundleError, match=r"manifest.json cannot be loaded: colour: unknown key \(the keys are "):
         Bundle.load(tmp_path)
+
+
+def test_a_bundle_records_the_commit_of_the_code_that_wrote_it(tmp_path, monkeypatch):
+    import subprocess
+
+    import retrieval.bundle.writer as writer
+
+    root = Path(retrieval.__file__).resolve().parents[1]
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True).stdout.strip()
+
+    if not (root / ".git").exists():
+        pytest.skip(f"{root} is not a git checkout")
+    expected = git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    written = write_bundle(tmp_path / "b", query_tower=_tower("user_id", USER_IDS),
+                           doc_tower=_tower("item_id", ITEM_IDS), index=_index(), manifest={"run": "r"})
+    assert written.source_commit == expected == read_manifest(tmp_path / "b").source_commit
+    # An installed package (not the top of a checkout) records none.
+    installed = tmp_path / "site-packages" / "retrieval"
+    installed.mkdir(parents=True)
+    monkeypatch.setattr(retrieval, "__file__", str(installed / "__init__.py"))
+    assert writer.source_commit() is None

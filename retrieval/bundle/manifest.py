@@ -75,6 +75,9 @@ class Manifest(_Strict):
     # The SavedModels' TensorFlow Serving version (their folder under models/<name>/); None: older layout.
     model_version: int | None = None
     versions: dict[str, str] = {}
+    # The git commit of the code that wrote the bundle ("<sha>-dirty" with uncommitted changes); None
+    # when it ran from an installed package, not a checkout, or from before this was recorded.
+    source_commit: str | None = None
     run: str | None = None
     config: dict[str, Any] | None = None
     metrics: dict[str, Any] | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import platform
+import subprocess
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -47,6 +48,24 @@ def library_versions() -> dict[str, str]:
         "faiss": faiss.__version__,
         "python": platform.python_version(),
     }
+
+
+def source_commit() -> str | None:
+    """The commit of the git checkout this library runs from, ``<sha>-dirty`` with uncommitted changes;
+    None for an installed package (the package is not the top of a checkout) or without git."""
+    package = Path(retrieval.__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(package), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != package.parent:
+        return None
+    return git("describe", "--always", "--dirty", "--abbrev=40", "--exclude=*")
 
 
 def write_bundle(
@@ -139,6 +158,7 @@ def write_bundle(
         "format_version": BUNDLE_FORMAT_VERSION,
         "created_at": created.isoformat(timespec="seconds"),
         "versions": library_versions(),
+        "source_commit": source_commit(),
         **records,
         "files": files,
         "probe": probe,
@@ -171,6 +191,7 @@ def rewrite_bundle(
         **part.info(),
         "format_version": BUNDLE_FORMAT_VERSION,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "source_commit": source_commit(),
         "files": files,
         "probe": probe,
         **changes,
