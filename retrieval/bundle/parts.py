@@ -155,11 +155,24 @@ class IndexPart(BundlePart):
 
 @dataclass
 class _TablePart(BundlePart):
-    """A part that is one table at one path of the bundle (a file or a folder), under its manifest key."""
+    """A part that is one table at one path of the bundle (a file or a folder), under its manifest key.
+
+    A subclass names them in its header: ``key`` (its entry under the manifest's files, and the key
+    of its record), ``path`` (in the bundle; a folder ends in "/"), ``table`` (the class whose
+    ``load(path)`` reads it) and ``layout`` (what it holds, for the docs).
+    """
 
     table: Any
-    KEY: ClassVar[str]  # its entry under the manifest's files, and the key of its record
+    KEY: ClassVar[str]
     PATH: ClassVar[str]
+    TABLE: ClassVar[Any]
+    LAYOUT: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def __init_subclass__(cls, *, key: str = "", path: str = "", table: Any = None, layout: str = "", **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        if key:
+            cls.KEY, cls.PATH, cls.TABLE = key, path.rstrip("/"), table
+            cls.LAYOUT = ((path, layout),)
 
     @property
     def write_entries(self) -> dict[str, str]:
@@ -180,7 +193,7 @@ class _TablePart(BundlePart):
     @classmethod
     def load(cls, path: Path, manifest: Manifest) -> Any:
         """The table at ``path`` (the manifest's entry), as the manifest describes it."""
-        raise NotImplementedError
+        return cls.TABLE.load(path)
 
 
 @dataclass
@@ -199,37 +212,27 @@ class _UserRowsPart(_TablePart):
 
 
 @dataclass
-class SeenItemsPart(_UserRowsPart):
+class SeenItemsPart(
+    _UserRowsPart, key="seen_items", path=f"{SEEN_ITEMS_DIR}/", table=SeenItems,
+    layout="each training user's distinct training items as index rows, which serving excludes: user_ids.npy "
+           "(sorted UTF-8 ids), indptr.npy (int64), item_rows.npy (int32), CSR",
+):
     """Each training user's distinct training items, which serving excludes (``retrieval.bundle.seen_items``)."""
 
     table: SeenItems
-    KEY: ClassVar[str] = "seen_items"
-    PATH: ClassVar[str] = SEEN_ITEMS_DIR
-    LAYOUT: ClassVar[tuple[tuple[str, str], ...]] = (
-        (f"{SEEN_ITEMS_DIR}/", "each training user's distinct training items as index rows, which serving "
-                               "excludes: user_ids.npy (sorted UTF-8 ids), indptr.npy (int64), item_rows.npy "
-                               "(int32), CSR"),
-    )
-
-    @classmethod
-    def load(cls, path: Path, manifest: Manifest) -> SeenItems:
-        return SeenItems.load(path)
 
 
 @dataclass
-class UserHistoriesPart(_UserRowsPart):
+class UserHistoriesPart(
+    _UserRowsPart, key="user_histories", path=f"{USER_HISTORIES_DIR}/", table=UserHistories,
+    layout="with a query tower that reads a click history: each training user's last export.history_clicks "
+           "(default 200) training clicks as index rows, newest first, the same three .npy files; serving fills "
+           "the history of a query that sends only the user id",
+):
     """Each training user's recent clicks, newest first, which serving fills into a query lacking its
     history (``retrieval.bundle.user_histories``)."""
 
     table: UserHistories
-    KEY: ClassVar[str] = "user_histories"
-    PATH: ClassVar[str] = USER_HISTORIES_DIR
-    LAYOUT: ClassVar[tuple[tuple[str, str], ...]] = (
-        (f"{USER_HISTORIES_DIR}/", "with a query tower that reads a click history: each training user's last "
-                                   "export.history_clicks (default 200) training clicks as index rows, newest "
-                                   "first, the same three .npy files; serving fills the history of a query that "
-                                   "sends only the user id"),
-    )
 
     @classmethod
     def load(cls, path: Path, manifest: Manifest) -> UserHistories:
@@ -242,18 +245,15 @@ class UserHistoriesPart(_UserRowsPart):
 
 
 @dataclass
-class UserFeaturesPart(_TablePart):
+class UserFeaturesPart(
+    _TablePart, key="user_features", path=USER_FEATURES_FILE, table=UserFeatures,
+    layout="with feature towers and a user feature table: user_id and each raw user feature the query tower "
+           "reads, one row per known user; serving fills the features a request lacks from its user's row",
+):
     """Each known user's raw query features, which serving fills into a request lacking them
     (``retrieval.bundle.user_features``); every feature column must be a query input."""
 
     table: UserFeatures
-    KEY: ClassVar[str] = "user_features"
-    PATH: ClassVar[str] = USER_FEATURES_FILE
-    LAYOUT: ClassVar[tuple[tuple[str, str], ...]] = (
-        (USER_FEATURES_FILE, "with feature towers and a user feature table: user_id and each raw user feature "
-                             "the query tower reads, one row per known user; serving fills the features a "
-                             "request lacks from its user's row"),
-    )
 
     @classmethod
     def from_frame(cls, frame: pd.DataFrame, query_inputs: Sequence[str]) -> UserFeaturesPart:
@@ -264,35 +264,24 @@ class UserFeaturesPart(_TablePart):
                              f"({list(query_inputs)})")
         return cls(table)
 
-    @classmethod
-    def load(cls, path: Path, manifest: Manifest) -> UserFeatures:
-        return UserFeatures.load(path)
 
-
+# Its manifest key is "item_features" since the first bundles that shipped it.
 @dataclass
-class DisplayFeaturesPart(_TablePart):
+class DisplayFeaturesPart(
+    _TablePart, key="item_features", path=DISPLAY_FEATURES_FILE, table=DisplayFeatures,
+    layout="with an item feature table: item_id and its string, number and list-of-string columns, one row per "
+           "indexed item it describes, for display (POST /items, the web page); the towers never read it",
+):
     """The catalogue's display features (title, category, ...) for the web page and ``POST /items``;
     never read by the towers (``retrieval.bundle.display_features``)."""
 
     table: DisplayFeatures
-    # Its manifest key: "item_features" since the first bundles that shipped it.
-    KEY: ClassVar[str] = "item_features"
-    PATH: ClassVar[str] = DISPLAY_FEATURES_FILE
-    LAYOUT: ClassVar[tuple[tuple[str, str], ...]] = (
-        (DISPLAY_FEATURES_FILE, "with an item feature table: item_id and its string, number and list-of-string "
-                                "columns, one row per indexed item it describes, for display (POST /items, the "
-                                "web page); the towers never read it"),
-    )
 
     @classmethod
     def from_frame(cls, frame: pd.DataFrame, catalogue: Sequence[str]) -> DisplayFeaturesPart | None:
         """The part of a raw item feature table; None when no display column is left."""
         table = DisplayFeatures.from_frame(frame, list(catalogue))
         return cls(table) if table.features else None
-
-    @classmethod
-    def load(cls, path: Path, manifest: Manifest) -> DisplayFeatures:
-        return DisplayFeatures.load(path)
 
 
 # Every part, in the order the layout lists them.
