@@ -62,7 +62,8 @@ def towers_for(user_ids, queries, item_ids, items):
 def write_test_bundle(workdir: Path, factory: str, index, towers, seen_items=None) -> Path:
     """A bundle per index; the towers (and ``seen_items``, given to the first) are saved once and
     hard-linked into the others."""
-    from retrieval.export import MANIFEST_FILE, write_bundle, write_manifest
+    from retrieval.bundle.manifest import MANIFEST_FILE, read_manifest
+    from retrieval.bundle.writer import rewrite_bundle, write_bundle
 
     name = "bench-" + "".join(c if c.isalnum() else "-" for c in factory)
     directory = workdir / name
@@ -75,10 +76,9 @@ def write_test_bundle(workdir: Path, factory: str, index, towers, seen_items=Non
     else:
         shutil.copytree(first, directory, copy_function=os.link,
                         ignore=shutil.ignore_patterns("index.faiss", "index.json", "item_ids.parquet", MANIFEST_FILE))
-        index.save(directory)
-        manifest = json.loads((first / MANIFEST_FILE).read_text())
-        manifest.update(run=name, index=index.info(), normalized=index.normalized)
-        write_manifest(directory, manifest)  # fingerprints of this bundle's own index files
+        source = read_manifest(first)
+        # This bundle's own index files, fingerprinted; the first bundle's probe (no probe: it has none).
+        rewrite_bundle(directory, source, index=index, probe=source.probe, changes={"run": name})
     log(f"bundle {name} written in {time.perf_counter() - seconds:.1f} s")
     return directory
 

@@ -86,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, workdir: Path, argv: list[str] | None = None) -> int:
     import faiss
 
+    from retrieval.bundle.seen_items import SeenItems
     from retrieval.config import IndexConfig
     from retrieval.index import build_index
-    from retrieval.seen_items import SeenItems
     from retrieval.serving import Bundle
 
     started = time.perf_counter()
@@ -130,7 +130,7 @@ def run(args, workdir: Path, argv: list[str] | None = None) -> int:
 
     report = {
         "command": command("bench_batch_recommend", argv),
-        "bundles": "synthetic: fixed towers over clustered random embeddings, written by export.write_bundle "
+        "bundles": "synthetic: fixed towers over clustered random embeddings, written by bundle.writer.write_bundle "
                    "(not a trained model)",
         "items": args.items, "users": args.users, "dim": args.dim, "clusters": args.clusters,
         "spread": args.spread, "k": args.k, "seen_per_user": args.seen, "block_size": args.block_size,
@@ -230,7 +230,7 @@ def markdown(report: dict) -> str:
         "",
         f"**The bundle is {report['bundles']}**: its training users, answered once each." if "clusters" not in report
         else "**The bundles are synthetic**: fixed towers over clustered random embeddings "
-        f"({report['clusters']} clusters), written through `export.write_bundle` and loaded with `Bundle.load` "
+        f"({report['clusters']} clusters), written through `bundle.writer.write_bundle` and loaded with `Bundle.load` "
         "as a trained bundle is, but not a trained model; the numbers measure the serving path, not a model.",
         "",
         *table,

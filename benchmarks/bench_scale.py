@@ -269,19 +269,19 @@ def save_embeddings(bundle_dir: Path, out: Path, *, query_users: int, seed: int)
     import pyarrow.dataset as ds
     import tensorflow as tf
 
+    from retrieval.bundle.manifest import read_manifest
     from retrieval.config import Config
-    from retrieval.export import read_manifest
 
     started = time.perf_counter()
     manifest = read_manifest(bundle_dir)
-    if manifest["doc_features"] != [ITEM] or manifest["query_features"] != [USER]:
+    if manifest.doc_features != [ITEM] or manifest.query_features != [USER]:
         raise SystemExit(
-            f"{bundle_dir}: embeddings are extracted from ID towers only (doc {manifest['doc_features']}, "
-            f"query {manifest['query_features']})"
+            f"{bundle_dir}: embeddings are extracted from ID towers only (doc {manifest.doc_features}, "
+            f"query {manifest.query_features})"
         )
-    config = Config.from_dict(manifest["config"], source=f"{bundle_dir}/manifest.json config")
+    config = Config.from_dict(manifest.config or {}, source=f"{bundle_dir}/manifest.json config")
     item_ids = pq.read_table(bundle_dir / "item_ids.parquet").to_pandas().sort_values("row")["item_id"].to_numpy()
-    doc = tf.saved_model.load(str(bundle_dir / manifest["files"]["doc_model"])).signatures["serving_default"]
+    doc = tf.saved_model.load(str(bundle_dir / manifest.files["doc_model"])).signatures["serving_default"]
     items, _ = _batched(doc, ITEM, item_ids)
     log.info("embedded %d items in %.1f s", len(items), time.perf_counter() - started)
     check: dict = {}
@@ -308,7 +308,7 @@ def save_embeddings(bundle_dir: Path, out: Path, *, query_users: int, seed: int)
     users = pc.unique(clicks.to_table(columns=[config.data.columns.user]).column(0).combine_chunks())
     users = np.sort(np.asarray(users.to_pylist(), dtype=object))
     rng = np.random.default_rng(seed)
-    query = tf.saved_model.load(str(bundle_dir / manifest["files"]["query_model"])).signatures["serving_default"]
+    query = tf.saved_model.load(str(bundle_dir / manifest.files["query_model"])).signatures["serving_default"]
     drawn = users[rng.choice(len(users), min(len(users), 2 * query_users), replace=False)]
     embeddings, known = _batched(query, USER, drawn)
     keep = np.flatnonzero(known & np.any(embeddings != 0, axis=1))[:query_users]
@@ -323,13 +323,13 @@ def save_embeddings(bundle_dir: Path, out: Path, *, query_users: int, seed: int)
     (scratch / "query_user_ids.txt").write_text("\n".join(map(str, query_ids)) + "\n")
     norms = np.linalg.norm(items, axis=1)
     info = {
-        "run": manifest.get("run"),
+        "run": manifest.run,
         "bundle": str(bundle_dir),
-        "bundle_created_at": manifest.get("created_at"),
+        "bundle_created_at": manifest.created_at,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "config": manifest["config"],
-        "model_metrics": manifest.get("metrics", {}).get("model"),
-        "index": manifest.get("index", {}).get("factory") if isinstance(manifest.get("index"), dict) else None,
+        "config": manifest.config,
+        "model_metrics": (manifest.metrics or {}).get("model"),
+        "index": (manifest.index or {}).get("factory"),
         "items": {"file": "items.npy", "ids": "item_ids.txt", "shape": list(items.shape),
                   "norm_min": float(norms.min()), "norm_max": float(norms.max())},
         "queries": {"file": "queries.npy", "ids": "query_user_ids.txt", "shape": list(queries.shape),

@@ -152,7 +152,7 @@ def compare(reference: Path, again: Path, killed_log: Path, result: dict, log=pr
     result["metrics_equal"] = all(ref_metrics.get(r) == new_metrics.get(r) for r in ("model", "popularity"))
     result["model_recall@20"] = [ref_metrics["model"].get("recall@20"), new_metrics["model"].get("recall@20")]
     result["train_log_equal"] = (reference / "train_log.csv").read_bytes() == (again / "train_log.csv").read_bytes()
-    from retrieval.export import model_path  # imports TensorFlow, like _variables
+    from retrieval.bundle.saved_models import model_path  # imports TensorFlow, like _variables
 
     result["max_weight_difference"] = max(_max_difference(model_path(reference, part), model_path(again, part))
                                           for part in ("query_model", "doc_model"))

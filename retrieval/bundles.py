@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +13,16 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
+from retrieval.bundle.manifest import Manifest
+from retrieval.bundle.run_directory import atomic_directory
+from retrieval.bundle.seen_items import SeenItems
+from retrieval.bundle.writer import probe_record, rewrite_bundle
 from retrieval.config import Config, IndexConfig, apply_overrides, save_config
 from retrieval.data import ITEM, DataError
 from retrieval.evaluation import write_report
-from retrieval.export import BUNDLE_FORMAT_VERSION, atomic_directory, probe_record, write_manifest
 from retrieval.features import feature_arrays
-from retrieval.index import INDEX_INFO_FILE, build_index, check_index_fits
+from retrieval.index import build_index, check_index_fits
 from retrieval.jobs import evaluate, evaluation_clicks, read_and_split
-from retrieval.seen_items import SeenItems
 from retrieval.serving import Bundle
 
 
@@ -83,10 +84,10 @@ def reindex_bundle(
         index_config = IndexConfig(factory=index_config)
     source = Path(directory)
     bundle = Bundle.load(source)
-    manifest, old_index = bundle.manifest, bundle.index
+    manifest, old_index = bundle.manifest_model, bundle.index
     items = len(old_index)
     check_index_fits(index_config.factory_for(items, old_index.dim), items, index_config.train_sample_size)
-    doc_model = tf.saved_model.load(str(source / manifest["files"]["doc_model"]))
+    doc_model = tf.saved_model.load(str(source / manifest.files["doc_model"]))
     serve = doc_model.signatures["serving_default"]
     ids = np.asarray(old_index.item_ids, dtype=object)
     inputs = _doc_inputs(manifest, ids)
@@ -97,13 +98,13 @@ def reindex_bundle(
         ]
     )
     index = build_index(list(ids), embeddings, index_config)
-    probe = manifest.get("probe")
+    probe = manifest.probe
     if probe:
         probe = probe_record(probe["query"], bundle.embed([probe["query"]]), index)
     with atomic_directory(out, overwrite=overwrite) as scratch:
         # The served files but the index (rebuilt) and the manifest (written last: until then the copy
         # is not a complete bundle).
-        for name, relative in manifest["files"].items():
+        for name, relative in manifest.files.items():
             if name in _INDEX_FILES:
                 continue
             source_path, target = source / relative, scratch / relative
@@ -112,50 +113,43 @@ def reindex_bundle(
                 shutil.copytree(source_path, target)
             else:
                 shutil.copy2(source_path, target)
-        index.save(scratch)
-        seen_folder = manifest["files"].get("seen_items")
+        seen_folder = manifest.files.get("seen_items")
         if seen_folder is not None and list(index.item_ids) != list(old_index.item_ids):
             # Seen items are index rows: follow the items to their new rows.
             new_rows = pd.Index(index.item_ids, dtype=object).get_indexer(pd.Index(old_index.item_ids, dtype=object))
             shutil.rmtree(scratch / seen_folder)
             SeenItems.load(source / seen_folder).remapped(new_rows).save(scratch / seen_folder)
-        histories_folder = manifest["files"].get("user_histories")
+        histories_folder = manifest.files.get("user_histories")
         if histories_folder is not None and list(index.item_ids) != list(old_index.item_ids):
             # Histories are index rows too, in time order: each click follows its item to the new row.
             new_rows = pd.Index(index.item_ids, dtype=object).get_indexer(pd.Index(old_index.item_ids, dtype=object))
             shutil.rmtree(scratch / histories_folder)
             assert bundle.user_histories is not None  # loaded from the same manifest entry
             bundle.user_histories.remapped(new_rows).save(scratch / histories_folder)
-        manifest["reindexed_from"] = {
-            "path": str(source.resolve()), "run": bundle.version,
-            "index": manifest.get("index"), "metrics": manifest.pop("metrics", None),
-        }
-        manifest["run"] = Path(out).name
-        manifest["config"]["index"] = index_config.model_dump(mode="json")
-        manifest["config"]["run"] = {**manifest["config"].get("run", {}), "name": Path(out).name}
-        manifest["index"] = index.info()
-        manifest["normalized"] = index.normalized
-        manifest["probe"] = probe
-        manifest["format_version"] = BUNDLE_FORMAT_VERSION
-        manifest["created_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        manifest["files"].setdefault("index_info", INDEX_INFO_FILE)  # format 1 did not list it
-        save_config(Config.from_dict(manifest["config"], source=f"{source}/manifest.json config"),
-                    scratch / "config.yaml")
-        write_manifest(scratch, manifest)
+        config = {**(manifest.config or {}), "index": index_config.model_dump(mode="json")}
+        config["run"] = {**config.get("run", {}), "name": Path(out).name}
+        save_config(Config.from_dict(config, source=f"{source}/manifest.json config"), scratch / "config.yaml")
+        rewrite_bundle(scratch, manifest, index=index, probe=probe, changes={
+            "reindexed_from": {"path": str(source.resolve()), "run": bundle.version,
+                               "index": manifest.index, "metrics": manifest.metrics},
+            "metrics": None,
+            "run": Path(out).name,
+            "config": config,
+        })
     return Path(out)
 
 
 _INDEX_FILES = ("index", "index_info", "item_ids")  # manifest files entries the new index writes
 
 
-def _doc_inputs(manifest: dict[str, Any], ids: np.ndarray) -> dict[str, np.ndarray]:
+def _doc_inputs(manifest: Manifest, ids: np.ndarray) -> dict[str, np.ndarray]:
     """The doc model's raw inputs for ``ids``: the ids alone for an ID tower; otherwise the
     catalogue's features, re-read from the data the run's config names."""
-    if manifest["doc_features"] == [ITEM]:
+    if manifest.doc_features == [ITEM]:
         return {ITEM: ids}
-    config = Config.from_dict(manifest["config"], source="manifest.json config")
+    config = Config.from_dict(manifest.config or {}, source="manifest.json config")
     catalogue = read_and_split(config).tables.catalogue()
     rows = pd.Index(catalogue[ITEM].astype(str), dtype=object).get_indexer(pd.Index(ids.astype(str), dtype=object))
     if (rows < 0).any():
         raise DataError(f"{int((rows < 0).sum())} indexed items are no longer in the catalogue the config names")
-    return feature_arrays(catalogue.iloc[rows].reset_index(drop=True), manifest["doc_features"])
+    return feature_arrays(catalogue.iloc[rows].reset_index(drop=True), manifest.doc_features)

@@ -21,9 +21,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from retrieval.bundle.run_directory import RunExistsError
 from retrieval.config import Config
 from retrieval.data.fingerprint import FileFingerprint, InputsChangedError, changed_inputs, fingerprint_inputs
-from retrieval.export import RunExistsError
 from retrieval.training import TrainingDiverged
 from retrieval.training.runtime import cluster_task
 

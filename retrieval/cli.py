@@ -232,12 +232,12 @@ new directory.""",
 def _export(args: argparse.Namespace) -> int:
     setup_logging()
 
+    from retrieval.bundle.manifest import read_manifest
     from retrieval.bundles import reindex_bundle
     from retrieval.config import Config, apply_overrides
-    from retrieval.export import read_manifest
 
     manifest = read_manifest(args.run)
-    config = Config.from_dict(apply_overrides(manifest["config"], args.overrides), source="--set")
+    config = Config.from_dict(apply_overrides(manifest.config or {}, args.overrides), source="--set")
     out = reindex_bundle(args.run, args.out, config.index, overwrite=config.run.overwrite)
     print(f"bundle with index {config.index.factory!r}: {out}")
     return 0

@@ -17,6 +17,10 @@ import pandas as pd
 import tensorflow as tf
 
 from retrieval.arrays import seeded_subset
+from retrieval.bundle.run_directory import atomic_directory
+from retrieval.bundle.seen_items import SeenItems
+from retrieval.bundle.user_histories import UserHistories
+from retrieval.bundle.writer import write_bundle
 from retrieval.checkpoint_directory import training_checkpoints
 from retrieval.config import Config, ConfigError, save_config, with_absolute_data_paths
 from retrieval.data import ITEM, TIME, USER, DataError
@@ -49,7 +53,6 @@ from retrieval.evaluation import (
     skipped_baselines,
     write_report,
 )
-from retrieval.export import atomic_directory, write_bundle
 from retrieval.features import ExampleJoin, FeatureStatistics, TowerTables, Vocabulary
 from retrieval.features.histories import ClickHistories
 from retrieval.index import ItemIndex, build_index_in_blocks, check_index_fits
@@ -57,7 +60,6 @@ from retrieval.model import build_model
 from retrieval.model_parts import resolved
 from retrieval.native_logs import runtime_filtered_stderr
 from retrieval.samplers import UserHistory
-from retrieval.seen_items import SeenItems
 from retrieval.towers import build_ensemble_towers
 from retrieval.training import (
     SequenceClicks,
@@ -77,7 +79,6 @@ from retrieval.training.parameter_server import (
     with_estimator_shards,
 )
 from retrieval.training.worker_input import data_dispatcher
-from retrieval.user_histories import UserHistories
 
 log = logging.getLogger("retrieval")
 
@@ -235,15 +236,15 @@ def write_run_outputs(
     """Metrics (JSON, Markdown, report, TensorBoard) and the serving bundle of a finished run.
 
     ``probe_query``: one row of a training user's raw query features (``TowerTables.queries``),
-    recorded with its top-k for serving to reproduce at load (``export.write_bundle``).
+    recorded with its top-k for serving to reproduce at load (``bundle.writer.write_bundle``).
     ``seen_items``: each training user's items as rows of ``index``, which the bundle excludes
-    from what it serves (``export.write_bundle``).
+    from what it serves (``bundle.writer.write_bundle``).
     ``user_features``: each known user's raw query features (``user_features_of``), which the
-    bundle fills into requests that lack them (``export.write_bundle``).
+    bundle fills into requests that lack them (``bundle.writer.write_bundle``).
     ``item_features``: the raw item feature table (``data.item_features``), whose display columns
-    the bundle ships for the web page and ``POST /items`` (``export.write_bundle``).
+    the bundle ships for the web page and ``POST /items`` (``bundle.writer.write_bundle``).
     ``training_queries``: raw query features of training users, whose embeddings' norm range the
-    bundle records; serving refuses a query embedded far outside it (``export.write_bundle``).
+    bundle records; serving refuses a query embedded far outside it (``bundle.writer.write_bundle``).
     """
     (directory / "metrics.json").write_text(json.dumps(metrics, indent=2))
     (directory / "metrics.md").write_text(format_table(metrics) + "\n")
@@ -270,21 +271,8 @@ def write_run_outputs(
             "metrics": {k: metrics[k] for k in [*ranker_names(metrics), "counts"]},
             "popular_item_ids": stats.item_popularity.ranked_item_ids(POPULAR_ITEMS_IN_MANIFEST),
             "derived": metrics.get("derived", {}),
-            **_history_manifest(config),
         },
     )
-
-
-def _history_manifest(config: Config) -> dict[str, Any]:
-    """How a client lays out the query tower's history input, when it reads one."""
-    history = config.towers.query.history
-    if history is None:
-        return {}
-    return {"query_history": {
-        "input": history.name, "length": history.length, "pooling": history.pooling,
-        "order": "most recent first; \"\" pads the end; a longer history keeps its most recent items; items "
-                 "unknown to training are " + ("skipped" if history.pooling == "transformer" else "the OOV row"),
-    }}
 
 
 def derived_settings(config: Config, stats: FeatureStatistics, catalogue_items: int) -> dict[str, Any]:

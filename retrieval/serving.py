@@ -16,7 +16,7 @@ or from a shell::
 (``retrieval recommend`` takes the same arguments; ``--out`` runs ``retrieval.batch_recommend``.)
 
 What a user already has is never served by default: the user's training
-items (the bundle's ``seen_items/``, ``retrieval.seen_items``) and the items
+items (the bundle's ``seen_items/``, ``retrieval.bundle.seen_items``) and the items
 of the query's click history; ``exclude_seen=False`` (``--include-seen``)
 serves them too.
 
@@ -42,12 +42,16 @@ from typing import Any, Literal
 import numpy as np
 import tensorflow as tf
 
-from retrieval.data import USER
+from retrieval.bundle.display_features import DisplayFeatures
+from retrieval.bundle.fingerprints import check_fingerprints, served_files
+from retrieval.bundle.manifest import MANIFEST_FILE, ManifestError, read_manifest
+from retrieval.bundle.parts import DisplayFeaturesPart, SeenItemsPart, UserFeaturesPart, UserHistoriesPart
+from retrieval.bundle.seen_items import SeenItems, find_sorted
+from retrieval.bundle.user_features import UserFeatures
+from retrieval.bundle.user_histories import UserHistories
 from retrieval.data.values import finite_feature_value
 from retrieval.errors import UserError, entry_point
-from retrieval.export import MANIFEST_FILE, check_fingerprints, read_manifest, served_files
 from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFilesError, ItemIndex
-from retrieval.item_features import ItemFeatures
 from retrieval.request_checks import (
     RequestError,
     check_query_keys,
@@ -57,9 +61,6 @@ from retrieval.request_checks import (
     checked_k,
 )
 from retrieval.request_checks import short as _short
-from retrieval.seen_items import SeenItems, find_sorted
-from retrieval.user_features import UserFeatures
-from retrieval.user_histories import UserHistories
 
 log = logging.getLogger("retrieval.serving")
 
@@ -116,6 +117,9 @@ class Bundle:
     unique, and the manifest's probe query must give the items it gave at
     export (``check_probe``). Format 1 bundles (no fingerprints, no probe)
     load with a warning.
+
+    ``manifest_model`` is the typed manifest (``retrieval.bundle.manifest.Manifest``, migrated to
+    the current shape), ``manifest`` the same as JSON values.
     """
 
     def __init__(self, directory: str | Path, *, verify: Verify = "quick"):
@@ -124,9 +128,11 @@ class Bundle:
         self.directory = Path(directory)
         self.loaded_at = time.time()
         with _part(self.directory, "manifest.json"):
-            self.manifest = read_manifest(self.directory)
-            self.query_features: list[str] = [str(f) for f in self.manifest["query_features"]]
-            query_model = str(self.manifest["files"]["query_model"])
+            # Typed and migrated to the current shape (``retrieval.bundle.manifest``); ``manifest`` is its JSON.
+            self.manifest_model = read_manifest(self.directory)
+            self.manifest: dict[str, Any] = self.manifest_model.to_dict()
+            self.query_features: list[str] = list(self.manifest_model.query_features)
+            query_model = self.manifest_model.files["query_model"]
         # Taken before the fingerprint check, compared again after the last part is read: the parts
         # in memory are then the files that were checked (``changed_files``).
         self._watched = self._served_states(missing_ok=True)
@@ -134,7 +140,7 @@ class Bundle:
         with _part(self.directory, f"query SavedModel {query_model!r}"):
             self._query_model = tf.saved_model.load(str(self.directory / query_model))
             self._embed = self._query_model.signatures["serving_default"]
-            # Bundles whose query tower reads id features say which ids it knew (export.save_tower).
+            # Bundles whose query tower reads id features say which ids it knew (bundle.saved_models.save_tower).
             self._reports_known_ids = "known_ids" in self._embed.structured_outputs
             # name -> TensorSpec: string [batch], float32/float64 [batch] or string [batch, width].
             self._input_specs: dict[str, tf.TensorSpec] = dict(self._embed.structured_input_signature[1])
@@ -170,7 +176,7 @@ class Bundle:
             dtype=np.int64,
         )
         self.seen_items = self._load_seen_items()
-        self._user_input, self._history_input = _seen_inputs(self.manifest, self.query_features)
+        self._user_input, self._history_input = self.manifest_model.user_input, self.manifest_model.history_input
         # What a query may hold: the tower's inputs and the user id (its training items are excluded).
         self._query_keys = list(dict.fromkeys([*self.query_features, self._user_input]))
         self._unread_key_notes = {} if self._history_input is not None else {
@@ -225,11 +231,11 @@ class Bundle:
 
     def _load_seen_items(self) -> SeenItems | None:
         """The training users' items (``seen_items/``); None for a bundle exported without them."""
-        folder = self.manifest["files"].get("seen_items")
-        if folder is None:
-            return None
+        folder = self.manifest_model.files.get(SeenItemsPart.KEY)
         with _part(self.directory, f"seen items {str(folder)!r}"):
-            seen = SeenItems.load(self.directory / str(folder))
+            seen = SeenItemsPart.read(self.directory, self.manifest_model)
+        if seen is None:
+            return None
         recorded = self.manifest.get("seen_items")
         if recorded is not None and recorded != seen.info():
             raise BundleError(f"{self.directory}: seen items hold {seen.info()}, the manifest says {recorded}")
@@ -240,11 +246,11 @@ class Bundle:
 
     def _load_user_features(self) -> UserFeatures | None:
         """The known users' raw query features (``user_features.parquet``); None for a bundle without them."""
-        name = self.manifest["files"].get("user_features")
-        if name is None:
-            return None
+        name = self.manifest_model.files.get(UserFeaturesPart.KEY)
         with _part(self.directory, f"user features {str(name)!r}"):
-            table = UserFeatures.load(self.directory / str(name))
+            table = UserFeaturesPart.read(self.directory, self.manifest_model)
+        if table is None:
+            return None
         strangers = [feature for feature in table.features if feature not in self.query_features]
         if strangers:
             raise BundleError(f"{self.directory}: {name} holds {strangers}, which are not query features "
@@ -257,12 +263,12 @@ class Bundle:
     def _load_user_histories(self) -> UserHistories | None:
         """The training users' recent clicks, newest first (``user_histories/``); None for a bundle
         without them (one whose query tower reads no history, or exported before they were stored)."""
-        folder = self.manifest["files"].get("user_histories")
-        if folder is None:
-            return None
+        folder = self.manifest_model.files.get(UserHistoriesPart.KEY)
         recorded = self.manifest.get("user_histories")
         with _part(self.directory, f"user histories {str(folder)!r}"):
-            histories = UserHistories.load(self.directory / str(folder), int((recorded or {})["limit"]))
+            histories = UserHistoriesPart.read(self.directory, self.manifest_model)
+        if histories is None:
+            return None
         if recorded != histories.info():
             raise BundleError(f"{self.directory}: user histories hold {histories.info()}, the manifest says "
                               f"{_short(recorded)}")
@@ -272,13 +278,13 @@ class Bundle:
             raise BundleError(f"{self.directory}: user histories name index rows past its {len(self.index)} items")
         return histories
 
-    def _load_item_features(self) -> ItemFeatures | None:
+    def _load_item_features(self) -> DisplayFeatures | None:
         """The catalogue's display features (``item_features.parquet``); None for a bundle without them."""
-        name = self.manifest["files"].get("item_features")
-        if name is None:
-            return None
+        name = self.manifest_model.files.get(DisplayFeaturesPart.KEY)
         with _part(self.directory, f"item features {str(name)!r}"):
-            table = ItemFeatures.load(self.directory / str(name))
+            table = DisplayFeaturesPart.read(self.directory, self.manifest_model)
+        if table is None:
+            return None
         recorded = self.manifest.get("item_features")
         if recorded is not None and recorded != table.info():
             raise BundleError(f"{self.directory}: {name} holds {table.info()}, the manifest says {_short(recorded)}")
@@ -291,12 +297,9 @@ class Bundle:
 
     def _check_files(self, verify: Verify) -> None:
         """Paths inside the bundle, and (format 2) every served file equal to its fingerprint."""
-        with _part(self.directory, "manifest.json files"):
-            files = self.manifest["files"]
-            if not isinstance(files, dict):
-                raise BundleError(f"{self.directory}: manifest.json files must be an object of paths")
+        files = self.manifest_model.files
         try:
-            if self.manifest.get("format_version") == 1:
+            if self.manifest_model.format_version == 1:
                 served_files(self.directory, files)
                 log.warning(
                     "%s: bundle format 1 has no fingerprints or probe query, so its parts cannot be checked "
@@ -320,7 +323,7 @@ class Bundle:
     def check_probe(self) -> None:
         """Raise BundleError unless the manifest's probe query gives the items it gave at export.
 
-        The probe (``retrieval.export.probe_record``) is one training user's raw query; it runs
+        The probe (``retrieval.bundle.writer.probe_record``) is one training user's raw query; it runs
         through this bundle's query model and index as a request would. A bundle without a probe passes.
         """
         problem = self.probe_problem()
@@ -760,7 +763,7 @@ class Bundle:
         return [user.decode("utf-8") for user in np.asarray(self.seen_items.user_ids[:limit]).tolist()]
 
     def item_features(self, item_ids: Sequence[str]) -> list[dict[str, Any] | None]:
-        """[len(item_ids)] each item's display features (``retrieval.item_features``), None for an
+        """[len(item_ids)] each item's display features (``retrieval.bundle.display_features``), None for an
         item the table does not describe; all None for a bundle without a table."""
         if self.item_display is None:
             return [None] * len(item_ids)
@@ -790,7 +793,7 @@ class Bundle:
         return [None if row is None else known[next(best)] for row in asked]
 
     def search_items(self, text: str, limit: int) -> list[str]:
-        """Up to ``limit`` catalogue item ids whose title contains ``text`` (``ItemFeatures.search``),
+        """Up to ``limit`` catalogue item ids whose title contains ``text`` (``DisplayFeatures.search``),
         or, for a bundle without a title column, whose id starts with it."""
         text = text.strip()
         if not text:
@@ -968,8 +971,8 @@ def _reason(error: Exception) -> str:
         return f"not valid JSON (line {error.lineno}, column {error.colno})"
     if isinstance(error, KeyError):
         return f"the key {_short(error.args[0] if error.args else None)} is missing"
-    if isinstance(error, ValueError) and "bundle format" in str(error):
-        return str(error).split(": ", 1)[-1]  # read_manifest's version message
+    if isinstance(error, ManifestError):
+        return str(error).split(": ", 1)[-1]  # read_manifest's message names the key (or the format version)
     if isinstance(error, IndexFilesError):
         return str(error)  # names the file and the rows, never its bytes
     return f"missing, truncated or corrupt ({type(error).__name__})"
@@ -1019,26 +1022,6 @@ def _log_distance(norm: float, low: float, high: float) -> float:
     if norm <= 0:
         return float("inf")
     return max(np.log(low) - np.log(norm), np.log(norm) - np.log(high), 0.0)
-
-
-def _seen_inputs(manifest: Mapping[str, Any], query_features: Sequence[str]) -> tuple[str, str | None]:
-    """(the query key holding the user id, the query input holding the click history or None).
-
-    From the run's config in the manifest: the query tower's id feature read from the click log's
-    user_id column (else ``user_id``, which ``TowerTables.queries`` always sets), and
-    ``towers.query.history.name``.
-    """
-    query_tower = ((manifest.get("config") or {}).get("towers") or {}).get("query") or {}
-    user = next(
-        (
-            str(feature["name"])
-            for feature in query_tower.get("features") or ()
-            if feature.get("kind") == "id" and (feature.get("source") or feature.get("name")) == USER
-        ),
-        USER,
-    )
-    history = (query_tower.get("history") or {}).get("name")
-    return user, (str(history) if history is not None and history in query_features else None)
 
 
 def _user_key(user: Any) -> str | None:

@@ -77,11 +77,11 @@ def write_feature_bundle(directory, towers: TowersConfig = ALL_KINDS, *, topk: b
     as the job does for a history tower."""
     import tensorflow as tf
 
+    from retrieval.bundle.seen_items import SeenItems
+    from retrieval.bundle.writer import write_bundle
     from retrieval.config import ModelConfig
-    from retrieval.export import write_bundle
     from retrieval.features import TowerStatistics, TowerTables
     from retrieval.index import ItemIndex
-    from retrieval.seen_items import SeenItems
     from retrieval.towers import build_towers
     from retrieval.training import embed_frame
 
@@ -106,8 +106,8 @@ def write_feature_bundle(directory, towers: TowersConfig = ALL_KINDS, *, topk: b
 
 def stored_histories(clicks, index_item_ids, limit: int):
     """``UserHistories`` of a click frame as the job stores them (``jobs.user_histories_of``)."""
+    from retrieval.bundle.user_histories import UserHistories
     from retrieval.features.histories import ClickHistories
-    from retrieval.user_histories import UserHistories
 
     user_rows, user_ids = pd.factorize(clicks["user_id"].astype(str))
     item_rows, item_ids = pd.factorize(clicks["item_id"].astype(str))

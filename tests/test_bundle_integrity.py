@@ -19,10 +19,14 @@ from hypothesis import strategies as st
 from test_service import _fixed_id_tower, _unit, call
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
-from retrieval import cli, export
+from retrieval import cli
+from retrieval.bundle import fingerprints, saved_models
+from retrieval.bundle import manifest as bundle_manifest
+from retrieval.bundle.fingerprints import check_fingerprints
+from retrieval.bundle.manifest import MANIFEST_FILE
+from retrieval.bundle.writer import write_bundle
 from retrieval.bundles import reindex_bundle
 from retrieval.config import IndexConfig
-from retrieval.export import MANIFEST_FILE, check_fingerprints, write_bundle, write_manifest
 from retrieval.index import ItemIndex, build_index
 from retrieval.service import create_app
 from retrieval.serving import Bundle, BundleError, _same_top_k
@@ -81,12 +85,14 @@ def _manifest(directory: Path) -> dict:
 
 def _reseal(directory: Path) -> None:
     """Fingerprints recomputed over the files as they are now: what a careless hand-edit would do."""
-    write_manifest(directory, _manifest(directory))
+    manifest = _manifest(directory)
+    manifest["fingerprints"] = fingerprints.fingerprint_files(directory, manifest["files"])
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 
 def _at(directory: Path, part: str) -> Path:
-    """A part of a bundle: a SavedModel by its manifest key (``export.model_path``), else a file name."""
-    return export.model_path(directory, part) if part in export.SERVED_MODELS else directory / part
+    """A part of a bundle: a SavedModel by its manifest key (``saved_models.model_path``), else a file name."""
+    return saved_models.model_path(directory, part) if part in saved_models.SERVED_MODELS else directory / part
 
 
 def _relative(directory: Path, part: str) -> str:
@@ -119,7 +125,7 @@ def _duplicate_an_id(directory: Path, row: int) -> None:
 
 def test_a_fresh_bundle_loads_and_its_probe_is_the_exact_top_k(bundles):
     manifest = _manifest(bundles["a"])
-    assert manifest["format_version"] == export.BUNDLE_FORMAT_VERSION == 2
+    assert manifest["format_version"] == bundle_manifest.BUNDLE_FORMAT_VERSION == 2
     probe = manifest["probe"]
     assert probe["query"] == {"user_id": PROBE_USER} and probe["k"] == 10
     bundle = Bundle.load(bundles["a"], verify="full")
@@ -292,8 +298,8 @@ def test_files_missing_or_not_in_the_manifest_are_refused(bundles, tmp_path):
 
 
 def test_large_files_are_checked_by_their_ends_unless_full_is_asked(bundles, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(export, "FULL_HASH_MAX_BYTES", 4096)
-    monkeypatch.setattr(export, "HEAD_TAIL_BYTES", 1024)
+    monkeypatch.setattr(fingerprints, "FULL_HASH_MAX_BYTES", 4096)
+    monkeypatch.setattr(fingerprints, "HEAD_TAIL_BYTES", 1024)
     copy = _copy(bundles["a"], tmp_path)
     _reseal(copy)
     record = _manifest(copy)["fingerprints"]

@@ -15,12 +15,13 @@ from test_service import _fixed_id_tower, call
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
 from retrieval import bundles, serving
-from retrieval.export import MANIFEST_FILE, raw_query, write_bundle
+from retrieval.bundle.manifest import MANIFEST_FILE
+from retrieval.bundle.user_features import USER_FEATURES_FILE, UserFeatures
+from retrieval.bundle.writer import raw_query, write_bundle
 from retrieval.features import TowerTables, feature_arrays
 from retrieval.index import ItemIndex
 from retrieval.service import create_app
 from retrieval.serving import Bundle, BundleError
-from retrieval.user_features import USER_FEATURES_FILE, UserFeatures
 
 # ALL_KINDS without the click history: every query input but the id comes from the user table.
 NO_HISTORY = ALL_KINDS.model_copy(update={"query": ALL_KINDS.query.model_copy(update={"history": None})})
@@ -168,7 +169,7 @@ def test_reindexing_carries_the_user_table(built, tmp_path, monkeypatch):
     catalogue = tables.catalogue()
     monkeypatch.setattr(bundles, "_doc_inputs",  # the catalogue the bundle's doc tower read, not re-read from data
                         lambda manifest, ids: feature_arrays(catalogue.set_index("item_id").loc[list(ids)]
-                                                             .reset_index(), manifest["doc_features"]))
+                                                             .reset_index(), manifest.doc_features))
     out = bundles.reindex_bundle(directory, tmp_path / "reindexed", "HNSW8")
     copied = Bundle.load(out, verify="full")
     assert (out / USER_FEATURES_FILE).read_bytes() == (directory / USER_FEATURES_FILE).read_bytes()

@@ -1,6 +1,6 @@
 """README.md and docs/ match the code and the results: the generated config reference
-(docs/configuration.md), every quoted figure against the results file it cites, and no
-dangling file references."""
+(docs/configuration.md) and bundle layout (docs/operations.md), every quoted figure against the
+results file it cites, and no dangling file references."""
 
 import json
 import math
@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from retrieval import config_reference
+from retrieval.bundle import layout as bundle_layout
 from retrieval.config import Config, IdFeature, TextFeature
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +50,23 @@ def test_configuration_reference_is_up_to_date():
         f"{config_reference.TARGET}'s config reference differs from retrieval/config.py: regenerate it with "
         f"`{config_reference.REGENERATE}`"
     )
+
+
+def test_bundle_layout_is_generated_from_the_parts():
+    documented = bundle_layout.documented_layout((ROOT / bundle_layout.TARGET).read_text(encoding="utf-8"))
+    assert documented == bundle_layout.layout_markdown(), (
+        f"{bundle_layout.TARGET}'s bundle layout differs from retrieval/bundle/parts.py: regenerate it with "
+        f"`{bundle_layout.REGENERATE}`"
+    )
+
+
+def test_the_bundle_layout_block_is_replaced_between_its_markers():
+    stale = f"before\n{bundle_layout.START}\nold\n{bundle_layout.END}\nafter\n"
+    fresh = bundle_layout.with_layout(stale)
+    assert fresh.startswith("before\n") and fresh.endswith(f"{bundle_layout.END}\nafter\n")
+    assert bundle_layout.documented_layout(fresh) == bundle_layout.layout_markdown()
+    with pytest.raises(ValueError, match="bundle-layout:start"):
+        bundle_layout.documented_layout("no block\n")
 
 
 def test_readme_links_the_reference_instead_of_copying_it():

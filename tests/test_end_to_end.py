@@ -11,9 +11,10 @@ import pytest
 import tensorflow as tf
 
 import retrieval  # noqa: F401
+from retrieval.bundle.run_directory import RunExistsError
+from retrieval.bundle.saved_models import model_path
 from retrieval.bundles import evaluate_bundle
 from retrieval.data import ITEM, load_dataset
-from retrieval.export import RunExistsError, model_path
 from retrieval.jobs import train_evaluate_export
 from retrieval.serving import Bundle
 
@@ -64,13 +65,13 @@ def test_bundle_layout_and_no_partial_directories(run):
 
 def test_the_bundle_ships_the_catalogues_display_features(run):
     # The synthetic source brings an item table (category, price, title): the web page's features.
+    from retrieval.bundle.display_features import DISPLAY_FEATURES_FILE
     from retrieval.data.synthetic import generate_clicks
-    from retrieval.item_features import ITEM_FEATURES_FILE
 
     config, result = run
     _, items, _ = generate_clicks(config.data.synthetic)
     bundle = Bundle.load(result.directory)
-    assert bundle.manifest["files"]["item_features"] == ITEM_FEATURES_FILE
+    assert bundle.manifest["files"]["item_features"] == DISPLAY_FEATURES_FILE
     assert bundle.manifest["item_features"]["features"] == ["category", "price", "title"]
     ids = list(bundle.index.item_ids)
     assert bundle.manifest["item_features"]["num_items"] == int(items["item_id"].astype(str).isin(ids).sum())

@@ -173,10 +173,10 @@ TINY = ["data.synthetic.n_users=120", "data.synthetic.n_items=100", "data.synthe
 # second save: the first one stays the checkpoint to resume from).
 DISK_FULL_EXPORT = """
 import errno, os
-import retrieval.bundles
+import retrieval.bundle.writer
 def disk_full(directory, manifest):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(directory, "manifest.json"))
-retrieval.bundles.write_manifest = disk_full
+retrieval.bundle.writer.write_manifest = disk_full
 """
 # The FAISS index of a re-indexed bundle written to a full disk (/dev/full: every write fails with ENOSPC).
 DISK_FULL_INDEX = """

@@ -9,7 +9,8 @@ import tensorflow as tf
 from feature_fixtures import write_feature_bundle
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
-from retrieval.export import model_path, raw_query
+from retrieval.bundle.saved_models import model_path
+from retrieval.bundle.writer import raw_query
 from retrieval.features import feature_arrays
 from retrieval.serving import Bundle
 from retrieval.training import embed_frame

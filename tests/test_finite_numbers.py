@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 from test_service import DIM, _fixed_id_tower, call
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
+from retrieval.bundle.writer import write_bundle
 from retrieval.config import IndexConfig, TableConfig, load_config
 from retrieval.data import DataError, read_feature_table
 from retrieval.data.synthetic import generate_clicks
 from retrieval.data.values import FLOAT32_MAX
-from retrieval.export import write_bundle
 from retrieval.features import FeatureStatistics, TowerTables
 from retrieval.index import build_index
 from retrieval.jobs import train_evaluate_export

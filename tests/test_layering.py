@@ -24,11 +24,8 @@ STAGES = [
     "training",
     "index",
     "evaluation",
-    "seen_items",  # each training user's items (CSR): written by export, excluded by serving
-    "user_features",  # each known user's raw query features: written by export, filled in by serving
-    "user_histories",  # each training user's recent clicks, newest first: written by export, filled in by serving
-    "item_features",  # the catalogue's display features (title, category): written by export, shown by serving
-    "export",
+    "bundle",  # the bundle format: typed manifest, its parts (index, SavedModels, seen items, user features and
+    # histories, display features), the one writer, fingerprints, the atomic run directory
     # One stage: batch_recommend answers many users through serving's Bundle, and serving's command
     # line hands --out to it.
     ("serving", "batch_recommend"),

@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import retrieval  # noqa: F401
+from retrieval.bundle.seen_items import SEEN_ITEMS_DIR, SeenItems
 from retrieval.config import ColumnsConfig, ConfigError, SplitConfig, SyntheticConfig, TableConfig, load_config
 from retrieval.data import (
     DataError,
@@ -36,10 +37,8 @@ from retrieval.data.streaming import (
     scan_counts,
     train_batches,
 )
-from retrieval.export import SEEN_ITEMS_DIR
 from retrieval.features import FeatureStatistics
 from retrieval.index import ITEM_IDS_FILE
-from retrieval.seen_items import SeenItems
 from retrieval.training import StreamedClicks, validation_split
 
 ROOT = Path(__file__).resolve().parents[1]

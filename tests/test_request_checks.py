@@ -17,8 +17,8 @@ from test_service import _fixed_id_tower, call
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
 from retrieval import serving
 from retrieval.batch_recommend import IdList, recommend_to_file
+from retrieval.bundle.writer import write_bundle
 from retrieval.config import MAX_EVALUATION_K, ConfigError, load_config
-from retrieval.export import write_bundle
 from retrieval.index import ItemIndex
 from retrieval.request_checks import RequestError, check_query_keys, checked_id, checked_ids, checked_k
 from retrieval.service import create_app
@@ -243,7 +243,7 @@ def scaled(tmp_path_factory):
                            index=ItemIndex.build(ITEM_IDS, items), training_queries=training,
                            manifest={"run": "scaled", "popular_item_ids": ITEM_IDS[:5]})
     norms = np.linalg.norm(users, axis=1) * training["scale"].to_numpy()
-    return {"bundle": Bundle.load(directory), "manifest": written, "norms": norms}
+    return {"bundle": Bundle.load(directory), "manifest": written.to_dict(), "norms": norms}
 
 
 def test_the_manifest_records_the_training_queries_norm_range(scaled):

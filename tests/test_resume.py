@@ -24,11 +24,11 @@ import pytest
 import tensorflow as tf
 
 import retrieval  # noqa: F401
+from retrieval.bundle.saved_models import model_path
 from retrieval.checkpoint_directory import UnfinishedRunError, training_checkpoints
 from retrieval.config import ColumnsConfig, ModelConfig, TableConfig, TrainConfig, load_config
 from retrieval.data import click_keys, epoch_order, load_dataset
 from retrieval.data.streaming import ClickShards, SplitPlan
-from retrieval.export import model_path
 from retrieval.features import FeatureStatistics
 from retrieval.jobs import train_evaluate_export
 from retrieval.model import build_model

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 import retrieval  # noqa: F401
+from retrieval.bundle.manifest import MANIFEST_FILE
+from retrieval.bundle.run_directory import RunExistsError, atomic_directory
 from retrieval.config import ConfigError, load_config
-from retrieval.export import MANIFEST_FILE, RunExistsError, atomic_directory
 from retrieval.jobs import train_evaluate_export
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +78,7 @@ def test_a_run_name_is_held_for_the_whole_block(tmp_path):
 
 def test_a_second_process_cannot_take_a_held_name(tmp_path):
     code = (
-        "import sys; from retrieval.export import atomic_directory, RunExistsError\n"
+        "import sys; from retrieval.bundle.run_directory import atomic_directory, RunExistsError\n"
         "try:\n    atomic_directory(sys.argv[1]).__enter__()\nexcept RunExistsError as e:\n    print(e); sys.exit(3)\n"
     )
     with atomic_directory(tmp_path / "run"):
@@ -108,7 +109,7 @@ def test_an_interrupted_swap_is_recovered_from_the_newest_complete_bundle(tmp_pa
     new = _bundle(tmp_path / f".run.partial-{pid}", "2026-01-02T00:00:00+00:00")
     (new / "payload").write_text("new")
     (tmp_path / f".run.partial-{other}").mkdir()  # a scratch killed before its manifest: incomplete
-    with caplog.at_level("WARNING", logger="retrieval.export"), pytest.raises(RunExistsError, match="already exists"):
+    with caplog.at_level("WARNING", logger="retrieval.bundle"), pytest.raises(RunExistsError, match="already exists"):
         with atomic_directory(tmp_path / "run"):  # no overwrite: the recovered bundle stays
             pass
     assert (tmp_path / "run" / "payload").read_text() == "new"
@@ -135,7 +136,8 @@ def test_an_incomplete_scratch_is_never_recovered(tmp_path):
 
 KILLED_BETWEEN_RENAMES = """
 import json, os, pathlib, sys
-from retrieval.export import MANIFEST_FILE, atomic_directory
+from retrieval.bundle.manifest import MANIFEST_FILE
+from retrieval.bundle.run_directory import atomic_directory
 final = pathlib.Path(sys.argv[1])
 rename = pathlib.Path.rename
 def dies_after_moving_the_old_bundle_aside(self, target):

@@ -28,10 +28,10 @@ from test_service import _fixed_id_tower, _unit, call
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
 from retrieval import serving
+from retrieval.bundle.seen_items import SEEN_ITEMS_DIR, SeenItems
+from retrieval.bundle.writer import write_bundle
 from retrieval.config import IndexConfig
-from retrieval.export import SEEN_ITEMS_DIR, write_bundle
 from retrieval.index import ItemIndex, build_index
-from retrieval.seen_items import SeenItems
 from retrieval.service import create_app
 from retrieval.serving import Bundle, BundleError
 
@@ -294,7 +294,7 @@ def test_metadata_and_manifest_describe_the_seen_items(world):
 def test_seen_items_that_do_not_match_the_manifest_are_refused(world, tmp_path):
     import shutil
 
-    from retrieval.export import write_manifest
+    from retrieval.bundle.fingerprints import fingerprint_files
 
     copy = tmp_path / "bundle"
     shutil.copytree(world["seen"], copy)
@@ -309,7 +309,8 @@ def test_seen_items_that_do_not_match_the_manifest_are_refused(world, tmp_path):
     with pytest.raises(BundleError, match="seen_items/indptr.npy: content differs from the manifest's fingerprint"):
         Bundle.load(copy)
     # Fingerprinted again (as if exported that way): the seen-items reader refuses the file itself.
-    write_manifest(copy, manifest)
+    manifest["fingerprints"] = fingerprint_files(copy, manifest["files"])
+    (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="seen items 'seen_items' cannot be loaded"):
         Bundle.load(copy)
 
@@ -382,12 +383,12 @@ def test_any_part_copied_over_from_another_bundle_changes_no_answer(world, tmp_p
     copied over the served one changes no answer, and /healthz names what changed."""
     import shutil
 
-    from retrieval import export
+    from retrieval.bundle import saved_models
 
     copy, app, expected = _serving_copy(world, tmp_path)
     before = _answers(app)
-    if part in export.SERVED_MODELS:
-        target, source = export.model_path(copy, part), export.model_path(world[donor], part)
+    if part in saved_models.SERVED_MODELS:
+        target, source = saved_models.model_path(copy, part), saved_models.model_path(world[donor], part)
         for path in source.rglob("*"):
             if path.is_file():
                 (target / path.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
@@ -422,16 +423,24 @@ def test_a_bundle_changed_while_it_loads_is_refused(world, tmp_path, monkeypatch
 
 
 def test_the_user_and_history_inputs_come_from_the_run_config():
-    from retrieval.serving import _seen_inputs
+    from retrieval.bundle.manifest import Manifest
+
+    def inputs(manifest, query_features):
+        typed = Manifest.from_dict({"format_version": 2, "query_features": query_features, "doc_features": ["item_id"],
+                                    "files": {}, **manifest})
+        return typed.user_input, typed.history_input
 
     towers = {"query": {"features": [{"name": "age", "kind": "numeric"},
                                      {"name": "uid", "kind": "id", "source": "user_id"}],
                         "history": {"name": "clicks", "length": 5}}}
-    assert _seen_inputs({"config": {"towers": towers}}, ["age", "uid", "clicks"]) == ("uid", "clicks")
+    assert inputs({"config": {"towers": towers}}, ["age", "uid", "clicks"]) == ("uid", "clicks")
     # No id feature on user_id: the user_id key every query of TowerTables.queries carries; no config: ID towers.
     towers["query"]["features"] = [{"name": "age", "kind": "numeric"}]
-    assert _seen_inputs({"config": {"towers": towers}}, ["age", "clicks"]) == ("user_id", "clicks")
-    assert _seen_inputs({}, ["user_id"]) == ("user_id", None)
+    assert inputs({"config": {"towers": towers}}, ["age", "clicks"]) == ("user_id", "clicks")
+    assert inputs({}, ["user_id"]) == ("user_id", None)
+    # Recorded in the manifest (bundles written since): read as recorded, whatever the config says.
+    recorded = {"user_input": "member", "query_history": {"input": "clicks"}, "config": {"towers": towers}}
+    assert inputs(recorded, ["member", "clicks"]) == ("member", "clicks")
 
 
 def test_cli_excludes_seen_items_unless_asked(world, capsys):
@@ -511,15 +520,15 @@ def test_a_reindexed_bundle_holds_what_it_serves_under_its_own_name(trained, tmp
     (which measured the old index) stay behind; where it came from is in its manifest."""
     import yaml
 
+    from retrieval.bundle.manifest import read_manifest
     from retrieval.bundles import reindex_bundle
-    from retrieval.export import read_manifest
 
     _, result = trained
     assert {"metrics.json", "report.md", "train_log.csv"} <= {p.name for p in result.directory.iterdir()}
     copy = reindex_bundle(result.directory, tmp_path / "ivf-copy", "IVF8,Flat")
     names = {p.name for p in copy.iterdir()}
     assert not names & {"metrics.json", "metrics.md", "report.md", "train_log.csv", "tensorboard", "recall_at_k.png"}
-    manifest, source = read_manifest(copy), read_manifest(result.directory)
+    manifest, source = read_manifest(copy).to_dict(), read_manifest(result.directory).to_dict()
     assert Bundle.load(copy).version == manifest["run"] == "ivf-copy"
     assert yaml.safe_load((copy / "config.yaml").read_text())["index"]["factory"] == "IVF8,Flat"
     assert manifest["config"]["index"]["factory"] == "IVF8,Flat" and manifest["config"]["run"]["name"] == "ivf-copy"

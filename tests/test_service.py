@@ -18,8 +18,9 @@ import tensorflow as tf
 import uvicorn
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
+from retrieval.bundle.saved_models import model_path
+from retrieval.bundle.writer import write_bundle
 from retrieval.config import IndexConfig
-from retrieval.export import model_path, write_bundle
 from retrieval.index import build_index
 from retrieval.service import ServiceLimits, create_app, server_config
 from retrieval.serving import Bundle

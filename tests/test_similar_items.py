@@ -13,8 +13,8 @@ from test_service import NUM_ITEMS, _fixed_id_tower, _unit, call, world  # noqa:
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
 from retrieval import serving
+from retrieval.bundle.writer import write_bundle
 from retrieval.config import IndexConfig
-from retrieval.export import write_bundle
 from retrieval.index import ItemIndex, build_index
 from retrieval.service import MAX_K, create_app
 from retrieval.serving import Bundle, RequestError, _same_top_k

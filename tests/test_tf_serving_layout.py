@@ -21,12 +21,15 @@ from hypothesis import strategies as st
 from test_service import _fixed_id_tower, _unit
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
-from retrieval import export
+from retrieval.bundle import saved_models
+from retrieval.bundle.fingerprints import fingerprint_files
+from retrieval.bundle.manifest import MANIFEST_FILE
+from retrieval.bundle.saved_models import SERVED_MODELS, model_path, save_topk_model
+from retrieval.bundle.seen_items import SeenItems
+from retrieval.bundle.writer import write_bundle
 from retrieval.bundles import reindex_bundle
 from retrieval.config import IndexConfig
-from retrieval.export import MANIFEST_FILE, SERVED_MODELS, model_path, save_topk_model, write_bundle, write_manifest
 from retrieval.index import build_index
-from retrieval.seen_items import SeenItems
 from retrieval.serving import Bundle
 
 DIM, NUM_ITEMS, NUM_USERS, K = 8, 120, 30, 10
@@ -215,7 +218,8 @@ def _to_old_layout(directory: Path) -> None:
         manifest["files"][key] = key
     shutil.rmtree(directory / "models")
     del manifest["files"]["tf_serving_config"], manifest["model_version"]
-    write_manifest(directory, {k: v for k, v in manifest.items() if k != "fingerprints"})
+    manifest["fingerprints"] = fingerprint_files(directory, manifest["files"])
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 
 def test_a_bundle_of_the_older_layout_still_loads_and_reindexes(world, tmp_path):
@@ -233,7 +237,7 @@ def test_a_bundle_of_the_older_layout_still_loads_and_reindexes(world, tmp_path)
 
 
 def test_model_dir_names_every_model_and_refuses_others():
-    assert export.model_dir("topk_model", 1796328000) == "models/topk/1796328000"
+    assert saved_models.model_dir("topk_model", 1796328000) == "models/topk/1796328000"
     for key, version in [("index", 1), ("query_model", 0), ("query_model", True), ("query_model", "1")]:
         with pytest.raises(ValueError):
-            export.model_dir(key, version)
+            saved_models.model_dir(key, version)

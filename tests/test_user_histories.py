@@ -14,13 +14,14 @@ from test_service import call
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
 from retrieval import serving
+from retrieval.bundle.manifest import MANIFEST_FILE
+from retrieval.bundle.user_histories import USER_HISTORIES_DIR, UserHistories
+from retrieval.bundle.writer import raw_query
 from retrieval.config import TowersConfig
-from retrieval.export import MANIFEST_FILE, raw_query
 from retrieval.features.histories import ClickHistories
 from retrieval.features.tables import latest_history
 from retrieval.service import create_app
 from retrieval.serving import Bundle, BundleError, RequestError
-from retrieval.user_histories import USER_HISTORIES_DIR, UserHistories
 
 KNOWN = ["u0", "u1", "u2", "u3", "u4", "u5"]
 LIMIT = 5  # above the towers' history length (3): the tower reads the first 3 of the stored 5

@@ -36,15 +36,15 @@ from test_seen_items import HISTORY, _history_tower
 from test_service import _fixed_id_tower, _unit, call, serve_in_thread
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
+from retrieval.bundle.display_features import DISPLAY_FEATURES_FILE, DisplayFeatures
+from retrieval.bundle.seen_items import SeenItems
+from retrieval.bundle.user_histories import UserHistories
+from retrieval.bundle.writer import write_bundle
 from retrieval.config import IndexConfig
-from retrieval.export import write_bundle
 from retrieval.index import build_index
-from retrieval.item_features import ITEM_FEATURES_FILE, ItemFeatures
-from retrieval.seen_items import SeenItems
 from retrieval.service import create_app
 from retrieval.service.page import page_headers, page_html
 from retrieval.serving import Bundle, BundleError
-from retrieval.user_histories import UserHistories
 
 DIM, NUM_ITEMS, NUM_USERS, K = 16, 120, 30, 8
 # Users whose ids a URL must carry encoded: a slash, a space, non-ASCII.
@@ -215,7 +215,7 @@ def test_items_of_a_bundle_without_a_table_are_ids_only(world):
     assert body == {"bundle": "plain", "features": None,
                     "items": [{"item_id": "item001", "features": None}, {"item_id": "nowhere", "features": None}]}
     assert call(app, "GET", "/metadata").json()["item_features"] is None
-    assert not (world["plain"] / ITEM_FEATURES_FILE).exists()
+    assert not (world["plain"] / DISPLAY_FEATURES_FILE).exists()
 
 
 @pytest.mark.parametrize("body, reason", [
@@ -231,16 +231,16 @@ def test_a_bad_items_body_is_a_422_naming_the_field(shop, body, reason):
 
 def test_the_item_table_is_fingerprinted_and_checked_at_load(world, tmp_path):
     manifest = json.loads((world["shop"] / "manifest.json").read_text())
-    assert manifest["files"]["item_features"] == ITEM_FEATURES_FILE
-    assert ITEM_FEATURES_FILE in manifest["fingerprints"]["files"]
-    assert manifest["item_features"] == {"file": ITEM_FEATURES_FILE, "id_column": "item_id",
+    assert manifest["files"]["item_features"] == DISPLAY_FEATURES_FILE
+    assert DISPLAY_FEATURES_FILE in manifest["fingerprints"]["files"]
+    assert manifest["item_features"] == {"file": DISPLAY_FEATURES_FILE, "id_column": "item_id",
                                          "features": ["title", "category", "year", "price", "tags"],
                                          "num_items": NUM_ITEMS}
     copy = tmp_path / "copy"
     shutil.copytree(world["shop"], copy)
-    table = pd.read_parquet(copy / ITEM_FEATURES_FILE)
+    table = pd.read_parquet(copy / DISPLAY_FEATURES_FILE)
     table.loc[0, "title"] = "changed"
-    table.to_parquet(copy / ITEM_FEATURES_FILE, index=False)
+    table.to_parquet(copy / DISPLAY_FEATURES_FILE, index=False)
     with pytest.raises(BundleError, match="item_features.parquet: .*fingerprint"):
         Bundle.load(copy, verify="full")
 
@@ -250,7 +250,7 @@ def test_reindexing_carries_the_item_table(world, tmp_path):
 
     out = reindex_bundle(world["shop"], tmp_path / "reindexed", "HNSW8")
     copied = Bundle.load(out, verify="full")
-    assert (out / ITEM_FEATURES_FILE).read_bytes() == (world["shop"] / ITEM_FEATURES_FILE).read_bytes()
+    assert (out / DISPLAY_FEATURES_FILE).read_bytes() == (world["shop"] / DISPLAY_FEATURES_FILE).read_bytes()
     assert copied.manifest["item_features"] == Bundle.load(world["shop"]).manifest["item_features"]
     reply = call(create_app(copied), "POST", "/items", json={"item_ids": ["item005"]}).json()
     assert reply["items"][0]["features"] == _expected_features(world["table"], "item005")
@@ -259,7 +259,7 @@ def test_reindexing_carries_the_item_table(world, tmp_path):
 def test_the_table_keeps_only_display_columns_of_indexed_items():
     frame = pd.DataFrame({"item_id": [3, 1, 2], "name": ["c", None, "b"], "n": pd.array([1, None, 3], "Int64"),
                           "ok": [True, False, True], "blob": [{"a": 1}, {"b": 2}, {"c": 3}]})
-    table = ItemFeatures.from_frame(frame, ["1", "3", "9"])
+    table = DisplayFeatures.from_frame(frame, ["1", "3", "9"])
     assert table.features == ["name", "n", "ok"] and len(table) == 2
     assert table.values_of(["3", "1", "2", "9"]) == [{"name": "c", "n": 1.0, "ok": True},
                                                      {"name": None, "n": None, "ok": False}, None, None]

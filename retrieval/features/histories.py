@@ -94,7 +94,7 @@ class ClickHistories:
 
     def recent(self, limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every user with training clicks: its last ``limit`` clicks, newest first, as CSR (what a
-        bundle stores to fill a served history, ``retrieval.user_histories``). Row u of ``latest(..,
+        bundle stores to fill a served history, ``retrieval.bundle.user_histories``). Row u of ``latest(..,
         length)`` is the first ``length`` of user u's clicks here, "" padded.
 
         Returns:

@@ -385,7 +385,7 @@ class TowerTables:
         """``user_id`` and the raw value of each ``user_table_features`` for ``user_ids`` (default: every
         row of the user table), as ``queries`` gives them; None when the query tower reads none.
 
-        What a bundle ships so that a request may send the user id alone (``retrieval.user_features``).
+        What a bundle ships so that a request may send the user id alone (``retrieval.bundle.user_features``).
         """
         features = self.user_table_features()
         if not features or self.users is None:

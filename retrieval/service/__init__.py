@@ -37,7 +37,7 @@ Endpoints (request and response bodies are JSON):
     404 ``{"error": ...}`` for a user not in training or a bundle without ``seen_items/``.
     ``GET /users?limit=100`` lists up to 1000 training user ids and ``num_users``.
 ``POST /items``
-    The catalogue's display features (``item_features.parquet``, ``retrieval.item_features``)::
+    The catalogue's display features (``item_features.parquet``, ``retrieval.bundle.display_features``)::
 
         {"item_ids": ["242", "x"]}
         -> {"bundle": "<run>", "features": ["title", ...],

@@ -3,7 +3,7 @@
 A query tower that reads user features (age, country, ...) needs them in every request; a client
 often knows only the user id. The job writes, per known user (in the user feature table or in
 training), the raw value of every query feature read from the user table (``TowerTables.user_features``)
-to ``user_features.parquet`` (``retrieval.export.write_bundle``), and ``retrieval.serving.Bundle``
+to ``user_features.parquet`` (``retrieval.bundle.writer.write_bundle``), and ``retrieval.serving.Bundle``
 fills the features a request lacks from the row of its user id: what the request sends wins,
 feature by feature.
 
@@ -11,7 +11,7 @@ The file holds the ``user_id`` column (strings) and one column per feature, name
 (the request key), in the tower's raw format (``retrieval.features.tables``): strings ("" missing),
 float32/float64 numbers (NaN missing), lists of strings (a fixed-width ``multi_categorical``
 without its "" padding). It is read whole at load: the ids into a sorted fixed-width bytes array
-searched by ``np.searchsorted`` (``retrieval.seen_items.find_sorted``, no hash table of millions
+searched by ``np.searchsorted`` (``retrieval.bundle.seen_items.find_sorted``, no hash table of millions
 of Python strings), the features into Arrow arrays (compact: one buffer per column).
 """
 
@@ -25,8 +25,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from retrieval.bundle.seen_items import client_value, find_sorted, read_keyed_table, sorted_ids, write_keyed_table
 from retrieval.data import USER
-from retrieval.seen_items import client_value, find_sorted, read_keyed_table, sorted_ids, write_keyed_table
 
 USER_FEATURES_FILE = "user_features.parquet"
 
@@ -35,7 +35,7 @@ class UserFeatures:
     """Raw query features by user id: ``values(row_of(user))`` is what the training saw for that user.
 
     Args:
-      user_ids: [num_users] sorted, distinct UTF-8 bytes (``retrieval.seen_items.sorted_ids``).
+      user_ids: [num_users] sorted, distinct UTF-8 bytes (``retrieval.bundle.seen_items.sorted_ids``).
       columns: feature name -> Arrow array [num_users] aligned with ``user_ids``.
     """
 

@@ -5,7 +5,7 @@ A client often knows only the user id; the tower needs the history. The job writ
 user, its last ``export.history_clicks`` training clicks (``ClickHistories.recent``: time order,
 log order breaking ties; a log without time: log order) as rows of the bundle's index, **newest
 first** (the order a served ``history`` is read in), to ``user_histories/``
-(``retrieval.export.write_bundle``). ``retrieval.serving.Bundle`` fills the history of a query that
+(``retrieval.bundle.writer.write_bundle``). ``retrieval.serving.Bundle`` fills the history of a query that
 lacks it from its user's row (the tower reads its first ``towers.query.history.length`` of them),
 and the web page lists them as the user's training items in time order.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval.seen_items import UserRowTable, sorted_ids
+from retrieval.bundle.seen_items import UserRowTable, sorted_ids
 
 USER_HISTORIES_DIR = "user_histories"
 ORDER = "newest first"

@@ -3,7 +3,7 @@
 A person looking at recommendations wants to see what the items are, not only their ids. When the
 training config has an item feature table (``data.item_features``), the job writes its string,
 numeric and list-of-string columns, one row per indexed item the table describes, to
-``item_features.parquet`` (``retrieval.export.write_bundle``); ``retrieval.serving.Bundle``
+``item_features.parquet`` (``retrieval.bundle.writer.write_bundle``); ``retrieval.serving.Bundle``
 answers ``item_features(ids)`` from it and the HTTP service's ``POST /items`` sends it to the
 web page. The towers never read this file: it is for display only, so it holds every such
 column of the table, whether a tower reads it or not.
@@ -11,7 +11,7 @@ column of the table, whether a tower reads it or not.
 The file holds the ``item_id`` column (strings, sorted) and one column per feature: strings (None
 missing), int64 / float64 numbers (NaN missing) or lists of strings. It is read whole at load:
 the ids into a sorted fixed-width bytes array searched by ``np.searchsorted``
-(``retrieval.seen_items.find_sorted``), the features into Arrow arrays.
+(``retrieval.bundle.seen_items.find_sorted``), the features into Arrow arrays.
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from retrieval.bundle.seen_items import client_value, find_sorted, read_keyed_table, sorted_ids, write_keyed_table
 from retrieval.data import ITEM
-from retrieval.seen_items import client_value, find_sorted, read_keyed_table, sorted_ids, write_keyed_table
 
-ITEM_FEATURES_FILE = "item_features.parquet"
+DISPLAY_FEATURES_FILE = "item_features.parquet"
 
 
-class ItemFeatures:
+class DisplayFeatures:
     """Display features by item id: ``values_of(ids)`` is each id's row as JSON-ready values.
 
     Args:
-      item_ids: [num_items] sorted, distinct UTF-8 bytes (``retrieval.seen_items.sorted_ids``).
+      item_ids: [num_items] sorted, distinct UTF-8 bytes (``retrieval.bundle.seen_items.sorted_ids``).
       columns: feature name -> Arrow array [num_items] aligned with ``item_ids``.
     """
 
@@ -48,7 +48,7 @@ class ItemFeatures:
         self.item_ids, self.columns = item_ids, columns
 
     @classmethod
-    def from_frame(cls, frame: pd.DataFrame, catalogue: Sequence[str] | None = None) -> ItemFeatures:
+    def from_frame(cls, frame: pd.DataFrame, catalogue: Sequence[str] | None = None) -> DisplayFeatures:
         """From an item feature table: its ``item_id`` column and every string, number or
         list-of-strings column (others, e.g. dates or nested objects, are left out).
 
@@ -80,7 +80,7 @@ class ItemFeatures:
 
     def info(self) -> dict[str, Any]:
         """What the manifest records: ``{"file", "id_column", "features", "num_items"}``."""
-        return {"file": ITEM_FEATURES_FILE, "id_column": ITEM, "features": self.features, "num_items": len(self)}
+        return {"file": DISPLAY_FEATURES_FILE, "id_column": ITEM, "features": self.features, "num_items": len(self)}
 
     @property
     def title_feature(self) -> str | None:
@@ -131,7 +131,7 @@ class ItemFeatures:
         write_keyed_table(path, ITEM, self.item_ids, self.columns)
 
     @classmethod
-    def load(cls, path: str | Path) -> ItemFeatures:
+    def load(cls, path: str | Path) -> DisplayFeatures:
         """Read the file ``save`` wrote (whole).
 
         Raises:

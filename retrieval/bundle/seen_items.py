@@ -4,7 +4,7 @@ A bundle serves top-k over the whole catalogue; without this, a user's top-k
 is mostly what they already clicked (the towers are trained to score exactly
 those items highest). The job writes every training user's distinct training
 items here (``retrieval.jobs``), the bundle keeps them under ``seen_items/``
-(``retrieval.export.write_bundle``) and ``retrieval.serving.Bundle`` excludes
+(``retrieval.bundle.writer.write_bundle``) and ``retrieval.serving.Bundle`` excludes
 them from what it serves.
 
 The layout is CSR, three ``.npy`` files, read whole into the process's own memory
@@ -38,6 +38,7 @@ import pandas as pd
 
 from retrieval.arrays import write_parquet
 
+SEEN_ITEMS_DIR = "seen_items"  # the folder of a bundle that holds them
 USER_IDS_FILE = "user_ids.npy"
 INDPTR_FILE = "indptr.npy"
 ITEM_ROWS_FILE = "item_rows.npy"
@@ -116,7 +117,7 @@ def client_value(scalar) -> Any:
 
 class UserRowTable:
     """Index rows per user id, CSR over sorted ids: the layout that ``seen_items/`` and
-    ``retrieval.user_histories`` share (three ``.npy`` files, read whole, never memory-mapped).
+    ``retrieval.bundle.user_histories`` share (three ``.npy`` files, read whole, never memory-mapped).
 
     Args:
       user_ids: [num_users] sorted, distinct, UTF-8 bytes (dtype ``S<width>``).
