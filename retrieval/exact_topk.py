@@ -63,9 +63,11 @@ from functools import cache
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-BLOCK_ITEMS = 1024  # corpus rows per sgemm (at least 4 k): with QUERY_CHUNK, a 2 MiB float32 block
+BLOCK_ITEMS = 1024  # corpus rows per sgemm: with QUERY_CHUNK, a 2 MiB float32 block
 QUERY_CHUNK = 512  # queries per sgemm and per task of the thread pool
-SPARSE_ROWS = 0.5  # below this share of queries with a candidate in a block, compare only their rows
+SEGMENT = 16  # items per segment: a segment is read again only when its max beats the threshold
+DENSE_SEGMENTS = 1 / 16  # above this share of segments over the threshold, compare the whole block instead
+SEED_MULTIPLE = 4  # the first max(block, SEED_MULTIPLE * k) items seed each query's list
 BUFFER_MULTIPLE = 3  # candidates held per query before cutting back to k, in units of k
 GUESS_MARGIN = 0.7  # extrapolated thresholds aim at k / GUESS_MARGIN passing items
 GUESS_MIN_RANK = 64  # extrapolate from the r-th best seen only when r >= this (relative error ~ 1/sqrt(r))
@@ -159,7 +161,7 @@ class ExactTopK:
         if num_queries == 0 or depth == 0:
             return scores, rows
         owners, excluded = _pairs(exclude, len(self))
-        block = max(self.block_items, 4 * depth)
+        block = -(-self.block_items // SEGMENT) * SEGMENT
         chunks = range(0, num_queries, self.query_chunk)
 
         def run(task: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -241,7 +243,7 @@ def _chunk_top_k(
       queries: [m, dim] float32.
       items: [num_items, dim] float32.
       k: results per query.
-      block: corpus rows per sgemm.
+      block: corpus rows per sgemm (a multiple of ``SEGMENT``).
       owners, excluded: [num_pairs] (query row in this chunk, item row) pairs to exclude.
       lo, hi: the item rows to search.
       guess: raise thresholds above the proven bound by extrapolation (see below);
@@ -251,58 +253,77 @@ def _chunk_top_k(
       [m, k] scores (-inf where excluded items had to fill the list) and item rows.
     """
     m = len(queries)
-    block = min(block, hi - lo)
-    by_item = np.argsort(excluded, kind="stable")
-    owners, excluded = owners[by_item], excluded[by_item]
-    scores = np.empty((m, block), dtype=np.float32)
-    passed = np.empty((m, block), dtype=bool)
+    # Excluded pairs as sorted keys item * m + query: survivors are looked up, blocks are never written.
+    masked = np.sort(excluded * m + owners)
     capacity = BUFFER_MULTIPLE * k
     kept_scores = np.full((m, capacity), -np.inf, dtype=np.float32)
     kept_rows = np.full((m, capacity), -1, dtype=np.int64)
-    count = np.zeros(m, dtype=np.int64)
-    threshold = np.full((m, 1), -np.inf, dtype=np.float32)
+    count = np.full(m, k, dtype=np.int64)
     guessed = np.full(m, -np.inf, dtype=np.float32)
-    sparse = False
-    for start in range(lo, hi, block):
+    # The first SEED_MULTIPLE * k items seed each query's list; their k-th best is its first threshold.
+    first = min(hi - lo, max(block, SEED_MULTIPLE * k))
+    seed = queries @ items[lo : lo + first].T
+    here = (excluded >= lo) & (excluded < lo + first)
+    seed[owners[here], excluded[here] - lo] = -np.inf
+    best = np.argpartition(seed, first - k, axis=1)[:, first - k :]
+    kept_scores[:, :k] = np.take_along_axis(seed, best, axis=1)
+    kept_rows[:, :k] = best + lo
+    threshold = kept_scores[:, :k].min(axis=1)
+    del seed, best
+    # Scores of a block item-major, [block, m]: a segment's max over its SEGMENT items is one
+    # vectorised pass that accumulates whole rows, and only (segment, query) pairs whose max
+    # beats the query's threshold are read again.
+    block = min(block, -(-(hi - lo - first) // SEGMENT) * SEGMENT)
+    segments = block // SEGMENT
+    scores = np.full((block, m), -np.inf, dtype=np.float32)
+    flat_scores = scores.reshape(-1)
+    tops = np.empty((segments, m), dtype=np.float32)
+    above = np.empty((block, m), dtype=bool)
+    offsets = np.arange(SEGMENT, dtype=np.int64) * m
+    queries_t = queries.T
+    owner_type = np.int16 if m <= np.iinfo(np.int16).max else np.int64
+    for start in range(lo + first, hi, block or 1):
         stop = min(start + block, hi)
         width = stop - start
-        out = scores[:, :width]
-        np.matmul(queries, items[start:stop].T, out=out)
-        if len(excluded):
-            here = slice(np.searchsorted(excluded, start), np.searchsorted(excluded, stop))
-            out[owners[here], excluded[here] - start] = -np.inf
-        if start == lo:
-            # The first block's k-th best is the first threshold (block >= k: one partition).
-            best = np.argpartition(out, width - k, axis=1)[:, width - k :]
-            kept_scores[:, :k] = np.take_along_axis(out, best, axis=1)
-            kept_rows[:, :k] = best + start
-            count[:] = k
-            threshold[:, 0] = kept_scores[:, :k].min(axis=1)
+        if width < block:  # the last block: rows past it stay -inf and never pass
+            scores[width:] = -np.inf
+        np.matmul(items[start:stop], queries_t, out=scores[:width])
+        np.max(scores.reshape(segments, SEGMENT, m), axis=1, out=tops)
+        hit = np.flatnonzero(tops > threshold)
+        if not len(hit):
             continue
-        if sparse:
-            # Most queries have no candidate in this block: find the few that do with one
-            # max-reduction, and compare only their rows.
-            hit = np.flatnonzero(out.max(axis=1) > threshold[:, 0])
-            rows_hit = out[hit]
-            flat = np.flatnonzero(rows_hit > threshold[hit])
-            owner = hit[flat // width]
-            flat = owner * width + flat % width
-            sparse = len(hit) < SPARSE_ROWS * m
-        else:  # sparse is decided from this block's arrivals below
-            above = passed[:, :width]
-            np.greater(out, threshold, out=above)
-            flat = np.flatnonzero(above)
-            owner = flat // width
-        if not len(flat):
-            continue
+        if len(hit) > DENSE_SEGMENTS * tops.size:
+            # Thresholds still low (the first blocks): compare every score of the block.
+            passed = np.flatnonzero(np.greater(scores, threshold, out=above))
+            by_query = np.argsort((passed % m).astype(owner_type), kind="stable")
+            passed = passed[by_query]
+            offset, owner = np.divmod(passed, m)
+            row = start + offset
+            value = flat_scores[passed]
+        else:
+            # (segment, query) pairs grouped by query (a radix sort on small ints), then their SEGMENT scores.
+            segment, owner = np.divmod(hit, m)
+            by_query = np.argsort(owner.astype(owner_type), kind="stable")
+            segment, owner = segment[by_query], owner[by_query]
+            values = flat_scores[(segment * (SEGMENT * m) + owner)[:, None] + offsets]
+            passed = np.flatnonzero(values > threshold[owner][:, None])
+            pair, offset = np.divmod(passed, SEGMENT)
+            owner = owner[pair]
+            row = start + segment[pair] * SEGMENT + offset
+            value = values.reshape(-1)[passed]
+        if len(masked):
+            key = row * m + owner
+            place = np.minimum(np.searchsorted(masked, key), len(masked) - 1)
+            keep = masked[place] != key
+            owner, row, value = owner[keep], row[keep], value[keep]
+            if not len(owner):
+                continue
         arrivals = np.bincount(owner, minlength=m)
-        if not sparse:
-            sparse = bool(np.count_nonzero(arrivals) < SPARSE_ROWS * m)
         full = np.flatnonzero(count + arrivals > capacity)
         if len(full):
             _cut_back(kept_scores, kept_rows, full, k)
             count[full] = k
-            threshold[full, 0] = np.maximum(kept_scores[full, :k].min(axis=1), guessed[full])
+            threshold[full] = np.maximum(kept_scores[full, :k].min(axis=1), guessed[full])
             # Extrapolation: after a share f of the items, the final k-th best is about the
             # (k f)-th best seen so far. The (k f / GUESS_MARGIN)-th best is a threshold about
             # k / GUESS_MARGIN items of the whole part pass, far fewer than the proven bound
@@ -311,7 +332,7 @@ def _chunk_top_k(
             if guess and GUESS_MIN_RANK <= rank < k:
                 bound = np.partition(kept_scores[full, :k], k - rank, axis=1)[:, k - rank]
                 guessed[full] = np.maximum(guessed[full], bound)
-                threshold[full, 0] = np.maximum(threshold[full, 0], guessed[full])
+                threshold[full] = np.maximum(threshold[full], guessed[full])
             needed = int((count + arrivals).max())
             if needed > capacity:  # the threshold lags far behind (e.g. items sorted by score): grow
                 grow = needed - capacity
@@ -319,11 +340,11 @@ def _chunk_top_k(
                 kept_rows = np.pad(kept_rows, ((0, 0), (0, grow)), constant_values=-1)
                 capacity = needed
         # Candidates arrive grouped by query: slot = the query's count + rank within its group.
-        first = np.cumsum(arrivals) - arrivals
-        slot = count[owner] + np.arange(len(flat)) - first[owner]
+        first_of = np.cumsum(arrivals) - arrivals
+        slot = count[owner] + np.arange(len(owner)) - first_of[owner]
         cell = owner * capacity + slot
-        kept_scores.reshape(-1)[cell] = out.reshape(-1)[flat]
-        kept_rows.reshape(-1)[cell] = flat - owner * width + start
+        kept_scores.reshape(-1)[cell] = value
+        kept_rows.reshape(-1)[cell] = row
         count += arrivals
     top_scores, top_rows = _best(kept_scores, kept_rows, k)
     # Exact where the k-th best found beats the guess: every item the guess dropped scored
