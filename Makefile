@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/default.yaml
 SET    ?=
 
-.PHONY: install install-browser test test-fast train train-cluster evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend bench-parameter-server bench-index-blocks bench-demo
+.PHONY: install install-browser test test-fast train train-cluster evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend bench-parameter-server bench-index-blocks bench-demo bench-topk
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -130,6 +130,11 @@ bench-scale-both-ways:
 # (~11 min on 2 cores). ARGS="--clicks 2000000 --users 100000 --items 1000000" for the scale log.
 bench-parameter-server:
 	nice -n 10 $(BIN)/python -m benchmarks.bench_parameter_server $(ARGS)
+
+# ExactTopK against the bare blocked product of its own blocks and FAISS's IndexFlatIP: 1M and 40,981 items,
+# k = 10, 100, 1000, masks on and off, paired runs (~10 min on 2 cores).
+bench-topk:
+	$(BIN)/python -m benchmarks.bench_exact_topk $(ARGS)
 
 # The catalogue indexed in blocks vs from one matrix: indexing's extra peak RSS at 1M x 256 (~3 min).
 bench-index-blocks:

@@ -1,23 +1,26 @@
 """Exact inner-product top-k by blocked matrix products and a running threshold.
 
 Brute-force top-k over n items costs one score per (query, item) pair, and on
-a CPU the score itself is cheap: an sgemm computes a [queries, items] block at
-BLAS speed. What is slow is selecting the k best of each row afterwards —
+a CPU the score itself is cheap: an sgemm computes a block of scores at BLAS
+speed. What is slow is selecting the k best of each query afterwards —
 FAISS's ``IndexFlatIP`` pushes every score through a heap, a full
-``argpartition`` reads every score several times. This module selects
-with one comparison per score instead:
+``argpartition`` reads every score several times. Here the selection reads
+each score once, in one vectorised pass, and does further work only for the
+few scores that can still enter a query's top k:
 
-1. The corpus is cut into blocks of ``block_items`` rows; per block, one sgemm
-   writes the scores of a chunk of ``query_chunk`` queries into a preallocated
-   buffer small enough to stay in cache.
-2. Each query keeps a threshold: the k-th best score seen so far (a lower bound
-   of its final k-th score, since any subset's k-th best is). Only scores
-   strictly above it are candidates: ``np.greater`` + ``np.flatnonzero`` over
-   the block. After the first few blocks the threshold passes fewer than one
-   score in a hundred (on random data, about ``k * block / seen`` a block), so
-   selection costs one compare pass, a fraction of the sgemm. Once most
-   queries have no candidate in a block, one row-max reduction finds those
-   that do and only their rows are compared.
+1. Each query's list is seeded from the first max(block, ``SEED_MULTIPLE`` * k)
+   items (one ``argpartition``); the k-th best of them is its first
+   threshold, a lower bound of its final k-th best (any subset's k-th best is).
+2. The rest of the corpus is cut into blocks of ``block_items`` rows; per
+   block, one sgemm writes the scores item-major, [block, queries], into a
+   preallocated buffer, and one pass takes the max of every ``SEGMENT``
+   consecutive items for each query (a reduction that accumulates whole rows).
+   Only (segment, query) pairs whose max beats the query's threshold are read
+   again, and only their scores strictly above it are candidates. After the
+   first blocks a threshold passes well under one score in a hundred, so
+   selection costs about one read of the block. While thresholds are still
+   low (more than ``DENSE_SEGMENTS`` of the segments hit), the block's scores
+   are all compared instead.
 3. Candidates go into a per-query buffer of ``BUFFER_MULTIPLE * k``; when a
    row's buffer is full it is cut back to its best k (``argpartition``) and
    its threshold raised to the k-th of those.
@@ -27,16 +30,17 @@ with one comparison per score instead:
    (k f / ``GUESS_MARGIN``)-th best seen (when that rank is at least
    ``GUESS_MIN_RANK``, so its relative error ~ 1/sqrt(rank) is small). A guess
    is not a proof: at the end, a query whose k-th best found does not beat its
-   guess is searched again without guessing (on random unit vectors, 1M x 64,
-   1 query of 512 at k = 1000, none at k = 100). The result is exact either way.
+   guess is searched again without guessing. The result is exact either way.
 5. At the end, each buffer's best k are sorted by score.
 
-Excluded items (e.g. a user's training clicks) get score -inf in the block
-they fall in before the comparison, so they never become candidates and cost
-nothing beyond that write.
+Excluded items (e.g. a user's training clicks) are never written into a block:
+candidates are looked up in the query's excluded items (sorted keys, one
+``searchsorted`` per block with candidates) and dropped, so masks cost nothing
+in blocks without candidates. Only the seed, which is partitioned whole, gets
+-inf at its excluded items.
 
 Query chunks run on a thread pool (numpy releases the GIL in sgemm and in the
-comparison), one BLAS thread each: the same number of cores as a
+reductions), one BLAS thread each: the same number of cores as a
 multi-threaded matrix product, without BLAS's per-call thread synchronisation,
 which on small blocks costs more than the product. A batch with fewer chunks
 than threads splits the corpus between threads instead and merges.
@@ -46,10 +50,8 @@ partition when full, with the threshold at its k-th) is the scheme of FAISS's
 ``ReservoirTopN`` result handlers; here it is vectorised over the queries of a
 chunk in numpy, around one sgemm per block.
 
-Measured (``make bench-eval``, 1M x 64 unit vectors, 1000 queries, 2 cores,
-each run paired with a bare-product run): 0.65-0.91 of the bare blocked
-matrix product's speed at k = 10, 100, 1000, with and without masks; FAISS's
-``IndexFlatIP`` 0.12-0.17, TFRS ``BruteForce`` 0.4-0.7.
+Measured against the bare product of the same blocks, chunks and threads
+(``make bench-topk``, results in ``benchmarks/results/bench_exact_topk.md``).
 """
 
 from __future__ import annotations
@@ -63,9 +65,12 @@ from functools import cache
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-BLOCK_ITEMS = 1024  # corpus rows per sgemm (at least 4 k): with QUERY_CHUNK, a 2 MiB float32 block
+BLOCK_ITEMS = 1024  # corpus rows per sgemm: with QUERY_CHUNK, a 2 MiB float32 block
 QUERY_CHUNK = 512  # queries per sgemm and per task of the thread pool
-SPARSE_ROWS = 0.5  # below this share of queries with a candidate in a block, compare only their rows
+SEGMENT = 16  # items per segment: a segment is read again only when its max beats the threshold
+DENSE_SEGMENTS = 1 / 16  # above this share of segments over the threshold, compare the whole block instead
+INSERT_EVERY = 0.5  # candidates wait until there are this many per query, in units of k
+SEED_MULTIPLE = 4  # the first max(block, SEED_MULTIPLE * k) items seed each query's list
 BUFFER_MULTIPLE = 3  # candidates held per query before cutting back to k, in units of k
 GUESS_MARGIN = 0.7  # extrapolated thresholds aim at k / GUESS_MARGIN passing items
 GUESS_MIN_RANK = 64  # extrapolate from the r-th best seen only when r >= this (relative error ~ 1/sqrt(r))
@@ -159,7 +164,7 @@ class ExactTopK:
         if num_queries == 0 or depth == 0:
             return scores, rows
         owners, excluded = _pairs(exclude, len(self))
-        block = max(self.block_items, 4 * depth)
+        block = -(-self.block_items // SEGMENT) * SEGMENT
         chunks = range(0, num_queries, self.query_chunk)
 
         def run(task: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -241,7 +246,7 @@ def _chunk_top_k(
       queries: [m, dim] float32.
       items: [num_items, dim] float32.
       k: results per query.
-      block: corpus rows per sgemm.
+      block: corpus rows per sgemm (a multiple of ``SEGMENT``).
       owners, excluded: [num_pairs] (query row in this chunk, item row) pairs to exclude.
       lo, hi: the item rows to search.
       guess: raise thresholds above the proven bound by extrapolation (see below);
@@ -251,80 +256,109 @@ def _chunk_top_k(
       [m, k] scores (-inf where excluded items had to fill the list) and item rows.
     """
     m = len(queries)
-    block = min(block, hi - lo)
-    by_item = np.argsort(excluded, kind="stable")
-    owners, excluded = owners[by_item], excluded[by_item]
-    scores = np.empty((m, block), dtype=np.float32)
-    passed = np.empty((m, block), dtype=bool)
+    # Excluded pairs as sorted keys item * m + query: survivors are looked up, blocks are never written.
+    masked = np.sort(excluded * m + owners)
     capacity = BUFFER_MULTIPLE * k
     kept_scores = np.full((m, capacity), -np.inf, dtype=np.float32)
     kept_rows = np.full((m, capacity), -1, dtype=np.int64)
-    count = np.zeros(m, dtype=np.int64)
-    threshold = np.full((m, 1), -np.inf, dtype=np.float32)
+    count = np.full(m, k, dtype=np.int64)
     guessed = np.full(m, -np.inf, dtype=np.float32)
-    sparse = False
-    for start in range(lo, hi, block):
-        stop = min(start + block, hi)
-        width = stop - start
-        out = scores[:, :width]
-        np.matmul(queries, items[start:stop].T, out=out)
-        if len(excluded):
-            here = slice(np.searchsorted(excluded, start), np.searchsorted(excluded, stop))
-            out[owners[here], excluded[here] - start] = -np.inf
-        if start == lo:
-            # The first block's k-th best is the first threshold (block >= k: one partition).
-            best = np.argpartition(out, width - k, axis=1)[:, width - k :]
-            kept_scores[:, :k] = np.take_along_axis(out, best, axis=1)
-            kept_rows[:, :k] = best + start
-            count[:] = k
-            threshold[:, 0] = kept_scores[:, :k].min(axis=1)
-            continue
-        if sparse:
-            # Most queries have no candidate in this block: find the few that do with one
-            # max-reduction, and compare only their rows.
-            hit = np.flatnonzero(out.max(axis=1) > threshold[:, 0])
-            rows_hit = out[hit]
-            flat = np.flatnonzero(rows_hit > threshold[hit])
-            owner = hit[flat // width]
-            flat = owner * width + flat % width
-            sparse = len(hit) < SPARSE_ROWS * m
-        else:  # sparse is decided from this block's arrivals below
-            above = passed[:, :width]
-            np.greater(out, threshold, out=above)
-            flat = np.flatnonzero(above)
-            owner = flat // width
-        if not len(flat):
-            continue
+    # The first SEED_MULTIPLE * k items seed each query's list; their k-th best is its first threshold.
+    first = min(hi - lo, max(block, SEED_MULTIPLE * k))
+    seed = queries @ items[lo : lo + first].T
+    here = (excluded >= lo) & (excluded < lo + first)
+    seed[owners[here], excluded[here] - lo] = -np.inf
+    best = np.argpartition(seed, first - k, axis=1)[:, first - k :]
+    kept_scores[:, :k] = np.take_along_axis(seed, best, axis=1)
+    kept_rows[:, :k] = best + lo
+    threshold = kept_scores[:, :k].min(axis=1)
+    del seed, best
+    # Scores of a block item-major, [block, m]: a segment's max over its SEGMENT items is one
+    # vectorised pass that accumulates whole rows, and only (segment, query) pairs whose max
+    # beats the query's threshold are read again.
+    block = min(block, -(-(hi - lo - first) // SEGMENT) * SEGMENT)
+    segments = block // SEGMENT
+    scores = np.full((block, m), -np.inf, dtype=np.float32)
+    flat_scores = scores.reshape(-1)
+    tops = np.empty((segments, m), dtype=np.float32)
+    above = np.empty((block, m), dtype=bool)
+    offsets = np.arange(SEGMENT, dtype=np.int64) * m
+    queries_t = queries.T
+    owner_type = np.int16 if m <= np.iinfo(np.int16).max else np.int64
+    # Candidates wait in lists and enter the buffers a batch at a time (``insert``): per block,
+    # only the screen, the gather and three appends run, whatever the number of candidates.
+    pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    waiting = 0
+    seen = lo + first  # candidates of items before this are in the buffers
+
+    def insert(seen: int) -> None:
+        nonlocal kept_scores, kept_rows, capacity
+        owner, row, value = (np.concatenate(parts) for parts in zip(*pending))
+        pending.clear()
+        if len(masked):
+            key = row * m + owner
+            place = np.minimum(np.searchsorted(masked, key), len(masked) - 1)
+            keep = masked[place] != key
+            owner, row, value = owner[keep], row[keep], value[keep]
+        # Grouped by query (a stable radix sort on small ints): slot = count + rank within the group.
+        by_query = np.argsort(owner.astype(owner_type), kind="stable")
+        owner, row, value = owner[by_query], row[by_query], value[by_query]
         arrivals = np.bincount(owner, minlength=m)
-        if not sparse:
-            sparse = bool(np.count_nonzero(arrivals) < SPARSE_ROWS * m)
         full = np.flatnonzero(count + arrivals > capacity)
         if len(full):
             _cut_back(kept_scores, kept_rows, full, k)
             count[full] = k
-            threshold[full, 0] = np.maximum(kept_scores[full, :k].min(axis=1), guessed[full])
+            threshold[full] = np.maximum(kept_scores[full, :k].min(axis=1), guessed[full])
             # Extrapolation: after a share f of the items, the final k-th best is about the
             # (k f)-th best seen so far. The (k f / GUESS_MARGIN)-th best is a threshold about
             # k / GUESS_MARGIN items of the whole part pass, far fewer than the proven bound
             # (the k-th best seen) lets through; whether it was low enough is checked at the end.
-            rank = int(np.ceil(k * (start - lo) / (hi - lo) / GUESS_MARGIN))
+            rank = int(np.ceil(k * (seen - lo) / (hi - lo) / GUESS_MARGIN))
             if guess and GUESS_MIN_RANK <= rank < k:
                 bound = np.partition(kept_scores[full, :k], k - rank, axis=1)[:, k - rank]
                 guessed[full] = np.maximum(guessed[full], bound)
-                threshold[full, 0] = np.maximum(threshold[full, 0], guessed[full])
+                threshold[full] = np.maximum(threshold[full], guessed[full])
             needed = int((count + arrivals).max())
             if needed > capacity:  # the threshold lags far behind (e.g. items sorted by score): grow
                 grow = needed - capacity
                 kept_scores = np.pad(kept_scores, ((0, 0), (0, grow)), constant_values=-np.inf)
                 kept_rows = np.pad(kept_rows, ((0, 0), (0, grow)), constant_values=-1)
                 capacity = needed
-        # Candidates arrive grouped by query: slot = the query's count + rank within its group.
-        first = np.cumsum(arrivals) - arrivals
-        slot = count[owner] + np.arange(len(flat)) - first[owner]
+        first_of = np.cumsum(arrivals) - arrivals
+        slot = count[owner] + np.arange(len(owner)) - first_of[owner]
         cell = owner * capacity + slot
-        kept_scores.reshape(-1)[cell] = out.reshape(-1)[flat]
-        kept_rows.reshape(-1)[cell] = flat - owner * width + start
-        count += arrivals
+        kept_scores.reshape(-1)[cell] = value
+        kept_rows.reshape(-1)[cell] = row
+        count[:] += arrivals
+
+    for start in range(lo + first, hi, block or 1):
+        stop = min(start + block, hi)
+        width = stop - start
+        if width < block:  # the last block: rows past it stay -inf and never pass
+            scores[width:] = -np.inf
+        np.matmul(items[start:stop], queries_t, out=scores[:width])
+        np.max(scores.reshape(segments, SEGMENT, m), axis=1, out=tops)
+        hit = np.flatnonzero(tops > threshold)
+        if len(hit) > DENSE_SEGMENTS * tops.size:
+            # Thresholds still low (the first blocks): compare every score of the block.
+            passed = np.flatnonzero(np.greater(scores, threshold, out=above))
+            offset, owner = np.divmod(passed, m)
+            pending.append((owner, start + offset, flat_scores[passed]))
+        elif len(hit):
+            # (segment, query) pairs, then their SEGMENT scores each.
+            segment, owner = np.divmod(hit, m)
+            values = flat_scores[(segment * (SEGMENT * m) + owner)[:, None] + offsets]
+            passed = np.flatnonzero(values > threshold[owner][:, None])
+            pair, offset = np.divmod(passed, SEGMENT)
+            pending.append((owner[pair], start + segment[pair] * SEGMENT + offset, values.reshape(-1)[passed]))
+        else:
+            continue
+        waiting += len(pending[-1][0])
+        if waiting >= INSERT_EVERY * k * m:
+            insert(seen)
+            waiting, seen = 0, stop
+    if pending:
+        insert(seen)
     top_scores, top_rows = _best(kept_scores, kept_rows, k)
     # Exact where the k-th best found beats the guess: every item the guess dropped scored
     # at most the guess. Elsewhere the guess may have dropped a top-k item: search again.

@@ -191,3 +191,59 @@ def test_concurrent_searches_are_exact_and_restore_the_blas_threads():
     for scores, rows in found:
         _assert_top_k(scores, rows, queries, items, 20)
     assert exact_topk.blas_threads() == before
+
+
+@pytest.mark.parametrize("dense_share", [0.0, 2.0])
+def test_whole_block_and_segment_screens_both_equal_argsort(monkeypatch, dense_share):
+    """DENSE_SEGMENTS 0 compares every score of every block; 2 always screens by segment maxima first."""
+    monkeypatch.setattr(exact_topk, "DENSE_SEGMENTS", dense_share)
+    rng, items, queries = _data(11, 7_003, 90)
+    exclude = _exclusions(rng, len(queries), len(items), most=200)
+    for k in (1, 17, 300):
+        search = ExactTopK(items, block_items=200, query_chunk=32, threads=2)  # 200 -> 208, a SEGMENT multiple
+        _assert_top_k(*search.search(queries, k), queries, items, k)
+        _assert_top_k(*search.search(queries, k, exclude), queries, items, k, exclude)
+
+
+def test_masked_items_that_would_win_are_dropped_among_survivors():
+    """Each query's 40 best items are excluded: they beat every threshold, so only the survivor lookup drops them."""
+    _, items, queries = _data(12, 6_000, 50)
+    full = queries.astype(np.float64) @ items.astype(np.float64).T
+    exclude = list(np.argsort(-full, axis=1)[:, :40])
+    search = ExactTopK(items, block_items=256, query_chunk=16, threads=2)
+    scores, rows = search.search(queries, 25, exclude)
+    _assert_top_k(scores, rows, queries, items, 25, exclude)
+    assert not any(np.isin(r, e).any() for r, e in zip(rows, exclude))
+
+
+@pytest.mark.parametrize("num_items", [1, 15, 16, 17, 1_000])
+def test_k_equal_to_the_catalogue_with_and_without_masks(num_items):
+    rng, items, queries = _data(13, num_items, 9, dim=5)
+    search = ExactTopK(items, block_items=16, query_chunk=4, threads=2)
+    _assert_top_k(*search.search(queries, num_items), queries, items, num_items)
+    exclude = _exclusions(rng, len(queries), num_items, most=num_items)
+    scores, rows = search.search(queries, num_items, exclude)
+    _assert_top_k(scores, rows, queries, items, num_items, exclude)
+    assert [(r >= 0).sum() for r in rows] == [num_items - len(e) for e in exclude]
+
+
+def test_k_past_the_unmasked_items_in_a_large_catalogue():
+    """Thresholds stay -inf for queries left with fewer than k items: every unmasked item is a survivor."""
+    rng, items, queries = _data(14, 5_000, 12)
+    exclude = [rng.choice(5_000, 5_000 - keep, replace=False) for keep in rng.integers(0, 60, size=12)]
+    scores, rows = ExactTopK(items, block_items=512, query_chunk=4, threads=2).search(queries, 100, exclude)
+    _assert_top_k(scores, rows, queries, items, 100, exclude)
+    assert [(r >= 0).sum() for r in rows] == [5_000 - len(e) for e in exclude]
+
+
+def test_tiny_inputs():
+    items = np.array([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]], np.float32)
+    queries = np.array([[1.0, 0.0], [0.0, 2.0]], np.float32)
+    scores, rows = ExactTopK(items).search(queries, 2)
+    np.testing.assert_array_equal(rows, [[0, 2], [1, 2]])
+    np.testing.assert_allclose(scores, [[1.0, 0.6], [2.0, 1.6]], rtol=1e-6)
+    scores, rows = ExactTopK(items).search(queries, 5, [np.array([0]), np.array([0, 1, 2])])
+    np.testing.assert_array_equal(rows, [[2, 1, -1, -1, -1], [-1] * 5])
+    assert np.isneginf(scores[1]).all() and np.isneginf(scores[0, 2:]).all()
+    scores, rows = ExactTopK(np.zeros((0, 2), np.float32)).search(queries, 3)
+    assert (rows == -1).all() and np.isneginf(scores).all() and rows.shape == (2, 3)
