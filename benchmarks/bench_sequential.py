@@ -114,6 +114,12 @@ VARIANTS |= {name: [*ONE_MEMBER_64, *overrides] for name, overrides in {
                     "towers.query.features=[{name: user_id, kind: id}]", "train.optimizer=lazy_adam",
                     "train.learning_rate=0.01", "train.batch_size=1024"],
 }.items()}
+# Rows of another config than configs/beauty.yaml: name -> (config, overrides on it).
+OTHER_CONFIGS: dict[str, Path] = {
+    # SASRec+ inside the framework: the reference's every stated detail (docs/sequences.md).
+    "sasrec-plus": ROOT / "configs/beauty-sasrec.yaml",
+}
+VARIANTS |= {name: [] for name in OTHER_CONFIGS}
 # Without the refit: the best epoch's weights as they are, the early-stopping item never a next-item target.
 VARIANTS |= {f"{name}-no-refit": [*VARIANTS[name], "train.refit=false"]
              for name in ("transformer-in-batch", "transformer-mixed-2048", "pooled-attention")}
@@ -141,7 +147,7 @@ def run_variant(name: str, overrides: list[str], data_dir: Path, extra: list[str
     if dataset == "ml-100k":
         where = [*MOVIELENS, f"data.movielens_dir={data_dir / 'ml-100k'}"]
     with tempfile.TemporaryDirectory() as runs:
-        config = load_config(CONFIG, [
+        config = load_config(OTHER_CONFIGS.get(name, CONFIG), [
             *where, *overrides, *extra, f"run.output_dir={runs}", f"run.name={name}", "export.topk_model=false",
             "evaluation.plots=false",
         ])
@@ -149,6 +155,7 @@ def run_variant(name: str, overrides: list[str], data_dir: Path, extra: list[str
     metrics = result.metrics
     return {
         "variant": name,
+        **({"config": str(OTHER_CONFIGS[name].relative_to(ROOT))} if name in OTHER_CONFIGS else {}),
         "overrides": overrides + extra,
         "seconds": round(result.seconds, 1),
         "training_seconds": metrics["timing"]["seconds"].get("training"),
@@ -237,7 +244,10 @@ def write_report(rows: list[dict[str, Any]]) -> None:
         lines.append(f"| {ranker} | " + " | ".join(f"{values[k]:.4f}" for k in METRICS) + " | | | |")
     for row in rows:
         values = row["model"]
-        overrides = " ".join(shlex.quote(o) for o in row["overrides"]) or "(configs/beauty.yaml)"
+        overrides = " ".join(shlex.quote(o) for o in row["overrides"])
+        if row.get("config"):  # a row of another config: its name, then its overrides
+            overrides = f"({row['config']}) {overrides}".strip()
+        overrides = overrides or "(configs/beauty.yaml)"
         lines.append(f"| {row['variant']} | " + " | ".join(f"{values[k]:.4f}" for k in METRICS)
                      + f" | {row['epochs']} | {row['seconds']:.0f} | `{overrides}` |")
     notes = [f"- {row['variant']}: {row['note']}" for row in rows if row.get("note")]

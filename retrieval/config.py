@@ -734,6 +734,13 @@ class TransformerConfig(_Section):
     dropout: float = Field(
         0.2, ge=0, lt=1, description="On the embedded inputs and after each sub-layer, training only."
     )
+    layout: Literal["pre_norm", "sasrec"] = Field(
+        "pre_norm",
+        description="pre_norm: x + dropout(sublayer(norm(x))) for attention and the feed-forward layer; "
+        "sasrec: the SASRec reference code's block (the item embeddings scaled by sqrt(dim), each residual "
+        "taken from the normalised input, dropout on the attention weights and inside the feed-forward "
+        "layer only, layer-norm epsilon 1e-8). Both: dropout on the embedded inputs, a final layer norm.",
+    )
 
 
 class HistoryConfig(_Section):
@@ -762,11 +769,22 @@ class MLPConfig(_Section):
     widths: tuple[int, ...] = Field((), description="Hidden widths; () = projection only.")
     activation: Literal["relu", "gelu", "tanh", "swish"] = Field("relu", description="Activation of the hidden layers.")
     dropout: float = Field(0.0, ge=0, lt=1, description="After each hidden layer, training only.")
+    projection: bool = Field(
+        True,
+        description="End in a linear projection to model.embedding_dim. false: the output is the encoding "
+        "itself (no hidden widths; one encoding of model.embedding_dim), as SASRec scores its encoder's "
+        "state against the item table it reads (doc tower: the item-id embedding, unprojected).",
+    )
 
     @model_validator(mode="after")
     def _positive_widths(self) -> MLPConfig:
         if any(width <= 0 for width in self.widths):
             raise ValueError(f"mlp.widths must be positive, got {list(self.widths)}")
+        if not self.projection and self.widths:
+            raise ValueError(
+                f"mlp.projection=false outputs the encoding itself, so it takes no hidden layers: got "
+                f"mlp.widths={list(self.widths)}; set mlp.widths=[] or mlp.projection=true"
+            )
         return self
 
 

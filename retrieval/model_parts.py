@@ -19,6 +19,7 @@ from retrieval.features import FeatureStatistics
 from retrieval.losses import (
     BilateralSoftmax,
     CosineContrastive,
+    FullSoftmax,
     HierarchicalSoftmax,
     HuffmanTree,
     NegativeSampling,
@@ -98,7 +99,7 @@ NEGATIVE_SAMPLERS: dict[str, Callable[[np.ndarray, LossConfig], Sampler]] = {
 
 LOSSES: dict[str, type[RetrievalLoss]] = {
     "softmax": SampledSoftmax,
-    "full_softmax": SampledSoftmax,
+    "full_softmax": FullSoftmax,
     "sgns": NegativeSampling,
     "hierarchical_softmax": HierarchicalSoftmax,
     "cosine_contrastive": CosineContrastive,

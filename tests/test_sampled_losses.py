@@ -16,10 +16,12 @@ from reference_losses import in_batch_softmax_task
 
 import retrieval  # noqa: F401
 from retrieval.losses import (
+    FullSoftmax,
     HierarchicalSoftmax,
     HuffmanTree,
     LossInputs,
     NegativeSampling,
+    OwnItems,
     SampledSoftmax,
     mine_hard_negatives,
     remove_accidental_hits,
@@ -176,6 +178,36 @@ def test_sampled_softmax_over_the_whole_corpus_with_uniform_q_is_full_softmax(se
     assert not np.allclose(
         loss.per_example(_inputs(queries, items, positive_ids, skewed)), expected, rtol=1e-3
     )
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("temperature", [1.0, 0.3])
+def test_the_full_softmax_from_one_block_of_logits_is_the_numpy_one_and_the_generic_paths(seed, temperature):
+    queries, items = _embeddings(seed)
+    positive_ids = np.random.default_rng(seed).integers(1, NUM_ITEMS + 1, BATCH)
+    exact = AllItems(NUM_ITEMS).sample(tf.constant(positive_ids, tf.int64))
+    inputs = _inputs(queries, items, positive_ids, exact)
+    fast = FullSoftmax(temperature=temperature, log_q_weight=0.0).per_example(inputs).numpy()
+    np.testing.assert_allclose(fast, _numpy_full_softmax(queries, items, positive_ids, temperature),
+                               rtol=1e-5, atol=1e-5)
+    generic = SampledSoftmax(temperature=temperature, log_q_weight=0.0)
+    np.testing.assert_allclose(fast, generic.per_example(inputs).numpy(), rtol=1e-5, atol=1e-5)
+    # A row's own items (its sequence's other items) left out of its softmax, its positive kept.
+    rng = np.random.default_rng(seed + 5)
+    own_ids = np.sort(rng.choice(np.arange(1, NUM_ITEMS + 1), size=(2, 4), replace=False), axis=1)
+    own_ids[1, 3] = -1  # padding
+    own = OwnItems(tf.constant(own_ids, tf.int64), tf.constant(np.arange(BATCH) % 2))
+    owned = inputs._replace(own_items=own)
+    logits = queries @ items[1:].T / temperature
+    left_out = np.zeros_like(logits, bool)
+    for row in range(BATCH):
+        left_out[row, [i - 1 for i in own_ids[row % 2] if i > 0 and i != positive_ids[row]]] = True
+    logits = np.where(left_out, -np.inf, logits)
+    expected = np.logaddexp.reduce(logits, axis=1) - logits[np.arange(BATCH), positive_ids - 1]
+    fast_owned = FullSoftmax(temperature=temperature, log_q_weight=0.0).per_example(owned).numpy()
+    np.testing.assert_allclose(fast_owned, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fast_owned, generic.per_example(owned).numpy(), rtol=1e-5, atol=1e-5)
+    assert left_out.any() and not np.allclose(fast_owned, fast, atol=1e-4)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -19,6 +19,7 @@ Pure functions first (logits first, as ``tf.nn``):
 Then the loss classes, one method each (``per_example``) on a base that
 validates and reduces:
   ``SampledSoftmax`` (in-batch, corpus-sampled, mixed, full: the sampler decides),
+  ``FullSoftmax`` (the full one over ``AllItems`` from one block of logits),
   ``NegativeSampling`` (word2vec SGNS; NCE when log Q is subtracted),
   ``CosineContrastive`` (SimpleX's cosine contrastive loss; Mao et al. 2021),
   ``BilateralSoftmax`` (BSL; Wu et al. 2024),
@@ -26,7 +27,7 @@ validates and reduces:
 
 The package's modules: ``functions`` (the pure functions), ``inputs``
 (``LossInputs``, ``BatchCandidates``, ``gather_across_replicas``),
-``sampled`` (``RetrievalLoss``, ``SampledSoftmax``, ``NegativeSampling``,
+``sampled`` (``RetrievalLoss``, ``SampledSoftmax``, ``FullSoftmax``, ``NegativeSampling``,
 ``CosineContrastive``, ``BilateralSoftmax``),
 ``hierarchical`` (``HuffmanTree``, ``hierarchical_log_probability``,
 ``HierarchicalSoftmax``).
@@ -49,6 +50,7 @@ from retrieval.losses.inputs import BatchCandidates, LossInputs, OwnItems, gathe
 from retrieval.losses.sampled import (
     BilateralSoftmax,
     CosineContrastive,
+    FullSoftmax,
     NegativeSampling,
     RetrievalLoss,
     SampledSoftmax,
@@ -60,6 +62,7 @@ __all__ = [
     "BatchCandidates",
     "BilateralSoftmax",
     "CosineContrastive",
+    "FullSoftmax",
     "HierarchicalSoftmax",
     "HuffmanTree",
     "LossInputs",

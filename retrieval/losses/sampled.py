@@ -189,6 +189,36 @@ class SampledSoftmax(RetrievalLoss):
         return softmax_cross_entropy(logits, labels)
 
 
+class FullSoftmax(SampledSoftmax):
+    """The exact softmax over the whole catalogue (``AllItems``), computed without the generic columns.
+
+    The same loss as ``SampledSoftmax`` over ``AllItems`` with accidental hits removed,
+    ``logsumexp(s+, s_j for every other item j) - s+`` with ``s = q . d / temperature``, but from one
+    ``[batch, items]`` block of logits and its log-sum-exp: the generic path builds labels, masks
+    and a concatenated copy of that block, each as large as the logits, which at tens of thousands
+    of items is most of a step's time. Anything else (in-batch positives, several blocks, hard
+    negatives, a log-Q weight) goes the generic way.
+    """
+
+    def per_example(self, inputs: LossInputs) -> tf.Tensor:
+        if (inputs.includes_batch_positives or len(inputs.negatives) != 1 or self.num_hard_negatives is not None
+                or inputs.negative_embeddings[0].shape.rank != 2 or self.log_q_weight):
+            return super().per_example(inputs)
+        q, positive_ids = inputs.queries, tf.cast(inputs.positive_ids, tf.int64)
+        negatives = inputs.negatives[0]
+        head = tf.reduce_sum(q * inputs.positives, axis=1)
+        block = candidate_scores(q, inputs.negative_embeddings[0])
+        if self.temperature != 1.0:
+            head, block = head / self.temperature, block / self.temperature
+        if self.remove_hits:  # the positive's own column, and with own_items a row's other items
+            hits = tf.equal(negatives.ids[tf.newaxis, :], positive_ids[:, tf.newaxis])
+            if inputs.own_items is not None:
+                hits = tf.logical_or(hits, own_item_hits(inputs.own_items, negatives.ids))
+            block = tf.where(hits, tf.constant(MIN_FLOAT, block.dtype), block)
+        return tf.math.reduce_logsumexp(tf.stack([head, tf.math.reduce_logsumexp(block, axis=1)], axis=1),
+                                        axis=1) - head
+
+
 class NegativeSampling(RetrievalLoss):
     """Binary logistic loss, word2vec skip-gram negative sampling (Mikolov et al., 2013).
 

@@ -152,7 +152,16 @@ def feature_tower(
         for layer in [tf.keras.layers.Dense(width, activation=tower.mlp.activation, name=f"hidden_{i}"),
                       *([tf.keras.layers.Dropout(tower.mlp.dropout, name=f"dropout_{i}")] if tower.mlp.dropout else [])]
     ]
-    head.append(tf.keras.layers.Dense(embedding_dim, name="projection"))
+    if tower.mlp.projection:
+        head.append(tf.keras.layers.Dense(embedding_dim, name="projection"))
+    else:  # the encoding itself is the output (SASRec's item table on both sides)
+        width = sum(int(part.shape[-1]) for part in parts)
+        if width != embedding_dim:
+            raise ValueError(
+                f"{name}: mlp.projection=false outputs the features' encoding itself, {width} wide, but "
+                f"model.embedding_dim is {embedding_dim}: give the tower one encoding of that width "
+                f"(e.g. one id feature without its own embedding_dim), or set mlp.projection=true"
+            )
     if normalize:
         head.append(tf.keras.layers.UnitNormalization(axis=-1, name="l2_normalize"))
 
@@ -280,7 +289,7 @@ def _encode_history(history: HistoryConfig, stats: TowerStatistics, context: _Co
         known = Known(name=f"{history.name}_known")(rows)
         settings = history.transformer
         encoder = CausalSequenceEncoder(history.length, settings.blocks, settings.heads, settings.dropout,
-                                        name=f"{history.name}_transformer")
+                                        layout=settings.layout, name=f"{history.name}_transformer")
         # Every position's state, aligned with the input, is what training on every position reads.
         states = encoder(table.embedding(rows), known)
         # The tower's own output needs the newest state alone, of the history with its unknown items

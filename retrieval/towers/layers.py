@@ -234,6 +234,9 @@ class IdDropout(tf.keras.layers.Layer):
         return super().get_config() | {"rate": self.rate}
 
 
+LAYOUTS = ("pre_norm", "sasrec")  # CausalSequenceEncoder's blocks (TransformerConfig.layout)
+
+
 class CausalSequenceEncoder(tf.keras.layers.Layer):
     """Causal self-attention over a history in time order (SASRec, Kang & McAuley 2018): the state of
     every position, each seeing only itself and older items.
@@ -245,11 +248,23 @@ class CausalSequenceEncoder(tf.keras.layers.Layer):
     causal and a padding mask, then a two-layer feed-forward network, both residual, with dropout.
     Output ``[batch, L, dim]``, newest first again: position ``p`` is the state after the items at
     ``p, p + 1, ...`` (older), so position 0 encodes the whole history; padded positions are zeros.
+
+    ``layout`` picks the block: ``pre_norm`` (the default) is the standard pre-norm block,
+    ``x + drop(attention(norm(x), x))`` then ``x + drop(ffn(norm(x)))``, dropout after each
+    sub-layer. ``sasrec`` is the block of the SASRec reference code (Kang & McAuley's and its
+    PyTorch port that SASRec+ trains): the item embeddings scaled by ``sqrt(dim)`` before the
+    positions are added, the residual taken from the *normalised* query
+    (``q = norm(x); x = q + attention(q, x)``), the feed-forward input normalised and its residual
+    taken from that (``h = norm(x); x = h + ffn(h)``), dropout on the attention weights and inside
+    the feed-forward layer only, layer norms with epsilon 1e-8.
     """
 
-    def __init__(self, length: int, blocks: int, heads: int, dropout: float, **kwargs):
+    def __init__(self, length: int, blocks: int, heads: int, dropout: float, layout: str = "pre_norm", **kwargs):
         super().__init__(**kwargs)
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
         self.length, self.blocks, self.heads, self.dropout = int(length), int(blocks), int(heads), float(dropout)
+        self.layout = layout
 
     def build(self, input_shape):
         dim = int(input_shape[-1])
@@ -269,12 +284,14 @@ class CausalSequenceEncoder(tf.keras.layers.Layer):
              tf.keras.layers.Dense(dim, name=f"feed_forward_{b}_out"))
             for b in range(self.blocks)
         ]
+        epsilon = 1e-8 if self.layout == "sasrec" else 1e-6
         self.norms = [
-            (tf.keras.layers.LayerNormalization(epsilon=1e-6, name=f"attention_norm_{b}"),
-             tf.keras.layers.LayerNormalization(epsilon=1e-6, name=f"feed_forward_norm_{b}"))
+            (tf.keras.layers.LayerNormalization(epsilon=epsilon, name=f"attention_norm_{b}"),
+             tf.keras.layers.LayerNormalization(epsilon=epsilon, name=f"feed_forward_norm_{b}"))
             for b in range(self.blocks)
         ]
-        self.final_norm = tf.keras.layers.LayerNormalization(epsilon=1e-6, name="final_norm")
+        self.final_norm = tf.keras.layers.LayerNormalization(epsilon=epsilon, name="final_norm")
+        self.input_scale = float(dim) ** 0.5 if self.layout == "sasrec" else 1.0
         self.drop = tf.keras.layers.Dropout(self.dropout)
         super().build(input_shape)
 
@@ -285,9 +302,12 @@ class CausalSequenceEncoder(tf.keras.layers.Layer):
         x = tf.reverse(embeddings, axis=[1])  # time order, padding first
         keep = tf.reverse(mask, axis=[1])
         keep_f = tf.cast(keep, x.dtype)[..., None]
+        if self.input_scale != 1.0:
+            x = x * self.input_scale
         x = self.drop(x + self.positions[None], training=training) * keep_f
         causal = tf.linalg.band_part(tf.ones([self.length, self.length], tf.bool), -1, 0)  # [query, key]: key <= query
         attend = tf.logical_and(causal[None], keep[:, None, :])
+        sasrec = self.layout == "sasrec"
         for block, (attention, (inner, outer), (attention_norm, feed_norm)) in enumerate(zip(
             self.attention, self.feed_forward, self.norms, strict=True
         )):
@@ -296,15 +316,22 @@ class CausalSequenceEncoder(tf.keras.layers.Layer):
                 h, attend, keep_f, residual = h[:, -1:], attend[:, -1:], keep_f[:, -1:], x[:, -1:]
             else:
                 residual = x
-            x = residual + self.drop(attention(h, x, attention_mask=attend, training=training), training=training)
-            h = feed_norm(x)
-            x = x + self.drop(outer(self.drop(inner(h), training=training)), training=training)
+            attended = attention(h, x, attention_mask=attend, training=training)
+            if sasrec:  # the residual from the normalised query; dropout on the attention weights only
+                x = h + attended
+                h = feed_norm(x)
+                x = h + self.drop(outer(self.drop(inner(h), training=training)), training=training)
+            else:
+                x = residual + self.drop(attended, training=training)
+                h = feed_norm(x)
+                x = x + self.drop(outer(self.drop(inner(h), training=training)), training=training)
             x = x * keep_f
         return tf.reverse(self.final_norm(x) * keep_f, axis=[1])
 
     def get_config(self):
         return super().get_config() | {
-            "length": self.length, "blocks": self.blocks, "heads": self.heads, "dropout": self.dropout
+            "length": self.length, "blocks": self.blocks, "heads": self.heads, "dropout": self.dropout,
+            "layout": self.layout,
         }
 
 

@@ -1,0 +1,188 @@
+"""SASRec's block layout, the unprojected towers and the full cross-entropy at every position.
+
+The ``sasrec`` encoder is checked against the reference code's forward pass written again in numpy
+from its weights; causality and padding by changing what a state must not see; the towers without
+a projection against the item table; the loss against a numpy cross-entropy over the catalogue.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import tensorflow as tf
+
+import retrieval  # noqa: F401
+from retrieval.config import ConfigError, LossConfig, ModelConfig, TowersConfig, load_config
+from retrieval.features import FeatureStatistics, TowerStatistics
+from retrieval.features.histories import ClickHistories
+from retrieval.model import build_model
+from retrieval.towers import build_towers, position_states
+from retrieval.towers.layers import CausalSequenceEncoder
+from retrieval.training import SequenceClicks
+
+LENGTH, DIM = 5, 8
+
+
+def _layer_norm(x, layer):
+    gamma, beta = (w.numpy() for w in layer.weights)
+    mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + layer.epsilon) * gamma + beta
+
+
+def _reference_sasrec(encoder: CausalSequenceEncoder, embeddings: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """SASRec's forward pass (Kang & McAuley's model.py, SASRec+'s PyTorch port) in numpy, one sequence
+    at a time, in time order with the padding first; inputs and output newest first as the layer's."""
+    out = np.zeros_like(embeddings)
+    for row in range(len(embeddings)):
+        x = embeddings[row, ::-1] * np.sqrt(DIM) + encoder.positions.numpy()
+        keep = mask[row, ::-1].astype(bool)
+        x = x * keep[:, None]
+        for attention, (inner, outer), (attention_norm, feed_norm) in zip(
+            encoder.attention, encoder.feed_forward, encoder.norms, strict=True
+        ):
+            wq, bq, wk, bk, wv, bv, wo, bo = (w.numpy() for w in attention.weights)
+            q = attention_norm_x = _layer_norm(x, attention_norm)
+            heads = wq.shape[1]
+            mixed = np.zeros_like(x)
+            for h in range(heads):
+                queries = q @ wq[:, h] + bq[h]
+                keys, values = x @ wk[:, h] + bk[h], x @ wv[:, h] + bv[h]
+                scores = queries @ keys.T / np.sqrt(queries.shape[-1])
+                allowed = np.tril(np.ones((LENGTH, LENGTH), bool)) & keep[None, :]
+                scores = np.where(allowed, scores, -1e30)  # a padded query's row: any weights, zeroed below
+                weights = np.exp(scores - scores.max(-1, keepdims=True))
+                weights = weights / weights.sum(-1, keepdims=True)
+                mixed += (weights @ values) @ wo[h]
+            x = attention_norm_x + mixed + bo  # the residual from the normalised query
+            h_in = _layer_norm(x, feed_norm)
+            w1, b1 = (w.numpy() for w in inner.weights)
+            w2, b2 = (w.numpy() for w in outer.weights)
+            x = h_in + np.maximum(h_in @ w1 + b1, 0) @ w2 + b2
+            x = x * keep[:, None]
+        out[row] = (_layer_norm(x, encoder.final_norm) * keep[:, None])[::-1]
+    return out
+
+
+def _encoder_inputs(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    embeddings = rng.normal(size=(3, LENGTH, DIM)).astype(np.float32)
+    mask = np.ones((3, LENGTH), bool)
+    mask[1, 3:] = False  # newest first: a short history is padded at the end
+    mask[2, 1:] = False
+    return embeddings, mask
+
+
+def test_the_sasrec_layout_is_the_reference_forward_pass_and_its_newest_state_the_same():
+    tf.keras.utils.set_random_seed(0)
+    encoder = CausalSequenceEncoder(LENGTH, blocks=2, heads=2, dropout=0.1, layout="sasrec")
+    embeddings, mask = _encoder_inputs()
+    out = encoder(tf.constant(embeddings), tf.constant(mask), training=False).numpy()
+    np.testing.assert_allclose(out, _reference_sasrec(encoder, embeddings, mask), atol=1e-4)
+    newest = encoder(tf.constant(embeddings), tf.constant(mask), training=False, newest_only=True).numpy()
+    np.testing.assert_allclose(newest[:, 0], out[:, 0], atol=1e-5)
+    # The default block is another function of the same weights (it is not the reference's).
+    pre_norm = CausalSequenceEncoder(LENGTH, blocks=2, heads=2, dropout=0.1)
+    pre_norm(tf.constant(embeddings), tf.constant(mask))
+    pre_norm.set_weights(encoder.get_weights())
+    assert not np.allclose(pre_norm(tf.constant(embeddings), tf.constant(mask)).numpy(), out, atol=1e-3)
+
+
+def test_a_sasrec_state_ignores_later_items_and_whatever_sits_in_the_padding():
+    tf.keras.utils.set_random_seed(0)
+    encoder = CausalSequenceEncoder(LENGTH, blocks=2, heads=1, dropout=0.1, layout="sasrec")
+    embeddings, mask = _encoder_inputs(1)
+    out = encoder(tf.constant(embeddings), tf.constant(mask), training=False).numpy()
+    for p in range(LENGTH - 1):  # newest first: position p is later than p + 1, p + 2, ...
+        changed = embeddings.copy()
+        changed[:, p] += 1.0
+        again = encoder(tf.constant(changed), tf.constant(mask), training=False).numpy()
+        np.testing.assert_allclose(again[0, p + 1:], out[0, p + 1:], atol=1e-5)
+        assert not np.allclose(again[0, : p + 1], out[0, : p + 1], atol=1e-3)
+    padded = embeddings.copy()
+    padded[~mask] = 7.0  # the padding's values are never read
+    np.testing.assert_allclose(encoder(tf.constant(padded), tf.constant(mask), training=False).numpy(), out,
+                               atol=1e-6)
+    assert np.all(out[~mask] == 0)
+
+
+def test_an_unknown_layout_is_refused_by_name():
+    with pytest.raises(ValueError, match="layout must be one of pre_norm, sasrec, got 'post_norm'"):
+        CausalSequenceEncoder(LENGTH, blocks=1, heads=1, dropout=0.0, layout="post_norm")
+    with pytest.raises(ConfigError, match="layout"):
+        load_config(None, ["towers.query.history.pooling=transformer", "towers.query.history.transformer.layout=x"])
+
+
+SASREC_TOWERS = TowersConfig.model_validate({
+    "query": {"features": [], "mlp": {"projection": False},
+              "history": {"length": LENGTH, "pooling": "transformer",
+                          "transformer": {"blocks": 2, "heads": 1, "dropout": 0.1, "layout": "sasrec"}}},
+    "doc": {"features": [{"name": "item_id", "kind": "id"}], "mlp": {"projection": False}},
+})
+
+
+def _clicks(seed: int = 3, users: int = 12, items: int = 15) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    rows = [(f"u{u}", f"i{rng.integers(items)}", t) for u in range(users) for t in range(rng.integers(1, 10))]
+    frame = pd.DataFrame(rows, columns=["user_id", "item_id", "timestamp"])
+    frame["weight"] = np.float32(1.0)
+    return frame
+
+
+def _sasrec_model(clicks: pd.DataFrame):
+    stats = FeatureStatistics.from_training_clicks(clicks)
+    tf.keras.utils.set_random_seed(0)
+    config = ModelConfig(embedding_dim=DIM, normalize=False, temperature=1.0,
+                         loss=LossConfig(kind="full_softmax", log_q_source="static"))
+    statistics = TowerStatistics.fit(SASREC_TOWERS, clicks.assign(history=""), None)
+    return build_model(config, stats, towers=build_towers(SASREC_TOWERS, config, statistics)), stats
+
+
+def test_without_projections_an_item_is_its_row_of_the_table_the_history_reads():
+    model, stats = _sasrec_model(_clicks())
+    items = list(stats.items.ids)
+    table = model.doc_tower.get_layer("item_id_embedding").get_weights()[0]
+    np.testing.assert_array_equal(model.doc_tower({"item_id": tf.constant(items)}).numpy(),
+                                  table[model.item_index(tf.constant(items)).numpy()])
+    assert not [layer for layer in model.query_tower.layers + model.doc_tower.layers
+                if isinstance(layer, tf.keras.layers.Dense) and layer.name == "projection"]
+    # The query is the encoder's final state of the shared table's rows, unprojected and unnormalised.
+    encoder = next(layer for layer in model.query_tower.layers if isinstance(layer, CausalSequenceEncoder))
+    history = np.array([[items[2], items[0], items[5], "", ""]], dtype=object)
+    rows = model.item_index(tf.constant(history.ravel())).numpy().reshape(history.shape)
+    state = encoder(tf.constant(table[rows]), tf.constant(history != ""), training=False).numpy()[:, 0]
+    np.testing.assert_allclose(model.query_tower({"history": tf.constant(history)}).numpy(), state, atol=1e-5)
+
+
+def test_no_projection_needs_no_hidden_layers_and_an_encoding_of_the_output_width():
+    with pytest.raises(ConfigError, match=r"mlp.projection=false outputs the encoding itself.*mlp.widths=\[16\]"):
+        load_config(None, ["towers.query.mlp.widths=[16]", "towers.query.mlp.projection=false"])
+    towers = TowersConfig.model_validate({
+        "query": {"features": [{"name": "user_id", "kind": "id", "embedding_dim": 4}], "mlp": {"projection": False}},
+        "doc": {"features": [{"name": "item_id", "kind": "id"}]},
+    })
+    clicks = _clicks()
+    config = ModelConfig(embedding_dim=DIM)
+    with pytest.raises(ValueError, match="query_tower: mlp.projection=false .* 4 wide, but model.embedding_dim is 8"):
+        build_towers(towers, config, TowerStatistics.fit(towers, clicks, None))
+
+
+def test_the_full_softmax_at_every_position_is_the_cross_entropy_over_the_catalogue():
+    clicks = _clicks()
+    model, stats = _sasrec_model(clicks)
+    users, items = pd.Index(stats.users.ids), pd.Index(stats.items.ids)
+    histories = ClickHistories(users.get_indexer(clicks["user_id"]), items.get_indexer(clicks["item_id"]),
+                               clicks["timestamp"].to_numpy(), stats.users.ids, stats.items.ids)
+    batch = next(iter(SequenceClicks(histories, "history", LENGTH, batch_size=8, seed=0).epoch(0)))
+    loss = float(model.compute_loss(batch, training=False))
+    per_position = position_states(model.query_tower).model({"history": batch["history"]}, training=False).numpy()
+    targets = batch["item_id"].numpy().astype(str)
+    trained = targets != ""
+    catalogue = model.doc_tower({"item_id": tf.constant(list(stats.items.ids))}).numpy()
+    logits = per_position[trained] @ catalogue.T  # raw dot products, temperature 1
+    positive = items.get_indexer(targets[trained])
+    log_softmax = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) \
+        - logits.max(1, keepdims=True)
+    expected = -log_softmax[np.arange(len(positive)), positive].mean()
+    assert trained.sum() > 8 and (~trained).any()  # more positions than sequences, and padded ones skipped
+    assert loss == pytest.approx(expected, rel=1e-5)
