@@ -34,7 +34,7 @@ from retrieval.model import TwoTowerModel
 from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState
 from retrieval.training.parameter_server import ClusterError, chief_coordinator
 from retrieval.training.runtime import worker_count
-from retrieval.training.sources import ClickSource, StreamedClicks
+from retrieval.training.sources import ClickSource, FrameClicks, StreamedClicks
 from retrieval.training.worker_input import WorkerFedClicks
 
 log = logging.getLogger("retrieval")
@@ -236,6 +236,32 @@ def steps_function(model: TwoTowerModel, dtypes: dict[str, tf.DType]) -> Callabl
     return run
 
 
+def resident_steps_function(model: TwoTowerModel, columns: dict[str, tf.Tensor], batch_size: int,
+                            dtypes: dict[str, tf.DType]) -> Callable[[tf.Tensor, tf.Tensor, tf.Tensor], dict]:
+    """``steps_function`` over batches cut inside the graph from ``columns`` held in memory (a
+    ``FrameClicks``'s): ``run(rows, first_batch, count)`` trains on batches ``first_batch`` ..
+    ``first_batch + count - 1`` of the epoch whose row order is ``rows`` (``FrameClicks.epoch_rows``),
+    the same batches ``FrameClicks.epoch`` yields, with no input pipeline between the steps."""
+
+    @tf.function
+    def run(rows, first_batch, count):
+        arrays = {key: tf.TensorArray(dtype, size=0, dynamic_size=True, element_shape=tf.TensorShape([]))
+                  for key, dtype in dtypes.items()}
+        total = tf.shape(rows, out_type=tf.int64)[0]
+        done = tf.constant(0)
+        for _ in tf.range(count):
+            start = (first_batch + tf.cast(done, tf.int64)) * batch_size
+            if start >= total:
+                break
+            index = rows[start : tf.minimum(start + batch_size, total)]
+            logs = model.train_step({name: tf.gather(values, index) for name, values in columns.items()})
+            arrays = {key: array.write(done, logs[key]) for key, array in arrays.items()}
+            done += 1
+        return {key: array.stack() for key, array in arrays.items()}
+
+    return run
+
+
 class _Executions:
     """A run's calls of the step: each call's logged values, one dict a step.
 
@@ -244,6 +270,8 @@ class _Executions:
     at the epoch's end and at a step ``checkpoint.every_steps`` names, so step-based saves land
     where they would with one step a call. Every step of such a run is the graph loop's: where a
     call ends changes no value, so a resumed run's steps are bit for bit the uninterrupted one's.
+    A ``FrameClicks`` is then read in the graph loop itself (``resident_steps_function``): its
+    columns are in memory, and each call cuts its batches from them with no ``tf.data`` pipeline.
     """
 
     def __init__(self, model: TwoTowerModel, source: ClickSource, per_call: int,
@@ -251,7 +279,7 @@ class _Executions:
         self.model, self.source, self.coordinator = model, source, coordinator
         self.per_call = per_call if coordinator is None and not tf.distribute.has_strategy() else 1
         self._step: Callable[[Any], dict] | None = None
-        self._steps: Callable[[Any, tf.Tensor], dict] | None = None
+        self._steps: Callable[..., dict] | None = None
 
     def epoch(self, batches, state: TrainingState, checkpoint: TrainingCheckpoint | None):
         """The calls of one epoch's ``batches`` (``distributed_epoch``), from ``state`` on; the
@@ -264,8 +292,22 @@ class _Executions:
             # (as a checkpoint restore makes them: zeros), and a trace of the step shows what it logs.
             self.model.optimizer.build(self.model.trainable_variables)
             logged = tf.function(self.model.train_step).get_concrete_function(batches.element_spec).structured_outputs
-            self._steps = steps_function(self.model, {key: value.dtype for key, value in logged.items()})
-        iterator = iter(batches)
+            dtypes = {key: value.dtype for key, value in logged.items()}
+            if isinstance(self.source, FrameClicks):
+                self._steps = resident_steps_function(self.model, self.source.columns, self.source.batch_size, dtypes)
+            else:
+                self._steps = steps_function(self.model, dtypes)
+        steps = self._steps
+        if isinstance(self.source, FrameClicks):
+            rows = self.source.epoch_rows(state.epoch)
+
+            def run(count):
+                return steps(rows, tf.constant(state.batch, tf.int64), count)
+        else:
+            iterator = iter(batches)
+
+            def run(count):
+                return steps(iterator, count)
         while True:
             count = min(self.per_call, self.source.steps_per_epoch - state.batch)
             every = checkpoint.every_steps if checkpoint is not None else None
@@ -273,7 +315,7 @@ class _Executions:
                 count = min(count, every - state.steps % every)
             if count <= 0:
                 return
-            values = {key: value.numpy() for key, value in self._steps(iterator, tf.constant(count)).items()}
+            values = {key: value.numpy() for key, value in run(tf.constant(count)).items()}
             done = len(next(iter(values.values())))
             if done:
                 yield [{key: value[i] for key, value in values.items()} for i in range(done)]
