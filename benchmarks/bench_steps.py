@@ -3,6 +3,7 @@ checkpoint overhead.
 
     python -m benchmarks.bench_steps                      # or: make bench-steps (~30 min on 2 busy cores)
     python -m benchmarks.bench_steps --part bound --bound-rounds 1 --bound-dims 64   # quick
+    (one --part alone writes bench_steps_<part>.{json,md}, all of them bench_steps.{json,md})
     python -m benchmarks.bench_steps --part tables --sizes 10000 100000 --rounds 1   # quick
 
 - ``bound``: the project's step beside the bare cost of the same shapes, in the same process. For
@@ -224,8 +225,9 @@ def bare_step(users: int, items: int, dim: int, batch: int, shared: int, jit: bo
     return step, (user_table, item_table)
 
 
-def time_bare(users: int, items: int, dim: int, batch: int, shared: int, jit: bool, steps: int) -> float:
-    """Mean ms of ``steps`` bare steps after 3 warm-up steps (tracing, compiling), each loss read."""
+def time_bare(users: int, items: int, dim: int, batch: int, shared: int, jit: bool, steps: int) -> dict[str, float]:
+    """Mean wall and process CPU ms of ``steps`` bare steps after 3 warm-up steps (tracing, compiling),
+    each loss read."""
     tf.keras.backend.clear_session()
     gc.collect()
     step, _ = bare_step(users, items, dim, batch, shared, jit)
@@ -236,10 +238,10 @@ def time_bare(users: int, items: int, dim: int, batch: int, shared: int, jit: bo
         float(step(user_rows[warm], item_rows[warm], tf.constant([warm, 0])))
     seeds = [tf.constant([s, 0]) for s in range(3, steps + 3)]
     rows = [(user_rows[s], item_rows[s]) for s in range(3, steps + 3)]
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     for (users_of, items_of), seed in zip(rows, seeds, strict=True):
         float(step(users_of, items_of, seed))
-    return 1000 * (time.perf_counter() - began) / steps
+    return {"ms": 1000 * (time.perf_counter() - began) / steps, "cpu_ms": 1000 * (time.process_time() - cpu) / steps}
 
 
 def time_project(stats: FeatureStatistics, train: pd.DataFrame, dim: int, batch: int, negatives: str, shared: int,
@@ -253,10 +255,12 @@ def time_project(stats: FeatureStatistics, train: pd.DataFrame, dim: int, batch:
     loss = LossConfig() if negatives == "in_batch" else LossConfig(negatives="uniform", num_negatives=shared)
     model = build_model(ModelConfig(embedding_dim=dim, loss=loss), stats)
     timing: dict[str, list[float]] = {}
-    fit(model, train, config, timing=timing)
+    cpu = [time.process_time()]  # process CPU seconds at each epoch's end (after its timing)
+    fit(model, train, config, timing=timing, epoch_hooks=[lambda epoch, logs: cpu.append(time.process_time())])
     steps = steps_per_epoch(len(train), batch)
     del model
-    return {"ms": 1000 * timing["epoch_seconds"][1] / steps, "first_epoch_s": timing["epoch_seconds"][0]}
+    return {"ms": 1000 * timing["epoch_seconds"][1] / steps, "cpu_ms": 1000 * (cpu[2] - cpu[1]) / steps,
+            "first_epoch_s": timing["epoch_seconds"][0]}
 
 
 def run_bound(args, log) -> dict[str, Any]:
@@ -278,6 +282,7 @@ def run_bound(args, log) -> dict[str, Any]:
     variants = [*(f"project/{k}" for k in args.steps_per_execution), "bare/graph", "bare/xla"]
     runs: dict[str, dict[str, list[float]]] = {f"{kind}/{dim}/{batch}": {v: [] for v in variants}
                                                for kind, dim, batch in shapes}
+    cpu_runs: dict[str, dict[str, list[float]]] = {key: {v: [] for v in variants} for key in runs}
     uptimes = [uptime()]
     for round_ in range(args.bound_rounds):
         for kind, dim, batch in rotated(shapes, round_):
@@ -285,11 +290,12 @@ def run_bound(args, log) -> dict[str, Any]:
             key = f"{kind}/{dim}/{batch}"
             for variant in rotated(variants, round_):
                 if variant.startswith("project/"):
-                    ms = time_project(stats, frames[batch], dim, batch, kind, shared, int(variant.split("/")[1]))["ms"]
+                    timed = time_project(stats, frames[batch], dim, batch, kind, shared, int(variant.split("/")[1]))
                 else:
-                    ms = time_bare(users, items, dim, batch, shared, variant == "bare/xla",
-                                   max(args.bound_clicks // batch, 2))
-                runs[key][variant].append(ms)
+                    timed = time_bare(users, items, dim, batch, shared, variant == "bare/xla",
+                                      max(args.bound_clicks // batch, 2))
+                runs[key][variant].append(timed["ms"])
+                cpu_runs[key][variant].append(timed["cpu_ms"])
             medians = {v: statistics.median(runs[key][v]) for v in variants}
             log(f"bound round {round_} {key}: " + ", ".join(f"{v} {ms:.1f} ms" for v, ms in medians.items())
                 + f" | {uptime()}")
@@ -300,7 +306,11 @@ def run_bound(args, log) -> dict[str, Any]:
         medians = {v: statistics.median(runs[key][v]) for v in variants}
         bound = min(medians["bare/graph"], medians["bare/xla"])
         project = {k: medians[f"project/{k}"] for k in args.steps_per_execution}
+        cpu = {v: statistics.median(cpu_runs[key][v]) for v in variants}
+        cpu_bound = min(cpu["bare/graph"], cpu["bare/xla"])
         summary.append({
+            "cpu_ms": cpu,
+            "cpu_step_over_bound": {str(k): cpu[f"project/{k}"] / cpu_bound for k in args.steps_per_execution},
             "negatives": kind, "dim": dim, "batch": batch,
             "shared_negatives": args.shared_negatives if kind == "shared" else 0,
             "project_ms": {str(k): ms for k, ms in project.items()},
@@ -309,7 +319,7 @@ def run_bound(args, log) -> dict[str, Any]:
             "bound_over_step": {str(k): bound / ms for k, ms in project.items()},
         })
     return {"users": users, "items": items, "clicks_per_epoch": args.bound_clicks, "uptime": uptimes,
-            "summary": summary, "runs": runs}
+            "summary": summary, "runs": runs, "cpu_runs": cpu_runs}
 
 
 def rotated(configs: list, round_: int) -> list:
@@ -421,6 +431,23 @@ def bound_markdown(bound: dict[str, Any]) -> list[str]:
             + f" | {row['bare_graph_ms']:.1f} | {row['bare_xla_ms']:.1f} | "
             + " | ".join(f"{row['step_over_bound'][k]:.2f}" for k in per_calls) + " | "
             + " | ".join(f"{row['bound_over_step'][k]:.2f}" for k in per_calls) + " |"
+        )
+    lines += [
+        "",
+        "The same in process CPU time per step (less sensitive to other processes on a shared machine; "
+        "two cores give up to 2 CPU ms a wall ms):",
+        "",
+        "| negatives | dim | batch | " + " | ".join(f"project K={k} (CPU ms)" for k in per_calls)
+        + " | bare graph (CPU ms) | bare XLA (CPU ms) | " + " | ".join(f"step / bound K={k}" for k in per_calls) + " |",
+        "|---|---:|---:|" + "---:|" * (2 * len(per_calls) + 2),
+    ]
+    for row in bound["summary"]:
+        kind = row["negatives"] + (f" ({row['shared_negatives']})" if row["shared_negatives"] else "")
+        lines.append(
+            f"| {kind} | {row['dim']} | {row['batch']:,} | "
+            + " | ".join(f"{row['cpu_ms'][f'project/{k}']:.1f}" for k in per_calls)
+            + f" | {row['cpu_ms']['bare/graph']:.1f} | {row['cpu_ms']['bare/xla']:.1f} | "
+            + " | ".join(f"{row['cpu_step_over_bound'][k]:.2f}" for k in per_calls) + " |"
         )
     lines += ["", f"Target: bound / step >= {TARGET_BOUND_FRACTION}. `uptime` before, between rounds and after:", ""]
     lines += [f"    {line}" for line in bound["uptime"]]
@@ -549,7 +576,9 @@ def main() -> None:
     loads = loads or [load_average()[0]]
     result["load_1min"] = {"min": min(loads), "max": max(loads), "mean": float(np.mean(loads))}
     result["total_s"] = time.perf_counter() - began
-    write_report(args.out / "bench_steps", result, markdown(result))
+    # One part alone does not overwrite the report of all of them: bench_steps_<part>.{json,md}.
+    name = "bench_steps" if args.part == "all" else f"bench_steps_{args.part}"
+    write_report(args.out / name, result, markdown(result))
     print(markdown(result))
 
 

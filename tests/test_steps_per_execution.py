@@ -126,3 +126,36 @@ def test_bare_step_compiled_equals_graph_and_a_numpy_reference(shared):
     logits = logits - logits.max(1, keepdims=True)
     expected = np.mean(np.log(np.exp(logits).sum(1)) - logits[np.arange(batch), labels])
     np.testing.assert_allclose(graph_loss, expected, rtol=1e-5)
+
+
+class _Iterated:
+    """A ``FrameClicks`` seen only through the ``ClickSource`` interface: the loop iterates its ``tf.data`` epochs."""
+
+    reads_own_shards = False
+
+    def __init__(self, frame: FrameClicks):
+        self.frame, self.batch_size, self.steps_per_epoch, self.rows = (
+            frame, frame.batch_size, frame.steps_per_epoch, frame.rows)
+
+    def epoch(self, epoch, skip_batches=0):
+        return self.frame.epoch(epoch, skip_batches)
+
+    def check_epoch(self):
+        pass
+
+
+def test_batches_cut_in_the_graph_loop_are_the_input_pipelines():
+    """With several steps a call a frame's batches are cut from its columns inside the graph loop; an
+    iterator over its ``tf.data`` epochs trains bit for bit the same model."""
+    clicks = _clicks(3)
+    config = TrainConfig(epochs=2, batch_size=48, verbose=0, checkpoint_every_seconds=0, validation_fraction=0,
+                         steps_per_execution=4)
+    results = []
+    for source in (clicks, _Iterated(FrameClicks(clicks, config.batch_size, seed=config.seed))):
+        seed_everything(4)
+        model = build_model(MODEL, FeatureStatistics.from_training_clicks(clicks))
+        results.append((fit(model, source, config), model.get_weights()))
+    (resident, resident_weights), (iterated, iterated_weights) = results
+    assert resident == iterated
+    for got, want in zip(resident_weights, iterated_weights, strict=True):
+        np.testing.assert_array_equal(got, want)
