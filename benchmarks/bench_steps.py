@@ -1,7 +1,25 @@
-"""Step time of the training loop (``retrieval.training.loop``) vs ID-table size, and checkpoint overhead.
+"""Step time of the training loop (``retrieval.training.loop``) against its bound, vs ID-table size, and
+checkpoint overhead.
 
-    python -m benchmarks.bench_steps                      # or: make bench-steps (~15 min on 2 busy cores)
+    python -m benchmarks.bench_steps                      # or: make bench-steps (~30 min on 2 busy cores)
+    python -m benchmarks.bench_steps --part bound --bound-rounds 1 --bound-dims 64   # quick
+    (one --part alone writes bench_steps_<part>.{json,md}, all of them bench_steps.{json,md})
     python -m benchmarks.bench_steps --part tables --sizes 10000 100000 --rounds 1   # quick
+
+- ``bound``: the project's step beside the bare cost of the same shapes, in the same process. For
+  each negatives kind (``in_batch``: the default model's in-batch softmax; ``shared``:
+  ``model.loss.negatives: uniform`` with ``--shared-negatives`` uniform draws shared by the batch),
+  each dimension of ``--bound-dims`` and batch of ``--bound-batches``, on Gowalla-sized ID tables
+  (``--users`` x ``--items``): the project's step, ``retrieval.training.fit`` on the default model
+  at that dimension and loss for two epochs of ``--bound-clicks`` clicks, once per
+  ``train.steps_per_execution`` of ``--steps-per-execution``, timed as the second epoch's seconds
+  over its steps (``fit``'s ``timing``: input, step, reading its values, Python around it; the first
+  epoch holds the tracing); and the bare step (``bare_step``): the same gathers, L2 normalisation,
+  logits matmul forward and backward and softmax cross-entropy written directly in TensorFlow on
+  pre-built integer ids, its update a scatter of the touched rows (SGD), traced as a graph and
+  compiled by XLA (``jit_compile=True``), timed over as many steps after warm-up, each
+  step's loss read as the loop reads it. The bound is the faster of the two bare steps; the table
+  gives step / bound and bound / step (the target: bound / step >= 0.5).
 
 Both parts call the project's own training code, ``retrieval.training.fit`` on a
 model from ``retrieval.model.build_model(ModelConfig())`` (the default model: ID
@@ -40,8 +58,10 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +71,16 @@ import tensorflow as tf
 
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before tf.keras is first used)
 from benchmarks._harness import RESULTS, command, load_average, machine, versions_of, write_report
-from retrieval.config import ModelConfig, TrainConfig
+from retrieval.config import LossConfig, ModelConfig, TrainConfig
 from retrieval.data import ITEM, USER
 from retrieval.features import FeatureStatistics
 from retrieval.model import build_model
 from retrieval.training import TrainingCheckpoint, fit, loop, seed_everything
+from retrieval.training.sources import steps_per_epoch
 
 BATCH = 1024
+TARGET_BOUND_FRACTION = 0.5  # the loop's target: its step >= 0.5 x the bound (bound / step >= 0.5)
+GOWALLA_USERS, GOWALLA_ITEMS = 29_858, 40_981
 TARGET_RATIO = 1.5  # the scale target: step(1M) <= 1.5 x step(10k)
 TARGET_CHECKPOINT_FRACTION = 0.05  # the scale target: checkpoints <= 5 % of training time
 
@@ -150,6 +173,155 @@ def timed_run(
     return result
 
 
+def uptime() -> str:
+    """``uptime``'s line (load averages), recorded beside the timings."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "uptime: unavailable; 1-min load average " + f"{load_average()[0]:.2f}"
+
+
+def bare_step(users: int, items: int, dim: int, batch: int, shared: int, jit: bool, temperature: float = 0.1,
+              learning_rate: float = 0.01
+              ) -> tuple[Callable[[tf.Tensor, tf.Tensor, tf.Tensor], tf.Tensor], tuple[tf.Variable, tf.Variable]]:
+    """A training step of the same shapes as the project's, with nothing around it.
+
+    Tables ``[users + 1, dim]`` and ``[items + 1, dim]``; ``step(user_rows, item_rows, seed)``
+    (int32 ``[batch]`` rows, an int32 ``[2]`` seed) gathers the batch's rows (and ``shared``
+    uniform negative rows drawn statelessly from ``seed``; 0 = in-batch negatives), L2-normalises
+    them, takes the logits (``[batch, batch]`` in-batch, or the positive's score beside
+    ``[batch, shared]``) over ``temperature``, the mean softmax cross-entropy and its gradients
+    with respect to the gathered rows, and subtracts ``learning_rate`` x those from the touched
+    rows (a scatter), and returns the loss. Returns ``(step, (user_table, item_table))``.
+    """
+    user_table = tf.Variable(tf.random.uniform([users + 1, dim], -0.05, 0.05, seed=1))
+    item_table = tf.Variable(tf.random.uniform([items + 1, dim], -0.05, 0.05, seed=2))
+
+    @tf.function(jit_compile=jit)
+    def step(user_rows, item_rows, seed):
+        if shared:
+            negatives = tf.random.stateless_uniform([shared], seed, minval=1, maxval=items + 1, dtype=tf.int32)
+            candidates = tf.concat([item_rows, negatives], axis=0)
+        else:
+            candidates = item_rows
+        with tf.GradientTape() as tape:
+            query_vectors, candidate_vectors = tf.gather(user_table, user_rows), tf.gather(item_table, candidates)
+            tape.watch([query_vectors, candidate_vectors])
+            queries = tf.math.l2_normalize(query_vectors, axis=-1)
+            docs = tf.math.l2_normalize(candidate_vectors, axis=-1)
+            if shared:
+                positive = tf.reduce_sum(queries * docs[:batch], axis=-1, keepdims=True)
+                logits = tf.concat([positive, tf.matmul(queries, docs[batch:], transpose_b=True)], axis=1)
+                labels = tf.zeros([batch], tf.int32)
+            else:
+                logits = tf.matmul(queries, docs, transpose_b=True)
+                labels = tf.range(batch)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits / temperature))
+        query_gradient, candidate_gradient = tape.gradient(loss, [query_vectors, candidate_vectors])
+        user_table.scatter_sub(tf.IndexedSlices(learning_rate * query_gradient, user_rows))
+        item_table.scatter_sub(tf.IndexedSlices(learning_rate * candidate_gradient, candidates))
+        return loss
+
+    return step, (user_table, item_table)
+
+
+def time_bare(users: int, items: int, dim: int, batch: int, shared: int, jit: bool, steps: int) -> dict[str, float]:
+    """Mean wall and process CPU ms of ``steps`` bare steps after 3 warm-up steps (tracing, compiling),
+    each loss read."""
+    tf.keras.backend.clear_session()
+    gc.collect()
+    step, _ = bare_step(users, items, dim, batch, shared, jit)
+    rng = np.random.default_rng(dim + batch)
+    user_rows = tf.constant(rng.integers(1, users + 1, size=(steps + 3, batch)), tf.int32)
+    item_rows = tf.constant(rng.integers(1, items + 1, size=(steps + 3, batch)), tf.int32)
+    for warm in range(3):
+        float(step(user_rows[warm], item_rows[warm], tf.constant([warm, 0])))
+    seeds = [tf.constant([s, 0]) for s in range(3, steps + 3)]
+    rows = [(user_rows[s], item_rows[s]) for s in range(3, steps + 3)]
+    began, cpu = time.perf_counter(), time.process_time()
+    for (users_of, items_of), seed in zip(rows, seeds, strict=True):
+        float(step(users_of, items_of, seed))
+    return {"ms": 1000 * (time.perf_counter() - began) / steps, "cpu_ms": 1000 * (time.process_time() - cpu) / steps}
+
+
+def time_project(stats: FeatureStatistics, train: pd.DataFrame, dim: int, batch: int, negatives: str, shared: int,
+                 per_call: int) -> dict[str, float]:
+    """ms of the project's step: ``fit`` for 2 epochs, the second epoch's seconds over its steps."""
+    tf.keras.backend.clear_session()
+    gc.collect()
+    config = TrainConfig(epochs=2, batch_size=batch, verbose=0, checkpoint_every_seconds=0, validation_fraction=0,
+                         steps_per_execution=per_call)
+    seed_everything(config.seed)
+    loss = LossConfig() if negatives == "in_batch" else LossConfig(negatives="uniform", num_negatives=shared)
+    model = build_model(ModelConfig(embedding_dim=dim, loss=loss), stats)
+    timing: dict[str, list[float]] = {}
+    cpu = [time.process_time()]  # process CPU seconds at each epoch's end (after its timing)
+    fit(model, train, config, timing=timing, epoch_hooks=[lambda epoch, logs: cpu.append(time.process_time())])
+    steps = steps_per_epoch(len(train), batch)
+    del model
+    return {"ms": 1000 * timing["epoch_seconds"][1] / steps, "cpu_ms": 1000 * (cpu[2] - cpu[1]) / steps,
+            "first_epoch_s": timing["epoch_seconds"][0]}
+
+
+def run_bound(args, log) -> dict[str, Any]:
+    users, items = args.users, args.items
+    every = range(max(users, items))  # each user and each item at least once: tables of exactly that many rows
+    stats = FeatureStatistics.from_training_clicks(
+        pd.DataFrame({USER: [f"u{i % users}" for i in every], ITEM: [f"i{i % items}" for i in every]})
+    )
+    frames = {}
+    for batch in args.bound_batches:
+        rng = np.random.default_rng(batch)
+        rows = max(args.bound_clicks // batch, 2) * batch
+        frames[batch] = pd.DataFrame({
+            USER: np.char.add("u", rng.integers(0, users, size=rows).astype(str)),
+            ITEM: np.char.add("i", rng.integers(0, items, size=rows).astype(str)),
+        })
+    shapes = [(kind, dim, batch) for kind in args.bound_negatives for dim in args.bound_dims
+              for batch in args.bound_batches]
+    variants = [*(f"project/{k}" for k in args.steps_per_execution), "bare/graph", "bare/xla"]
+    runs: dict[str, dict[str, list[float]]] = {f"{kind}/{dim}/{batch}": {v: [] for v in variants}
+                                               for kind, dim, batch in shapes}
+    cpu_runs: dict[str, dict[str, list[float]]] = {key: {v: [] for v in variants} for key in runs}
+    uptimes = [uptime()]
+    for round_ in range(args.bound_rounds):
+        for kind, dim, batch in rotated(shapes, round_):
+            shared = args.shared_negatives if kind == "shared" else 0
+            key = f"{kind}/{dim}/{batch}"
+            for variant in rotated(variants, round_):
+                if variant.startswith("project/"):
+                    timed = time_project(stats, frames[batch], dim, batch, kind, shared, int(variant.split("/")[1]))
+                else:
+                    timed = time_bare(users, items, dim, batch, shared, variant == "bare/xla",
+                                      max(args.bound_clicks // batch, 2))
+                runs[key][variant].append(timed["ms"])
+                cpu_runs[key][variant].append(timed["cpu_ms"])
+            medians = {v: statistics.median(runs[key][v]) for v in variants}
+            log(f"bound round {round_} {key}: " + ", ".join(f"{v} {ms:.1f} ms" for v, ms in medians.items())
+                + f" | {uptime()}")
+        uptimes.append(uptime())
+    summary = []
+    for kind, dim, batch in shapes:
+        key = f"{kind}/{dim}/{batch}"
+        medians = {v: statistics.median(runs[key][v]) for v in variants}
+        bound = min(medians["bare/graph"], medians["bare/xla"])
+        project = {k: medians[f"project/{k}"] for k in args.steps_per_execution}
+        cpu = {v: statistics.median(cpu_runs[key][v]) for v in variants}
+        cpu_bound = min(cpu["bare/graph"], cpu["bare/xla"])
+        summary.append({
+            "cpu_ms": cpu,
+            "cpu_step_over_bound": {str(k): cpu[f"project/{k}"] / cpu_bound for k in args.steps_per_execution},
+            "negatives": kind, "dim": dim, "batch": batch,
+            "shared_negatives": args.shared_negatives if kind == "shared" else 0,
+            "project_ms": {str(k): ms for k, ms in project.items()},
+            "bare_graph_ms": medians["bare/graph"], "bare_xla_ms": medians["bare/xla"], "bound_ms": bound,
+            "step_over_bound": {str(k): ms / bound for k, ms in project.items()},
+            "bound_over_step": {str(k): bound / ms for k, ms in project.items()},
+        })
+    return {"users": users, "items": items, "clicks_per_epoch": args.bound_clicks, "uptime": uptimes,
+            "summary": summary, "runs": runs, "cpu_runs": cpu_runs}
+
+
 def rotated(configs: list, round_: int) -> list:
     shift = round_ % len(configs)
     return configs[shift:] + configs[:shift]
@@ -233,20 +405,71 @@ def run_checkpoints(args, log) -> dict[str, Any]:
             "summary": summary, "runs": runs}
 
 
+def bound_markdown(bound: dict[str, Any]) -> list[str]:
+    per_calls = list(bound["summary"][0]["project_ms"])
+    lines = [
+        "",
+        f"## The project's step against its bound ({bound['users']:,} users x {bound['items']:,} items, "
+        f"{bound['clicks_per_epoch']:,} clicks an epoch)",
+        "",
+        "Project: `fit` of the default model at that dimension (`shared`: `model.loss.negatives: uniform`, "
+        "the draws shared by the batch), the second epoch's seconds over its steps, for each "
+        "`train.steps_per_execution` (K). Bare: the same shapes written directly (gathers, L2 normalise, "
+        "logits matmul forward and backward, softmax cross-entropy, scatter of the touched rows), as a graph "
+        "and compiled by XLA; bound = the faster. Medians over interleaved rounds.",
+        "",
+        "| negatives | dim | batch | " + " | ".join(f"project K={k} (ms)" for k in per_calls)
+        + " | bare graph (ms) | bare XLA (ms) | " + " | ".join(f"step / bound K={k}" for k in per_calls)
+        + " | " + " | ".join(f"bound / step K={k}" for k in per_calls) + " |",
+        "|---|---:|---:|" + "---:|" * (3 * len(per_calls) + 2),
+    ]
+    for row in bound["summary"]:
+        kind = row["negatives"] + (f" ({row['shared_negatives']})" if row["shared_negatives"] else "")
+        lines.append(
+            f"| {kind} | {row['dim']} | {row['batch']:,} | "
+            + " | ".join(f"{row['project_ms'][k]:.1f}" for k in per_calls)
+            + f" | {row['bare_graph_ms']:.1f} | {row['bare_xla_ms']:.1f} | "
+            + " | ".join(f"{row['step_over_bound'][k]:.2f}" for k in per_calls) + " | "
+            + " | ".join(f"{row['bound_over_step'][k]:.2f}" for k in per_calls) + " |"
+        )
+    lines += [
+        "",
+        "The same in process CPU time per step (less sensitive to other processes on a shared machine; "
+        "two cores give up to 2 CPU ms a wall ms):",
+        "",
+        "| negatives | dim | batch | " + " | ".join(f"project K={k} (CPU ms)" for k in per_calls)
+        + " | bare graph (CPU ms) | bare XLA (CPU ms) | " + " | ".join(f"step / bound K={k}" for k in per_calls) + " |",
+        "|---|---:|---:|" + "---:|" * (2 * len(per_calls) + 2),
+    ]
+    for row in bound["summary"]:
+        kind = row["negatives"] + (f" ({row['shared_negatives']})" if row["shared_negatives"] else "")
+        lines.append(
+            f"| {kind} | {row['dim']} | {row['batch']:,} | "
+            + " | ".join(f"{row['cpu_ms'][f'project/{k}']:.1f}" for k in per_calls)
+            + f" | {row['cpu_ms']['bare/graph']:.1f} | {row['cpu_ms']['bare/xla']:.1f} | "
+            + " | ".join(f"{row['cpu_step_over_bound'][k]:.2f}" for k in per_calls) + " |"
+        )
+    lines += ["", f"Target: bound / step >= {TARGET_BOUND_FRACTION}. `uptime` before, between rounds and after:", ""]
+    lines += [f"    {line}" for line in bound["uptime"]]
+    return lines
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [
-        "# Step time of the training loop (retrieval.training.loop) vs ID-table size, and checkpoint overhead",
+        "# Step time of the training loop (retrieval.training.loop): its bound, ID-table size, checkpoint overhead",
         "",
         f"`{result['command']}` on {result['machine']['cpus']} CPUs ({result['machine']['platform']}, "
         f"TensorFlow {versions_of(result['machine'])['tensorflow']}), {result['date']}. 1-min load average during the "
         f"runs: {result['load_1min']['min']:.2f}-{result['load_1min']['max']:.2f} "
         f"(mean {result['load_1min']['mean']:.2f}).",
         "",
-        "Default model (ID towers, dim 64, in-batch softmax), batch 1024, `retrieval.training.fit`; "
-        f"median step after {result['args']['warmup']} warm-up steps, median over {result['args']['rounds']} "
-        f"(tables) and {result['args']['checkpoint_rounds']} (checkpoints) interleaved rounds. See the module "
-        "docstring of benchmarks/bench_steps.py for the method.",
+        "Tables and checkpoints: default model (ID towers, dim 64, in-batch softmax), batch 1024, "
+        f"`retrieval.training.fit`; median step after {result['args']['warmup']} warm-up steps, median over "
+        f"{result['args']['rounds']} (tables) and {result['args']['checkpoint_rounds']} (checkpoints) interleaved "
+        "rounds. See the module docstring of benchmarks/bench_steps.py for the method.",
     ]
+    if "bound" in result:
+        lines += bound_markdown(result["bound"])
     if "tables" in result:
         tables = result["tables"]
         smallest = min(r["n"] for r in tables["summary"])
@@ -303,7 +526,18 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=["all", "tables", "checkpoints"], default="all")
+    parser.add_argument("--part", choices=["all", "bound", "tables", "checkpoints"], default="all")
+    parser.add_argument("--bound-dims", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--bound-batches", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--bound-negatives", nargs="+", default=["in_batch", "shared"], choices=["in_batch", "shared"])
+    parser.add_argument("--shared-negatives", type=int, default=800, help="uniform negatives shared by a batch")
+    parser.add_argument("--steps-per-execution", type=int, nargs="+", default=[1, 8],
+                        help="train.steps_per_execution values of the project's step")
+    parser.add_argument("--bound-clicks", type=int, default=65_536,
+                        help="clicks an epoch of the project's runs, and bare steps timed x batch")
+    parser.add_argument("--bound-rounds", type=int, default=3, help="interleaved rounds of the bound part")
+    parser.add_argument("--users", type=int, default=GOWALLA_USERS, help="user table rows of the bound part")
+    parser.add_argument("--items", type=int, default=GOWALLA_ITEMS, help="item table rows of the bound part")
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--optimizers", nargs="+", default=["adam", "lazy_adam"],
                         choices=["adam", "adagrad", "sgd", "lazy_adam", "rowwise_adagrad"])
@@ -331,15 +565,20 @@ def main() -> None:
         "machine": machine("tensorflow"),
         "args": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
     }
+    if args.part in ("all", "bound"):
+        result["bound"] = run_bound(args, log)
     if args.part in ("all", "tables"):
         result["tables"] = run_tables(args, log)
     if args.part in ("all", "checkpoints"):
         result["checkpoints"] = run_checkpoints(args, log)
     loads = [load for part in ("tables", "checkpoints") if part in result
              for runs in result[part]["runs"].values() for run in runs for load in run["load_1min"]]
+    loads = loads or [load_average()[0]]
     result["load_1min"] = {"min": min(loads), "max": max(loads), "mean": float(np.mean(loads))}
     result["total_s"] = time.perf_counter() - began
-    write_report(args.out / "bench_steps", result, markdown(result))
+    # One part alone does not overwrite the report of all of them: bench_steps_<part>.{json,md}.
+    name = "bench_steps" if args.part == "all" else f"bench_steps_{args.part}"
+    write_report(args.out / name, result, markdown(result))
     print(markdown(result))
 
 

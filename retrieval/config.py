@@ -998,6 +998,25 @@ class TrainConfig(_Section):
         default_factory=ParameterServerConfig,
         description="Sharding of the ID tables under distribute: parameter_server.",
     )
+    steps_per_execution: int = Field(
+        1,
+        gt=0,
+        description="Training steps run inside one tf.function call (a graph loop over the batches), so "
+        "Python dispatches once per this many steps. The steps, their order and their logged values are "
+        "those of one step a call; a call ends early at the epoch's end and at a step that "
+        "checkpoint_every_steps names, and a save by time waits for the call's end. One device only "
+        "(distribute: none).",
+    )
+
+    @model_validator(mode="after")
+    def _steps_per_execution_on_one_device(self) -> TrainConfig:
+        if self.steps_per_execution > 1 and self.distribute != "none":
+            raise ValueError(
+                f"train.steps_per_execution={self.steps_per_execution} runs several steps in one call on one "
+                f"device; train.distribute={self.distribute!r} runs one step a call: set "
+                "train.steps_per_execution=1 or train.distribute=none"
+            )
+        return self
 
     @property
     def checkpoints(self) -> bool:

@@ -282,16 +282,21 @@ def _streamed(clicks: pd.DataFrame, folder: Path, batch_size: int) -> StreamedCl
 
 
 @pytest.mark.parametrize(
-    "source, optimizer", [("frame", "lazy_adam"), ("stream", "lazy_adam"), ("stream", "rowwise_adagrad")]
+    "source, optimizer, per_call",
+    [("frame", "lazy_adam", 1), ("stream", "lazy_adam", 1), ("stream", "rowwise_adagrad", 1),
+     ("frame", "lazy_adam", 4), ("stream", "lazy_adam", 4)],
 )
-def test_fit_resumed_in_process_equals_uninterrupted_fit(tmp_path, monkeypatch, source, optimizer):
+def test_fit_resumed_in_process_equals_uninterrupted_fit(tmp_path, monkeypatch, source, optimizer, per_call):
     """fit() killed (by an exception) mid-epoch and called again on a fresh model resumes exactly,
-    whichever click source it trains on (and with the row-wise optimizer state of the scale configs)."""
+    whichever click source it trains on (and with the row-wise optimizer state of the scale configs),
+    and with several steps a call (``train.steps_per_execution``), whose calls the resume cuts elsewhere."""
     clicks = _clicks(1)
     stats = FeatureStatistics.from_training_clicks(clicks)
     model_config = ModelConfig(embedding_dim=8, loss=dict(negatives="uniform", num_negatives=4))
     config = TrainConfig(epochs=3, batch_size=32, verbose=0, checkpoint_every_steps=3, validation_fraction=0,
-                         optimizer=optimizer)
+                         optimizer=optimizer, steps_per_execution=per_call)
+    # With 4 steps a call the checkpoint (every 3 steps) is asked only at a call's end: steps 3, 6, ...
+    killed_at = 23 if per_call == 1 else 24
     if source == "stream":
         clicks = _streamed(clicks, tmp_path / "shards", config.batch_size)
         assert clicks.steps_per_epoch == 16
@@ -306,14 +311,14 @@ def test_fit_resumed_in_process_equals_uninterrupted_fit(tmp_path, monkeypatch, 
 
     due = TrainingCheckpoint.due
 
-    def killed_after_step_23(self, state):  # epoch 2, batch 7 of 16
-        if state.steps == 23:
+    def killed_mid_epoch_2(self, state):  # epoch 2, batch 7 (or 8) of 16
+        if state.steps == killed_at:
             raise Killed
         return due(self, state)
 
     checkpoints = tmp_path / "checkpoints"
     with monkeypatch.context() as patch, pytest.raises(Killed):
-        patch.setattr(TrainingCheckpoint, "due", killed_after_step_23)
+        patch.setattr(TrainingCheckpoint, "due", killed_mid_epoch_2)
         fit(fresh(), clicks, config, checkpoint_dir=checkpoints)
     assert sorted(p.name for p in checkpoints.glob("ckpt-*.index")) == ["ckpt-18.index", "ckpt-21.index"]
 

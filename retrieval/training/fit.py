@@ -143,7 +143,8 @@ def fit(
     model.compile(optimizer=optimizer)
     with fed_by(source, config.parameter_server) as batches:
         state = train_epochs(model, batches, epochs, state=state, checkpoint=checkpoint, logs=logs,
-                             hooks=epoch_hooks, verbose=config.verbose, say=say)
+                             hooks=epoch_hooks, verbose=config.verbose, say=say,
+                             steps_per_execution=config.steps_per_execution)
     if checkpoint is not None:
         checkpoint.save(state)  # the end state: a job killed after training does not train again
     if logs is not None:
@@ -217,7 +218,8 @@ def select_epochs(
     if state is None or not watch.stopped:  # a selection killed after its last epoch is not trained again
         with fed_by(validation.fit_source, config.parameter_server) as batches:
             state = train_epochs(model, batches, config.epochs, state=state, checkpoint=checkpoint,
-                                 logs=logs, hooks=all_hooks, verbose=config.verbose, say=say, eta_bound=True)
+                                 logs=logs, hooks=all_hooks, verbose=config.verbose, say=say, eta_bound=True,
+                                 steps_per_execution=config.steps_per_execution)
     if timing is not None:
         timing.update(state.timing)
     if initial is not None:

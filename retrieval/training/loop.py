@@ -34,7 +34,7 @@ from retrieval.model import TwoTowerModel
 from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState
 from retrieval.training.parameter_server import ClusterError, chief_coordinator
 from retrieval.training.runtime import worker_count
-from retrieval.training.sources import ClickSource, StreamedClicks
+from retrieval.training.sources import ClickSource, FrameClicks, StreamedClicks
 from retrieval.training.worker_input import WorkerFedClicks
 
 log = logging.getLogger("retrieval")
@@ -100,9 +100,9 @@ class _Progress:
         self.done = 0
         self.started = self.last = time.perf_counter()
 
-    def step(self, state: TrainingState, settled: int) -> None:
-        """After a step; ``settled``: the epoch's steps whose values are in ``state.epoch_sums``."""
-        self.done += 1
+    def step(self, state: TrainingState, settled: int, steps: int = 1) -> None:
+        """After ``steps`` steps (one call); ``settled``: the epoch's steps whose values are in ``state.epoch_sums``."""
+        self.done += steps
         if self.level != 1:
             return
         now = time.perf_counter()
@@ -210,6 +210,130 @@ def step_function(model: TwoTowerModel, input_signature: list | None = None,
     return step
 
 
+def steps_function(model: TwoTowerModel, dtypes: dict[str, tf.DType]) -> Callable[[Any, tf.Tensor], dict]:
+    """Up to ``count`` training steps of ``model`` in one call, on one device (``train.steps_per_execution``).
+
+    ``run(iterator, count)`` trains on the next ``count`` batches of ``iterator`` in a graph loop
+    and returns each logged value per step, ``{key: [steps]}`` (``dtypes``: the keys and dtypes
+    ``model.train_step`` logs), fewer than ``count`` when the iterator ends first. The steps are
+    ``step_function``'s, one after the other, without a return to Python between them.
+    """
+
+    @tf.function
+    def run(iterator, count):
+        arrays = {key: tf.TensorArray(dtype, size=0, dynamic_size=True, element_shape=tf.TensorShape([]))
+                  for key, dtype in dtypes.items()}
+        done = tf.constant(0)
+        for _ in tf.range(count):
+            batch = iterator.get_next_as_optional()
+            if not batch.has_value():
+                break
+            logs = model.train_step(batch.get_value())
+            arrays = {key: array.write(done, logs[key]) for key, array in arrays.items()}
+            done += 1
+        return {key: array.stack() for key, array in arrays.items()}
+
+    return run
+
+
+def resident_steps_function(model: TwoTowerModel, columns: dict[str, tf.Tensor], batch_size: int,
+                            dtypes: dict[str, tf.DType]) -> Callable[[tf.Tensor, tf.Tensor, tf.Tensor], dict]:
+    """``steps_function`` over batches cut inside the graph from ``columns`` held in memory (a
+    ``FrameClicks``'s): ``run(rows, first_batch, count)`` trains on batches ``first_batch`` ..
+    ``first_batch + count - 1`` of the epoch whose row order is ``rows`` (``FrameClicks.epoch_rows``),
+    the same batches ``FrameClicks.epoch`` yields, with no input pipeline between the steps."""
+
+    @tf.function
+    def run(rows, first_batch, count):
+        arrays = {key: tf.TensorArray(dtype, size=0, dynamic_size=True, element_shape=tf.TensorShape([]))
+                  for key, dtype in dtypes.items()}
+        total = tf.shape(rows, out_type=tf.int64)[0]
+        done = tf.constant(0)
+        for _ in tf.range(count):
+            start = (first_batch + tf.cast(done, tf.int64)) * batch_size
+            if start >= total:
+                break
+            index = rows[start : tf.minimum(start + batch_size, total)]
+            logs = model.train_step({name: tf.gather(values, index) for name, values in columns.items()})
+            arrays = {key: array.write(done, logs[key]) for key, array in arrays.items()}
+            done += 1
+        return {key: array.stack() for key, array in arrays.items()}
+
+    return run
+
+
+class _Executions:
+    """A run's calls of the step: each call's logged values, one dict a step.
+
+    One step a call (``step_function``; scheduled on a worker under a ``ClusterCoordinator``),
+    or with ``per_call > 1`` on one device up to that many (``steps_function``): a call then ends
+    at the epoch's end and at a step ``checkpoint.every_steps`` names, so step-based saves land
+    where they would with one step a call. Every step of such a run is the graph loop's: where a
+    call ends changes no value, so a resumed run's steps are bit for bit the uninterrupted one's.
+    A ``FrameClicks`` is then read in the graph loop itself (``resident_steps_function``): its
+    columns are in memory, and each call cuts its batches from them with no ``tf.data`` pipeline.
+    """
+
+    def __init__(self, model: TwoTowerModel, source: ClickSource, per_call: int,
+                 coordinator: tf.distribute.coordinator.ClusterCoordinator | None):
+        self.model, self.source, self.coordinator = model, source, coordinator
+        self.per_call = per_call if coordinator is None and not tf.distribute.has_strategy() else 1
+        self._step: Callable[[Any], dict] | None = None
+        self._steps: Callable[..., dict] | None = None
+
+    def epoch(self, batches, state: TrainingState, checkpoint: TrainingCheckpoint | None):
+        """The calls of one epoch's ``batches`` (``distributed_epoch``), from ``state`` on; the
+        caller advances ``state`` by each call's steps before asking for the next."""
+        if self.per_call == 1:
+            yield from self._single_steps(batches)
+            return
+        if self._steps is None:
+            # No variable may be created inside a graph loop: the optimizer's slots are made now
+            # (as a checkpoint restore makes them: zeros), and a trace of the step shows what it logs.
+            self.model.optimizer.build(self.model.trainable_variables)
+            logged = tf.function(self.model.train_step).get_concrete_function(batches.element_spec).structured_outputs
+            dtypes = {key: value.dtype for key, value in logged.items()}
+            if isinstance(self.source, FrameClicks):
+                self._steps = resident_steps_function(self.model, self.source.columns, self.source.batch_size, dtypes)
+            else:
+                self._steps = steps_function(self.model, dtypes)
+        steps = self._steps
+        if isinstance(self.source, FrameClicks):
+            rows = self.source.epoch_rows(state.epoch)
+
+            def run(count):
+                return steps(rows, tf.constant(state.batch, tf.int64), count)
+        else:
+            iterator = iter(batches)
+
+            def run(count):
+                return steps(iterator, count)
+        while True:
+            count = min(self.per_call, self.source.steps_per_epoch - state.batch)
+            every = checkpoint.every_steps if checkpoint is not None else None
+            if every:
+                count = min(count, every - state.steps % every)
+            if count <= 0:
+                return
+            values = {key: value.numpy() for key, value in run(tf.constant(count)).items()}
+            done = len(next(iter(values.values())))
+            if done:
+                yield [{key: value[i] for key, value in values.items()} for i in range(done)]
+            if done < count:  # the epoch ended early (a stream cut by a read error)
+                return
+
+    def _single_steps(self, batches):
+        if self._step is None:
+            # Several workers trace once, for any batch shape: a trace per new shape would come at other
+            # steps on workers whose batches differ (their own shards), and a worker tracing its
+            # collectives alone waits for its peers.
+            self._step = step_function(self.model, [batches.element_spec] if worker_count() > 1 else None,
+                                       from_iterator=isinstance(self.source, WorkerFedClicks))
+        step = self._step
+        for batch in batches:
+            yield [step(batch) if self.coordinator is None else self.coordinator.schedule(step, args=(batch,))]
+
+
 def distributed_epoch(source: ClickSource, epoch: int, skip_batches: int = 0):
     """Epoch ``epoch`` of ``source`` (less its first ``skip_batches`` steps) as the loop iterates it
     under the current strategy.
@@ -295,6 +419,7 @@ def train_epochs(
     verbose: int | str = 2,
     say: Callable[[str], None] = print,
     eta_bound: bool = False,
+    steps_per_execution: int = 1,
 ) -> TrainingState:
     """Train ``model`` (compiled with its optimizer) on ``source`` up to the end of epoch ``epochs``.
 
@@ -312,6 +437,8 @@ def train_epochs(
         epoch, and one that raises abandons it.
       verbose: ``train.verbose``; ``say`` prints the lines.
       eta_bound: early stopping may stop the run at any epoch: the lines give no run ETA, only the epoch's end.
+      steps_per_execution: steps a call of the step runs on one device (``train.steps_per_execution``,
+        ``steps_function``); the same steps, values and checkpoints by steps as one step a call.
 
     Returns:
       The final state; its ``history`` holds, per epoch, the mean over the
@@ -331,10 +458,13 @@ def train_epochs(
     progress = _Progress(verbosity(verbose), source, epochs, state, say, eta_bound)
     if logs is not None and state.history:
         logs.write(state.history, range(state.epoch))  # a resumed run's directory starts with the epochs before it
+    if steps_per_execution < 1:
+        raise ValueError(f"train.steps_per_execution must be at least 1, got {steps_per_execution}")
     coordinator = chief_coordinator()
+    executions = _Executions(model, source, steps_per_execution, coordinator)
     # A lost worker's steps are rescheduled by the coordinator; a lost ps task fails the run.
     with _cluster_errors(state) if coordinator is not None else contextlib.nullcontext():
-        _train(model, source, epochs, state, checkpoint, logs, hooks, progress, coordinator)
+        _train(model, source, epochs, state, checkpoint, logs, hooks, progress, coordinator, executions)
     return state
 
 
@@ -348,33 +478,27 @@ def _train(
     hooks: Sequence[EpochHook],
     progress: _Progress,
     coordinator: tf.distribute.coordinator.ClusterCoordinator | None,
+    executions: _Executions,
 ) -> None:
     """``train_epochs``'s loop, advancing ``state`` (see there)."""
-    step = None
     while state.epoch < epochs:
         started, first_batch, settled = time.perf_counter(), state.batch, state.batch
         save_at_epoch_end = False
         model.reset_metrics()
         batches = distributed_epoch(source, state.epoch, state.batch)
-        if step is None:
-            # Several workers trace once, for any batch shape: a trace per new shape would come at other
-            # steps on workers whose batches differ (their own shards), and a worker tracing its
-            # collectives alone waits for its peers.
-            step = step_function(model, [batches.element_spec] if worker_count() > 1 else None,
-                                 from_iterator=isinstance(source, WorkerFedClicks))
         pending: list[_Pending] = []  # steps whose values are not read yet
-        for batch in batches:
-            outputs = step(batch) if coordinator is None else coordinator.schedule(step, args=(batch,))
-            state.batch += 1
-            state.steps += 1
-            pending.append(_Pending(state.batch, state.steps, outputs))
+        for call in executions.epoch(batches, state, checkpoint):
+            for outputs in call:
+                state.batch += 1
+                state.steps += 1
+                pending.append(_Pending(state.batch, state.steps, outputs))
             due = checkpoint is not None and checkpoint.due(state)
             # One device reads each step's values at once; the coordinator's steps run on the workers
             # meanwhile and are read at the end of the epoch, or before a checkpoint (which must hold
             # every step scheduled so far).
             if coordinator is None or (due and state.batch != source.steps_per_epoch):
                 settled += _settle(pending, state, epochs, model)
-            progress.step(state, settled)
+            progress.step(state, settled, len(call))
             if checkpoint is not None and due:
                 if state.batch == source.steps_per_epoch:
                     save_at_epoch_end = True

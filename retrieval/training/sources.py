@@ -137,6 +137,18 @@ class FrameClicks:
     def epoch(self, epoch: int, skip_batches: int = 0) -> tf.data.Dataset:
         return self.epochs(epoch, 1, skip_batches)
 
+    @property
+    def columns(self) -> dict[str, tf.Tensor]:
+        """Every column, ``[rows, ...]`` tensors held in memory: batch ``b`` of epoch ``e`` is their
+        rows ``epoch_rows(e)[b * batch_size : (b + 1) * batch_size]``."""
+        return dict(self._columns)
+
+    def epoch_rows(self, epoch: int) -> tf.Tensor:
+        """The rows of epoch ``epoch`` in the order ``epoch`` visits them, ``[rows]`` int64."""
+        if self._keys is None:
+            return tf.range(self.rows, dtype=tf.int64)
+        return tf.constant(epoch_order(self._keys, self.seed, epoch), tf.int64)
+
     def check_epoch(self) -> None:
         """Nothing to raise: the batches are in memory."""
 
