@@ -40,7 +40,9 @@ def test_the_towers_dot_product_is_the_cosine_plus_the_items_bias():
     got = biased_query({"user_id": users}).numpy() @ biased_doc({"item_id": items}).numpy().T
     cosines = query({"user_id": users}).numpy() @ doc({"item_id": items}).numpy().T
     bias = np.array([initial[1], initial[6], 0.0])  # tower index = vocabulary position + 1; unknown: 0
-    np.testing.assert_allclose(got, cosines + bias[np.newaxis, :], rtol=1e-5, atol=1e-6)
+    known_user = np.array([1.0, 1.0, 0.0])[:, np.newaxis]  # an unknown user's query stays all zeros
+    np.testing.assert_allclose(got, cosines + known_user * bias[np.newaxis, :], rtol=1e-5, atol=1e-6)
+    assert not biased_query({"user_id": users}).numpy()[2].any()
     assert biased_query.output_shape[-1] == biased_doc.output_shape[-1] == 9
 
 
@@ -128,3 +130,4 @@ def test_a_trained_bundle_with_an_item_bias_serves_the_brute_force_top_k(tmp_pat
     assert not np.allclose(vectors[:, -1], vectors[0, -1])  # a bias an item, not one constant
     expected = ids[np.argsort(-(vectors @ query), kind="stable")[:10]].tolist()
     assert served.item_ids == expected
+    assert bundle.recommend({"user_id": "never seen"}, k=5).fallback == "popular"

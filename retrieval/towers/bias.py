@@ -8,7 +8,7 @@ A click's log-probability often splits into an item's popularity and a taste mat
     (cos(q, d) + b_i) / temperature
 
 and the cosine is left with the taste. The index stays an inner product: the query tower appends
-a constant 1 and the doc tower appends ``b_i``, so ``[q, 1] . [d, b_i] = q . d + b_i`` and FAISS,
+1 and the doc tower appends ``b_i``, so ``[q, 1] . [d, b_i] = q . d + b_i`` and FAISS,
 the exact top-k, the bundle and every loss that scores dot products rank as the model does.
 """
 
@@ -25,10 +25,13 @@ from retrieval.towers.id import IdLookup, lookup_vocabulary
 
 
 class AppendOne(tf.keras.layers.Layer):
-    """``[..., D]`` -> ``[..., D + 1]`` with a last column of ones (the query side of the bias)."""
+    """``[..., D]`` -> ``[..., D + 1]`` ending in 1 (the query side of the bias), or in 0 where the
+    embedding is all zeros: the towers' out-of-vocabulary query stays all zeros, which serving
+    answers with the popular items and says so, instead of ranking by the biases alone."""
 
     def call(self, embeddings):
-        return tf.concat([embeddings, tf.ones_like(embeddings[..., :1])], axis=-1)
+        known = tf.reduce_any(tf.not_equal(embeddings, 0.0), axis=-1, keepdims=True)
+        return tf.concat([embeddings, tf.cast(known, embeddings.dtype)], axis=-1)
 
 
 class ItemBias(tf.keras.layers.Layer):
@@ -81,7 +84,8 @@ def with_item_bias(
     item_ids: Sequence[str],
     initial: np.ndarray,
 ) -> tuple[tf.keras.Model, tf.keras.Model]:
-    """The towers with a learned item bias: query ``[batch, D + 1]`` ending in 1, doc ``[batch, D + 1]``
+    """The towers with a learned item bias: query ``[batch, D + 1]`` ending in 1 (0 for an all-zero
+    query, the unknown user's), doc ``[batch, D + 1]``
     ending in the item's bias, so their dot product is ``q . d + b_item``.
 
     The doc tower must read ``item_id`` (the bias is a row per item); a transformer query tower's
