@@ -502,6 +502,16 @@ class ModelConfig(_Section):
         "the mean of the members' scores. Training and index memory grow K-fold.",
     )
     normalize: bool = Field(True, description="L2-normalise tower outputs (cosine similarity).")
+    item_bias: bool = Field(
+        False,
+        description="A learned per-item bias outside the dot product: logits (q . d + b_item) / temperature, "
+        "so L2-normalised towers keep the cosine for taste while the bias carries popularity. Served by the "
+        "same inner-product index (the query tower appends 1, the doc tower b_item: both output "
+        "embedding_dim + 1 wide); starts at the temperature times each item's centred log training count. "
+        "Needs a doc tower that reads item_id, one ensemble member and a softmax, full_softmax or sgns loss. "
+        "On by configs/default.yaml for the embedded synthetic log, whose clicks are popularity times taste "
+        "(benchmarks/results/bench_demo.md); off by default until measured on the public benchmarks.",
+    )
     temperature: float | Literal["auto"] = Field(
         "auto",
         description="Logits are divided by this. auto = derived from the training log: "
@@ -595,6 +605,22 @@ class ModelConfig(_Section):
                     f"model.{key} masks more than model.remove_accidental_hits does: set "
                     f"model.remove_accidental_hits=true, or model.{key}=false"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _item_bias_has_one_dot_product(self) -> ModelConfig:
+        if not self.item_bias:
+            return self
+        if self.ensemble_members > 1:
+            raise ValueError(
+                "model.item_bias adds one bias to one dot product; with model.ensemble_members > 1 each member "
+                "scores its own: set model.ensemble_members=1 or model.item_bias=false"
+            )
+        if self.loss.kind not in ("softmax", "full_softmax", "sgns"):
+            raise ValueError(
+                f"model.item_bias is for losses that score dot products (softmax, full_softmax, sgns); "
+                f"model.loss.kind={self.loss.kind!r} scores cosines or a tree: set model.item_bias=false"
+            )
         return self
 
     @model_validator(mode="after")

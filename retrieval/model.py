@@ -27,6 +27,7 @@ from retrieval.model_parts import build_miner, build_objective, build_sampler, r
 from retrieval.replicas import across_replicas, replicas_in_step
 from retrieval.samplers import FaissHardNegativeMiner, Sampler, UserHistory
 from retrieval.towers import ensemble_towers, id_tower, member_embeddings, position_states
+from retrieval.towers.bias import log_popularity_bias, with_item_bias
 from retrieval.towers.id import lookup_vocabulary
 
 # Placeholder id of catalogue row 0 (the OOV row): blank ids never reach a vocabulary.
@@ -382,6 +383,11 @@ def build_model(
         ])
     counts = stats.item_popularity.counts
     query_tower, doc_tower = towers
+    if config.item_bias:
+        assert isinstance(config.temperature, float)  # resolved above
+        query_tower, doc_tower = with_item_bias(
+            query_tower, doc_tower, stats.items.ids, log_popularity_bias(counts, config.temperature)
+        )
     if config.reads_users_training_items:  # coded once for the miner and the loss
         needed_by = "model.remove_user_items" if config.remove_user_items else "model.loss.hard_negatives='mined'"
         user_history = users_training_items(stats, train_clicks, user_history, needed_by=needed_by)
