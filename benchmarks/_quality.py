@@ -54,6 +54,14 @@ VARIANTS: dict[str, list[str]] = {
         "model.loss.hard_negatives=mined",
         "model.loss.num_hard_negatives=10",
     ],
+    # The corrected log-Q (Khrylchenko et al., RecSys 2025) beside each standard row above.
+    "defaults, corrected log-Q": ["model.loss.log_q_variant=corrected"],
+    "in-batch + static log-Q, corrected": _SOFTMAX
+    + ["model.loss.negatives=in_batch", "model.loss.log_q_variant=corrected"],
+    "sampled: uniform, corrected log-Q": _SOFTMAX
+    + ["model.loss.negatives=uniform", "model.loss.log_q_variant=corrected"],
+    "mixed: in-batch + uniform, corrected log-Q": _SOFTMAX
+    + ["model.loss.negatives=mixed", "model.loss.mixed_corpus=uniform", "model.loss.log_q_variant=corrected"],
     "full softmax": ["model.loss.kind=full_softmax", "model.loss.hard_negatives=none"],
     "SGNS (unigram^0.75, 20 shared)": [
         "model.loss.kind=sgns",

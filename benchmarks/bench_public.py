@@ -77,6 +77,10 @@ VARIANTS: dict[str, list[str]] = {
     "tfrs+logq": [*TFRS, "model.log_q_correction=true"],  # log-Q as the default estimates it (streaming)
     "mixed": ["model.loss.negatives=mixed"],  # in-batch + 1024 uniform draws (Yang et al. 2020)
     "mixed-dim128": ["model.loss.negatives=mixed", "model.embedding_dim=128"],
+    # The corrected log-Q (Khrylchenko et al., RecSys 2025), the default otherwise; and with mixed negatives.
+    "corrected-logq": ["model.loss.log_q_variant=corrected"],
+    "mixed-corrected-logq": ["model.loss.negatives=mixed", "model.loss.log_q_variant=corrected"],
+    "corrected-logq-cheap": ["model.loss.log_q_variant=corrected", *CHEAP_SELECTION],
     "hard": ["model.loss.hard_negatives=in_batch_top_k", "model.loss.num_hard_negatives=100"],
     "kernel": ["model.loss.negatives=kernel", "model.loss.num_negatives=32"],  # Blanc & Rendle 2018, 32/query
     "dim32": ["model.embedding_dim=32"],

@@ -444,6 +444,14 @@ class LossConfig(_Section):
         description="Q of in-batch negatives: training click counts (`static`), or streaming frequency "
         "estimation (Yi et al. 2019), measured better on the public benchmarks (bench_losses.md).",
     )
+    log_q_variant: Literal["standard", "corrected"] = Field(
+        "standard",
+        description="kind: softmax: standard subtracts log Q from every logit, the positive's included; "
+        "corrected is the refined correction of Khrylchenko et al. (RecSys 2025): the positive is left out "
+        "of the sampled part (log-sum-exp over the kept negatives, each corrected by log Q given that a draw "
+        "is not the positive) and each row is weighted by the model's probability of misclassifying it (no "
+        "gradient). Needs negatives in_batch, a corpus sampler with replacement, or mixed; no hard negatives.",
+    )
     streaming: StreamingFrequencyConfig = StreamingFrequencyConfig()
     kernel: KernelSamplerConfig = Field(
         KernelSamplerConfig(), description="Kernel sampler settings (used when negatives=kernel)."
@@ -479,6 +487,34 @@ class LossConfig(_Section):
             raise ValueError(
                 "model.loss.unique=true is not supported with negatives='kernel' (it draws with replacement)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _corrected_log_q_needs_draws(self) -> LossConfig:
+        # The refined correction divides each negative's expected count by the draws that are not the
+        # positive: it needs a sampled softmax over draws with replacement from a known distribution.
+        if self.log_q_variant != "corrected":
+            return self
+        refused = {
+            "kind": (self.kind != "softmax", "it corrects a sampled softmax: set model.loss.kind=softmax"),
+            "negatives": (
+                self.negatives == "kernel",
+                "kernel negatives are not supported: use in_batch, mixed or a corpus sampler",
+            ),
+            "hard_negatives": (
+                self.hard_negatives != "none",
+                "hard negatives are not draws from Q: set model.loss.hard_negatives=none",
+            ),
+            "unique": (
+                self.unique,
+                "draws without replacement have no per-draw probability: set model.loss.unique=false",
+            ),
+        }
+        for key, (bad, why) in refused.items():
+            if bad:
+                raise ValueError(
+                    f"model.loss.log_q_variant='corrected' with model.loss.{key}={getattr(self, key)!r}: {why}"
+                )
         return self
 
 
@@ -621,6 +657,17 @@ class ModelConfig(_Section):
                 f"model.item_bias is for losses that score dot products (softmax, full_softmax, sgns); "
                 f"model.loss.kind={self.loss.kind!r} scores cosines or a tree: set model.item_bias=false"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _corrected_log_q_corrects(self) -> ModelConfig:
+        if self.loss.log_q_variant == "corrected":
+            for key in ("log_q_correction", "remove_accidental_hits"):
+                if not getattr(self, key):
+                    raise ValueError(
+                        f"model.loss.log_q_variant='corrected' leaves the positive out of log-Q corrected "
+                        f"negatives: it needs model.{key}=true"
+                    )
         return self
 
     @model_validator(mode="after")

@@ -191,12 +191,24 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
             name=loss.kind,
         )
     exact = loss.kind == "full_softmax"
+    # Full softmax has no sampling to correct for (every Q is 1).
+    log_q_weight = config.log_q_strength if config.log_q_correction and not exact else 0.0
+    # Over all items the positive is also a column of its own: it must be removed there.
+    remove_hits = config.remove_accidental_hits or exact
+    if cls is SampledSoftmax:
+        return SampledSoftmax(
+            temperature=config.temperature,
+            log_q_weight=log_q_weight,
+            remove_accidental_hits=remove_hits,
+            num_hard_negatives=hard_k,
+            reduction=loss.reduction,
+            name=loss.kind,
+            log_q_variant=loss.log_q_variant,
+        )
     return cls(
         temperature=config.temperature,
-        # Full softmax has no sampling to correct for (every Q is 1).
-        log_q_weight=config.log_q_strength if config.log_q_correction and not exact else 0.0,
-        # Over all items the positive is also a column of its own: it must be removed there.
-        remove_accidental_hits=config.remove_accidental_hits or exact,
+        log_q_weight=log_q_weight,
+        remove_accidental_hits=remove_hits,
         num_hard_negatives=hard_k,
         reduction=loss.reduction,
         name=loss.kind,

@@ -18,7 +18,8 @@ Pure functions first (logits first, as ``tf.nn``):
   (in-batch negatives over every ``tf.distribute`` replica).
 Then the loss classes, one method each (``per_example``) on a base that
 validates and reduces:
-  ``SampledSoftmax`` (in-batch, corpus-sampled, mixed, full: the sampler decides),
+  ``SampledSoftmax`` (in-batch, corpus-sampled, mixed, full: the sampler decides; with
+  ``log_q_variant="corrected"`` the refined correction of Khrylchenko et al. 2025),
   ``FullSoftmax`` (the full one over ``AllItems`` from one block of logits),
   ``NegativeSampling`` (word2vec SGNS; NCE when log Q is subtracted),
   ``CosineContrastive`` (SimpleX's cosine contrastive loss; Mao et al. 2021),

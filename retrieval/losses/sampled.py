@@ -175,6 +175,9 @@ class RetrievalLoss(tf.keras.layers.Layer):
         return logits, labels, mask
 
 
+LOG_Q_VARIANTS = ("standard", "corrected")
+
+
 class SampledSoftmax(RetrievalLoss):
     """Softmax cross-entropy over the positive and the sampled candidates, log-Q corrected.
 
@@ -182,11 +185,65 @@ class SampledSoftmax(RetrievalLoss):
     sampled softmax (``CorpusSampler``; equals ``tf.nn.sampled_softmax_loss``
     given the same draws), mixed negatives (``MixedSampler``), or the exact
     full softmax (``AllItems`` with accidental hits removed).
+
+    ``log_q_variant="corrected"`` is the refined correction of Khrylchenko et al.
+    ("Correcting the LogQ Correction", RecSys 2025, arXiv 2507.09331), as their
+    code computes it (NonameUntitled/logq, ``train_*_logq_new.py``). The positive
+    is always in a row's softmax, not drawn, so it is left out of the sampled
+    part: with ``s+`` the row's positive logit (uncorrected), ``N`` its kept
+    negatives (accidental hits and padding removed), ``n' = |N|`` and
+    ``log Q'_j = log Q_j - log(M - Q+)`` the log probability of drawing ``j`` given
+    that a draw is not the positive (``Q`` the samplers' expected counts, ``Q+``
+    the positive's, ``M`` the draws behind the row's candidates)::
+
+        l_j   = s_j - strength * log Q'_j
+        loss  = sg(1 - P+) * (-s+ + log sum_{j in N} exp(l_j))
+        P+    = exp(s+) / (exp(s+) + (1 / n') sum_{j in N} exp(l_j))
+
+    ``P+`` is the model's probability of the positive, the catalogue's other
+    items estimated by importance sampling from the kept negatives, and
+    ``sg(1 - P+)`` (no gradient) its probability of misclassifying the row. A
+    row with no kept negative has loss 0. Defined for in-batch, corpus (shared
+    or per-row, with replacement) and mixed candidates; the config refuses the
+    rest (``LossConfig``).
     """
 
+    def __init__(self, *, log_q_variant: str = "standard", **kwargs):
+        super().__init__(**kwargs)
+        if log_q_variant not in LOG_Q_VARIANTS:
+            raise ValueError(f"log_q_variant must be one of {', '.join(LOG_Q_VARIANTS)}, got {log_q_variant!r}")
+        if log_q_variant == "corrected" and not self.remove_hits:
+            raise ValueError(
+                "log_q_variant='corrected' leaves the positive out of the negatives: it needs remove_accidental_hits"
+            )
+        if log_q_variant == "corrected" and self.num_hard_negatives is not None:
+            raise ValueError("log_q_variant='corrected' needs sampled negatives; num_hard_negatives keeps the top ones")
+        self.log_q_variant = log_q_variant
+
     def per_example(self, inputs: LossInputs) -> tf.Tensor:
+        if self.log_q_variant == "corrected":
+            return self._corrected_per_example(inputs)
         logits, labels = self.logits_and_labels(inputs)
         return softmax_cross_entropy(logits, labels)
+
+    def _corrected_per_example(self, inputs: LossInputs) -> tf.Tensor:
+        logits, labels, kept = self.candidate_columns(inputs)
+        weight = self.log_q_weight
+        positive_log_q = tf.cast(inputs.negatives[0].positive_log_q, logits.dtype)
+        # The label column holds s+ - strength * log Q+; the positive is not drawn, so it is not corrected.
+        positive = tf.reduce_sum(logits * labels, axis=1) + weight * positive_log_q
+        negative = tf.logical_and(kept, labels <= 0)
+        draws = tf.cast(_draws_per_row(inputs), logits.dtype)
+        # log(M - Q+): the expected number of draws that are not the positive; Q+ <= M for a probability.
+        others = tf.math.log(tf.maximum(draws - tf.exp(positive_log_q), 1e-6))
+        shifted = tf.where(negative, logits + weight * others[:, tf.newaxis], tf.fill(tf.shape(logits), MIN_FLOAT))
+        log_sum = tf.reduce_logsumexp(shifted, axis=1)
+        count = tf.reduce_sum(tf.cast(negative, logits.dtype), axis=1)
+        has_negative = count > 0
+        log_rest = log_sum - tf.math.log(tf.maximum(count, 1.0))
+        misclassified = tf.stop_gradient(tf.math.sigmoid(log_rest - positive))
+        per_row = misclassified * (log_sum - positive)
+        return tf.where(has_negative, per_row, tf.zeros_like(per_row))
 
 
 class FullSoftmax(SampledSoftmax):
@@ -339,6 +396,24 @@ class BilateralSoftmax(RetrievalLoss):
         has_negative = tf.reduce_any(negative, axis=1)
         per_row = -positive_logit + self.negative_temperature * log_sum
         return tf.where(has_negative, per_row, tf.zeros_like(per_row))
+
+
+def _draws_per_row(inputs: LossInputs) -> tf.Tensor:
+    """``[batch_size]`` int32: the draws behind each row's candidates, ``M``, whose expected counts are the log Qs.
+
+    The batch's positives when they are candidates (every replica's, each one draw from the in-batch
+    distribution), plus each block's columns that are not padding.
+    """
+    batch_size = tf.shape(inputs.queries)[0]
+    draws = tf.zeros([batch_size], tf.int32)
+    if inputs.includes_batch_positives:
+        candidates = inputs.positives if inputs.batch_candidates is None else inputs.batch_candidates.ids
+        draws += tf.shape(candidates)[0]
+    for negatives in inputs.negatives:
+        real = tf.cast(negatives.log_q < MASKED_LOG_Q, tf.int32)
+        count = tf.reduce_sum(real, axis=-1)
+        draws += count if negatives.per_query else tf.fill([batch_size], count)
+    return draws
 
 
 def _check_inputs(inputs: LossInputs) -> None:
