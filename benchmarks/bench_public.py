@@ -128,6 +128,9 @@ VARIANTS: dict[str, list[str]] = {
     "ensemble2-dim128-cheap": ["model.ensemble_members=2", "model.embedding_dim=128", *CHEAP_SELECTION],
     # SimpleX's dropout (0.1) on both towers' embeddings, the default otherwise, cheap selection.
     "dropout0.1-cheap": ["model.embedding_dropout=0.1", *CHEAP_SELECTION],
+    # A learned item bias outside the cosine (model.item_bias), alone and with the demo config's dropout 0.1.
+    "item-bias-cheap": ["model.item_bias=true", *CHEAP_SELECTION],
+    "item-bias-dropout0.1-cheap": ["model.item_bias=true", "model.embedding_dropout=0.1", *CHEAP_SELECTION],
 }
 BASELINES = ["popularity", "als", "ease"]
 GRIDS = ("als", "ease")  # baselines tuned on valid over a grid: the tables show each one's best point
