@@ -195,16 +195,8 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
     log_q_weight = config.log_q_strength if config.log_q_correction and not exact else 0.0
     # Over all items the positive is also a column of its own: it must be removed there.
     remove_hits = config.remove_accidental_hits or exact
-    if cls is SampledSoftmax:
-        return SampledSoftmax(
-            temperature=config.temperature,
-            log_q_weight=log_q_weight,
-            remove_accidental_hits=remove_hits,
-            num_hard_negatives=hard_k,
-            reduction=loss.reduction,
-            name=loss.kind,
-            log_q_variant=loss.log_q_variant,
-        )
+    # Only the sampled softmax has a corrected variant (the config refuses it for every other kind).
+    variant = {"log_q_variant": loss.log_q_variant} if cls is SampledSoftmax else {}
     return cls(
         temperature=config.temperature,
         log_q_weight=log_q_weight,
@@ -212,6 +204,7 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
         num_hard_negatives=hard_k,
         reduction=loss.reduction,
         name=loss.kind,
+        **variant,
     )
 
 

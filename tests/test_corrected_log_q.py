@@ -105,14 +105,7 @@ def test_uniform_shared_draws_equal_the_reference(seed):
     ids = rng.integers(1, NUM_ITEMS + 1, 9)
     ids[[0, 4]] = 2
     ids[6] = 5
-    negatives = Negatives(
-        tf.constant(ids, tf.int64),
-        sampler.log_expected_count(tf.constant(ids, tf.int64), None),
-        sampler.log_expected_count(tf.constant(positive_ids, tf.int64), None),
-    )
-    q = np.r_[0.0, np.full(NUM_ITEMS, 1.0 / NUM_ITEMS)]
-    ours, gradient = _ours(queries, items, positive_ids, negatives, in_batch=False)
-    _check(queries, items, positive_ids, lambda row: ids, q, ours, gradient)
+    _check_uniform_draws(sampler, ids, queries, items, positive_ids, lambda row: ids)
 
 
 def test_per_row_draws_equal_the_reference():
@@ -122,6 +115,11 @@ def test_per_row_draws_equal_the_reference():
     sampler = uniform_sampler(NUM_ITEMS, 6, seed=4, per_row=True)
     ids = rng.integers(1, NUM_ITEMS + 1, (4, 6))
     ids[1, 2] = 5
+    _check_uniform_draws(sampler, ids, queries, items, positive_ids, lambda row: ids[row])
+
+
+def _check_uniform_draws(sampler, ids, queries, items, positive_ids, row_draws):
+    """Uniform draws ``ids`` with the sampler's expected counts, checked against the reference."""
     negatives = Negatives(
         tf.constant(ids, tf.int64),
         sampler.log_expected_count(tf.constant(ids, tf.int64), None),
@@ -129,7 +127,7 @@ def test_per_row_draws_equal_the_reference():
     )
     q = np.r_[0.0, np.full(NUM_ITEMS, 1.0 / NUM_ITEMS)]
     ours, gradient = _ours(queries, items, positive_ids, negatives, in_batch=False)
-    _check(queries, items, positive_ids, lambda row: ids[row], q, ours, gradient)
+    _check(queries, items, positive_ids, row_draws, q, ours, gradient)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
