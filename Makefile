@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-CONFIG ?= configs/default.yaml
+CONFIG ?= configs/demo.yaml
 SET    ?=
 
 .PHONY: install install-browser test test-fast train train-cluster evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend bench-parameter-server bench-index-blocks bench-demo bench-topk

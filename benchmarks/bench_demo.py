@@ -1,9 +1,9 @@
-"""`make train` (configs/default.yaml on the embedded synthetic log) at several training seeds.
+"""`make train` (configs/demo.yaml on the embedded synthetic log) at several training seeds.
 
     python -m benchmarks.bench_demo                  # or: make bench-demo; seeds 0 1 2, ~3 min on 2 cores
     python -m benchmarks.bench_demo --seeds 0 1 2 3 4
 
-Each seed is one run of the job itself (``python -m pipelines.train --config configs/default.yaml
+Each seed is one run of the job itself (``python -m pipelines.train --config configs/demo.yaml
 --set train.seed=N``, what ``make train SET="train.seed=N"`` runs), in a subprocess, one at a time;
 its ``metrics.json`` gives the model's, popularity's and ALS's metrics. The ALS baseline keeps its
 own defaults (``evaluation.baselines.als``, seed 0), so it scores the same at every training seed.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from benchmarks._harness import RESULTS, ROOT, command, machine, markdown_table, write_report
 
-CONFIG = "configs/default.yaml"
+CONFIG = "configs/demo.yaml"
 RANKERS = ("model", "popularity", "als")
 METRICS = ("recall@20", "ndcg@20")
 

@@ -545,7 +545,7 @@ class ModelConfig(_Section):
         "same inner-product index (the query tower appends 1, the doc tower b_item: both output "
         "embedding_dim + 1 wide); starts at the temperature times each item's centred log training count. "
         "Needs a doc tower that reads item_id, one ensemble member and a softmax, full_softmax or sgns loss. "
-        "On by configs/default.yaml for the embedded synthetic log, whose clicks are popularity times taste "
+        "On in configs/demo.yaml for the embedded synthetic log, whose clicks are popularity times taste "
         "(benchmarks/results/bench_demo.md); off by default until measured on the public benchmarks.",
     )
     temperature: float | Literal["auto"] = Field(
