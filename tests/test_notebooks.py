@@ -29,7 +29,7 @@ print(json.dumps({
     "recommended": recommendations.item_ids,
     "seen": seen,
     "embedding_shape": list(embedding.shape),
-    "embedding_dim": config.model.embedding_dim,
+    "embedding_dim": config.model.embedding_dim + config.model.item_bias,  # the bias column, where there is one
     "shown_hits": shown,
 }))
 """,
