@@ -60,7 +60,7 @@ def test_the_loss_scores_the_biased_logits(negatives):
     config = ModelConfig(embedding_dim=8, temperature=0.25, loss=loss, item_bias=True)
     tf.keras.utils.set_random_seed(0)
     model = build_model(config, stats)
-    bias = model.doc_tower.get_layer("item_bias").table.embeddings.numpy()[:, 0]
+    bias = model.doc_tower.get_layer("item_bias").embeddings.numpy()[:, 0]
     expected_start = log_popularity_bias(stats.item_popularity.counts, 0.25)
     np.testing.assert_allclose(bias, expected_start, rtol=1e-6)
     # Ranking: every catalogue item's cosine + bias (the temperature scales, never reorders).
@@ -92,7 +92,7 @@ def test_the_loss_scores_the_biased_logits(negatives):
     # The bias is a trained variable of the doc tower.
     with tf.GradientTape() as tape:
         value = model.compute_loss(batch, training=True)
-    gradient = tape.gradient(value, model.doc_tower.get_layer("item_bias").table.embeddings)
+    gradient = tape.gradient(value, model.doc_tower.get_layer("item_bias").embeddings)
     assert np.isfinite(float(value)) and np.abs(tf.convert_to_tensor(gradient).numpy()).sum() > 0
 
 

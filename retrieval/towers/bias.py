@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from retrieval.data import ITEM
 from retrieval.towers.feature import PositionStates, position_states
-from retrieval.towers.id import IdLookup, lookup_vocabulary
+from retrieval.towers.id import IdEmbedding, IdLookup, lookup_vocabulary
 
 
 class AppendOne(tf.keras.layers.Layer):
@@ -32,36 +32,6 @@ class AppendOne(tf.keras.layers.Layer):
     def call(self, embeddings):
         known = tf.reduce_any(tf.not_equal(embeddings, 0.0), axis=-1, keepdims=True)
         return tf.concat([embeddings, tf.cast(known, embeddings.dtype)], axis=-1)
-
-
-class ItemBias(tf.keras.layers.Layer):
-    """Item ids of any shape -> their learned bias ``[*ids.shape, 1]`` (0 for an unknown id).
-
-    Args:
-      item_ids: the item vocabulary; row ``i + 1`` is ``item_ids[i]``, row 0 out of vocabulary.
-      initial: ``[len(item_ids) + 1]`` starting biases (row 0 is forced to 0).
-    """
-
-    def __init__(self, item_ids: Sequence[str], initial: np.ndarray, **kwargs):
-        super().__init__(**kwargs)
-        initial = np.asarray(initial, dtype=np.float32).reshape(-1, 1).copy()
-        if len(initial) != len(item_ids) + 1:
-            raise ValueError(f"initial biases have {len(initial)} rows; expected {len(item_ids) + 1} "
-                             "(one per item after the out-of-vocabulary row)")
-        initial[0] = 0.0
-        self._item_ids = list(item_ids)
-        self._initial = initial
-        self.lookup = IdLookup(vocabulary=lookup_vocabulary(item_ids), mask_token=None, num_oov_indices=1,
-                               name="item_bias_lookup")
-        self.table = tf.keras.layers.Embedding(
-            len(initial), 1, embeddings_initializer=tf.keras.initializers.Constant(initial), name="item_bias_table"
-        )
-
-    def call(self, ids):
-        return self.table(self.lookup(ids))
-
-    def get_config(self):
-        return {**super().get_config(), "item_ids": self._item_ids, "initial": self._initial.ravel().tolist()}
 
 
 def log_popularity_bias(counts: np.ndarray, temperature: float) -> np.ndarray:
@@ -85,8 +55,9 @@ def with_item_bias(
     initial: np.ndarray,
 ) -> tuple[tf.keras.Model, tf.keras.Model]:
     """The towers with a learned item bias: query ``[batch, D + 1]`` ending in 1 (0 for an all-zero
-    query, the unknown user's), doc ``[batch, D + 1]``
-    ending in the item's bias, so their dot product is ``q . d + b_item``.
+    query, the unknown user's), doc ``[batch, D + 1]`` ending in the item's bias (``initial``
+    ``[len(item_ids) + 1]`` to start, row 0 the unknown item's, kept 0), so their dot product is
+    ``q . d + b_item``.
 
     The doc tower must read ``item_id`` (the bias is a row per item); a transformer query tower's
     ``position_states`` get the same column of ones, so sequence training scores the same logits.
@@ -106,13 +77,24 @@ def with_item_bias(
         query.position_states = PositionStates(
             _extended(states.model, AppendOne(name="bias_one_positions"), name=states.model.name)
         )
-    bias = ItemBias(item_ids, initial, name="item_bias")
+    initial = np.asarray(initial, dtype=np.float32).reshape(-1, 1).copy()
+    initial[0] = 0.0  # the unknown item's row
+    if len(initial) != len(item_ids) + 1:
+        raise ValueError(f"initial biases have {len(initial)} rows; expected {len(item_ids) + 1} "
+                         "(one per item after the out-of-vocabulary row)")
+    # A one-wide id table, zero-initialised and then set: the starting biases live in the weights only (an
+    # initializer holding them would copy the whole catalogue into every saved layer config).
+    bias = IdEmbedding(
+        IdLookup(vocabulary=lookup_vocabulary(item_ids), mask_token=None, num_oov_indices=1, name="item_bias_lookup"),
+        tf.keras.layers.Embedding(len(initial), 1, embeddings_initializer="zeros", name="item_bias"),
+    )
     inputs = _inputs_like(doc_tower)
     doc = tf.keras.Model(
         inputs,
         tf.keras.layers.Concatenate(axis=-1, name="with_item_bias")([doc_tower(inputs), bias(inputs[ITEM])]),
         name=doc_tower.name,
     )
+    bias.embedding.set_weights([initial])
     return query, doc
 
 
