@@ -49,7 +49,7 @@ def test_bundle_layout_and_no_partial_directories(run):
     assert {"manifest.json", "models", "index.faiss", "item_ids.parquet", "config.yaml",
             "train_log.csv", "metrics.json"} <= names
     manifest = json.loads((result.directory / "manifest.json").read_text())
-    assert manifest["embedding_dim"] == config.model.embedding_dim + config.model.item_bias  # its bias column
+    assert manifest["embedding_dim"] == config.model.embedding_dim
     assert manifest["metric"] == "inner_product"
     assert manifest["num_items"] == result.metrics["data"]["catalogue_items"]
     assert not [p for p in result.directory.parent.iterdir() if p.name.startswith(".")]

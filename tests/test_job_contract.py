@@ -53,8 +53,7 @@ def test_a_model_the_index_cannot_rank_is_refused_before_training(shards, tmp_pa
         raise AssertionError("trained a model that cannot be served")
 
     monkeypatch.setattr(jobs, "fit", no_training)
-    config = _config(shards, tmp_path, source, "model.loss.kind=hierarchical_softmax", "model.normalize=false",
-                     "model.item_bias=false")
+    config = _config(shards, tmp_path, source, "model.loss.kind=hierarchical_softmax", "model.normalize=false")
     with pytest.raises(ValueError, match="cannot be served from the FAISS index"):
         jobs.train_evaluate_export(config)
     assert not (tmp_path / "runs" / "contract").exists()
