@@ -219,3 +219,13 @@ def test_a_bundle_records_the_commit_of_the_code_that_wrote_it(tmp_path, monkeyp
     installed.mkdir(parents=True)
     monkeypatch.setattr(retrieval, "__file__", str(installed / "__init__.py"))
     assert writer.source_commit() is None
+
+
+def test_a_parent_records_the_lineage_and_round_trips():
+    raw = {"format_version": BUNDLE_FORMAT_VERSION, "query_features": ["user_id"], "doc_features": ["item_id"],
+           "files": {}, "parent": {"directory": "/bundles/v1", "run": "v1", "change": "warm_start"}}
+    manifest = Manifest.from_dict(raw)
+    assert manifest.parent is not None and manifest.parent.change == "warm_start"
+    assert Manifest.from_dict(manifest.to_dict()) == manifest
+    with pytest.raises(ManifestError, match="parent"):
+        Manifest.from_dict({**raw, "parent": {"directory": "/bundles/v1"}})  # how it changed is required

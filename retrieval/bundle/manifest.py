@@ -62,6 +62,20 @@ class QueryHistory(_Strict):
     order: str | None = None
 
 
+class Parent(_Strict):
+    """The bundle this one was derived from, and how: its lineage across updates.
+
+    ``change`` names the update: ``"warm_start"`` (trained on from the parent's weights),
+    ``"catalogue_add"``, ``"catalogue_remove"``, ``"catalogue_update"`` (the parent's models, the
+    catalogue edited). ``created_at`` is the parent manifest's, so a chain of updates reads in order.
+    """
+
+    directory: str
+    run: str | None = None
+    created_at: str | None = None
+    change: str
+
+
 class Manifest(_Strict):
     """manifest.json: every key a bundle's manifest holds (``migrate`` brings older ones to this shape).
 
@@ -83,6 +97,8 @@ class Manifest(_Strict):
     metrics: dict[str, Any] | None = None
     derived: dict[str, Any] | None = None
     reindexed_from: dict[str, Any] | None = None
+    # The bundle this one updates (a warm start, a catalogue edit); None for a bundle trained from scratch.
+    parent: Parent | None = None
     # Most popular first: what an unknown query gets.
     popular_item_ids: list[str] = []
     embedding_dim: int | None = None

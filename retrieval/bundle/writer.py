@@ -35,7 +35,7 @@ from retrieval.training import embed_frame
 PROBE_K = 10  # ids the probe query records (fewer for a smaller catalogue)
 # The manifest keys a caller of the writer may set: what the parts cannot know.
 CALLER_KEYS = frozenset({"run", "config", "metrics", "derived", "popular_item_ids", "reindexed_from",
-                         "user_input", "query_history"})
+                         "user_input", "query_history", "parent"})
 # Every other key of the manifest: the writer derives it from the parts and the time of writing.
 WRITER_KEYS = frozenset(Manifest.model_fields) - CALLER_KEYS
 
