@@ -120,9 +120,14 @@ class Bundle:
 
     ``manifest_model`` is the typed manifest (``retrieval.bundle.manifest.Manifest``, migrated to
     the current shape), ``manifest`` the same as JSON values.
+
+    Items a catalogue edit removed (the manifest's ``disabled_item_ids``, ``retrieval.bundle.catalogue``)
+    keep their index rows and are never served: ``excluded_rows`` excludes them from every answer.
+    ``models_from``: a loaded Bundle whose query SavedModel has the same fingerprints (a catalogue
+    edit of it) lends its loaded model instead of loading it again (a live edit swaps in quickly).
     """
 
-    def __init__(self, directory: str | Path, *, verify: Verify = "quick"):
+    def __init__(self, directory: str | Path, *, verify: Verify = "quick", models_from: Bundle | None = None):
         if verify not in ("quick", "full"):
             raise ValueError(f"verify must be 'quick' or 'full', got {verify!r}")
         self.directory = Path(directory)
@@ -138,7 +143,9 @@ class Bundle:
         self._watched = self._served_states(missing_ok=True)
         self._check_files(verify)
         with _part(self.directory, f"query SavedModel {query_model!r}"):
-            self._query_model = tf.saved_model.load(str(self.directory / query_model))
+            lent = models_from is not None and _same_files(models_from.manifest, self.manifest, query_model)
+            self._query_model: Any = models_from._query_model if models_from is not None and lent \
+                else tf.saved_model.load(str(self.directory / query_model))
             self._embed = self._query_model.signatures["serving_default"]
             # Bundles whose query tower reads id features say which ids it knew (bundle.saved_models.save_tower).
             self._reports_known_ids = "known_ids" in self._embed.structured_outputs
@@ -175,6 +182,14 @@ class Bundle:
             [self._row_of[item] for item in self.manifest.get("popular_item_ids", []) if item in self._row_of],
             dtype=np.int64,
         )
+        unknown = [item for item in self.manifest_model.disabled_item_ids or () if item not in self._row_of]
+        if unknown:
+            raise BundleError(f"{self.directory}: manifest.json disabled_item_ids names {_short(unknown)}, which "
+                              "item_ids.parquet does not hold: the bundle's parts do not belong together")
+        # Removed by a catalogue edit: excluded from every answer (sorted distinct rows, int64).
+        self._disabled_rows = np.unique(np.array(
+            [self._row_of[item] for item in self.manifest_model.disabled_item_ids or ()], dtype=np.int64))
+        self._disabled_set = set(self._disabled_rows.tolist())
         self.seen_items = self._load_seen_items()
         self._user_input, self._history_input = self.manifest_model.user_input, self.manifest_model.history_input
         # What a query may hold: the tower's inputs and the user id (its training items are excluded).
@@ -291,9 +306,9 @@ class Bundle:
         return table
 
     @classmethod
-    def load(cls, directory: str | Path, *, verify: Verify = "quick") -> Bundle:
+    def load(cls, directory: str | Path, *, verify: Verify = "quick", models_from: Bundle | None = None) -> Bundle:
         """Load and check a bundle (see the class docstring); ``verify="full"`` hashes every file whole."""
-        return cls(directory, verify=verify)
+        return cls(directory, verify=verify, models_from=models_from)
 
     def _check_files(self, verify: Verify) -> None:
         """Paths inside the bundle, and (format 2) every served file equal to its fingerprint."""
@@ -369,6 +384,8 @@ class Bundle:
             "query_features": self.query_features,
             "embedding_dim": self.index.dim,
             "num_items": len(self.index),
+            # Removed by catalogue edits: in the index, never served.
+            "disabled_items": int(len(self._disabled_rows)),
             "metric": index["metric"],
             "normalized": index["normalized"],
             "index": index,
@@ -844,6 +861,9 @@ class Bundle:
             if row is None:
                 raise RequestError(f"item id {_short(item)} is not in the catalogue of bundle {self.version!r} "
                                    f"({len(self.index)} items)")
+            if row in self._disabled_set:
+                raise RequestError(f"item id {_short(item)} was removed from the catalogue of bundle "
+                                   f"{self.version!r}")
             rows.append(row)
         if not rows:
             return []
@@ -867,15 +887,17 @@ class Bundle:
     ) -> list[np.ndarray]:
         """Per query, the sorted distinct index rows never to serve: [num_queries] int64 arrays.
 
-        The caller's ``exclude_item_ids`` (ids not in the catalogue are ignored) and, with
-        ``exclude_seen``, the items the user already has: the training items of the query's user
-        (its user-id input; none for a user unknown to training or a bundle without
-        ``seen_items/``) and the items of its click-history input, if the query tower reads one.
+        The items a catalogue edit removed (always), the caller's ``exclude_item_ids`` (ids not in
+        the catalogue are ignored) and, with ``exclude_seen``, the items the user already has: the
+        training items of the query's user (its user-id input; none for a user unknown to training
+        or a bundle without ``seen_items/``) and the items of its click-history input, if the query
+        tower reads one.
 
         Raises:
           ValueError: ``exclude_seen`` without ``queries`` on a bundle that can exclude seen items.
         """
-        lists: list[list[np.ndarray]] = [[] for _ in range(num_queries)]
+        lists: list[list[np.ndarray]] = [[self._disabled_rows] if len(self._disabled_rows) else []
+                                         for _ in range(num_queries)]
         for own, items in zip(lists, exclude_item_ids or ()):
             own.append(self._rows_of_ids(items))
         can_exclude = self.seen_items is not None or self._history_input is not None
@@ -923,6 +945,16 @@ def _same_top_k(expected_ids: Sequence[str], expected_scores: Sequence[float], i
                 return False
             start = end
     return True
+
+
+def _same_files(old: Mapping[str, Any], new: Mapping[str, Any], folder: str) -> bool:
+    """Whether two manifests fingerprint the same files, all alike, under ``folder`` (a SavedModel's)."""
+    def under(manifest: Mapping[str, Any]) -> dict[str, Any]:
+        files = (manifest.get("fingerprints") or {}).get("files") or {}
+        return {name: record for name, record in files.items() if name.startswith(f"{folder}/")}
+
+    found = under(new)
+    return bool(found) and found == under(old)
 
 
 def _not_unicode(value: Any) -> bool:
