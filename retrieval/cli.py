@@ -45,6 +45,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -494,6 +495,8 @@ def _serve(args: argparse.Namespace) -> int:
         args.bundle, admin=not args.no_admin, admin_token=token, host=args.host, limits=limits,
         search_threads=args.search_threads or None, verify=args.verify,
     )
+    if not args.no_admin:  # the doc model a catalogue edit embeds with, loaded now so no edit waits for it
+        threading.Thread(target=app.state.holder.doc_model, name="load-doc-model", daemon=True).start()
     sys.setswitchinterval(args.gil_switch_interval)
     config = server_config(
         app, limits, http=args.http, host=args.host, port=args.port, access_log=args.access_log,

@@ -86,6 +86,7 @@ class BundleHolder:
         self.root = Path(root) if root is not None else bundle.directory
         self._reload_lock = asyncio.Lock()
         self._doc_model: tuple[Any, Any] | None = None  # (fingerprints of the doc model, its serving function)
+        self._doc_model_lock = threading.Lock()
 
     async def reload(self, directory: str | Path) -> tuple[Bundle, Bundle]:
         """Load ``directory`` off the event loop (every check of ``Bundle.load`` at ``verify``), then swap;
@@ -111,7 +112,6 @@ class BundleHolder:
 
     def _publish_and_load(self, change: Any, items: Any) -> tuple[Bundle, float]:
         import pandas as pd
-        import tensorflow as tf
 
         from retrieval.bundle.catalogue import CatalogueModels, current_version, publish_edit
         from retrieval.serving import Bundle
@@ -121,16 +121,26 @@ class BundleHolder:
         if current_version(self.root).resolve() != current.directory.resolve():
             raise ValueError(f"the newest catalogue version of {self.root.name!r} is not the one served "
                              f"({current.version!r}): reload first, so the edit starts from what is served")
-        doc_folder = current.manifest_model.files["doc_model"]
-        fingerprint = {name: record for name, record in current.manifest["fingerprints"]["files"].items()
-                       if name.startswith(f"{doc_folder}/")}
-        if self._doc_model is None or self._doc_model[0] != fingerprint:
-            loaded = tf.saved_model.load(str(current.directory / doc_folder)).signatures["serving_default"]
-            self._doc_model = (fingerprint, loaded)
-        models = CatalogueModels(self._doc_model[1], lambda query: current.embed([query]))
+        models = CatalogueModels(self.doc_model(current), lambda query: current.embed([query]))
         directory = publish_edit(self.root, change, pd.DataFrame.from_records(items), models=models)
         new = Bundle.load(directory, verify=self.verify, models_from=current)
         return new, time.perf_counter() - started
+
+    def doc_model(self, bundle: Bundle | None = None) -> Any:
+        """The doc SavedModel's serving function of ``bundle`` (default: the served one), loaded once
+        and kept while the edits keep the same doc model files (their fingerprints). ``retrieval
+        serve`` calls it in the background at start, so the first edit does not wait for the load."""
+        import tensorflow as tf
+
+        bundle = self.current if bundle is None else bundle
+        folder = bundle.manifest_model.files["doc_model"]
+        fingerprint = {name: record for name, record in (bundle.manifest.get("fingerprints") or {}).get(
+            "files", {}).items() if name.startswith(f"{folder}/")}
+        with self._doc_model_lock:
+            if self._doc_model is None or self._doc_model[0] != fingerprint:
+                loaded = tf.saved_model.load(str(bundle.directory / folder)).signatures["serving_default"]
+                self._doc_model = (fingerprint, loaded)
+            return self._doc_model[1]
 
 
 def _timed_load(directory: str | Path, verify: Verify) -> tuple[Bundle, float]:
