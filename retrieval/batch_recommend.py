@@ -116,8 +116,9 @@ def all_users(bundle: Bundle) -> IdSource:
 
 
 def all_items(bundle: Bundle) -> IdSource:
-    """Every item of the bundle's catalogue, in index order."""
-    return _Ids(bundle.index.item_ids, f"all {len(bundle.index):,} items of bundle {bundle.version!r}")
+    """Every item the bundle serves, in index order (not those a catalogue edit removed)."""
+    served = bundle.served_item_ids()
+    return _Ids(served, f"all {len(served):,} items of bundle {bundle.version!r}")
 
 
 class IdFile:

@@ -755,6 +755,13 @@ class Bundle:
                 results.append(Recommendations(self._ids(rows), scores.tolist(), fallback))
         return results
 
+    def served_item_ids(self) -> np.ndarray:
+        """[n] the ids of the items this bundle serves, in index order: every indexed item but those a
+        catalogue edit removed (the manifest's ``disabled_item_ids``)."""
+        if not len(self._disabled_rows):
+            return self.index.item_ids
+        return np.delete(self.index.item_ids, self._disabled_rows)
+
     def training_items(self, user_id: str) -> list[str] | None:
         """``user_id``'s distinct training items (index order), or None for a user the bundle does
         not know (not a training user, or a bundle exported without ``seen_items/``)."""
@@ -811,13 +818,20 @@ class Bundle:
 
     def search_items(self, text: str, limit: int) -> list[str]:
         """Up to ``limit`` catalogue item ids whose title contains ``text`` (``DisplayFeatures.search``),
-        or, for a bundle without a title column, whose id starts with it."""
+        or, for a bundle without a title column, whose id starts with it; never an item a catalogue
+        edit removed."""
         text = text.strip()
         if not text:
             return []
         if self.item_display is None or self.item_display.title_feature is None:
-            return [item for item in self._id_array.tolist() if item.startswith(text)][:limit]
-        return [item for item in self.item_display.search(text, limit * 2) if item in self._row_of][:limit]
+            return [item for item in self._id_array.tolist() if item.startswith(text) and self._served(item)][:limit]
+        return [item for item in self.item_display.search(text, limit * 2 + len(self._disabled_rows))
+                if self._served(item)][:limit]
+
+    def _served(self, item: str) -> bool:
+        """Whether ``item`` is in the catalogue and not removed from it."""
+        row = self._row_of.get(item)
+        return row is not None and row not in self._disabled_set
 
     def similar_items(
         self, item_id: str | int, k: int = 10, *, exclude_item_ids: Sequence[str | int] | None = ()

@@ -17,6 +17,7 @@ import uvicorn
 from feature_fixtures import ALL_KINDS, small_tables, stored_histories
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
+from retrieval.batch_recommend import all_items, similar_to_file
 from retrieval.bundle.catalogue import CatalogueError, current_version, edit_catalogue, read_items
 from retrieval.bundle.manifest import read_manifest
 from retrieval.cli import main as cli_main
@@ -166,6 +167,15 @@ def test_a_removed_item_is_never_served(world, added, tmp_path):
     assert fallback.fallback == "popular" and fallback.item_ids == [i for i in ("i0", "i1", "i2") if i not in removed]
     with pytest.raises(RequestError, match=f"item id '{removed[0]}' was removed"):
         bundle.similar_items(removed[0])
+    # Nor found by the page's item search.
+    assert set(bundle.search_items("thing new", 20)) == set(added["new"]["item_id"]) - set(removed)
+    assert Bundle.load(added["dir"]).search_items("Toy Story", 5) == ["i0"]
+    assert bundle.search_items("Toy Story", 5) == []
+    # Nor in a batch of every item's similar items (retrieval recommend --similar all).
+    written = similar_to_file(bundle, all_items(bundle), ALL, tmp_path / "similar.parquet", block_size=4)
+    similar = pd.read_parquet(tmp_path / "similar.parquet")
+    assert written.queries == len(added["ids"]) - 3
+    assert not set(removed) & (set(similar["item_id"]) | set(similar["similar_item_id"]))
     # The rows stay: seen items and histories still name them; the manifest lists the removed ones.
     assert list(bundle.index.item_ids) == added["ids"] and bundle.metadata()["disabled_items"] == 3
     assert read_manifest(out).disabled_item_ids == removed
