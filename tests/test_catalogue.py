@@ -232,16 +232,16 @@ def test_bad_edits_are_refused_naming_the_problem(world, tmp_path, change, items
     assert not (tmp_path / "never").exists()
 
 
-def _id_only_bundle(directory):
-    """An ID-only bundle: fixed unit vectors for 20 items and 4 users; unknown ids -> the zero row."""
+def _id_only_bundle(directory, factory="Flat", num_items=20):
+    """An ID-only bundle: fixed unit vectors for ``num_items`` items and 4 users; unknown ids -> the zero row."""
     from retrieval.bundle.writer import write_bundle
     from retrieval.index import ItemIndex
 
     rng = np.random.default_rng(3)
-    items = rng.normal(size=(20, 8)).astype(np.float32)
+    items = rng.normal(size=(num_items, 8)).astype(np.float32)
     items /= np.linalg.norm(items, axis=1, keepdims=True)
     users = rng.normal(size=(4, 8)).astype(np.float32)
-    item_ids, user_ids = [f"item{i}" for i in range(20)], [f"user{i}" for i in range(4)]
+    item_ids, user_ids = [f"item{i}" for i in range(num_items)], [f"user{i}" for i in range(4)]
 
     def tower(feature, ids, vectors):
         inputs = {feature: tf.keras.Input(shape=(), dtype=tf.string, name=feature)}
@@ -252,7 +252,7 @@ def _id_only_bundle(directory):
         return model
 
     write_bundle(directory, query_tower=tower("user_id", user_ids, users), doc_tower=tower("item_id", item_ids, items),
-                 index=ItemIndex.build(item_ids, items), manifest={"popular_item_ids": item_ids[:5]})
+                 index=ItemIndex.build(item_ids, items, factory), manifest={"popular_item_ids": item_ids[:5]})
     return item_ids, items, users
 
 
@@ -276,6 +276,27 @@ def test_an_id_only_bundle_takes_a_new_item_only_with_its_embedding(tmp_path):
         assert bundle.recommend({"user_id": f"user{user}"}, k=5).item_ids == expected
         if user == 0:
             assert expected[0] == "fresh"
+
+
+@pytest.mark.parametrize("factory", ["IVF4,Flat", "HNSW8"])
+def test_a_trained_or_graph_index_is_edited_in_place_of_a_rebuild(tmp_path, factory):
+    item_ids, items, _ = _id_only_bundle(tmp_path / "ids", factory, num_items=200)
+    rng = np.random.default_rng(5)
+    new = rng.normal(size=(3, 8)).astype(np.float32)
+    new /= np.linalg.norm(new, axis=1, keepdims=True)
+    edit_catalogue(tmp_path / "ids", "add", pd.DataFrame({"item_id": ["a", "b", "c"], "embedding": list(new)}),
+                   tmp_path / "added")
+    moved = rng.normal(size=8).astype(np.float32)
+    moved /= np.linalg.norm(moved)
+    edit_catalogue(tmp_path / "added", "update", pd.DataFrame({"item_id": ["item7"], "embedding": [moved]}),
+                   tmp_path / "updated")
+    bundle = Bundle.load(tmp_path / "updated")
+    expected = np.vstack([items, new])
+    expected[7] = moved
+    assert bundle.index.factory == factory and list(bundle.index.item_ids) == [*item_ids, "a", "b", "c"]
+    np.testing.assert_allclose(bundle.index.vectors(np.arange(203)), expected, atol=1e-6)
+    for row, item in ((200, "a"), (201, "b"), (202, "c"), (7, "item7")):  # each found from its own vector
+        assert bundle.index.item_ids[bundle.index.search(expected[row : row + 1], 1).rows[0, 0]] == item
 
 
 def test_the_cli_publishes_versions_that_a_restart_serves(world, tmp_path, capsys):
