@@ -338,9 +338,10 @@ def markdown(report: dict) -> str:
                           "update" else row["served_after_seconds"], row["num_items"]]
                          for i, row in enumerate(report["edits"])], "rllrrrrr"),
         "",
-        "Served after: from the admin call to the first answer of the prober (that user's k = 1 request in a "
-        "loop) naming the new item (add) or another item (remove); the admin call returns once the new "
-        "version is written, loaded and swapped in.",
+        "Served after: from the admin call to the first answer of the prober (the item's probe request, "
+        "k = 1, in a loop) naming the new item (add) or another item (remove); the admin call returns once "
+        "the new version is written, loaded and swapped in. The server loads the doc model in the background "
+        "at start; the series starts 2 s after /healthz answers.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -138,7 +138,16 @@ class BundleHolder:
             "files", {}).items() if name.startswith(f"{folder}/")}
         with self._doc_model_lock:
             if self._doc_model is None or self._doc_model[0] != fingerprint:
+                from retrieval.bundle.catalogue import input_tensor
+
                 loaded = tf.saved_model.load(str(bundle.directory / folder)).signatures["serving_default"]
+                # One call on an all-missing item: TensorFlow's first call of a function is slow.
+                specs = bundle.manifest_model.doc_inputs or {}
+                try:
+                    loaded(**{name: input_tensor([None], specs[name], name)
+                              for name in bundle.manifest_model.doc_features if name in specs})
+                except Exception as error:  # only a warm-up: the edit itself reports a real problem
+                    log.debug("doc model warm-up call failed: %r", error)
                 self._doc_model = (fingerprint, loaded)
             return self._doc_model[1]
 
