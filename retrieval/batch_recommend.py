@@ -48,6 +48,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from retrieval.arrays import CheckedSink
+from retrieval.bundle.catalogue import current_version
 from retrieval.errors import UserError
 from retrieval.progress import Progress
 from retrieval.request_checks import checked_ids, checked_k
@@ -406,7 +407,7 @@ def recommend_to_files(args: argparse.Namespace) -> int:
 
 
 def _recommend_to_files(args: argparse.Namespace, block_size: int) -> int:
-    bundle = Bundle.load(args.bundle)
+    bundle = Bundle.load(current_version(args.bundle))  # its newest catalogue version
     if args.similar:
         items = item_source(bundle, args.similar[0])
         with Progress(items.total, "similar items", "items") as progress:

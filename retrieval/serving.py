@@ -14,6 +14,8 @@ or from a shell::
     python -m retrieval.serving --bundle artifacts/my-run --users users.txt|all -k 100 --out recs.parquet
 
 (``retrieval recommend`` takes the same arguments; ``--out`` runs ``retrieval.batch_recommend``.)
+The command line opens ``--bundle``'s newest catalogue version (``retrieval.bundle.catalogue.current_version``);
+``Bundle.load`` opens exactly the directory it is given.
 
 What a user already has is never served by default: the user's training
 items (the bundle's ``seen_items/``, ``retrieval.bundle.seen_items``) and the items
@@ -42,6 +44,7 @@ from typing import Any, Literal
 import numpy as np
 import tensorflow as tf
 
+from retrieval.bundle.catalogue import current_version
 from retrieval.bundle.display_features import DisplayFeatures
 from retrieval.bundle.fingerprints import check_fingerprints, served_files
 from retrieval.bundle.manifest import MANIFEST_FILE, ManifestError, read_manifest
@@ -1143,7 +1146,7 @@ def recommend(args: argparse.Namespace) -> int:
     for flag, given in (("--overwrite", args.overwrite), ("--block-size", args.block_size is not None)):
         if given:
             raise UserError(f"{flag} applies to --out, which this command was not given")
-    bundle = Bundle.load(args.bundle)
+    bundle = Bundle.load(current_version(args.bundle))  # its newest catalogue version
     if args.similar:
         similar = bundle.similar_items_batch(args.similar, args.k, [args.exclude] * len(args.similar))
         for item, result in zip(args.similar, similar):

@@ -318,6 +318,10 @@ def test_the_cli_publishes_versions_that_a_restart_serves(world, tmp_path, capsy
     assert second["bundle"].endswith("shop.v0002") and second["num_items"] == 8 and second["disabled_items"] == 1
     assert current_version(root) == root.parent / "shop.catalogue" / "shop.v0002"
     assert read_manifest(current_version(root)).parent.directory.endswith("shop.v0001")
+    # retrieval recommend opens the newest version too: the new item is in its catalogue, i5 is not.
+    assert cli_main(["recommend", "--bundle", str(root), "--similar", new["item_id"].iloc[0], "-k", "20"]) == 0
+    similar = json.loads(capsys.readouterr().out)["item_ids"]
+    assert len(similar) == 7 and "i5" not in similar
     # A bad file is one line naming it.
     assert cli_main(["catalogue", "remove", "--bundle", str(root), "--items", str(tmp_path / "none.csv")]) == 2
     assert "none.csv: no such file" in capsys.readouterr().err

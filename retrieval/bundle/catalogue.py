@@ -58,7 +58,6 @@ from retrieval.bundle.manifest import InputSpec, Manifest, read_manifest
 from retrieval.bundle.parts import BundlePart, DisplayFeaturesPart
 from retrieval.bundle.run_directory import atomic_directory
 from retrieval.bundle.saved_models import write_tf_serving_config
-from retrieval.bundle.writer import probe_record, rewrite_bundle
 from retrieval.data import ITEM
 from retrieval.errors import UserError
 from retrieval.index import ItemIndex
@@ -173,6 +172,10 @@ def edit_catalogue(
       CatalogueError: naming the items (unknown, duplicate, already served, removed), the columns
         (missing, unknown) or the values that cannot be read.
     """
+    # The writer imports tensorflow_recommenders: loaded here, so that a server that only opens
+    # versions (current_version) starts without it.
+    from retrieval.bundle.writer import probe_record, rewrite_bundle
+
     if change not in CHANGES:
         raise CatalogueError(f"change must be one of {list(CHANGES)}, got {change!r}")
     source = Path(source)
