@@ -3,23 +3,26 @@ any request fails while the catalogue changes.
 
     python -m benchmarks.bench_catalogue            # or: make bench-catalogue (~5 min on 2 cores)
     python -m benchmarks.bench_catalogue --bundle artifacts/<feature run> --edits 12 --clients 4
+    python -m benchmarks.bench_catalogue --grow 100000 --out benchmarks/results/bench_catalogue_100k
 
 The question: after ``POST /admin/catalogue`` adds an item to a running service, how many seconds
 until a request gets it (target: within 1 s), and how many requests of a concurrent load fail
 during a series of edits (target: none)?
 
 Setup: the MovieLens-100K feature towers (``configs/ml100k_features.yaml``, trained by the job in a
-subprocess unless ``--bundle`` names one) are copied to a scratch directory and served by ``retrieval
-serve`` in a subprocess. New items copy an existing item's raw doc features (genres, release year)
-with a new title. For each, a probe request is found by brute force through the bundle's own doc and
-query models over the index's vectors: a user and the (at most 100) items that user ranks above the
-new one, excluded by the request with the other new items, so that its top-1 (k = 1) is exactly the
-new item once it is served. ``--clients`` threads post ``/recommend`` for random known users (k = 10)
-the whole time. The edits cycle add, add, remove (the item added two edits before: timed until its
-probe's top-1 is another item), update (a title, re-embedded). For each add a prober thread, started
-just before the admin call, posts the probe request in a loop; the time to served is from the admin
-call to the first answer naming the item. Last, the server is restarted on the same directory: it
-must serve the newest version and answer the kept items' probes as the live service last did.
+subprocess unless ``--bundle`` names one) are copied to a scratch directory (``--grow N`` first adds N
+copies of its items offline, for a larger index) and served by ``retrieval serve`` in a subprocess.
+New items copy the raw doc features of some user's top-1 item (genres, release year moved by up to
+6 years) with a new title. For each, a probe request is found by brute force through the bundle's
+own doc and query models over the index's vectors: a user (of 300 drawn) and the (at most 100) items
+that user ranks above the new one, excluded by the request with the other new items, so that its
+top-1 (k = 1) is exactly the new item once it is served. ``--clients`` threads post ``/recommend``
+for random known users (k = 10) the whole time. The edits cycle add, add, remove (the item added two
+edits before: timed until its probe's top-1 is another item), update (a title, re-embedded). For
+each add a prober thread, started just before the admin call, posts the probe request in a loop;
+the time to served is from the admin call to the first answer naming the item. Last, the server is
+restarted on the same directory: it must serve the newest version and answer the kept items' probes
+as the live service last did.
 
 Writes ``bench_catalogue.json`` and ``.md`` in ``--out``; seconds hold for this machine under its
 load (``uptime`` is recorded before and after).
@@ -49,6 +52,8 @@ CONFIG = "configs/ml100k_features.yaml"
 TARGET_SECONDS = 1.0
 # A probe request excludes at most this many catalogue items that its user ranks above the new item.
 MAX_ABOVE = 100
+PROBE_USERS = 300  # users a probe may be found for
+YEAR_SHIFTS = (-6.0, -3.0, 0.0, 3.0, 6.0)  # a new item's release year: its source item's, moved
 
 
 def train_bundle(output_dir: Path) -> Path:
@@ -71,17 +76,25 @@ def choose_new_items(root: Path, count: int, seed: int) -> tuple[list[dict[str, 
 
     bundle = Bundle.load(root)
     manifest = bundle.manifest_model
-    users = bundle.known_user_ids(100_000)
-    queries = bundle.embed([{bundle.metadata()["user_input"]: user} for user in users])
-    catalogue = queries @ bundle.index.vectors(np.arange(len(bundle.index))).T  # [users, items]
     rng = np.random.default_rng(seed)
-    sources = rng.permutation(len(bundle.index))[: 4 * count]
-    features = bundle.item_features(list(bundle.index.item_ids[sources]))
+    users = bundle.known_user_ids(100_000)
+    # The probes' users: at most PROBE_USERS of them, so [users, items] scores fit in memory at 100k items.
+    probe_users = sorted(rng.choice(users, min(len(users), PROBE_USERS), replace=False).tolist())
+    queries = bundle.embed([{bundle.metadata()["user_input"]: user} for user in probe_users])
+    catalogue = queries @ bundle.index.vectors(np.arange(len(bundle.index))).T  # [users, items]
+    # Near what users like: the features of some probe users' top-1 items, the release year moved.
+    favourites = catalogue[rng.permutation(len(probe_users))[: 4 * count]].argmax(axis=1)
+    features = bundle.item_features(list(bundle.index.item_ids[favourites]))
     inputs = [name for name in manifest.doc_features if name != "item_id"]
-    pool = [{"item_id": f"new-{n}", **{name: (row or {}).get(name) for name in inputs}}
-            for n, row in enumerate(features)]
-    for item in pool:
-        item["title"] = f"{item.get('title') or 'Untitled'} (restored)"
+    pool = []
+    for row in features:
+        for shift in YEAR_SHIFTS:
+            item = {"item_id": f"new-{len(pool)}", **{name: (row or {}).get(name) for name in inputs}}
+            item["title"] = f"{item.get('title') or 'Untitled'} (restored)"
+            year = item.get("release_year")
+            if isinstance(year, float) and not np.isnan(year):
+                item["release_year"] = year + shift
+            pool.append(item)
     models = CatalogueModels.load(root, manifest)
     specs = manifest.doc_inputs or {}
     embedded = models.embed_items(**{name: input_tensor([item.get(name) for item in pool], specs[name], name)
@@ -99,7 +112,7 @@ def choose_new_items(root: Path, count: int, seed: int) -> tuple[list[dict[str, 
         if scores[user] - catalogue[user, rest[0]] <= 1e-4:  # clear of ties
             continue
         chosen.append(item)
-        probes.append({"user": users[user], "exclude": [str(i) for i in bundle.index.item_ids[excluded]]})
+        probes.append({"user": probe_users[user], "exclude": [str(i) for i in bundle.index.item_ids[excluded]]})
         taken.add(user)
         if len(chosen) == count:
             new_ids = [new["item_id"] for new in chosen]
@@ -107,6 +120,31 @@ def choose_new_items(root: Path, count: int, seed: int) -> tuple[list[dict[str, 
                 probe["exclude"] += [other for other in new_ids if other != new["item_id"]]
             return chosen, probes, users
     raise RuntimeError(f"only {len(chosen)} of {count} new items come within {MAX_ABOVE} items of some user's top")
+
+
+def grow_catalogue(source: Path, out: Path, count: int, seed: int) -> None:
+    """``out``: ``source`` with ``count`` more items, copies of its items' raw doc features (release year
+    moved by up to 10 years, a numbered title), added offline by ``edit_catalogue``."""
+    import pandas as pd
+
+    import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS)
+    from retrieval.bundle.catalogue import edit_catalogue
+    from retrieval.serving import Bundle
+
+    bundle = Bundle.load(source)
+    rng = np.random.default_rng(seed + 1)
+    picks = rng.integers(0, len(bundle.index), count)
+    features = bundle.item_features(list(bundle.index.item_ids[picks]))
+    inputs = [name for name in bundle.manifest_model.doc_features if name != "item_id"]
+    rows = []
+    for n, row in enumerate(features):
+        item = {"item_id": f"grow-{n}", **{name: (row or {}).get(name) for name in inputs}}
+        item["title"] = f"{item.get('title') or 'Untitled'} #{n}"
+        year = item.get("release_year")
+        if isinstance(year, float) and not np.isnan(year):
+            item["release_year"] = year + float(rng.integers(-10, 11))
+        rows.append(item)
+    edit_catalogue(source, "add", pd.DataFrame.from_records(rows), out)
 
 
 def free_port() -> int:
@@ -231,7 +269,12 @@ def run(args: argparse.Namespace) -> dict:
         scratch_dir = Path(scratch)
         source = Path(args.bundle) if args.bundle else train_bundle(scratch_dir / "artifacts")
         root = scratch_dir / "shop"
-        shutil.copytree(source, root, symlinks=True)
+        if args.grow:  # a larger catalogue: the source's items copied with new ids, added offline
+            base = scratch_dir / "base"
+            shutil.copytree(source, base, symlinks=True)
+            grow_catalogue(base, root, args.grow, args.seed)
+        else:
+            shutil.copytree(source, root, symlinks=True)
         adds = sum(1 for i in range(args.edits) if i % 4 in (0, 1))
         items, probes, users = choose_new_items(root, adds, args.seed)
         manifest = json.loads((root / "manifest.json").read_text())
@@ -288,6 +331,7 @@ def run(args: argparse.Namespace) -> dict:
         "uptime_before": load_before,
         "uptime_after": load_after,
         "bundle": {"config": None if args.bundle else CONFIG, "source": str(args.bundle or "trained"),
+                   "grown_by": args.grow,
                    "num_items": manifest["num_items"], "doc_features": manifest["doc_features"],
                    "index": manifest["index"]["factory"], "embedding_dim": manifest["embedding_dim"]},
         "clients": args.clients,
@@ -320,7 +364,9 @@ def markdown(report: dict) -> str:
         f"`{report['command']}` on {report['environment']['cpu']}, {report['environment']['cpus']} CPUs.",
         f"Load before: `{report['uptime_before']}`; after: `{report['uptime_after']}`.",
         "",
-        f"Bundle: {bundle['source']} ({bundle['config'] or 'given'}), {bundle['num_items']} items, doc inputs "
+        f"Bundle: {bundle['source']} ({bundle['config'] or 'given'}), {bundle['num_items']} items"
+        + (f" ({bundle['grown_by']} of them copies of its items added offline first)" if bundle.get("grown_by") else "")
+        + f", doc inputs "
         f"{bundle['doc_features']}, index {bundle['index']}, dim {bundle['embedding_dim']}. "
         f"{report['clients']} client threads post /recommend (k = 10) throughout.",
         "",
@@ -352,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--edits", type=int, default=12, help="edits in the series (default: %(default)s)")
     parser.add_argument("--clients", type=int, default=4, help="load threads (default: %(default)s)")
     parser.add_argument("--pause", type=float, default=0.5, help="seconds between edits (default: %(default)s)")
+    parser.add_argument("--grow", type=int, default=0,
+                        help="first add this many copies of the catalogue's items offline, to time edits on a "
+                        "larger index (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS / "bench_catalogue"), help="results stem (default: %(default)s)")
     args = parser.parse_args(argv)

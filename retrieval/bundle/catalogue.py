@@ -58,6 +58,7 @@ from retrieval.bundle.manifest import InputSpec, Manifest, read_manifest
 from retrieval.bundle.parts import BundlePart, DisplayFeaturesPart
 from retrieval.bundle.run_directory import atomic_directory
 from retrieval.bundle.saved_models import write_tf_serving_config
+from retrieval.bundle.seen_items import find_sorted
 from retrieval.data import ITEM
 from retrieval.errors import UserError
 from retrieval.index import ItemIndex
@@ -150,6 +151,7 @@ def edit_catalogue(
     overwrite: bool = False,
     run: str | None = None,
     models: CatalogueModels | None = None,
+    loaded: tuple[ItemIndex, DisplayFeatures | None] | None = None,
 ) -> Manifest:
     """Write the bundle ``source`` with ``change`` applied to ``items`` into ``out``; return its manifest.
 
@@ -167,6 +169,8 @@ def edit_catalogue(
       out: the new bundle's directory; ``overwrite`` replaces a bundle there.
       run: the new manifest's ``run`` (default: ``out``'s name).
       models: the loaded doc and query models (default: loaded from ``source``).
+      loaded: ``source``'s index and display table as already loaded (a running service's, which
+        checked them at load), else read from ``source``; neither is changed.
 
     Raises:
       CatalogueError: naming the items (unknown, duplicate, already served, removed), the columns
@@ -184,10 +188,12 @@ def edit_catalogue(
         check_fingerprints(source, manifest.to_dict())
     except ValueError as error:
         raise CatalogueError(f"{source}: {error}") from None
-    index = ItemIndex.load(source)
-    display = None
-    if manifest.files.get(DisplayFeaturesPart.KEY) is not None:
-        display = DisplayFeatures.load(source / manifest.files[DisplayFeaturesPart.KEY])
+    if loaded is not None:
+        index, display = loaded
+    else:
+        index, display = ItemIndex.load(source), None
+        if manifest.files.get(DisplayFeaturesPart.KEY) is not None:
+            display = DisplayFeatures.load(source / manifest.files[DisplayFeaturesPart.KEY])
     edit = _plan(manifest, index, display, change, items)
     vectors = None
     if edit.embed is not None:
@@ -234,13 +240,15 @@ def current_version(root: str | Path) -> Path:
 
 
 def publish_edit(root: str | Path, change: Change, items: pd.DataFrame, *,
-                 models: CatalogueModels | None = None) -> Path:
+                 models: CatalogueModels | None = None,
+                 loaded: tuple[ItemIndex, DisplayFeatures | None] | None = None) -> Path:
     """Apply ``change`` to the newest version of bundle ``root`` as its next version; return its directory.
 
     The new version is ``root.catalogue/<root>.v<n>`` (n one past the highest there), written by
     ``edit_catalogue`` from ``current_version(root)``; then ``root.catalogue/current`` is pointed at
     it in one ``os.replace`` (a reader sees the old or the new link). Two processes publishing at
     once cannot both take version n: the second fails (``RunExistsError``) and nothing is lost.
+    ``models`` and ``loaded`` (of the newest version) as ``edit_catalogue`` takes them.
     """
     root = Path(root)
     source = current_version(root)
@@ -249,7 +257,7 @@ def publish_edit(root: str | Path, change: Change, items: pd.DataFrame, *,
     numbers = [int(match.group(1)) for path in versions.iterdir()
                if path.name.startswith(f"{root.name}.v") and (match := _VERSION.search(path.name))]
     name = f"{root.name}.v{max(numbers, default=0) + 1:04d}"
-    edit_catalogue(source, change, items, versions / name, models=models)
+    edit_catalogue(source, change, items, versions / name, models=models, loaded=loaded)
     link = versions / f".{CURRENT}.{os.getpid()}"
     link.unlink(missing_ok=True)
     link.symlink_to(name)
@@ -478,36 +486,40 @@ def _edited_display(display: DisplayFeatures | None, edit: _Edit) -> DisplayFeat
     """The display table with the edit's rows added or changed; None when it does not change.
 
     A column the edit gives replaces those items' values (an item the table did not describe gets a
-    row, missing in the columns not given); every column keeps its kind (numbers stay numbers).
+    row, missing in the columns not given); every column keeps its Arrow type (numbers stay numbers).
+    Only the edit's rows go through Python: the others are filtered, concatenated and sorted as Arrow
+    arrays, so an edit of a million-item table costs a sort of its ids.
     """
     if display is None or edit.display is None:
         return None
-    ids = np.char.decode(display.item_ids, "utf-8").tolist()
-    table = {name: dict(zip(ids, column.to_pylist())) for name, column in display.columns.items()}
     given_ids = edit.display[ITEM].tolist()
-    known = set(ids)
-    order = ids + [item for item in given_ids if item not in known]
-    for name in edit.display.columns:
-        if name != ITEM:
-            table[name].update(zip(given_ids, edit.display[name].tolist()))
-    frame = pd.DataFrame({ITEM: order, **{name: _like([table[name].get(item) for item in order], column.type)
-                                          for name, column in display.columns.items()}})
-    return DisplayFeatures.from_frame(frame)
+    positions = find_sorted(display.item_ids, given_ids)
+    keep = np.ones(len(display), dtype=bool)
+    keep[positions[positions >= 0]] = False
+    ids = np.concatenate([display.item_ids[keep], np.array([item.encode("utf-8") for item in given_ids])])
+    order = np.argsort(ids, kind="stable")
+    columns = {}
+    for name, column in display.columns.items():
+        old = [column[int(row)].as_py() if row >= 0 else None for row in positions.tolist()]
+        values = edit.display[name].tolist() if name in edit.display.columns else old
+        rows = pa.array([_cell(value, column.type) for value in values], type=column.type)
+        columns[name] = pa.concat_arrays([column.filter(pa.array(keep)), rows]).take(pa.array(order))
+    return DisplayFeatures(ids[order], columns)
 
 
-def _like(values: list[Any], kind: pa.DataType) -> Any:
-    """A display column's values (Python values, None or NaN missing) as the kind it has in the table."""
-    if pa.types.is_integer(kind) and not any(_missing_cell(value) for value in values):
-        return np.asarray(values, dtype=np.int64)
-    if pa.types.is_integer(kind) or pa.types.is_floating(kind):
-        return pd.to_numeric(pd.Series(values, dtype=object), errors="coerce").astype(np.float64).to_numpy()
+def _cell(value: Any, kind: pa.DataType) -> Any:
+    """A display value (None, NaN or pandas' NA missing) as a value of an Arrow column of type ``kind``."""
+    listed = isinstance(value, list | tuple | np.ndarray)
+    missing = not listed and bool(pd.isna(value))
     if pa.types.is_list(kind):
-        return pd.Series([[] if _missing_cell(v) else [str(x) for x in v] for v in values], dtype=object).to_numpy()
-    return pd.Series([None if _missing_cell(v) else str(v) for v in values], dtype=object).to_numpy()
-
-
-def _missing_cell(value: Any) -> bool:
-    return not isinstance(value, list | tuple | np.ndarray) and bool(pd.isna(value))
+        return [] if missing else [str(v) for v in (value if listed else [value]) if str(v) != ""]
+    if pa.types.is_floating(kind):
+        return float("nan") if missing else float(value)
+    if pa.types.is_integer(kind):
+        return None if missing else int(value)
+    if pa.types.is_string(kind):
+        return None if missing else str(value)
+    return None if missing else value
 
 
 def _copy(source: Path, target: Path, *, link: bool) -> None:

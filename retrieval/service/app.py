@@ -122,7 +122,8 @@ class BundleHolder:
             raise ValueError(f"the newest catalogue version of {self.root.name!r} is not the one served "
                              f"({current.version!r}): reload first, so the edit starts from what is served")
         models = CatalogueModels(self.doc_model(current), lambda query: current.embed([query]))
-        directory = publish_edit(self.root, change, pd.DataFrame.from_records(items), models=models)
+        directory = publish_edit(self.root, change, pd.DataFrame.from_records(items), models=models,
+                                 loaded=(current.index, current.item_display))
         new = Bundle.load(directory, verify=self.verify, models_from=current)
         return new, time.perf_counter() - started
 
