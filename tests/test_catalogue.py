@@ -367,6 +367,13 @@ def test_admin_catalogue_is_guarded_like_reload(world, tmp_path):
     assert not (tmp_path / "shop.catalogue" / "current").exists()  # nothing was published
     done = _call(app, "POST", "/admin/catalogue", json=body, headers=auth)
     assert done.status_code == 200 and done.json()["bundle"] == "shop.v0001" and done.json()["num_items"] == 7
+    # The next edit copies the served files: one changed on disk since the load is refused, naming it.
+    served = tmp_path / "shop.catalogue" / "shop.v0001" / "index.json"
+    served.write_text(served.read_text() + "\n")
+    changed = _call(app, "POST", "/admin/catalogue", json={"change": "remove", "item_ids": ["i2"]}, headers=auth)
+    assert changed.status_code == 422
+    assert "changed on disk since they were loaded (index.json)" in changed.json()["error"]
+    assert current_version(root).name == "shop.v0001"
 
 
 def _free_port():

@@ -170,7 +170,8 @@ def edit_catalogue(
       run: the new manifest's ``run`` (default: ``out``'s name).
       models: the loaded doc and query models (default: loaded from ``source``).
       loaded: ``source``'s index and display table as already loaded (a running service's, which
-        checked them at load), else read from ``source``; neither is changed.
+        checked every file against the fingerprints at load and sees a file changed since:
+        ``Bundle.changed_files``), else read from ``source`` after that check; neither is changed.
 
     Raises:
       CatalogueError: naming the items (unknown, duplicate, already served, removed), the columns
@@ -184,10 +185,11 @@ def edit_catalogue(
         raise CatalogueError(f"change must be one of {list(CHANGES)}, got {change!r}")
     source = Path(source)
     manifest = read_manifest(source)
-    try:
-        check_fingerprints(source, manifest.to_dict())
-    except ValueError as error:
-        raise CatalogueError(f"{source}: {error}") from None
+    if loaded is None:  # a loaded bundle's files were checked at its load (and a service watches them)
+        try:
+            check_fingerprints(source, manifest.to_dict())
+        except ValueError as error:
+            raise CatalogueError(f"{source}: {error}") from None
     if loaded is not None:
         index, display = loaded
     else:

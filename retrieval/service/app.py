@@ -121,6 +121,10 @@ class BundleHolder:
         if current_version(self.root).resolve() != current.directory.resolve():
             raise ValueError(f"the newest catalogue version of {self.root.name!r} is not the one served "
                              f"({current.version!r}): reload first, so the edit starts from what is served")
+        changed = current.changed_files()
+        if changed:  # the edit copies the served files: they must be those loaded and checked
+            raise ValueError(f"the served bundle's files changed on disk since they were loaded "
+                             f"({', '.join(changed)}): reload it first")
         models = CatalogueModels(self.doc_model(current), lambda query: current.embed([query]))
         directory = publish_edit(self.root, change, pd.DataFrame.from_records(items), models=models,
                                  loaded=(current.index, current.item_display))
