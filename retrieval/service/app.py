@@ -143,6 +143,7 @@ class BundleHolder:
             "files", {}).items() if name.startswith(f"{folder}/")}
         with self._doc_model_lock:
             if self._doc_model is None or self._doc_model[0] != fingerprint:
+                import retrieval.bundle.writer  # noqa: F401  (what an edit writes with, imported ahead of it)
                 from retrieval.bundle.catalogue import input_tensor
 
                 loaded = tf.saved_model.load(str(bundle.directory / folder)).signatures["serving_default"]
