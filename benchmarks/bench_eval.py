@@ -61,7 +61,7 @@ import tensorflow_recommenders as tfrs  # noqa: E402
 from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
 
 from benchmarks._harness import RESULTS, command, load_average, machine, versions_of, write_report  # noqa: E402
-from retrieval.arrays import drop_members  # noqa: E402
+from retrieval.common.arrays import drop_members  # noqa: E402
 from retrieval.evaluation import EvalSet, index_ranking  # noqa: E402
 from retrieval.exact_topk import ExactTopK  # noqa: E402
 from retrieval.index import FAISS_ONLY, MEASURED_ROUTING, ItemIndex  # noqa: E402

@@ -14,6 +14,7 @@ import pandas as pd
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
+from retrieval.common.replicas import across_replicas, replicas_in_step
 from retrieval.config import ModelConfig
 from retrieval.data import ITEM, USER, WEIGHT
 from retrieval.features import FeatureStatistics, feature_arrays
@@ -24,7 +25,6 @@ from retrieval.losses import (
     gather_across_replicas,
 )
 from retrieval.model_parts import build_miner, build_objective, build_sampler, resolved, users_training_items
-from retrieval.replicas import across_replicas, replicas_in_step
 from retrieval.samplers import FaissHardNegativeMiner, Sampler, UserHistory
 from retrieval.towers import ensemble_towers, id_tower, member_embeddings, position_states
 from retrieval.towers.bias import log_popularity_bias, with_item_bias

@@ -22,7 +22,7 @@ from typing import Any
 
 from retrieval.bundle.fingerprints import check_fingerprints
 from retrieval.bundle.manifest import MANIFEST_FILE
-from retrieval.errors import UserError
+from retrieval.common.errors import UserError
 
 log = logging.getLogger("retrieval.bundle")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import faiss
 import tensorflow as tf
 
-from retrieval.arrays import write_faiss_index
+from retrieval.common.arrays import write_faiss_index
 from retrieval.model import TwoTowerModel
 from retrieval.training.runtime import gather_workers, worker_count
 
