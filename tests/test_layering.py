@@ -12,14 +12,13 @@ STAGES = [
     "config_reference",  # docs/configuration.md, generated from config only
     "data",
     "features",
+    "index",  # FAISS index over the catalogue and exact top-k (exact_topk): needs only common and config
     "towers",
     "samplers",
     "losses",
     "model_parts",  # config names -> samplers, log-Q sources, losses, miner
     "model",
-    "exact_topk",  # brute-force top-k: early stopping's validation recall and the Flat index search with it
     "training",
-    "index",
     "evaluation",
     "bundle",  # the bundle format: typed manifest, its parts (index, SavedModels, seen items, user features and
     # histories, display features), the one writer, fingerprints, the atomic run directory
