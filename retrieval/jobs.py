@@ -58,7 +58,7 @@ from retrieval.features import ExampleJoin, FeatureStatistics, TowerTables, Voca
 from retrieval.features.histories import ClickHistories
 from retrieval.index import ItemIndex, build_index_in_blocks, check_index_fits
 from retrieval.model import build_model
-from retrieval.model_parts import resolved
+from retrieval.model.parts import resolved
 from retrieval.samplers import UserHistory
 from retrieval.towers import build_ensemble_towers
 from retrieval.training import (

@@ -16,8 +16,7 @@ STAGES = [
     "towers",
     "samplers",
     "losses",
-    "model_parts",  # config names -> samplers, log-Q sources, losses, miner
-    "model",
+    "model",  # config names -> samplers, log-Q sources, losses, miner (parts); TwoTowerModel wires them (two_tower)
     "training",
     "evaluation",
     "bundle",  # the bundle format: typed manifest, its parts (index, SavedModels, seen items, user features and
