@@ -20,8 +20,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from retrieval.bundle.run_directory import RunExistsError
 from retrieval.common.atomic import atomic_file
+from retrieval.common.errors import RunExistsError
 from retrieval.common.lock import exclusive_lock
 from retrieval.config import Config
 from retrieval.data.fingerprint import FileFingerprint, InputsChangedError, changed_inputs, fingerprint_inputs

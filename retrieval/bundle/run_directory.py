@@ -21,14 +21,10 @@ from typing import Any
 
 from retrieval.bundle.fingerprints import check_fingerprints
 from retrieval.bundle.manifest import MANIFEST_FILE
-from retrieval.common.errors import UserError
+from retrieval.common.errors import RunExistsError
 from retrieval.common.lock import exclusive_lock
 
 log = logging.getLogger("retrieval.bundle")
-
-
-class RunExistsError(UserError, FileExistsError):
-    """The run directory exists and overwriting was not asked for."""
 
 
 @contextmanager
