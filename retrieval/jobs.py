@@ -20,7 +20,6 @@ from retrieval.bundle.run_directory import atomic_directory
 from retrieval.bundle.seen_items import SeenItems
 from retrieval.bundle.user_histories import UserHistories
 from retrieval.bundle.writer import write_bundle
-from retrieval.checkpoint_directory import training_checkpoints
 from retrieval.common.arrays import seeded_subset
 from retrieval.common.native_logs import runtime_filtered_stderr
 from retrieval.config import Config, ConfigError, save_config, with_absolute_data_paths
@@ -71,6 +70,7 @@ from retrieval.training import (
     seed_everything,
     training_summary,
 )
+from retrieval.training.checkpoint_directory import training_checkpoints
 from retrieval.training.parameter_server import (
     check_cluster,
     cluster_strategy,

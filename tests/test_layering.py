@@ -25,7 +25,6 @@ STAGES = [
     # line hands --out to it.
     ("serving", "batch_recommend"),
     "service",
-    "checkpoint_directory",  # a run's checkpoint directory: lock, resume checks, cleanup
     "jobs",
     "bundles",  # re-evaluating (with the job's phases) and re-indexing an exported bundle
     "tuning",  # hyper-parameter search: runs the job per trial
@@ -96,6 +95,7 @@ TRAINING_MODULES = [
     "early_stopping",
     "fit",
     "embeddings",
+    "checkpoint_directory",  # a run's checkpoint directory for fit: lock, resume checks, cleanup
 ]
 
 

@@ -1,7 +1,7 @@
 """The one file lock: an exclusive, non-blocking ``flock`` held for a block.
 
 A run's name (``retrieval.bundle.run_directory``), its checkpoint directory
-(``retrieval.checkpoint_directory``) and a tuning study (``retrieval.tuning.study``)
+(``retrieval.training.checkpoint_directory``) and a tuning study (``retrieval.tuning.study``)
 are each held by one process at a time: a second one fails at once with its
 caller's error instead of waiting or writing over the first one's work. The
 kernel releases a ``flock`` when its process dies, so a killed job leaves no

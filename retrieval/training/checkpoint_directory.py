@@ -25,7 +25,7 @@ from retrieval.common.errors import RunExistsError
 from retrieval.common.lock import exclusive_lock
 from retrieval.config import Config
 from retrieval.data.fingerprint import FileFingerprint, InputsChangedError, changed_inputs, fingerprint_inputs
-from retrieval.training import TrainingDiverged
+from retrieval.training.loop import TrainingDiverged
 from retrieval.training.runtime import cluster_task
 
 log = logging.getLogger("retrieval")
