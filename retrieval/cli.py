@@ -198,8 +198,8 @@ so the run's own report is never overwritten.""",
 def _evaluate(args: argparse.Namespace) -> int:
     setup_logging()
 
-    from retrieval.bundles import evaluate_bundle
     from retrieval.evaluation import format_table
+    from retrieval.jobs import evaluate_bundle
 
     out = Path(args.out) if args.out else Path(args.run) / "reevaluated"
     metrics = evaluate_bundle(args.run, args.overrides, out=out)
@@ -233,8 +233,8 @@ def _export(args: argparse.Namespace) -> int:
     setup_logging()
 
     from retrieval.bundle.manifest import read_manifest
-    from retrieval.bundles import reindex_bundle
     from retrieval.config import Config, apply_overrides
+    from retrieval.jobs import reindex_bundle
 
     manifest = read_manifest(args.run)
     config = Config.from_dict(apply_overrides(manifest.config or {}, args.overrides), source="--set")

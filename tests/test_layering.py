@@ -25,8 +25,7 @@ STAGES = [
     # line hands --out to it.
     ("serving", "batch_recommend"),
     "service",
-    "jobs",
-    "bundles",  # re-evaluating (with the job's phases) and re-indexing an exported bundle
+    "jobs",  # the main job (train); re-evaluating (with the job's phases) and re-indexing a bundle (reevaluate_reindex)
     "tuning",  # hyper-parameter search: runs the job per trial
     "api",  # the Python API: retrieval.train -> Run, run.recommend, open_run
     "cli",
