@@ -147,7 +147,7 @@ def run(args, workdir: Path, argv: list[str] | None = None) -> int:
 def _timed_file(bundle, user_ids: list[str], args, out: Path) -> dict:
     """One warm-up block, then every user answered into ``out``; the row of the results table."""
     from retrieval.batch_recommend import IdList, recommend_to_file
-    from retrieval.progress import Progress
+    from retrieval.common.progress import Progress
 
     bundle.recommend_batch([{"user_id": u} for u in user_ids[: args.block_size]], args.k)  # warm-up
     with Progress(len(user_ids), f"recommend {bundle.index.factory}", "users") as progress:

@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retrieval.bundles import evaluate_bundle
 from retrieval.config import Config, ConfigError, apply_overrides, load_config
 from retrieval.data import USER
-from retrieval.jobs import TowerFactory, train_evaluate_export
+from retrieval.jobs import TowerFactory, evaluate_bundle, train_evaluate_export
 from retrieval.serving import Bundle, HistoryOrder, Recommendations
 
 ConfigLike = Config | str | os.PathLike | None
@@ -88,7 +87,7 @@ class Run:
         return self.bundle.similar_items(item_id, k)
 
     def evaluate(self, overrides: Sequence[str] = (), *, out: str | os.PathLike | None = None) -> dict[str, Any]:
-        """Re-evaluate the exported bundle on the data its config names (``bundles.evaluate_bundle``):
+        """Re-evaluate the exported bundle on the data its config names (``jobs.evaluate_bundle``):
         ``overrides`` such as ``"evaluation.ks=[10,50]"``; ``out`` writes metrics.json and report.md."""
         return evaluate_bundle(self.directory, list(overrides), out=None if out is None else Path(out))
 

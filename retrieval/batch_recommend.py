@@ -47,9 +47,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from retrieval.arrays import CheckedSink
-from retrieval.errors import UserError
-from retrieval.progress import Progress
+from retrieval.common.arrays import CheckedSink
+from retrieval.common.errors import UserError
+from retrieval.common.progress import Progress
 from retrieval.request_checks import checked_ids, checked_k
 from retrieval.serving import Bundle, Recommendations
 
@@ -366,7 +366,7 @@ def _atomic_parquet(out: Path, schema: pa.Schema) -> Iterator[pq.ParquetWriter]:
     """A ParquetWriter on a hidden file beside ``out``, renamed to ``out`` when the block ends
     without an error; on an error (or Ctrl-C) the partial file is removed.
 
-    The writer writes through Python's file layer (``retrieval.arrays.CheckedSink``): Arrow's own file sink drops
+    The writer writes through Python's file layer (``retrieval.common.arrays.CheckedSink``): Arrow's own file sink drops
     an error of its final flush, so on a full disk a small result would be renamed truncated;
     here the close raises ``OSError(ENOSPC)`` naming the file (one line from the command).
     """

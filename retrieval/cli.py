@@ -27,7 +27,7 @@ dropping requests (``POST /admin/reload``). Both read the admin token from
 ``--request-read-timeout``, ...; ``retrieval serve --help`` lists them with
 their defaults).
 
-Every ``main`` runs through ``entry_point`` (``retrieval.errors``): a user error (config, data,
+Every ``main`` runs through ``entry_point`` (``retrieval.common.errors``): a user error (config, data,
 bundle, paths, disk; a bundle ``serve`` cannot load, a non-loopback ``--host`` with admin on and no
 token, a service ``reload`` cannot reach or that refuses the bundle) is one line
 ``error: <message>`` on stderr and exit status 2, Ctrl-C ``error: interrupted`` and 130;
@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from retrieval.errors import UserError, debugging, entry_point
+from retrieval.common.errors import UserError, debugging, entry_point
 
 # retrieval.service loads TensorFlow only when a bundle is loaded: `retrieval reload` and --help start fast.
 from retrieval.service import ADMIN_TOKEN_ENV, ServiceLimits
@@ -118,7 +118,7 @@ def config_arguments(parser: argparse.ArgumentParser, *, default_config: str | N
 def setup_logging() -> None:
     """The project's INFO progress lines on stderr; the libraries' own INFO lines only with RETRIEVAL_DEBUG=1.
 
-    (TensorFlow's native start-up lines are filtered when it is imported: ``retrieval.native_logs``.)
+    (TensorFlow's native start-up lines are filtered when it is imported: ``retrieval.common.native_logs``.)
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if debugging():
@@ -198,8 +198,8 @@ so the run's own report is never overwritten.""",
 def _evaluate(args: argparse.Namespace) -> int:
     setup_logging()
 
-    from retrieval.bundles import evaluate_bundle
     from retrieval.evaluation import format_table
+    from retrieval.jobs import evaluate_bundle
 
     out = Path(args.out) if args.out else Path(args.run) / "reevaluated"
     metrics = evaluate_bundle(args.run, args.overrides, out=out)
@@ -233,8 +233,8 @@ def _export(args: argparse.Namespace) -> int:
     setup_logging()
 
     from retrieval.bundle.manifest import read_manifest
-    from retrieval.bundles import reindex_bundle
     from retrieval.config import Config, apply_overrides
+    from retrieval.jobs import reindex_bundle
 
     manifest = read_manifest(args.run)
     config = Config.from_dict(apply_overrides(manifest.config or {}, args.overrides), source="--set")

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from retrieval.errors import UserError, nearest_name, yaml_problem
+from retrieval.common.errors import UserError, nearest_name, yaml_problem
 
 
 class ConfigError(UserError, ValueError):

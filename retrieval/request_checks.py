@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from retrieval.errors import UserError, nearest_name
+from retrieval.common.errors import UserError, nearest_name
 
 
 class RequestError(UserError, ValueError):

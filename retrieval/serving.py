@@ -49,8 +49,8 @@ from retrieval.bundle.parts import DisplayFeaturesPart, SeenItemsPart, UserFeatu
 from retrieval.bundle.seen_items import SeenItems, find_sorted
 from retrieval.bundle.user_features import UserFeatures
 from retrieval.bundle.user_histories import UserHistories
+from retrieval.common.errors import UserError, entry_point
 from retrieval.data.values import finite_feature_value
-from retrieval.errors import UserError, entry_point
 from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFilesError, ItemIndex
 from retrieval.request_checks import (
     RequestError,
@@ -1115,7 +1115,7 @@ def recommend(args: argparse.Namespace) -> int:
 @entry_point
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m retrieval.serving`` (``retrieval recommend``): a user error is one line and status 2
-    (``retrieval.errors``)."""
+    (``retrieval.common.errors``)."""
     return recommend(recommend_parser().parse_args(argv))
 
 if __name__ == "__main__":

@@ -587,7 +587,7 @@ def _no_training(*args, **kwargs):
 
 @pytest.mark.slow  # imports TensorFlow (retrieval.jobs)
 def test_the_job_stops_before_training_when_no_test_user_can_be_evaluated(tmp_path, monkeypatch):
-    import retrieval.jobs as jobs
+    import retrieval.jobs.train as jobs  # the module whose names the test patches
 
     train, test = tmp_path / "train.csv", tmp_path / "test.csv"
     train.write_text("user_id,item_id,timestamp\n" + "".join(f"u{i % 5},i{i % 7},{i}\n" for i in range(40)))
@@ -605,7 +605,7 @@ def test_the_job_stops_before_training_when_no_test_user_can_be_evaluated(tmp_pa
 
 @pytest.mark.slow  # imports TensorFlow (retrieval.jobs)
 def test_the_out_of_core_job_stops_before_training_when_no_test_user_can_be_evaluated(tmp_path, monkeypatch):
-    import retrieval.jobs as jobs
+    import retrieval.jobs.train as jobs  # the module whose names the test patches
 
     shards = tmp_path / "logs"
     shards.mkdir()

@@ -35,8 +35,8 @@ from retrieval.batch_recommend import (
     recommend_to_file,
     similar_to_file,
 )
-from retrieval.errors import UserError
-from retrieval.progress import Progress, format_duration
+from retrieval.common.errors import UserError
+from retrieval.common.progress import Progress, format_duration
 from retrieval.serving import Bundle
 
 
@@ -334,7 +334,7 @@ def test_progress_on_a_terminal_is_a_tqdm_bar():
 
 
 def test_the_command_shows_progress_lines_on_stderr(world, tmp_path, capsys, monkeypatch):  # noqa: F811
-    monkeypatch.setattr("retrieval.progress.DEFAULT_INTERVAL", 1e-9, raising=True)
+    monkeypatch.setattr("retrieval.common.progress.DEFAULT_INTERVAL", 1e-9, raising=True)
     out = tmp_path / "recs.parquet"
     argv = ["--bundle", str(world["seen"]), "--users", "all", "-k", "2", "--out", str(out), "--block-size", "10"]
     assert serving.main(argv) == 0

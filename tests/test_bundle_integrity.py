@@ -25,9 +25,9 @@ from retrieval.bundle import manifest as bundle_manifest
 from retrieval.bundle.fingerprints import check_fingerprints
 from retrieval.bundle.manifest import MANIFEST_FILE
 from retrieval.bundle.writer import write_bundle
-from retrieval.bundles import reindex_bundle
 from retrieval.config import IndexConfig
 from retrieval.index import ItemIndex, build_index
+from retrieval.jobs import reindex_bundle
 from retrieval.service import create_app
 from retrieval.serving import Bundle, BundleError, _same_top_k
 

@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 from test_service import _fixed_id_tower, call
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
-from retrieval import bundles, serving
+from retrieval import serving
 from retrieval.bundle.manifest import MANIFEST_FILE
 from retrieval.bundle.user_features import USER_FEATURES_FILE, UserFeatures
 from retrieval.bundle.writer import raw_query, write_bundle
 from retrieval.features import TowerTables, feature_arrays
 from retrieval.index import ItemIndex
+from retrieval.jobs import reevaluate_reindex
 from retrieval.service import create_app
 from retrieval.serving import Bundle, BundleError
 
@@ -167,10 +168,11 @@ def test_a_tampered_user_table_is_refused_naming_it(built, tmp_path):
 def test_reindexing_carries_the_user_table(built, tmp_path, monkeypatch):
     directory, tables, _ = built
     catalogue = tables.catalogue()
-    monkeypatch.setattr(bundles, "_doc_inputs",  # the catalogue the bundle's doc tower read, not re-read from data
+    # The catalogue the bundle's doc tower read, not re-read from data.
+    monkeypatch.setattr(reevaluate_reindex, "_doc_inputs",
                         lambda manifest, ids: feature_arrays(catalogue.set_index("item_id").loc[list(ids)]
                                                              .reset_index(), manifest.doc_features))
-    out = bundles.reindex_bundle(directory, tmp_path / "reindexed", "HNSW8")
+    out = reevaluate_reindex.reindex_bundle(directory, tmp_path / "reindexed", "HNSW8")
     copied = Bundle.load(out, verify="full")
     assert (out / USER_FEATURES_FILE).read_bytes() == (directory / USER_FEATURES_FILE).read_bytes()
     assert copied.manifest["user_features"] == Bundle.load(directory).manifest["user_features"]

@@ -22,7 +22,7 @@ import tensorflow as tf
 import retrieval  # noqa: F401
 from retrieval.config import Config, ConfigError
 from retrieval.losses import LossInputs, SampledSoftmax
-from retrieval.model_parts import build_objective
+from retrieval.model.parts import build_objective
 from retrieval.samplers import InBatchSampler, MixedSampler, Negatives, StaticFrequency, uniform_sampler
 
 DIM, NUM_ITEMS, TEMPERATURE = 4, 12, 0.5

@@ -24,9 +24,9 @@ import tensorflow as tf
 from pydantic import ValidationError
 
 import retrieval  # noqa: F401
+from retrieval.common.replicas import global_batch_size, replica_row_offset
 from retrieval.config import TrainConfig
 from retrieval.losses import LossInputs, gather_across_replicas
-from retrieval.replicas import global_batch_size, replica_row_offset
 from retrieval.samplers import Negatives
 from retrieval.training import distribution_strategy
 

@@ -13,9 +13,8 @@ import tensorflow as tf
 import retrieval  # noqa: F401
 from retrieval.bundle.run_directory import RunExistsError
 from retrieval.bundle.saved_models import model_path
-from retrieval.bundles import evaluate_bundle
 from retrieval.data import ITEM, load_dataset
-from retrieval.jobs import train_evaluate_export
+from retrieval.jobs import evaluate_bundle, train_evaluate_export
 from retrieval.serving import Bundle
 
 ROOT = Path(__file__).resolve().parents[1]

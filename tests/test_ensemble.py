@@ -16,7 +16,7 @@ import retrieval  # noqa: F401
 from retrieval.config import ConfigError, LossConfig, ModelConfig, load_config
 from retrieval.features import FeatureStatistics
 from retrieval.model import TwoTowerModel, build_model
-from retrieval.model_parts import build_objective, build_sampler, resolved
+from retrieval.model.parts import build_objective, build_sampler, resolved
 from retrieval.towers import ensemble_towers, id_tower, member_embeddings
 
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import retrieval  # noqa: F401
+from retrieval.common.errors import DEBUG_ENV, run_main, user_message
 from retrieval.config import ConfigError
-from retrieval.errors import DEBUG_ENV, run_main, user_message
 from retrieval.index import check_index_fits
 from retrieval.training import TrainingDiverged
 
@@ -74,7 +74,7 @@ def test_retrieval_debug_re_raises_user_errors(monkeypatch):
 
 
 def test_a_bug_in_a_decorated_main_is_a_traceback_and_status_1():
-    script = ("import sys\nfrom retrieval.errors import entry_point\n"
+    script = ("import sys\nfrom retrieval.common.errors import entry_point\n"
               "@entry_point\ndef main(argv=None):\n    return len(None)\nsys.exit(main())\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -181,12 +181,12 @@ retrieval.bundle.writer.write_manifest = disk_full
 # The FAISS index of a re-indexed bundle written to a full disk (/dev/full: every write fails with ENOSPC).
 DISK_FULL_INDEX = """
 import builtins
-import retrieval.arrays
+import retrieval.common.arrays
 def full_disk_for_the_index(path, mode="r", *args, **kwargs):
     if str(path).endswith("index.faiss") and "w" in mode:
         return builtins.open("/dev/full", mode, *args, **kwargs)
     return builtins.open(path, mode, *args, **kwargs)
-retrieval.arrays.open = full_disk_for_the_index
+retrieval.common.arrays.open = full_disk_for_the_index
 """
 DISK_FULL_CHECKPOINT = """
 import errno, os
@@ -349,7 +349,7 @@ def test_entry_points_print_one_line_and_exit_2(case, tmp_path, request):
 def test_a_faiss_index_written_to_a_full_disk_is_an_oserror_naming_the_file(tmp_path):
     """faiss.write_index reports a small index's failed flush only on stderr and returns; the write
     through Python's file layer raises ENOSPC, which an entry point prints as one line."""
-    from retrieval.arrays import write_faiss_index
+    from retrieval.common.arrays import write_faiss_index
 
     index = faiss.IndexFlatIP(8)
     index.add(np.arange(80, dtype=np.float32).reshape(10, 8))
@@ -371,7 +371,7 @@ def test_an_index_saved_onto_a_full_disk_names_the_file_it_could_not_write(tmp_p
     a small Parquet file, whose last flush error Arrow's own sink would drop (a truncated file, no error)."""
     import builtins
 
-    from retrieval import arrays
+    from retrieval.common import arrays
     from retrieval.index import ItemIndex
 
     def full_disk(path, mode="r", *args, **kwargs):

@@ -76,7 +76,7 @@ def test_index_ranking_masks_each_users_rows_in_any_batching(batch_size):
 def test_index_ranking_reports_its_progress_batch_by_batch():
     import io
 
-    from retrieval.progress import Progress
+    from retrieval.common.progress import Progress
 
     eval_set = build_eval_set(TRAIN, TEST, CATALOGUE, EvaluationConfig(unseen_users="keep"))
     items = np.random.default_rng(0).normal(size=(len(CATALOGUE), 4)).astype(np.float32)

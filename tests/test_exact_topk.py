@@ -6,10 +6,10 @@ import faiss
 import numpy as np
 import pytest
 
-import retrieval.exact_topk as exact_topk
 import retrieval.index as index_module
-from retrieval.exact_topk import ExactTopK
+import retrieval.index.exact_topk as exact_topk
 from retrieval.index import ItemIndex
+from retrieval.index.exact_topk import ExactTopK
 
 NEAR_TIE = 1e-5  # float32 blocked sgemm vs float64: ids may swap only between scores this close
 

@@ -6,9 +6,9 @@ import tensorflow as tf
 
 import retrieval  # noqa: F401
 from retrieval.bundle.saved_models import model_path
-from retrieval.bundles import evaluate_bundle
 from retrieval.data import ITEM, USER, load_dataset
 from retrieval.features import TowerTables, feature_arrays
+from retrieval.jobs import evaluate_bundle
 from retrieval.serving import Bundle
 
 SMALL = [

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 import retrieval  # noqa: F401
-from retrieval.checkpoint_directory import UnfinishedRunError, training_checkpoints
 from retrieval.config import Config, DataConfig, TableConfig, load_config
 from retrieval.data.fingerprint import changed_inputs, fingerprint_file, fingerprint_inputs
+from retrieval.training.checkpoint_directory import UnfinishedRunError, training_checkpoints
 
 NAME = "fingerprinted"
 CLICKS = "user_id,item_id,timestamp\n" + "".join(f"u{i % 7},i{i % 5},{1000 + i}\n" for i in range(60))

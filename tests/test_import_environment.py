@@ -65,7 +65,7 @@ def _run_quiet_probe(**env: str) -> tuple[dict, str]:
 
 
 def test_importing_retrieval_then_tensorflow_and_faiss_prints_no_start_up_noise():
-    from retrieval import native_logs
+    from retrieval.common import native_logs
 
     state, stderr = _run_quiet_probe(CUDA_VISIBLE_DEVICES="0")
     assert not [line for line in stderr.splitlines() if any(noise in line for noise in KNOWN_NOISE)], stderr
@@ -84,7 +84,7 @@ def test_a_users_tf_cpp_min_log_level_0_is_kept_and_shows_everything():
                                          ({"RETRIEVAL_DEBUG": "0"}, True), ({"TF_CPP_MIN_LOG_LEVEL": "0"}, False),
                                          ({"TF_CPP_MIN_LOG_LEVEL": "2"}, True)])
 def test_debug_or_log_level_0_turns_the_filter_off(monkeypatch, env, wanted):
-    from retrieval import native_logs
+    from retrieval.common import native_logs
 
     monkeypatch.delenv("RETRIEVAL_DEBUG", raising=False)
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")
@@ -94,7 +94,7 @@ def test_debug_or_log_level_0_turns_the_filter_off(monkeypatch, env, wanted):
 
 
 def test_the_filter_keeps_real_lines_in_order_and_cuda_lines_where_a_gpu_may_be(capfd):
-    from retrieval import native_logs
+    from retrieval.common import native_logs
 
     cuinit = ("E0000 00:00:1796328085.812031    7957 cuda_platform.cc:52] failed call to cuInit: INTERNAL: "
               "CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)")
@@ -116,7 +116,7 @@ def test_the_filter_keeps_real_lines_in_order_and_cuda_lines_where_a_gpu_may_be(
 def test_the_runtime_filter_drops_tensorflows_noise_lines_only_and_passes_the_rest_on_live(capfd, monkeypatch):
     import os
 
-    from retrieval import native_logs
+    from retrieval.common import native_logs
 
     monkeypatch.delenv("RETRIEVAL_DEBUG", raising=False)
     monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)

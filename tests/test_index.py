@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from retrieval.arrays import drop_members
+from retrieval.common.arrays import drop_members
 from retrieval.index import ItemIndex
 
 

@@ -10,7 +10,7 @@ from retrieval.config import Config, ConfigError, SyntheticConfig, load_config
 from retrieval.data import ITEM, USER, generate_clicks
 from retrieval.features import FeatureStatistics
 from retrieval.model import build_model
-from retrieval.model_parts import build_sampler
+from retrieval.model.parts import build_sampler
 from retrieval.samplers import KernelSampler
 from retrieval.training import FrameClicks, seed_everything, train_epochs
 from retrieval.training.loop import step_function

@@ -3,26 +3,21 @@
 import ast
 from pathlib import Path
 
-# Stage order (config and arrays are shared foundations).
+# Stage order (common and config are shared foundations).
 STAGES = [
-    "errors",  # UserError and run_main, the one-line errors of every entry point; the RETRIEVAL_DEBUG rule
+    "common",  # errors (UserError, run_main), native_logs (imported by retrieval/__init__.py, first), progress,
+    # arrays, replicas (tf.distribute helpers), the one file lock and the atomic file writes
     "request_checks",  # the rules of a serving request (ids, id lists, k, query keys): every entry point's
-    "native_logs",  # TensorFlow's start-up lines filtered out of stderr: imported by retrieval/__init__.py, first
-    "progress",  # count, rate and ETA of a long loop (a tqdm bar on a terminal, else log lines)
     "config",
     "config_reference",  # docs/configuration.md, generated from config only
-    "arrays",
-    "replicas",  # tf.distribute helpers: one global batch over several replicas
     "data",
     "features",
+    "index",  # FAISS index over the catalogue and exact top-k (exact_topk): needs only common and config
     "towers",
     "samplers",
     "losses",
-    "model_parts",  # config names -> samplers, log-Q sources, losses, miner
-    "model",
-    "exact_topk",  # brute-force top-k: early stopping's validation recall and the Flat index search with it
+    "model",  # config names -> samplers, log-Q sources, losses, miner (parts); TwoTowerModel wires them (two_tower)
     "training",
-    "index",
     "evaluation",
     "bundle",  # the bundle format: typed manifest, its parts (index, SavedModels, seen items, user features and
     # histories, display features), the one writer, fingerprints, the atomic run directory
@@ -30,9 +25,7 @@ STAGES = [
     # line hands --out to it.
     ("serving", "batch_recommend"),
     "service",
-    "checkpoint_directory",  # a run's checkpoint directory: lock, resume checks, cleanup
-    "jobs",
-    "bundles",  # re-evaluating (with the job's phases) and re-indexing an exported bundle
+    "jobs",  # the main job (train); re-evaluating (with the job's phases) and re-indexing a bundle (reevaluate_reindex)
     "tuning",  # hyper-parameter search: runs the job per trial
     "api",  # the Python API: retrieval.train -> Run, run.recommend, open_run
     "cli",
@@ -101,6 +94,7 @@ TRAINING_MODULES = [
     "early_stopping",
     "fit",
     "embeddings",
+    "checkpoint_directory",  # a run's checkpoint directory for fit: lock, resume checks, cleanup
 ]
 
 
@@ -117,3 +111,10 @@ def test_training_modules_build_on_earlier_ones_only():
                 if TRAINING_MODULES.index(parts[2]) >= own:
                     problems.append(f"training/{path.name} imports {module} (not an earlier module)")
     assert not problems, "\n".join(problems)
+
+
+def test_the_architecture_diagram_lists_the_stages_in_order():
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    diagram = next(line for line in text.splitlines() if "─►" in line)
+    expected = " ─► ".join(" + ".join(entry) if isinstance(entry, tuple) else entry for entry in STAGES)
+    assert diagram == expected, "docs/architecture.md's diagram disagrees with STAGES in tests/test_layering.py"

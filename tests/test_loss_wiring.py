@@ -10,7 +10,7 @@ from retrieval.config import ConfigError, LossConfig, ModelConfig, load_config
 from retrieval.features import FeatureStatistics
 from retrieval.losses import LossInputs, SampledSoftmax
 from retrieval.model import build_model
-from retrieval.model_parts import build_objective, build_sampler
+from retrieval.model.parts import build_objective, build_sampler
 from retrieval.samplers import MASKED_LOG_Q, FaissHardNegativeMiner, Negatives, UserHistory
 
 

@@ -16,7 +16,7 @@ from reference_losses import numpy_bilateral_softmax, numpy_cosine_contrastive, 
 import retrieval  # noqa: F401
 from retrieval.config import ConfigError, LossConfig, ModelConfig, load_config
 from retrieval.losses import BilateralSoftmax, CosineContrastive, LossInputs, SampledSoftmax
-from retrieval.model_parts import build_objective, build_sampler
+from retrieval.model.parts import build_objective, build_sampler
 from retrieval.samplers import MASKED_LOG_Q, Negatives, uniform_sampler, unigram_sampler
 
 BATCH, DIM, NUM_ITEMS = 7, 6, 20

@@ -25,7 +25,6 @@ import tensorflow as tf
 
 import retrieval  # noqa: F401
 from retrieval.bundle.saved_models import model_path
-from retrieval.checkpoint_directory import UnfinishedRunError, training_checkpoints
 from retrieval.config import ColumnsConfig, ModelConfig, TableConfig, TrainConfig, load_config
 from retrieval.data import click_keys, epoch_order, load_dataset
 from retrieval.data.streaming import ClickShards, SplitPlan
@@ -40,6 +39,7 @@ from retrieval.training import (
     seed_everything,
     steps_per_epoch,
 )
+from retrieval.training.checkpoint_directory import UnfinishedRunError, training_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "resumed"

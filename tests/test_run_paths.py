@@ -29,8 +29,7 @@ def test_data_paths_become_absolute_against_the_working_directory(tmp_path, monk
 
 @pytest.mark.slow
 def test_a_run_on_a_relative_compressed_log_re_evaluates_from_another_directory(tmp_path, monkeypatch):
-    from retrieval.bundles import evaluate_bundle
-    from retrieval.jobs import train_evaluate_export
+    from retrieval.jobs import evaluate_bundle, train_evaluate_export
 
     clicks, _, _ = generate_clicks(SyntheticConfig(n_users=150, n_items=80, mean_clicks_per_user=12, seed=3))
     (tmp_path / "data").mkdir()

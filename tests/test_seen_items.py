@@ -471,7 +471,7 @@ def trained(train_run):
 
 @pytest.mark.slow
 def test_trained_bundle_serves_no_training_item_and_reindexing_keeps_them(trained, tmp_path):
-    from retrieval.bundles import reindex_bundle
+    from retrieval.jobs import reindex_bundle
 
     config, result = trained
     seen = _training_items(config)
@@ -521,7 +521,7 @@ def test_a_reindexed_bundle_holds_what_it_serves_under_its_own_name(trained, tmp
     import yaml
 
     from retrieval.bundle.manifest import read_manifest
-    from retrieval.bundles import reindex_bundle
+    from retrieval.jobs import reindex_bundle
 
     _, result = trained
     assert {"metrics.json", "report.md", "train_log.csv"} <= {p.name for p in result.directory.iterdir()}

@@ -27,9 +27,9 @@ from retrieval.bundle.manifest import MANIFEST_FILE
 from retrieval.bundle.saved_models import SERVED_MODELS, model_path, save_topk_model
 from retrieval.bundle.seen_items import SeenItems
 from retrieval.bundle.writer import write_bundle
-from retrieval.bundles import reindex_bundle
 from retrieval.config import IndexConfig
 from retrieval.index import build_index
+from retrieval.jobs import reindex_bundle
 from retrieval.serving import Bundle
 
 DIM, NUM_ITEMS, NUM_USERS, K = 8, 120, 30, 10

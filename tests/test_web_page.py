@@ -246,7 +246,7 @@ def test_the_item_table_is_fingerprinted_and_checked_at_load(world, tmp_path):
 
 
 def test_reindexing_carries_the_item_table(world, tmp_path):
-    from retrieval.bundles import reindex_bundle
+    from retrieval.jobs import reindex_bundle
 
     out = reindex_bundle(world["shop"], tmp_path / "reindexed", "HNSW8")
     copied = Bundle.load(out, verify="full")

@@ -24,9 +24,9 @@ import pandas as pd
 import pyarrow as pa
 
 import retrieval.index
-from retrieval.arrays import drop_members, write_faiss_index, write_parquet
+from retrieval.common.arrays import drop_members, write_faiss_index, write_parquet
 from retrieval.config import ConfigError, IndexConfig
-from retrieval.exact_topk import ExactTopK, checked_search_args
+from retrieval.index.exact_topk import ExactTopK, checked_search_args
 from retrieval.index.search import (
     MEASURED_ROUTING,
     ExactRouting,

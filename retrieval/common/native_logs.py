@@ -23,7 +23,7 @@ always did (``CUDA_VISIBLE_DEVICES`` is read then, unchanged). While the job run
 warnings, oneDNN's AVX-512 fallback ERROR at export) are dropped as they come, every other line
 passed on live: ``TF_CPP_MIN_LOG_LEVEL=2`` would hide every warning with them. ``RETRIEVAL_DEBUG=1`` or a
 user's ``TF_CPP_MIN_LOG_LEVEL=0`` turns all of this off. Standard library only (and
-``retrieval.errors``, which is too): it runs before anything else is imported.
+``retrieval.common.errors``, which is too): it runs before anything else is imported.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from retrieval.errors import debugging  # standard library only, as this module must be
+from retrieval.common.errors import debugging  # standard library only, as this module must be
 
 # An absl line: severity letter, date, time, thread, file:line] message.
 _ABSL = r"[IWEF]\d{4} [\d:.]+\s+\d+ "

@@ -69,6 +69,12 @@ class UserError(Exception):
     """
 
 
+
+class RunExistsError(UserError, FileExistsError):
+    """A run's name is taken: its directory exists and overwriting was not asked for, another process holds
+    it, or its checkpoints cannot be resumed (``UnfinishedRunError``)."""
+
+
 # errno -> what to do about it. An OSError with one of these comes from the environment the user
 # controls (paths, permissions, disk space), not from a bug; the strerror says what happened.
 USER_ERRNOS: dict[int, str] = {

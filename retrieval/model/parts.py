@@ -164,7 +164,7 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
             f"unknown model.loss.hard_negatives {loss.hard_negatives!r}; valid: {', '.join(HARD_NEGATIVES)}"
         )
     if not isinstance(config.temperature, float):
-        raise ValueError(f"model.temperature {config.temperature!r} must be resolved first (model_parts.resolved)")
+        raise ValueError(f"model.temperature {config.temperature!r} must be resolved first (model.parts.resolved)")
     if cls is HierarchicalSoftmax:
         return HierarchicalSoftmax(
             HuffmanTree.from_counts(counts), embedding_dim, temperature=config.temperature

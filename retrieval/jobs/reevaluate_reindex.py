@@ -22,7 +22,7 @@ from retrieval.data import ITEM, DataError
 from retrieval.evaluation import write_report
 from retrieval.features import feature_arrays
 from retrieval.index import build_index, check_index_fits
-from retrieval.jobs import evaluate, evaluation_clicks, read_and_split
+from retrieval.jobs.train import evaluate, evaluation_clicks, read_and_split
 from retrieval.serving import Bundle
 
 

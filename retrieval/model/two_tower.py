@@ -1,7 +1,7 @@
 """The two-tower model: wires towers, sampler and loss, and nothing else.
 
 ``build_model`` builds it from the config, with the parts that
-``retrieval.model_parts`` maps the config's names to.
+``retrieval.model.parts`` maps the config's names to.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pandas as pd
 import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
+from retrieval.common.replicas import across_replicas, replicas_in_step
 from retrieval.config import ModelConfig
 from retrieval.data import ITEM, USER, WEIGHT
 from retrieval.features import FeatureStatistics, feature_arrays
@@ -23,8 +24,7 @@ from retrieval.losses import (
     RetrievalLoss,
     gather_across_replicas,
 )
-from retrieval.model_parts import build_miner, build_objective, build_sampler, resolved, users_training_items
-from retrieval.replicas import across_replicas, replicas_in_step
+from retrieval.model.parts import build_miner, build_objective, build_sampler, resolved, users_training_items
 from retrieval.samplers import FaissHardNegativeMiner, Sampler, UserHistory
 from retrieval.towers import ensemble_towers, id_tower, member_embeddings, position_states
 from retrieval.towers.bias import log_popularity_bias, with_item_bias

@@ -13,7 +13,6 @@ each under its own lock.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import shutil
@@ -21,10 +20,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from retrieval.bundle.run_directory import RunExistsError
+from retrieval.common.atomic import atomic_file
+from retrieval.common.errors import RunExistsError
+from retrieval.common.lock import exclusive_lock
 from retrieval.config import Config
 from retrieval.data.fingerprint import FileFingerprint, InputsChangedError, changed_inputs, fingerprint_inputs
-from retrieval.training import TrainingDiverged
+from retrieval.training.loop import TrainingDiverged
 from retrieval.training.runtime import cluster_task
 
 log = logging.getLogger("retrieval")
@@ -79,12 +80,9 @@ def training_checkpoints(
         lock_name = "lock" if chief else f"lock.{kind}{index}"
     directory = Path(train.checkpoint_dir or config.run.output_dir) / f".{name}.checkpoints"
     directory.mkdir(parents=True, exist_ok=True)
-    lock = cleanup.enter_context(open(directory / lock_name, "w"))
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise UnfinishedRunError(f"another process is training run {name!r} ({directory} is locked)") \
-            from None
+    cleanup.enter_context(exclusive_lock(directory / lock_name, held=lambda: UnfinishedRunError(
+        f"another process is training run {name!r} ({directory} is locked)"
+    )))
     current = _resume_view(config.to_dict())
     saved = directory / "config.json"
     inputs = fingerprint_inputs(config.data) if inputs is None else inputs
@@ -146,9 +144,8 @@ def _check_resumed_inputs(
 
 def _write_json(path: Path, value: Any) -> None:
     """``path`` holds ``value`` as JSON, written whole or not at all (a kill mid-write leaves the old file)."""
-    partial = path.with_name(f".{path.name}.tmp")
-    partial.write_text(json.dumps(value, sort_keys=True))
-    partial.replace(path)
+    with atomic_file(path) as partial:
+        partial.write_text(json.dumps(value, sort_keys=True))
 
 
 def _holds_checkpoints(directory: Path) -> bool:

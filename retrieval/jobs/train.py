@@ -16,12 +16,12 @@ import numpy as np
 import pandas as pd
 import tensorflow as tf
 
-from retrieval.arrays import seeded_subset
 from retrieval.bundle.run_directory import atomic_directory
 from retrieval.bundle.seen_items import SeenItems
 from retrieval.bundle.user_histories import UserHistories
 from retrieval.bundle.writer import write_bundle
-from retrieval.checkpoint_directory import training_checkpoints
+from retrieval.common.arrays import seeded_subset
+from retrieval.common.native_logs import runtime_filtered_stderr
 from retrieval.config import Config, ConfigError, save_config, with_absolute_data_paths
 from retrieval.data import ITEM, TIME, USER, DataError
 from retrieval.data.dataset import LogSource, catalogue_table, open_log, split_summary
@@ -57,8 +57,7 @@ from retrieval.features import ExampleJoin, FeatureStatistics, TowerTables, Voca
 from retrieval.features.histories import ClickHistories
 from retrieval.index import ItemIndex, build_index_in_blocks, check_index_fits
 from retrieval.model import build_model
-from retrieval.model_parts import resolved
-from retrieval.native_logs import runtime_filtered_stderr
+from retrieval.model.parts import resolved
 from retrieval.samplers import UserHistory
 from retrieval.towers import build_ensemble_towers
 from retrieval.training import (
@@ -71,6 +70,7 @@ from retrieval.training import (
     seed_everything,
     training_summary,
 )
+from retrieval.training.checkpoint_directory import training_checkpoints
 from retrieval.training.parameter_server import (
     check_cluster,
     cluster_strategy,
