@@ -19,7 +19,7 @@ work from any directory; ``python -m pipelines.train`` still reads ``configs/def
 working directory. Relative paths (in a config, ``run.output_dir``, ``--run``) are relative to the
 working directory, as always.
 
-``serve`` runs the HTTP service of ``retrieval/service.py`` under uvicorn;
+``serve`` runs the HTTP service of ``retrieval/service/`` under uvicorn;
 ``reload`` asks a running service to swap to another bundle without
 dropping requests (``POST /admin/reload``). Both read the admin token from
 ``RETRIEVAL_ADMIN_TOKEN`` when the flag is not given (a flag shows in ``ps``).

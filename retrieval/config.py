@@ -362,7 +362,7 @@ CORPUS_NEGATIVES = ("uniform", "unigram", "log_uniform")
 
 
 class LossConfig(_Section):
-    """The training objective and its candidates (retrieval/losses.py, retrieval/samplers/).
+    """The training objective and its candidates (retrieval/losses/, retrieval/samplers/).
 
     ``kind: softmax`` with ``negatives: in_batch`` is in-batch softmax; with a
     corpus sampler it is sampled softmax; ``mixed`` is in-batch plus corpus draws

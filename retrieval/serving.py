@@ -20,7 +20,7 @@ items (the bundle's ``seen_items/``, ``retrieval.bundle.seen_items``) and the it
 of the query's click history; ``exclude_seen=False`` (``--include-seen``)
 serves them too.
 
-Over HTTP, ``retrieval serve --bundle artifacts/my-run`` (``retrieval/service.py``).
+Over HTTP, ``retrieval serve --bundle artifacts/my-run`` (``retrieval/service/``).
 """
 
 from __future__ import annotations

@@ -333,3 +333,27 @@ def test_missing_file_references_are_found(tmp_path):
         "[ok](../README.md#out-of-core-big-logs), [bad](../README.md#limits), [bad](../README.md#not-a-heading)"
     )
     assert _missing(doc) == ["../README.md#limits", "../README.md#not-a-heading", "README.md", "retrieval/nothing.py"]
+
+
+# A repository path a module's docstring or comment cites: retrieval/serving.py, docs/operations.md, configs/.
+_CITED_PATH = re.compile(r"(?<![\w/.])((?:retrieval|docs|configs|benchmarks|pipelines|notebooks)/[\w./-]*[\w/])")
+
+
+def _cited_paths(text: str) -> list[str]:
+    return [path for path in _CITED_PATH.findall(text) if re.search(r"\.(py|md|ya?ml|ipynb|html)$|/$", path)]
+
+
+def test_source_files_cite_no_missing_paths():
+    sources = [path for folder in ("retrieval", "benchmarks", "pipelines") for path in (ROOT / folder).rglob("*.py")]
+    assert _cited_paths((ROOT / "retrieval" / "config.py").read_text())  # the check sees paths at all
+    missing = {
+        str(path.relative_to(ROOT)): cited
+        for path in sources
+        if (cited := sorted({p for p in _cited_paths(path.read_text(encoding="utf-8")) if not (ROOT / p).exists()}))
+    }
+    assert not missing, f"paths cited in source files that do not exist: {missing}"
+
+
+def test_cited_paths_are_found():
+    text = "see retrieval/service.py and ``retrieval/losses/``; docs/x.md, not artifacts/run/ or my.retrieval/a.py"
+    assert _cited_paths(text) == ["retrieval/service.py", "retrieval/losses/", "docs/x.md"]
