@@ -8,8 +8,8 @@ STAGES = [
     "common",  # errors (UserError, run_main), native_logs (imported by retrieval/__init__.py, first), progress,
     # arrays, replicas (tf.distribute helpers), the one file lock and the atomic file writes
     "request_checks",  # the rules of a serving request (ids, id lists, k, query keys): every entry point's
-    "config",
-    "config_reference",  # docs/configuration.md, generated from config only
+    "config",  # typed sections, YAML loading and overrides (sections); docs/configuration.md generated from them
+    # (reference)
     "data",
     "features",
     "index",  # FAISS index over the catalogue and exact top-k (exact_topk): needs only common and config
@@ -118,3 +118,24 @@ def test_the_architecture_diagram_lists_the_stages_in_order():
     diagram = next(line for line in text.splitlines() if "─►" in line)
     expected = " ─► ".join(" + ".join(entry) if isinstance(entry, tuple) else entry for entry in STAGES)
     assert diagram == expected, "docs/architecture.md's diagram disagrees with STAGES in tests/test_layering.py"
+
+
+def _public_names(path: Path) -> set[str]:
+    """The public names a module defines at its top level (classes, functions, assignments)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(target.id for target in node.targets if isinstance(target, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {name for name in names if not name.startswith("_")}
+
+
+def test_the_config_package_re_exports_every_public_name_of_its_sections():
+    import retrieval.config
+
+    missing = _public_names(PACKAGE / "config" / "sections.py") - set(retrieval.config.__all__)
+    assert not missing, f"retrieval/config/__init__.py does not re-export {sorted(missing)}; add them"
+    assert all(hasattr(retrieval.config, name) for name in retrieval.config.__all__)
