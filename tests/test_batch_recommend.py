@@ -24,7 +24,10 @@ from hypothesis import strategies as st
 from test_seen_items import NUM_USERS, world  # noqa: F401  (the module fixture: fixed-tower bundles)
 
 from retrieval import cli, serving
-from retrieval.batch_recommend import (
+from retrieval.common.errors import UserError
+from retrieval.common.progress import Progress, format_duration
+from retrieval.serving import Bundle
+from retrieval.serving.batch import (
     DEFAULT_BLOCK_SIZE,
     RECOMMENDATION_SCHEMA,
     SIMILAR_SCHEMA,
@@ -35,9 +38,6 @@ from retrieval.batch_recommend import (
     recommend_to_file,
     similar_to_file,
 )
-from retrieval.common.errors import UserError
-from retrieval.common.progress import Progress, format_duration
-from retrieval.serving import Bundle
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +348,7 @@ def test_an_id_file_line_is_bounded_and_never_read_whole(tmp_path):
     a bounded piece of it (peak Python allocation far below the line's size)."""
     import tracemalloc
 
-    from retrieval.batch_recommend import MAX_ID_BYTES
+    from retrieval.serving.batch import MAX_ID_BYTES
 
     longest = tmp_path / "longest.txt"
     longest.write_bytes(b"a\r\n" + "é".encode() * (MAX_ID_BYTES // 2) + b"\r\nb")
@@ -408,7 +408,7 @@ def test_a_full_disk_under_out_is_one_line_and_leaves_no_file(world, tmp_path, m
     its last flush and the truncated file would be renamed) is one line naming --out, status 2, no file."""
     import builtins
 
-    from retrieval import batch_recommend
+    from retrieval.serving import batch as batch_recommend
 
     def full_disk(path, mode="r", *args, **kwargs):
         full = ".partial-" in str(path) and "w" in mode

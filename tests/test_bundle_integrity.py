@@ -28,8 +28,8 @@ from retrieval.bundle.writer import write_bundle
 from retrieval.config import IndexConfig
 from retrieval.index import ItemIndex, build_index
 from retrieval.jobs import reindex_bundle
-from retrieval.service import create_app
-from retrieval.serving import Bundle, BundleError, _same_top_k
+from retrieval.serving.bundle import Bundle, BundleError, _same_top_k
+from retrieval.serving.http import create_app
 
 NUM_ITEMS, NUM_USERS, PROBE_USER = 200, 40, "user00"
 PARTS = ["query_model", "doc_model", "index.faiss", "item_ids.parquet", "index.json"]

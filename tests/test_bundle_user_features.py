@@ -21,8 +21,8 @@ from retrieval.bundle.writer import raw_query, write_bundle
 from retrieval.features import TowerTables, feature_arrays
 from retrieval.index import ItemIndex
 from retrieval.jobs import reevaluate_reindex
-from retrieval.service import create_app
 from retrieval.serving import Bundle, BundleError
+from retrieval.serving.http import create_app
 
 # ALL_KINDS without the click history: every query input but the id comes from the user table.
 NO_HISTORY = ALL_KINDS.model_copy(update={"query": ALL_KINDS.query.model_copy(update={"history": None})})

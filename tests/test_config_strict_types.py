@@ -21,7 +21,7 @@ from test_bad_input_properties import LEAVES, _with
 from test_service import ROOT, call, world  # noqa: F401  (the module fixture: two small bundles)
 
 from retrieval.config import Config, ConfigError, load_config
-from retrieval.service import MAX_K, create_app
+from retrieval.serving.http import MAX_K, create_app
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -335,7 +335,7 @@ def test_missing_file_references_are_found(tmp_path):
     assert _missing(doc) == ["../README.md#limits", "../README.md#not-a-heading", "README.md", "retrieval/nothing.py"]
 
 
-# A repository path a module's docstring or comment cites: retrieval/serving.py, docs/operations.md, configs/.
+# A repository path a module's docstring or comment cites: retrieval/serving/bundle.py, docs/operations.md, configs/.
 _CITED_PATH = re.compile(r"(?<![\w/.])((?:retrieval|docs|configs|benchmarks|pipelines|notebooks)/[\w./-]*[\w/])")
 
 

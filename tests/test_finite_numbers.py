@@ -32,8 +32,8 @@ from retrieval.features import FeatureStatistics, TowerTables
 from retrieval.index import build_index
 from retrieval.jobs import train_evaluate_export
 from retrieval.model import build_model
-from retrieval.service import create_app
 from retrieval.serving import Bundle
+from retrieval.serving.http import create_app
 from retrieval.training import TrainingCheckpoint, TrainingDiverged, fit, make_optimizer
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -7,7 +7,6 @@ from pathlib import Path
 STAGES = [
     "common",  # errors (UserError, run_main), native_logs (imported by retrieval/__init__.py, first), progress,
     # arrays, replicas (tf.distribute helpers), the one file lock and the atomic file writes
-    "request_checks",  # the rules of a serving request (ids, id lists, k, query keys): every entry point's
     "config",  # typed sections, YAML loading and overrides (sections); docs/configuration.md generated from them
     # (reference)
     "data",
@@ -21,19 +20,17 @@ STAGES = [
     "evaluation",
     "bundle",  # the bundle format: typed manifest, its parts (index, SavedModels, seen items, user features and
     # histories, display features), the one writer, fingerprints, the atomic run directory
-    # One stage: batch_recommend answers many users through serving's Bundle, and serving's command
-    # line hands --out to it.
-    ("serving", "batch_recommend"),
-    "service",
+    "serving",  # Bundle (bundle: load, recommend, similar items, python -m retrieval.serving), many users into
+    # one Parquet file (batch), the rules of a request every entry point applies (request_checks), the HTTP
+    # service and its page (http)
     "jobs",  # the main job (train); re-evaluating (with the job's phases) and re-indexing a bundle (reevaluate_reindex)
     "tuning",  # hyper-parameter search: runs the job per trial
     "api",  # the Python API: retrieval.train -> Run, run.recommend, open_run
     "cli",
 ]
 PACKAGE = Path(__file__).resolve().parents[1] / "retrieval"
-# module -> its stage's position; modules grouped in one entry share it (and may import each other).
-RANK = {name: position for position, entry in enumerate(STAGES)
-        for name in (entry if isinstance(entry, tuple) else (entry,))}
+# stage -> its position; modules of one stage may import each other.
+RANK = {name: position for position, name in enumerate(STAGES)}
 
 
 def _stage_of(module: str) -> str:
@@ -116,7 +113,7 @@ def test_training_modules_build_on_earlier_ones_only():
 def test_the_architecture_diagram_lists_the_stages_in_order():
     text = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
     diagram = next(line for line in text.splitlines() if "─►" in line)
-    expected = " ─► ".join(" + ".join(entry) if isinstance(entry, tuple) else entry for entry in STAGES)
+    expected = " ─► ".join(STAGES)
     assert diagram == expected, "docs/architecture.md's diagram disagrees with STAGES in tests/test_layering.py"
 
 

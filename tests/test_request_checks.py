@@ -1,4 +1,4 @@
-"""One set of request rules for every entry point (``retrieval.request_checks``): the Python API, the
+"""One set of request rules for every entry point (``retrieval.serving.request_checks``): the Python API, the
 command line and HTTP read ids, id lists, k and query keys alike; a query embedding that a feature
 value breaks is an error naming that feature, not a fallback.
 
@@ -15,14 +15,14 @@ from feature_fixtures import write_feature_bundle
 from test_service import _fixed_id_tower, call
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
-from retrieval import serving
-from retrieval.batch_recommend import IdList, recommend_to_file
 from retrieval.bundle.writer import write_bundle
 from retrieval.config import MAX_EVALUATION_K, ConfigError, load_config
 from retrieval.index import ItemIndex
-from retrieval.request_checks import RequestError, check_query_keys, checked_id, checked_ids, checked_k
-from retrieval.service import create_app
 from retrieval.serving import Bundle
+from retrieval.serving import bundle as serving
+from retrieval.serving.batch import IdList, recommend_to_file
+from retrieval.serving.http import create_app
+from retrieval.serving.request_checks import RequestError, check_query_keys, checked_id, checked_ids, checked_k
 
 NUM_ITEMS, DIM = 40, 8
 ITEM_IDS = [str(100 + i) for i in range(NUM_ITEMS)]  # numeric ids, as MovieLens has

@@ -27,13 +27,13 @@ from hypothesis import strategies as st
 from test_service import _fixed_id_tower, _unit, call
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
-from retrieval import serving
 from retrieval.bundle.seen_items import SEEN_ITEMS_DIR, SeenItems
 from retrieval.bundle.writer import write_bundle
 from retrieval.config import IndexConfig
 from retrieval.index import ItemIndex, build_index
-from retrieval.service import create_app
 from retrieval.serving import Bundle, BundleError
+from retrieval.serving import bundle as serving
+from retrieval.serving.http import create_app
 
 DIM, NUM_ITEMS, NUM_USERS, HISTORY = 16, 300, 40, 4
 ALMOST_ALL = "user00"  # has seen every item but LEFT_OVER

@@ -22,8 +22,8 @@ from retrieval.bundle.saved_models import model_path
 from retrieval.bundle.writer import write_bundle
 from retrieval.config import IndexConfig
 from retrieval.index import build_index
-from retrieval.service import ServiceLimits, create_app, server_config
 from retrieval.serving import Bundle
+from retrieval.serving.http import ServiceLimits, create_app, server_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DIM, NUM_ITEMS, NUM_USERS, K = 16, 300, 60, 10

@@ -22,15 +22,15 @@ from test_service import ROOT, call, free_port, serve_in_thread, world  # noqa: 
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
 from retrieval import cli
-from retrieval.service import (
+from retrieval.serving import Bundle, BundleError
+from retrieval.serving.http import (
     MAX_EXCLUDED,
     ServiceLimits,
     check_admin_exposure,
     create_app,
     is_loopback,
 )
-from retrieval.service.limits import admin_host_allowed
-from retrieval.serving import Bundle, BundleError
+from retrieval.serving.http.limits import admin_host_allowed
 
 TOKEN = "s3cret-token-0123456789"
 # TensorFlow's native runtime logs (absl) at import: "I0000 00:00:17... port.cc:153] oneDNN ..." and the like.

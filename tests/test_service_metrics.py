@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_service import call, world  # noqa: F401  (the module fixture: two small bundles)
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
-from retrieval.service import ServiceLimits, create_app
 from retrieval.serving import Bundle
+from retrieval.serving.http import ServiceLimits, create_app
 
 LIMITS = ServiceLimits(max_body_bytes=1024, max_headers=20)
 GOOD = {"query": {"user_id": "user07"}, "k": 5}

@@ -16,8 +16,8 @@ from retrieval import serving
 from retrieval.bundle.writer import write_bundle
 from retrieval.config import IndexConfig
 from retrieval.index import ItemIndex, build_index
-from retrieval.service import MAX_K, create_app
-from retrieval.serving import Bundle, RequestError, _same_top_k
+from retrieval.serving.bundle import Bundle, RequestError, _same_top_k
+from retrieval.serving.http import MAX_K, create_app
 
 EXAMPLES = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -236,7 +236,7 @@ def test_http_answers_as_the_python_call(world, flat):  # noqa: F811
     ],
 )
 def test_bad_similar_requests_get_4xx_with_a_reason(flat, kwargs, status, reason):
-    from retrieval.service import ServiceLimits
+    from retrieval.serving.http import ServiceLimits
 
     response = call(create_app(flat, limits=ServiceLimits(max_body_bytes=96 * 1024)), "POST", "/similar", **kwargs)
     assert response.status_code == status, response.text

@@ -20,8 +20,8 @@ from retrieval.bundle.writer import raw_query
 from retrieval.config import TowersConfig
 from retrieval.features.histories import ClickHistories
 from retrieval.features.tables import latest_history
-from retrieval.service import create_app
 from retrieval.serving import Bundle, BundleError, RequestError
+from retrieval.serving.http import create_app
 
 KNOWN = ["u0", "u1", "u2", "u3", "u4", "u5"]
 LIMIT = 5  # above the towers' history length (3): the tower reads the first 3 of the stored 5

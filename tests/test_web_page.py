@@ -42,9 +42,9 @@ from retrieval.bundle.user_histories import UserHistories
 from retrieval.bundle.writer import write_bundle
 from retrieval.config import IndexConfig
 from retrieval.index import build_index
-from retrieval.service import create_app
-from retrieval.service.page import page_headers, page_html
 from retrieval.serving import Bundle, BundleError
+from retrieval.serving.http import create_app
+from retrieval.serving.http.page import page_headers, page_html
 
 DIM, NUM_ITEMS, NUM_USERS, K = 16, 120, 30, 8
 # Users whose ids a URL must carry encoded: a slash, a space, non-ASCII.

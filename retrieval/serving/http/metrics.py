@@ -40,7 +40,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from retrieval.service.app import BundleHolder
+    from retrieval.serving.http.app import BundleHolder
 
 METRICS_PATH = "/metrics"
 # The route label of a path no route has: one value, however many paths clients try.

@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from retrieval.service.inputs import (
+from retrieval.serving.http.inputs import (
     ExplainRequest,
     ItemsRequest,
     RecommendRequest,
@@ -47,13 +47,13 @@ from retrieval.service.inputs import (
     _validated,
     ascii_count,
 )
-from retrieval.service.limits import INLINE_PARSE_BYTES, ServiceLimits, admin_host_allowed, same_origin
-from retrieval.service.metrics import METRICS_PATH, RequestMetrics, ServiceMetrics
-from retrieval.service.page import PAGE_PATH, page_headers, page_html
+from retrieval.serving.http.limits import INLINE_PARSE_BYTES, ServiceLimits, admin_host_allowed, same_origin
+from retrieval.serving.http.metrics import METRICS_PATH, RequestMetrics, ServiceMetrics
+from retrieval.serving.http.page import PAGE_PATH, page_headers, page_html
 
-if TYPE_CHECKING:  # retrieval.serving loads TensorFlow: imported where a bundle is loaded, so that
+if TYPE_CHECKING:  # retrieval.serving.bundle loads TensorFlow: imported where a bundle is loaded, so that
     # `retrieval reload` and `retrieval serve --help` (which read ServiceLimits) start fast.
-    from retrieval.serving import Bundle, Recommendations, Verify
+    from retrieval.serving.bundle import Bundle, Recommendations, Verify
 
 log = logging.getLogger("retrieval.service")
 # GET /users: how many known user ids a page's pick list gets by default, and at most.
@@ -92,7 +92,7 @@ class BundleHolder:
 
 def _timed_load(directory: str | Path, verify: Verify) -> tuple[Bundle, float]:
     """``Bundle.load(directory, verify=verify)`` and the seconds it took."""
-    from retrieval.serving import Bundle
+    from retrieval.serving.bundle import Bundle
 
     started = time.perf_counter()
     bundle = Bundle.load(directory, verify=verify)
@@ -158,7 +158,7 @@ def create_app(
         reload against the manifest's fingerprints: "quick" (files over 64 MiB
         by size and both ends) or "full" (every file hashed whole).
     """
-    from retrieval.serving import Bundle, BundleError
+    from retrieval.serving.bundle import Bundle, BundleError
 
     limits = limits or ServiceLimits()
     if isinstance(bundle, Bundle):

@@ -18,14 +18,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from retrieval.request_checks import checked_id, checked_id_lists, checked_ids, checked_k
-from retrieval.service.limits import MAX_BATCH, MAX_EXCLUDED, MAX_K
+from retrieval.serving.http.limits import MAX_BATCH, MAX_EXCLUDED, MAX_K
+from retrieval.serving.request_checks import checked_id, checked_id_lists, checked_ids, checked_k
 
 Body = TypeVar("Body", bound=BaseModel)
 
 
 def _request_k(value: Any) -> int:
-    """``k`` as every entry point reads it (``retrieval.request_checks.checked_k``: true is not 1, nor
+    """``k`` as every entry point reads it (``retrieval.serving.request_checks.checked_k``: true is not 1, nor
     10.0 or "10" ten), and at most ``MAX_K``: a bound on the reply, whatever the catalogue."""
     k = checked_k(value, MAX_K + 1)
     if k > MAX_K:
@@ -44,7 +44,7 @@ def _bounded_ids(value: Any, name: str, bound: int) -> Any:
 
 class RecommendRequest(BaseModel):
     """Body of ``POST /recommend``: exactly one of ``query`` and ``queries``; ids and ``k`` follow
-    ``retrieval.request_checks`` (an int id is its decimal string, for items as for users)."""
+    ``retrieval.serving.request_checks`` (an int id is its decimal string, for items as for users)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -1,6 +1,6 @@
 """The rules of a serving request, stated once: the Python API (``retrieval.serving.Bundle``), the
-command line (``retrieval recommend``, ``retrieval.batch_recommend``) and the HTTP service
-(``retrieval.service``) all call these functions, so an argument means the same thing everywhere.
+command line (``retrieval recommend``, ``retrieval.serving.batch``) and the HTTP service
+(``retrieval.serving.http``) all call these functions, so an argument means the same thing everywhere.
 
 - An id (a user id, an item id) is a string or an integer; an integer is read as its decimal string,
   for users and items alike (``494`` names item ``"494"``). Anything else (a float, a bool, None, a

@@ -13,14 +13,14 @@ or from a shell::
     python -m retrieval.serving --bundle artifacts/my-run --similar 242 -k 10
     python -m retrieval.serving --bundle artifacts/my-run --users users.txt|all -k 100 --out recs.parquet
 
-(``retrieval recommend`` takes the same arguments; ``--out`` runs ``retrieval.batch_recommend``.)
+(``retrieval recommend`` takes the same arguments; ``--out`` runs ``retrieval.serving.batch``.)
 
 What a user already has is never served by default: the user's training
 items (the bundle's ``seen_items/``, ``retrieval.bundle.seen_items``) and the items
 of the query's click history; ``exclude_seen=False`` (``--include-seen``)
 serves them too.
 
-Over HTTP, ``retrieval serve --bundle artifacts/my-run`` (``retrieval/service/``).
+Over HTTP, ``retrieval serve --bundle artifacts/my-run`` (``retrieval/serving/http/``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from retrieval.bundle.user_histories import UserHistories
 from retrieval.common.errors import UserError, entry_point
 from retrieval.data.values import finite_feature_value
 from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFilesError, ItemIndex
-from retrieval.request_checks import (
+from retrieval.serving.request_checks import (
     RequestError,
     check_query_keys,
     checked_id,
@@ -60,7 +60,7 @@ from retrieval.request_checks import (
     checked_ids,
     checked_k,
 )
-from retrieval.request_checks import short as _short
+from retrieval.serving.request_checks import short as _short
 
 log = logging.getLogger("retrieval.serving")
 
@@ -402,7 +402,7 @@ class Bundle:
     def check_query(self, query: Any, position: int = 0) -> None:
         """Raise RequestError (a ValueError) naming the problem unless ``query`` is one this bundle can
         embed (``complete_queries`` fills what it lacks for a known user first) and holds no key the
-        bundle does not read (``retrieval.request_checks.check_query_keys``: a misspelt feature gets a
+        bundle does not read (``retrieval.serving.request_checks.check_query_keys``: a misspelt feature gets a
         "did you mean"; a ``history`` to a tower that reads none is refused, not ignored).
 
         Which inputs a query may leave out: an ID-only tower's user id must be sent; any input of
@@ -647,7 +647,7 @@ class Bundle:
         user may send the user id alone: the bundle fills its stored features and history
         (``complete_queries``). A history the query sends is read newest first; pass
         ``history_order="oldest_first"`` for one in time order (a line of a sequences file).
-        ``k`` and ``exclude_item_ids`` follow ``retrieval.request_checks``: k an int >= 1, capped at
+        ``k`` and ``exclude_item_ids`` follow ``retrieval.serving.request_checks``: k an int >= 1, capped at
         the catalogue size; ids strings or ints (``494`` is item ``"494"``), a list of them or None.
 
         Raises:
@@ -818,11 +818,11 @@ class Bundle:
         where an ID-only doc tower puts items without training clicks, ties with every item:
         it gets the most popular items, scores None, ``fallback="popular"``, as a query would.
 
-        Ids and ``k`` follow ``retrieval.request_checks`` as in ``recommend``.
+        Ids and ``k`` follow ``retrieval.serving.request_checks`` as in ``recommend``.
 
         Raises:
           RequestError: ``item_id`` is not in the bundle's catalogue, or an argument breaks a rule of
-            ``retrieval.request_checks`` (k not an int >= 1, a bare string as ``exclude_item_ids``).
+            ``retrieval.serving.request_checks`` (k not an int >= 1, a bare string as ``exclude_item_ids``).
           BundleError: the index is of a type FAISS cannot read vectors back from (``ItemIndex.vectors``).
         """
         item = checked_id(item_id, "item_id")
@@ -1086,12 +1086,12 @@ def recommend_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def recommend(args: argparse.Namespace) -> int:
     """Print one JSON line per query of ``recommend_parser``'s ``args``: its top-k ids, scores and fallback;
-    with ``--out``, write them for many users or items to a file (``retrieval.batch_recommend``)."""
+    with ``--out``, write them for many users or items to a file (``retrieval.serving.batch``)."""
     checked_k(args.k, sys.maxsize, "-k")  # the bundle caps it at its catalogue; refused here before it loads
     if args.similar and args.include_seen:
         raise UserError("--include-seen applies to --user-id queries; --similar has no user whose items to keep")
     if args.out is not None or args.users is not None:
-        from retrieval.batch_recommend import recommend_to_files  # same stage; imports this module
+        from retrieval.serving.batch import recommend_to_files  # same stage; imports this module
 
         return recommend_to_files(args)
     for flag, given in (("--overwrite", args.overwrite), ("--block-size", args.block_size is not None)):

@@ -23,7 +23,7 @@ from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from retrieval.service.limits import ServiceLimits
+from retrieval.serving.http.limits import ServiceLimits
 
 log = logging.getLogger("retrieval.service")
 

@@ -45,7 +45,7 @@ Endpoints (request and response bodies are JSON):
 
     ``features`` null throughout for a bundle without the table (ids only).
 ``GET /``
-    A web page over these endpoints (``retrieval.service.page``): a user's training items
+    A web page over these endpoints (``retrieval.serving.http.page``): a user's training items
     beside its top-k with item features, an item's similar items on a click.
 ``GET /healthz``
     ``{"status": "ok", "bundle": "<run>", "num_items": n}``; 503 ``{"status": "failing", ...,
@@ -55,7 +55,7 @@ Endpoints (request and response bodies are JSON):
     Bundle version, query features, index factory, tuned search parameters
     and their measured recall, library versions (no server paths).
 ``GET /metrics``
-    Prometheus text exposition (``retrieval.service.metrics``): requests by
+    Prometheus text exposition (``retrieval.serving.http.metrics``): requests by
     route template and status, their latency, and the bundle being served.
 ``POST /admin/reload`` (unless the app was made with ``admin=False``)
     ``{"bundle": "artifacts/<new run>"}``: loads the new bundle completely,
@@ -99,10 +99,10 @@ exposure), ``inputs`` (request models, body reading and parsing), ``connection``
 ``app`` (``create_app``, the bundle holder and the bulk lane).
 """
 
-from retrieval.service.app import BundleHolder, create_app
-from retrieval.service.connection import BoundedH11Protocol, BoundedHttpToolsProtocol, server_config
-from retrieval.service.inputs import RecommendRequest, ReloadRequest, SimilarRequest
-from retrieval.service.limits import (
+from retrieval.serving.http.app import BundleHolder, create_app
+from retrieval.serving.http.connection import BoundedH11Protocol, BoundedHttpToolsProtocol, server_config
+from retrieval.serving.http.inputs import RecommendRequest, ReloadRequest, SimilarRequest
+from retrieval.serving.http.limits import (
     ADMIN_TOKEN_ENV,
     INLINE_PARSE_BYTES,
     MAX_BATCH,

@@ -50,8 +50,8 @@ import pyarrow.parquet as pq
 from retrieval.common.arrays import CheckedSink
 from retrieval.common.errors import UserError
 from retrieval.common.progress import Progress
-from retrieval.request_checks import checked_ids, checked_k
-from retrieval.serving import Bundle, Recommendations
+from retrieval.serving.bundle import Bundle, Recommendations
+from retrieval.serving.request_checks import checked_ids, checked_k
 
 # Queries per search and per row group: >= ExactRouting.min_queries, ~100k rows at k=100. recommend_parser's
 # --block-size help quotes it.
@@ -260,7 +260,7 @@ def recommend_to_file(
 
     Raises:
       UserError: ``out`` exists and not ``overwrite``, or is a directory; block_size below 1; k or
-        ``exclude_item_ids`` breaking a rule of ``retrieval.request_checks`` (a RequestError).
+        ``exclude_item_ids`` breaking a rule of ``retrieval.serving.request_checks`` (a RequestError).
     """
     k, exclude_item_ids = _checked_request(bundle, k, block_size, exclude_item_ids)
 
@@ -310,7 +310,7 @@ def _checked_request(
     bundle: Bundle, k: int, block_size: int, exclude_item_ids: Sequence[str | int] | None
 ) -> tuple[int, list[str]]:
     """(k capped at the catalogue, the exclusions as id strings), by the rules every entry point shares
-    (``retrieval.request_checks``), and a positive ``block_size``: before any output is written."""
+    (``retrieval.serving.request_checks``), and a positive ``block_size``: before any output is written."""
     if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer) or block_size < 1:
         raise UserError(f"block_size must be a positive integer, got {block_size!r}")
     return checked_k(k, len(bundle.index)), checked_ids(exclude_item_ids, "exclude_item_ids")

@@ -25,7 +25,7 @@ _SCRIPT = re.compile(r"<script>(.*?)</script>", re.DOTALL)
 
 def page_html() -> str:
     """The page's HTML, as shipped in the package."""
-    return resources.files("retrieval.service").joinpath(PAGE_FILE).read_text(encoding="utf-8")
+    return resources.files("retrieval.serving.http").joinpath(PAGE_FILE).read_text(encoding="utf-8")
 
 
 def page_headers(html: str) -> dict[str, str]:
