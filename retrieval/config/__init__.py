@@ -6,7 +6,7 @@ from those models (``python -m retrieval.config.reference --write docs/configura
 here, so loading a config does not load it.
 
 Every public name of ``sections`` is re-exported here (``from retrieval.config import Config, load_config``);
-tests/test_layering.py checks that none is missing.
+tests/project/test_layering.py checks that none is missing.
 """
 
 from retrieval.config.sections import (

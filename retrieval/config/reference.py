@@ -6,7 +6,7 @@
 
 The tables are generated from the pydantic models (dotted key, type with its
 bounds, default, the field's ``description``), so docs/configuration.md cannot
-drift from the code: ``tests/test_docs.py`` fails when the block between the
+drift from the code: ``tests/project/test_docs.py`` fails when the block between the
 markers there differs from what this module generates. Feature kinds (the
 ``towers.*.features`` discriminated union) get one table each.
 

@@ -9,7 +9,7 @@ from benchmarks.bench_als_defaults import choose, point_name
 from benchmarks.bench_public import ALS_GRID
 from retrieval.config import ALSConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_chosen_point_has_the_highest_mean_share_of_each_logs_best():

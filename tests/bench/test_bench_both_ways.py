@@ -1,7 +1,7 @@
 """benchmarks.bench_both_ways runs end to end at toy size: it writes the whole-log file beside
 the shards, trains the same job in memory and streamed, and the two runs agree.
 
-No timing is asserted; the agreement is the contract ``tests/test_out_of_core.py`` proves on its
+No timing is asserted; the agreement is the contract ``tests/jobs/test_out_of_core.py`` proves on its
 own log, here on the benchmark's generator and ``configs/scale.yaml``.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks.bench_demo import CONFIG, summarise
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _row(seed, model, als, popularity=0.16):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from benchmarks.bench_parameter_server import markdown, tables
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tables_count_both_id_tables_with_lazy_adams_two_slots():

@@ -14,7 +14,7 @@ from retrieval.bundle.run_directory import RunExistsError, atomic_directory
 from retrieval.config import ConfigError, load_config
 from retrieval.jobs import train_evaluate_export
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = [
     "data.synthetic.n_users=120",
     "data.synthetic.n_items=60",

@@ -15,7 +15,7 @@ from test_service import world  # noqa: F401  (the module fixture: two small bun
 from retrieval import cli, serving
 from retrieval.config import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Each subcommand's flags: those of the entry point it stands for (python -m pipelines.X, retrieval.serving).
 FLAGS = {

@@ -18,7 +18,7 @@ from retrieval.config import ConfigError
 from retrieval.index import check_index_fits
 from retrieval.training import TrainingDiverged
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # TensorFlow's C++ start-up log and the job's own log records (HH:MM:SS name: ...) are not ours.
 NOT_OURS = re.compile(r"^(WARNING: All log messages before absl::InitializeLog|[IWE]\d{4} [\d:.]+ |\d\d:\d\d:\d\d )")
 

@@ -13,7 +13,7 @@ def test_defaults_round_trip_through_dict():
     assert Config.from_dict(config.to_dict()) == config
 
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # configs/*.yaml that are not a job config (tune_space.yaml is the search space of `make tune`).
 NOT_JOB_CONFIGS = {"tune_space.yaml"}
 

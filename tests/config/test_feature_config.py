@@ -6,7 +6,7 @@ import pytest
 
 from retrieval.config import Config, ConfigError, TowersConfig, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FEATURE_CONFIGS = [
     "configs/ml100k_features.yaml",
     "configs/ml100k_features_history.yaml",

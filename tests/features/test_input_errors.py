@@ -12,7 +12,7 @@ from retrieval.data import DataError, read_clicks
 from retrieval.features.inputs import check_inputs
 from retrieval.features.tables import missing_feature_column
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _csv(tmp_path, name, text):

@@ -194,7 +194,7 @@ def test_auto_is_the_default_and_its_exact_size_follows_the_floats_a_query_scans
 
 
 def test_the_exact_bound_is_the_one_the_index_benchmark_measured():
-    report = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/bench_index_auto.json").read_text())
+    report = json.loads((Path(__file__).resolve().parents[2] / "benchmarks/results/bench_index_auto.json").read_text())
     assert report["exact_max_floats"] == EXACT_MAX_FLOATS
     assert report["exact_p99_ms"] == 5.0
 

@@ -49,7 +49,7 @@ def _metrics(tmp_path, name, *extra):
 
 
 def test_same_config_twice_gives_identical_metrics(tmp_path, monkeypatch):
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # configs/default.yaml
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # configs/default.yaml
     first, second = _metrics(tmp_path, "first"), _metrics(tmp_path, "second")
     assert set(first) >= {"model", "popularity", "als"}
     for ranker in ("model", "popularity", "als"):

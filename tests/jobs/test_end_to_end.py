@@ -17,7 +17,7 @@ from retrieval.data import ITEM, load_dataset
 from retrieval.jobs import evaluate_bundle, train_evaluate_export
 from retrieval.serving import Bundle
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
     "data.synthetic.n_users=600",
     "data.synthetic.n_items=300",
@@ -102,7 +102,7 @@ def test_served_top_k_equals_brute_force_over_exported_towers(run):
     _, result = run
     bundle = Bundle.load(result.directory)
     users = ["u0001", "u0002", "u0003"]
-    # The towers and the index, without the exclusion of training items (tests/test_seen_items.py).
+    # The towers and the index, without the exclusion of training items (tests/serving/test_seen_items.py).
     served = bundle.recommend_batch([{"user_id": u} for u in users], k=10, exclude_seen=False)
     query_model = tf.saved_model.load(str(model_path(result.directory, "query_model"))).signatures["serving_default"]
     doc_model = tf.saved_model.load(str(model_path(result.directory, "doc_model"))).signatures["serving_default"]

@@ -29,7 +29,7 @@ from retrieval.data.fingerprint import InputsChangedError, RunInputs, fingerprin
 from retrieval.data.streaming import ClickShards, plan_split, scan_counts
 from retrieval.training import StreamedClicks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NAME = "watched"
 
 

@@ -17,7 +17,7 @@ from retrieval.data import ITEM, USER, split_clicks
 from retrieval.data.synthetic import generate_clicks
 from retrieval.jobs import train as jobs  # the module whose names the tests patch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ["in_memory", "streamed"]
 
 

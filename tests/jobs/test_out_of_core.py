@@ -41,7 +41,7 @@ from retrieval.features import FeatureStatistics
 from retrieval.index import ITEM_IDS_FILE
 from retrieval.training import StreamedClicks, validation_split
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = ColumnsConfig(user="user_id", item="item_id", timestamp="timestamp", weight="weight")
 TEMPORAL = SplitConfig(kind="temporal", test_fraction=0.2)
 

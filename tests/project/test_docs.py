@@ -14,7 +14,7 @@ from retrieval.bundle import layout as bundle_layout
 from retrieval.config import Config, IdFeature, TextFeature
 from retrieval.config import reference as config_reference
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 CONFIGURATION = ROOT / config_reference.TARGET

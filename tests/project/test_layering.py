@@ -28,7 +28,10 @@ STAGES = [
     "api",  # the Python API: retrieval.train -> Run, run.recommend, open_run
     "cli",
 ]
-PACKAGE = Path(__file__).resolve().parents[1] / "retrieval"
+PACKAGE = Path(__file__).resolve().parents[2] / "retrieval"
+TESTS = PACKAGE.parent / "tests"
+# tests/ folders that are no stage: the repository's own checks, and the benchmarks' tests.
+OTHER_TEST_FOLDERS = ["project", "bench"]
 # stage -> its position; modules of one stage may import each other.
 RANK = {name: position for position, name in enumerate(STAGES)}
 
@@ -114,7 +117,7 @@ def test_the_architecture_diagram_lists_the_stages_in_order():
     text = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
     diagram = next(line for line in text.splitlines() if "─►" in line)
     expected = " ─► ".join(STAGES)
-    assert diagram == expected, "docs/architecture.md's diagram disagrees with STAGES in tests/test_layering.py"
+    assert diagram == expected, "docs/architecture.md's diagram disagrees with STAGES in tests/project/test_layering.py"
 
 
 def _public_names(path: Path) -> set[str]:
@@ -136,3 +139,15 @@ def test_the_config_package_re_exports_every_public_name_of_its_sections():
     missing = _public_names(PACKAGE / "config" / "sections.py") - set(retrieval.config.__all__)
     assert not missing, f"retrieval/config/__init__.py does not re-export {sorted(missing)}; add them"
     assert all(hasattr(retrieval.config, name) for name in retrieval.config.__all__)
+
+
+def test_the_test_folders_are_stages_all_on_the_path_with_unique_file_names(pytestconfig):
+    folders = sorted(p.name for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
+    strays = sorted(set(folders) - set(STAGES) - set(OTHER_TEST_FOLDERS))
+    assert not strays, f"tests/ folders that are no stage: {strays}; name them after a stage in STAGES"
+    assert not list(TESTS.glob("test_*.py")), "a test file belongs in the folder of its stage, not at the top of tests/"
+    # Test files import each other by module name (pyproject.toml's pytest pythonpath), so a name is used once.
+    path = {str(Path(p).resolve().relative_to(PACKAGE.parent)) for p in pytestconfig.getini("pythonpath")}
+    assert path == {"tests", *(f"tests/{folder}" for folder in folders)}, "pyproject.toml's pytest pythonpath"
+    names = [p.name for p in TESTS.rglob("*.py") if "__pycache__" not in p.parts]
+    assert len(names) == len(set(names)), sorted({name for name in names if names.count(name) > 1})

@@ -14,7 +14,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 NAMES = ["quickstart.ipynb", "sampling.ipynb"]
 # The config each notebook starts from: the quickstart runs make train's demo, sampling the code's defaults.
 CONFIGS = {"quickstart.ipynb": "demo.yaml", "sampling.ipynb": "default.yaml"}

@@ -375,7 +375,7 @@ def test_sigterm_during_recommend_out_removes_the_partial_file(world, tmp_path):
     import time
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     users = tmp_path / "users.txt"
     users.write_text("".join(f"user{u % 39:02d}\n" for u in range(200_000)))
     for number in (signal.SIGTERM, signal.SIGHUP):

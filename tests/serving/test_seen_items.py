@@ -10,7 +10,7 @@
 - a trained bundle (the job writes the seen items from its training clicks; re-indexing keeps
   them) and MovieLens 100K users 196, 1 and 13 (slow).
 
-The out-of-core job writes the in-memory job's seen items: ``tests/test_out_of_core.py::_job_both_ways``.
+The out-of-core job writes the in-memory job's seen items: ``tests/jobs/test_out_of_core.py::_job_both_ways``.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from retrieval.index import build_index
 from retrieval.serving import Bundle
 from retrieval.serving.http import ServiceLimits, create_app, server_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DIM, NUM_ITEMS, NUM_USERS, K = 16, 300, 60, 10
 
 

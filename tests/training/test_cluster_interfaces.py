@@ -23,7 +23,7 @@ import pytest
 
 from retrieval.training.interfaces import exposure, listening_addresses
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEADER = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
 
 

@@ -30,7 +30,7 @@ from retrieval.losses import LossInputs, gather_across_replicas
 from retrieval.samplers import Negatives
 from retrieval.training import distribution_strategy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "tests" / "_distribute_check.py"
 
 pytestmark = pytest.mark.slow

@@ -53,7 +53,7 @@ from retrieval.training.worker_input import (
 )
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DIM = 8
 ShardedVariable = tf.__internal__.distribute.ShardedVariable
 

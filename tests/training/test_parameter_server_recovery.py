@@ -19,7 +19,7 @@ import retrieval  # noqa: F401
 from pipelines.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 NOISE = ("E0000", "W0000", "I0000", "Additional GRPC", ":UNKNOWN:", "This could happen")

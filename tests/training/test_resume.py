@@ -41,7 +41,7 @@ from retrieval.training import (
 )
 from retrieval.training.checkpoint_directory import UnfinishedRunError, training_checkpoints
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NAME = "resumed"
 CONFIG = """\
 data:

@@ -29,7 +29,7 @@ from retrieval.tuning import (
     value_at,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # A tiny synthetic log: a trial (early stopping over 2 epochs, refit, index, evaluation, export)
 # takes ~10 s on a busy 2-core machine.
 TINY = [
