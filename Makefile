@@ -16,7 +16,7 @@ install: $(BIN)/activate
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
-# The web page's browser test (tests/test_web_page.py): selenium (the `browser` extra, pinned) and
+# The web page's browser test (tests/serving/test_web_page.py): selenium (the `browser` extra, pinned) and
 # Debian's chromium + chromium-driver, which make does not install (apt needs root): it says how.
 install-browser: $(BIN)/activate
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[dev,browser]"

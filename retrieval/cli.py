@@ -13,13 +13,13 @@
 Each subcommand takes exactly the flags of the module entry point it stands for, from the same
 parser: ``python -m pipelines.train|evaluate|export|tune`` are ``run_command`` here with their
 historical defaults, ``python -m retrieval.serving`` is ``recommend`` (its parser lives in
-``retrieval/serving.py``). Without ``--config``, ``retrieval train`` and ``retrieval tune`` use the
+``retrieval/serving/bundle.py``). Without ``--config``, ``retrieval train`` and ``retrieval tune`` use the
 code's defaults, which are the project's recipe (``configs/default.yaml`` restates them), so they
 work from any directory; ``python -m pipelines.train`` still reads ``configs/default.yaml`` from the
 working directory. Relative paths (in a config, ``run.output_dir``, ``--run``) are relative to the
 working directory, as always.
 
-``serve`` runs the HTTP service of ``retrieval/service/`` under uvicorn;
+``serve`` runs the HTTP service of ``retrieval/serving/http/`` under uvicorn;
 ``reload`` asks a running service to swap to another bundle without
 dropping requests (``POST /admin/reload``). Both read the admin token from
 ``RETRIEVAL_ADMIN_TOKEN`` when the flag is not given (a flag shows in ``ps``).
@@ -52,8 +52,8 @@ from typing import Any
 
 from retrieval.common.errors import UserError, debugging, entry_point
 
-# retrieval.service loads TensorFlow only when a bundle is loaded: `retrieval reload` and --help start fast.
-from retrieval.service import ADMIN_TOKEN_ENV, ServiceLimits
+# retrieval.serving.http loads TensorFlow only when a bundle is loaded: `retrieval reload` and --help start fast.
+from retrieval.serving.http import ADMIN_TOKEN_ENV, ServiceLimits
 
 # The project's own search space, beside the package in a source checkout (pip install -e .).
 PROJECT_TUNE_SPACE = Path(__file__).resolve().parents[1] / "configs" / "tune_space.yaml"
@@ -423,7 +423,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow loads)
-    from retrieval.service import check_admin_exposure, create_app, server_config
+    from retrieval.serving.http import check_admin_exposure, create_app, server_config
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
