@@ -265,13 +265,12 @@ def recommend_to_file(
         ``exclude_item_ids`` or ``filters`` breaking a rule of ``retrieval.request_checks`` or
         ``retrieval.bundle.item_filters`` (a RequestError).
     """
-    k, exclude_item_ids, allowed = _checked_request(bundle, k, block_size, exclude_item_ids, filters)
+    k, exclude_item_ids, filters = _checked_request(bundle, k, block_size, exclude_item_ids, filters)
 
     def answer(block: list[str]) -> list[Recommendations]:
         queries = [{"user_id": user} for user in block]
-        embeddings, known = bundle.embed_with_known(queries)
-        return bundle.recommend_embedded(embeddings, known, k, [exclude_item_ids] * len(block), queries=queries,
-                                         exclude_seen=exclude_seen, allowed=allowed)
+        return bundle.recommend_batch(queries, k, [exclude_item_ids] * len(block), exclude_seen=exclude_seen,
+                                      filters=filters)
 
     return _write(users, answer, RECOMMENDATION_SCHEMA, "users", out, block_size, overwrite, progress)
 
@@ -294,8 +293,7 @@ def similar_to_file(
     Raises:
       RequestError: an id of ``items`` is not in the catalogue (``item_source`` checks a file first).
     """
-    k, exclude_item_ids, _ = _checked_request(bundle, k, block_size, exclude_item_ids, filters)
-    filters = parse_filters(filters)
+    k, exclude_item_ids, filters = _checked_request(bundle, k, block_size, exclude_item_ids, filters)
 
     def answer(block: list[str]) -> list[Recommendations]:
         return bundle.similar_items_batch(block, k, [exclude_item_ids] * len(block), filters=filters)
@@ -316,14 +314,15 @@ def check_out(out: str | Path, overwrite: bool) -> Path:
 def _checked_request(
     bundle: Bundle, k: int, block_size: int, exclude_item_ids: Sequence[str | int] | None,
     filters: Mapping[str, Any] | ItemFilters | None = None,
-) -> tuple[int, list[str], np.ndarray | None]:
-    """(k capped at the catalogue, the exclusions as id strings, the rows ``filters`` allow or None), by
-    the rules every entry point shares (``retrieval.request_checks``, ``retrieval.bundle.item_filters``),
-    and a positive ``block_size``: before any output is written."""
+) -> tuple[int, list[str], ItemFilters | None]:
+    """(k capped at the catalogue, the exclusions as id strings, the parsed filters), by the rules every
+    entry point shares (``retrieval.request_checks``, ``retrieval.bundle.item_filters``: the filters'
+    columns checked against the bundle's table), and a positive ``block_size``: before any output is written."""
     if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer) or block_size < 1:
         raise UserError(f"block_size must be a positive integer, got {block_size!r}")
-    return (checked_k(k, len(bundle.index)), checked_ids(exclude_item_ids, "exclude_item_ids"),
-            bundle.allowed_rows(filters))
+    parsed = parse_filters(filters)
+    bundle.allowed_rows(parsed)  # a column the table lacks is refused here, before the file is opened
+    return checked_k(k, len(bundle.index)), checked_ids(exclude_item_ids, "exclude_item_ids"), parsed
 
 
 def _write(
