@@ -170,6 +170,9 @@ def test_a_flat_index_returns_the_exact_top_k_of_the_allowed_rows(share, routing
     exclude = [np.concatenate([best[i, : i % 4], rng.choice(len(ids), 5)]) for i in range(num_queries)]
     top = index.search(queries, 10, exclude=exclude, allow=[allowed] * num_queries)
     np.testing.assert_array_equal(top.rows, _exact_allowed(items, queries, 10, allowed, exclude))
+    # Again with the same array: its rows, bitmap and gathered vectors come from the index's cache.
+    np.testing.assert_array_equal(index.search(queries, 10, exclude=exclude, allow=[allowed] * num_queries).rows,
+                                  top.rows)
     expected_scores = np.take_along_axis(queries @ items.T, top.rows, 1)
     np.testing.assert_allclose(top.scores, expected_scores, rtol=1e-5, atol=1e-5)
 
@@ -208,6 +211,28 @@ def test_an_ivf_index_returns_k_items_at_one_percent_where_its_nprobe_alone_woul
     exact = _exact_allowed(items, queries, k, allowed, exclude)
     recall = np.mean([len(np.intersect1d(found, truth)) / k for found, truth in zip(top.rows, exact)])
     assert recall >= 0.9, recall
+
+
+@pytest.mark.parametrize("widening", [1.0, 0.0])
+def test_an_ivf_index_probes_lists_with_a_selector_when_many_items_pass(widening):
+    ids, items, queries, rng = _vectors(5, 20_000, num_queries=30)
+    index = ItemIndex.build(ids, items, "IVF128,Flat")
+    index.set_search_params("nprobe=4")
+    index.filter_widening = widening
+    allowed = np.sort(rng.choice(len(ids), 10_000, replace=False))  # 50 %: fewer lists hold them than pass
+    exact = _exact_allowed(items, queries, 10, allowed, [[]] * len(queries))
+    exclude = [exact[i, :3] for i in range(len(queries))]  # each query's best three allowed rows
+    top = index.search(queries, 10, exclude=exclude, allow=[allowed] * len(queries))
+    assert ((top.rows >= 0).sum(axis=1) == 10).all()
+    assert np.isin(top.rows, allowed).all()
+    assert not any(np.isin(rows, own).any() for rows, own in zip(top.rows, exclude))
+    if widening == 1.0:  # nprobe / share lists: about the recall of the unfiltered search at its nprobe
+        truth = _exact_allowed(items, queries, 10, allowed, exclude)
+        recall = np.mean([len(np.intersect1d(found, best)) / 10 for found, best in zip(top.rows, truth)])
+        everything = _exact_allowed(items, queries, 10, np.arange(len(ids)), [[]] * len(queries))
+        unfiltered = np.mean([len(np.intersect1d(found, best)) / 10
+                              for found, best in zip(index.search(queries, 10).rows, everything)])
+        assert recall >= unfiltered - 0.1, (recall, unfiltered)
 
 
 def test_an_hnsw_index_never_returns_fewer_than_the_allowed_rows_left():

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -63,6 +64,9 @@ KIND_OPERATORS: dict[str, tuple[str, ...]] = {
 KIND_NAMES = {"string": "a string column", "number": "a number column", "bool": "a true/false column",
               "list": "a list-of-strings column", ITEM: "the item id"}
 MAX_VALUES = 100_000  # values an "in" list may hold (an item_id allow-list is the long one)
+# Distinct filters whose passing rows a FilterTable keeps: evaluating one over 500k items takes 0.2-0.9 ms
+# (benchmarks/results/bench_filters.md), more than an IVF search; at most 4 MB each for 500k items.
+CACHED_FILTERS = 16
 
 Scalar = str | float | bool
 
@@ -239,6 +243,9 @@ class FilterTable:
         self._table_rows: np.ndarray | None = None
         self._prepared: dict[str, Any] = {}
         self._id_rows: dict[str, int] | None = None  # item id -> index row, built on the first item_id filter
+        # The rows of the last CACHED_FILTERS distinct filters (by ``ItemFilters.key``), most recent last: the
+        # same array object for the same filter, which ``ItemIndex`` keys its bitmap on.
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
 
     def check(self, filters: ItemFilters) -> None:
         """Refuse a column the table lacks, or an operator or value its kind does not take (RequestError)."""
@@ -275,7 +282,18 @@ class FilterTable:
         parsed = parse_filters(filters)
         if parsed is None:
             return None
-        return np.flatnonzero(self.mask(parsed)).astype(np.int64)
+        key = parsed.key
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        rows = np.flatnonzero(self.mask(parsed)).astype(np.int64)
+        rows.flags.writeable = False  # shared by every request with this filter
+        with self._lock:
+            self._cache[key] = rows
+            while len(self._cache) > CACHED_FILTERS:
+                self._cache.popitem(last=False)
+        return rows
 
     def mask(self, filters: ItemFilters) -> np.ndarray:
         """[num_items] bool: which index rows pass every condition of ``filters`` (checked first)."""

@@ -14,7 +14,9 @@ import math
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +49,16 @@ log = logging.getLogger("retrieval.index")
 # Allowed rows whose vectors a filtered exact search gathers at once: bounds its copy to 64 MiB at dim 64.
 ALLOWED_BLOCK = 262_144
 # A Flat index's few queries score the allowed rows gathered below this share of the catalogue, through FAISS
-# skipping the others (IDSelectorBitmap) above it: one query over 500k 64-d items, 2 cores, crossing near 2-4 %
-# (1 %: 0.2 ms gathered, 1.4 ms skipping; 10 %: 6.4 ms and 5.4 ms; 50 %: 31 ms and 12 ms).
-GATHER_BELOW_SHARE = 0.03
+# skipping the others (IDSelectorBitmap) above it: one query over 500k 64-d items, 2 busy cores (load 1-6, so
+# noisy), medians: 1 %: 0.2 ms gathered, 1.4 ms skipping; 10 %: 6.4 and 5.4 ms in one run, 6.9 and 10.7 ms in
+# another; 50 %: 31 and 12 ms.
+GATHER_BELOW_SHARE = 0.2
+# ... and only for fewer queries than this: FAISS scores a Flat index with a selector one query at a time, without
+# BLAS (64 queries over 500k items at 10 %: 1 s skipping, tens of ms gathered).
+SKIP_BELOW_QUERIES = 4
+ALLOW_CACHE = 16  # allow arrays whose checked rows and bitmap an ItemIndex keeps
+SUBINDEX_BYTES = 256 * 2**20  # their gathered vectors, all together (one at most a quarter of it)
+_NONE = np.zeros(0, np.int64)  # no rows excluded
 
 # FAISS's k-means (faiss.ClusteringParameters().min_points_per_centroid) warns below this many
 # training points per centroid; below one point per centroid it refuses to train.
@@ -144,6 +153,15 @@ class ItemIndex:
         self.search_params = ""
         self.set_search_params(search_params)
         self._direct_map_lock = threading.Lock()
+        # id(allow array) -> its checked rows, bitmap and (once scored exactly) gathered vectors: a filter's rows
+        # come back as one array object while its evaluation is cached (``FilterTable``), so they are checked,
+        # packed and gathered once (a per-filter sub-index), the last ALLOW_CACHE of them, vectors within
+        # SUBINDEX_BYTES.
+        self._allow_cache: OrderedDict[int, _Allowed] = OrderedDict()
+        self._allow_lock = threading.Lock()
+        # How far a filtered IVF or HNSW search starts wider than its own nprobe / efSearch: by 1 / share ** this
+        # (``_search_within``); benchmarks compare 1 (recall kept) with 0 (widened only until k items pass).
+        self.filter_widening = 1.0
 
     @classmethod
     def build(
@@ -378,55 +396,106 @@ class ItemIndex:
             if allowed is None:
                 top = self.search(queries[members], k, excluded)
             else:
-                top = self._search_within(queries[members], k, excluded, self._allowed_rows(allowed))
+                top = self._search_within(queries[members], k, excluded, self._allowed(allowed))
             scores[members], rows[members] = top.scores, top.rows
         return TopK(scores=scores, rows=rows)
 
-    def _allowed_rows(self, allowed: np.ndarray) -> np.ndarray:
-        """An allow array as sorted distinct int64 rows; ValueError naming a row outside the index."""
-        rows = np.unique(np.asarray(allowed, dtype=np.int64).reshape(-1))
+    def _allowed(self, allowed: np.ndarray) -> _Allowed:
+        """An allow array's sorted distinct int64 rows and their bitmap (bit r of byte r // 8 for row r),
+        kept for the last ``ALLOW_CACHE`` arrays; ValueError naming a row outside the index."""
+        with self._allow_lock:
+            cached = self._allow_cache.get(id(allowed))
+            if cached is not None and cached.source is allowed and cached.ntotal == len(self):
+                self._allow_cache.move_to_end(id(allowed))
+                return cached
+        rows = np.asarray(allowed, dtype=np.int64).reshape(-1)
+        if len(rows) > 1 and not bool(np.all(rows[1:] > rows[:-1])):  # a filter's rows come sorted: no sort
+            rows = np.unique(rows)
         if len(rows) and (rows[0] < 0 or rows[-1] >= len(self)):
             outside = int(rows[0] if rows[0] < 0 else rows[-1])
             raise ValueError(f"allow names row {outside}, which is not in the index (rows 0..{len(self) - 1})")
-        return rows
+        mask = np.zeros(len(self), dtype=bool)
+        mask[rows] = True
+        entry = _Allowed(allowed, rows, np.packbits(mask, bitorder="little"), len(self))
+        with self._allow_lock:
+            self._allow_cache[id(allowed)] = entry
+            while len(self._allow_cache) > ALLOW_CACHE:
+                self._allow_cache.popitem(last=False)
+        return entry
+
+    def _gathered(self, entry: _Allowed, gather: Callable[[np.ndarray], np.ndarray]) -> np.ndarray | None:
+        """``entry``'s vectors [allowed, dim] float32, gathered once and kept while the cache's gathered
+        vectors stay within ``SUBINDEX_BYTES`` (older entries' dropped first); None when too large to keep."""
+        size = len(entry.rows) * self.dim * 4
+        if size > SUBINDEX_BYTES // 4:
+            return None
+        vectors = entry.vectors
+        if vectors is None:
+            vectors = np.ascontiguousarray(gather(entry.rows), dtype=np.float32)
+            with self._allow_lock:
+                entry.vectors = vectors
+                kept = sum(other.vectors.nbytes for other in self._allow_cache.values() if other.vectors is not None)
+                for other in list(self._allow_cache.values()):
+                    if kept <= SUBINDEX_BYTES:
+                        break
+                    if other is not entry and other.vectors is not None:
+                        kept -= other.vectors.nbytes
+                        other.vectors = None
+        return vectors
 
     def _search_within(
-        self, queries: np.ndarray, k: int, exclude: Sequence[np.ndarray] | None, allowed: np.ndarray
+        self, queries: np.ndarray, k: int, exclude: Sequence[np.ndarray] | None, entry: _Allowed
     ) -> TopK:
         """Top-k of ``queries`` [n, dim] among the sorted rows ``allowed``, never a row of ``exclude``.
 
-        A Flat index scores exactly the allowed rows: gathered (``_exact_within``) for a batch that
-        ``self.routing`` sends to ``ExactTopK`` or under ``GATHER_BELOW_SHARE`` of the catalogue, by
-        FAISS skipping every other row (an ``IDSelectorBitmap``, the same exact result) otherwise.
-        Other indexes search with FAISS skipping every other row too: an IVF probes ``nprobe / share``
-        lists (share = allowed / ntotal, so it scores about as many allowed vectors as an unfiltered
-        search scores vectors), an HNSW walks with ``efSearch / share``; a query that still gets fewer
-        than min(k, allowed - excluded) rows is searched again 4x wider, up to every list or the whole
-        graph. Excluded rows are over-fetched and dropped, as ``search`` does without ``allow``.
+        A Flat index scores exactly the allowed rows: their vectors gathered once per filter and kept
+        (``_gathered``: a per-filter sub-index) and scored (``_exact_within``); when they are too many
+        to keep, by FAISS skipping every other row (an ``IDSelectorBitmap``) for fewer than
+        ``SKIP_BELOW_QUERIES`` queries when at least ``GATHER_BELOW_SHARE`` of the catalogue passes,
+        else gathered a block at a time.
+        Other indexes search with FAISS skipping every other row too: an IVF probes
+        ``nprobe / share ** self.filter_widening`` lists (share = allowed / ntotal; at the default
+        power 1 it scores about as many allowed vectors as an unfiltered search scores vectors, so
+        recall holds; at 0 it starts from its own nprobe), unless the allowed rows are fewer than the
+        entries of the lists it would probe: then their vectors are read back and scored exactly
+        (``_exact_within``, a plain IVF only). An HNSW walks with ``efSearch`` widened alike. A query
+        that still gets fewer than min(k, allowed - excluded) rows is searched again 4x wider, up to
+        every list or the whole graph. Excluded rows are over-fetched and dropped, as ``search`` does
+        without ``allow``.
         """
-        num = len(queries)
-        excluded = [np.zeros(0, np.int64) if exclude is None else
-                    np.intersect1d(np.asarray(exclude[i], dtype=np.int64), allowed) for i in range(num)]
+        num, allowed, bitmap = len(queries), entry.rows, entry.bitmap
+        if exclude is None or not any(len(rows) for rows in exclude):
+            excluded = [_NONE] * num
+        else:
+            excluded = [np.intersect1d(np.asarray(rows, dtype=np.int64), allowed) for rows in exclude]
         wanted = np.minimum(k, len(allowed) - np.array([len(rows) for rows in excluded], dtype=np.int64))
         if len(allowed) == 0:
             return _pad(np.zeros((num, 0), np.float32), np.zeros((num, 0), np.int64), k)
         share = len(allowed) / len(self)
-        if isinstance(self.index, faiss.IndexFlat) and self.index.metric_type == faiss.METRIC_INNER_PRODUCT and (
-            share < GATHER_BELOW_SHARE or self.routing.uses_exact_top_k(num, len(allowed))
-        ):
-            return self._exact_within(queries, k, excluded, allowed, flat_vectors(self.index).__getitem__)
-        mask = np.zeros(len(self), dtype=bool)
-        mask[allowed] = True
-        bitmap = np.packbits(mask, bitorder="little")  # kept alive while the selector reads it
-        selector = faiss.IDSelectorBitmap(len(bitmap), faiss.swig_ptr(bitmap))
+        if isinstance(self.index, faiss.IndexFlat) and self.index.metric_type == faiss.METRIC_INNER_PRODUCT:
+            gather = flat_vectors(self.index).__getitem__
+            kept = self._gathered(entry, gather)
+            if kept is not None or share < GATHER_BELOW_SHARE or num >= SKIP_BELOW_QUERIES:
+                return self._exact_within(queries, k, excluded, allowed, gather, kept)
+        selector = faiss.IDSelectorBitmap(len(bitmap), faiss.swig_ptr(bitmap))  # ``bitmap`` outlives the search
         ivf = faiss.try_extract_index_ivf(self.index)
         hnsw = _hnsw_of(self.index)
+        widening = share**-self.filter_widening
         if ivf is not None:
-            breadth, widest = math.ceil(ivf.nprobe / share), ivf.nlist
+            breadth, widest = math.ceil(ivf.nprobe * widening), ivf.nlist
         elif hnsw is not None:
-            breadth, widest = math.ceil(max(hnsw.hnsw.efSearch, k) / share), len(self)
+            breadth, widest = math.ceil(max(hnsw.hnsw.efSearch, k) * widening), len(self)
         else:
             breadth, widest = 0, 0
+        if (isinstance(self.index, faiss.IndexIVF) and ivf is not None
+                and len(allowed) <= min(breadth, widest) / ivf.nlist * len(self)):
+            # Fewer allowed rows than the lists to probe hold: scoring them all is exact and costs less
+            # (a gathered matrix product against a per-entry selector check and distance).
+            try:
+                kept = self._gathered(entry, self.vectors)
+                return self._exact_within(queries, k, excluded, allowed, self.vectors, kept)
+            except ValueError:  # vectors FAISS cannot give back: probe the lists
+                pass
         depth = int(min(k + max(len(rows) for rows in excluded), len(allowed)))
         scores = np.full((num, k), -np.inf, dtype=np.float32)
         rows = np.full((num, k), -1, dtype=np.int64)
@@ -438,7 +507,8 @@ class ItemIndex:
                 found_scores, found_rows = self.index.search(queries[pending], depth, params=params)
             except RuntimeError:  # an index type FAISS cannot filter while searching: score the allowed rows
                 return self._exact_within(queries, k, excluded, allowed, self.vectors)
-            found_rows, found_scores = drop_members(found_rows, found_scores, [excluded[int(i)] for i in pending])
+            if any(len(own) for own in excluded):
+                found_rows, found_scores = drop_members(found_rows, found_scores, [excluded[int(i)] for i in pending])
             top = _pad(found_scores[:, :k], found_rows[:, :k], k)
             scores[pending], rows[pending] = top.scores, top.rows
             short = (top.rows >= 0).sum(axis=1) < wanted[pending]
@@ -454,23 +524,30 @@ class ItemIndex:
         excluded: Sequence[np.ndarray],
         allowed: np.ndarray,
         gather: Callable[[np.ndarray], np.ndarray],
+        kept: np.ndarray | None = None,
     ) -> TopK:
         """The exact top-k among the sorted rows ``allowed`` (``excluded`` [n] sorted subsets of them left out):
         their vectors gathered ``ALLOWED_BLOCK`` rows at a time (``gather(rows)`` -> [m, dim]) and
-        scored by ``ExactTopK`` where ``self.routing`` sends such a batch, by one matrix product and
-        a partition otherwise; the blocks' best merged."""
+        scored by ``ExactTopK`` where ``self.routing`` sends such a batch (it masks the exclusions),
+        by FAISS's brute force over the block otherwise (over-fetching the exclusions); the blocks'
+        best merged. ``kept``: the allowed rows' vectors [allowed, dim] already gathered (one block)."""
         num = len(queries)
         scores = np.full((num, k), -np.inf, dtype=np.float32)
         rows = np.full((num, k), -1, dtype=np.int64)
-        for start in range(0, len(allowed), ALLOWED_BLOCK):
-            block = allowed[start : start + ALLOWED_BLOCK]
-            vectors = np.ascontiguousarray(gather(block), dtype=np.float32)
+        step = len(allowed) if kept is not None else ALLOWED_BLOCK
+        for start in range(0, len(allowed), max(step, 1)):
+            block = allowed[start : start + step]
+            vectors = kept if kept is not None else np.ascontiguousarray(gather(block), dtype=np.float32)
             # Positions of the excluded rows in this block (each is an allowed row, so found exactly).
             local = [np.searchsorted(block, own[(own >= block[0]) & (own <= block[-1])]) for own in excluded]
             if self.routing.uses_exact_top_k(num, len(block)) and np.all(np.isfinite(queries)):
                 found_scores, found_rows = ExactTopK(vectors).search(queries, k, local)
             else:
-                found_scores, found_rows = _product_top_k(vectors, queries, k, local)
+                depth = min(k + max(len(own) for own in local), len(block))
+                found_scores, found_rows = faiss.knn(queries, vectors, depth, metric=faiss.METRIC_INNER_PRODUCT)
+                found_rows, found_scores = drop_members(found_rows, found_scores, local)
+                top = _pad(found_scores[:, :k], found_rows[:, :k], k)
+                found_scores, found_rows = top.scores, top.rows
             found_rows = np.where(found_rows >= 0, block[np.maximum(found_rows, 0)], -1)
             merged_scores = np.hstack([scores, np.where(found_rows >= 0, found_scores, -np.inf)])
             merged_rows = np.hstack([rows, found_rows])
@@ -816,6 +893,18 @@ class _BlockedTopK:
         return TopK(scores=self.scores, rows=self.rows)
 
 
+@dataclass
+class _Allowed:
+    """An allow array (``source``) checked against an index of ``ntotal`` rows: its sorted distinct ``rows``
+    [m] int64, their ``bitmap`` [ceil(ntotal / 8)] uint8 and, once gathered, their ``vectors`` [m, dim]."""
+
+    source: np.ndarray
+    rows: np.ndarray
+    bitmap: np.ndarray
+    ntotal: int
+    vectors: np.ndarray | None = None
+
+
 def _hnsw_of(index: faiss.Index) -> faiss.IndexHNSW | None:
     """The HNSW graph index under ``index``'s wrappers (OPQ/PCA transforms, a refinement), or None."""
     if isinstance(index, faiss.IndexPreTransform):
@@ -824,19 +913,3 @@ def _hnsw_of(index: faiss.Index) -> faiss.IndexHNSW | None:
         return _hnsw_of(faiss.downcast_index(index.base_index))
     return index if isinstance(index, faiss.IndexHNSW) else None
 
-
-def _product_top_k(
-    vectors: np.ndarray, queries: np.ndarray, k: int, exclude: Sequence[np.ndarray]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Exact top-k of ``queries`` [n, dim] over ``vectors`` [m, dim] by one matrix product and a partition,
-    ``exclude`` [n] positions left out: ([n, k] scores, [n, k] positions, -inf / -1 past the last)."""
-    scores = queries @ vectors.T
-    for position, own in enumerate(exclude):
-        scores[position, own] = -np.inf
-    depth = min(k, vectors.shape[0])
-    top = np.argpartition(-scores, depth - 1, axis=1)[:, :depth] if depth < vectors.shape[0] else \
-        np.broadcast_to(np.arange(depth), (len(queries), depth))
-    top_scores = np.take_along_axis(scores, top, 1)
-    order = np.argsort(-top_scores, axis=1, kind="stable")
-    top, top_scores = np.take_along_axis(top, order, 1), np.take_along_axis(top_scores, order, 1)
-    return top_scores.astype(np.float32), np.where(np.isneginf(top_scores), -1, top).astype(np.int64)
