@@ -20,7 +20,7 @@ import pytest
 
 from retrieval.bundle.display_features import DisplayFeatures
 from retrieval.bundle.item_filters import FilterTable, parse_filters
-from retrieval.index import EXACT_ALWAYS, FAISS_ONLY, ItemIndex
+from retrieval.index import EXACT_ALWAYS, FAISS_ONLY, ItemIndex, item_index
 from retrieval.request_checks import RequestError
 
 NUM_ITEMS = 400
@@ -159,7 +159,11 @@ def _exact_allowed(items, queries, k, allowed, exclude):
 @pytest.mark.parametrize("share", [0.01, 0.1, 0.5])
 @pytest.mark.parametrize("routing", [EXACT_ALWAYS, FAISS_ONLY], ids=["exact_top_k", "faiss"])
 @pytest.mark.parametrize("num_queries", [1, 70])
-def test_a_flat_index_returns_the_exact_top_k_of_the_allowed_rows(share, routing, num_queries):
+@pytest.mark.parametrize("kept", [True, False], ids=["gathered_once", "too_large_to_keep"])
+def test_a_flat_index_returns_the_exact_top_k_of_the_allowed_rows(share, routing, num_queries, kept, monkeypatch):
+    if not kept:  # no per-filter sub-index: gathered a block at a time, or FAISS skipping rows (1 query, 50 %)
+        monkeypatch.setattr(item_index, "SUBINDEX_BYTES", 0)
+        monkeypatch.setattr(item_index, "ALLOWED_BLOCK", 97)
     ids, items, queries, rng = _vectors(1, 3000)
     queries = queries[:num_queries]
     index = ItemIndex.build(ids, items)

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -160,8 +160,12 @@ class ItemIndex:
         self._allow_cache: OrderedDict[int, _Allowed] = OrderedDict()
         self._allow_lock = threading.Lock()
         # How far a filtered IVF or HNSW search starts wider than its own nprobe / efSearch: by 1 / share ** this
-        # (``_search_within``); benchmarks compare 1 (recall kept) with 0 (widened only until k items pass).
-        self.filter_widening = 1.0
+        # (``_search_within``). 1 scores about as many passing vectors as an unfiltered search scores vectors, 0
+        # widens only until k items pass. 0.5 (measured, 500k items, IVF1024 tuned to nprobe 2, recall@10 at
+        # 1 / 10 / 50 %: 1.000 / 0.986 / 0.995 against 1.000 / 0.995 / 0.995 at 1 and 0.586 / 0.979 / 0.993 at 0;
+        # benchmarks/results/bench_filters.md).
+        self.filter_widening = 0.5
+        self._graphs: tuple[Any, Any] | None = None  # (the IVF, the HNSW) under the wrappers, found on first use
 
     @classmethod
     def build(
@@ -454,9 +458,9 @@ class ItemIndex:
         ``SKIP_BELOW_QUERIES`` queries when at least ``GATHER_BELOW_SHARE`` of the catalogue passes,
         else gathered a block at a time.
         Other indexes search with FAISS skipping every other row too: an IVF probes
-        ``nprobe / share ** self.filter_widening`` lists (share = allowed / ntotal; at the default
-        power 1 it scores about as many allowed vectors as an unfiltered search scores vectors, so
-        recall holds; at 0 it starts from its own nprobe), unless the allowed rows are fewer than the
+        ``nprobe / share ** self.filter_widening`` lists (share = allowed / ntotal; at power 1 it
+        scores about as many allowed vectors as an unfiltered search scores vectors, so recall holds;
+        at 0 it starts from its own nprobe; the default 0.5 is between), unless the allowed rows are fewer than the
         entries of the lists it would probe: then their vectors are read back and scored exactly
         (``_exact_within``, a plain IVF only). An HNSW walks with ``efSearch`` widened alike. A query
         that still gets fewer than min(k, allowed - excluded) rows is searched again 4x wider, up to
@@ -477,9 +481,12 @@ class ItemIndex:
             kept = self._gathered(entry, gather)
             if kept is not None or share < GATHER_BELOW_SHARE or num >= SKIP_BELOW_QUERIES:
                 return self._exact_within(queries, k, excluded, allowed, gather, kept)
-        selector = faiss.IDSelectorBitmap(len(bitmap), faiss.swig_ptr(bitmap))  # ``bitmap`` outlives the search
-        ivf = faiss.try_extract_index_ivf(self.index)
-        hnsw = _hnsw_of(self.index)
+        if entry.selector is None:  # made once per allow array; ``bitmap`` lives as long as the entry
+            entry.selector = faiss.IDSelectorBitmap(len(bitmap), faiss.swig_ptr(bitmap))
+        selector = entry.selector
+        if self._graphs is None:  # the IVF or HNSW under the index's wrappers: found once
+            self._graphs = (faiss.try_extract_index_ivf(self.index), _hnsw_of(self.index))
+        ivf, hnsw = self._graphs
         widening = share**-self.filter_widening
         if ivf is not None:
             breadth, widest = math.ceil(ivf.nprobe * widening), ivf.nlist
@@ -502,7 +509,10 @@ class ItemIndex:
         pending = np.arange(num)
         while len(pending):
             breadth = min(breadth, widest)
-            params, _ = _skipping_params(self.index, selector, breadth, nprobe=breadth if ivf is not None else None)
+            params = entry.params.get(breadth)
+            if params is None:
+                params = _skipping_params(self.index, selector, breadth, nprobe=breadth if ivf is not None else None)[0]
+                entry.params[breadth] = params
             try:
                 found_scores, found_rows = self.index.search(queries[pending], depth, params=params)
             except RuntimeError:  # an index type FAISS cannot filter while searching: score the allowed rows
@@ -903,6 +913,8 @@ class _Allowed:
     bitmap: np.ndarray
     ntotal: int
     vectors: np.ndarray | None = None
+    selector: Any = None  # faiss.IDSelectorBitmap over ``bitmap``, made on the first search that needs it
+    params: dict[int, Any] = field(default_factory=dict)  # breadth -> faiss SearchParameters with ``selector``
 
 
 def _hnsw_of(index: faiss.Index) -> faiss.IndexHNSW | None:
