@@ -389,6 +389,9 @@ class ItemIndex:
         self, queries: np.ndarray, k: int, exclude: Sequence[np.ndarray] | None, allow: Sequence[np.ndarray | None]
     ) -> TopK:
         """``search`` with allow-lists: the queries sharing one allow array (the same object) in one search."""
+        first = allow[0]
+        if first is not None and all(allowed is first for allowed in allow):  # one filter for the batch
+            return self._search_within(queries, k, exclude, self._allowed(first))
         scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
         rows = np.full((len(queries), k), -1, dtype=np.int64)
         groups: dict[int, list[int]] = {}
@@ -504,8 +507,7 @@ class ItemIndex:
             except ValueError:  # vectors FAISS cannot give back: probe the lists
                 pass
         depth = int(min(k + max(len(rows) for rows in excluded), len(allowed)))
-        scores = np.full((num, k), -np.inf, dtype=np.float32)
-        rows = np.full((num, k), -1, dtype=np.int64)
+        result: TopK | None = None
         pending = np.arange(num)
         while len(pending):
             breadth = min(breadth, widest)
@@ -519,13 +521,21 @@ class ItemIndex:
                 return self._exact_within(queries, k, excluded, allowed, self.vectors)
             if any(len(own) for own in excluded):
                 found_rows, found_scores = drop_members(found_rows, found_scores, [excluded[int(i)] for i in pending])
-            top = _pad(found_scores[:, :k], found_rows[:, :k], k)
-            scores[pending], rows[pending] = top.scores, top.rows
+            missing = found_rows.shape[1] < k or bool((found_rows[:, :k] < 0).any())
+            top = _pad(found_scores[:, :k], found_rows[:, :k], k) if missing else TopK(found_scores[:, :k],
+                                                                                        found_rows[:, :k])
+            if result is None:
+                result = top  # the first search answers every query
+            else:
+                result.scores[pending], result.rows[pending] = top.scores, top.rows
+            if not missing or breadth >= widest:
+                break
             short = (top.rows >= 0).sum(axis=1) < wanted[pending]
-            if breadth >= widest or not short.any():
+            if not short.any():
                 break
             pending, breadth = pending[short], breadth * 4
-        return TopK(scores=scores, rows=rows)
+        assert result is not None  # num >= 1: the loop ran
+        return result
 
     def _exact_within(
         self,
