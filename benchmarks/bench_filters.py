@@ -17,9 +17,9 @@ the allowed rows (``ItemIndex.search(allow=...)``), k = ``--k``.
 
 - ``Flat``: exact; the filtered answer must equal the numpy top-k of the allowed rows (recall 1).
 - ``IVF<lists>,Flat`` tuned to recall@k 0.95 unfiltered (``ItemIndex.tune`` on separate queries), filtered
-  at each ``--widenings`` value w of ``ItemIndex.filter_widening`` (nprobe / share ** w lists: 1 scores
-  about as many passing vectors as an unfiltered search scores vectors, 0 starts from its own nprobe;
-  every one widens 4x while a query has fewer than k items).
+  at each ``--candidates`` value c of ``ItemIndex.filter_candidates`` (at least the lists that hold c x k
+  passing vectors: 0 starts from its own nprobe, ~ nprobe x list size / k scores about as many passing
+  vectors as an unfiltered search scores vectors; every one widens 4x while a query has fewer than k).
 
 Latency: batch 1, each of ``--queries`` queries alone (FAISS on one OpenMP thread, as ``retrieval
 serve`` searches), p50 and p99 over the queries; batch ``--batch`` (64), ``--batches`` batches,
@@ -120,7 +120,7 @@ def measure(index: ItemIndex, table: FilterTable, vectors: np.ndarray, queries: 
         for label in labels:
             got = np.vstack(found[label])
             row: dict[str, Any] = {"index": index.factory, "search_params": index.search_params, "batch": size,
-                                   "filter_widening": index.filter_widening,
+                                   "filter_candidates": index.filter_candidates,
                                    "selectivity": label or "unfiltered", "calls": len(seconds[label]),
                                    **_percentiles(seconds[label]),
                                    "full": float(np.mean((got >= 0).sum(axis=1) == k))}
@@ -150,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=4, help="batches of --batch queries timed")
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--lists", type=int, default=1024, help="IVF lists")
-    parser.add_argument("--widenings", type=lambda text: [float(w) for w in text.split(",")], default=[1.0, 0.5, 0.0],
-                        help="IVF filter_widening values to compare (nprobe / share ** w lists)")
+    parser.add_argument("--candidates", type=lambda text: [float(c) for c in text.split(",")],
+                        default=[100.0, 10.0, 0.0],
+                        help="IVF filter_candidates values to compare (passing vectors probed per result)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -165,17 +166,17 @@ def main(argv: list[str] | None = None) -> int:
     ivf = ItemIndex.build(ids, vectors, f"IVF{args.lists},Flat", train_sample_size=min(args.items, 100 * args.lists))
     tuning = ivf.tune(vectors, tune_queries, k=args.k, target_recall=0.95)
     rows = measure(flat, table, vectors, queries, args.k, args.batch, args.batches)
-    default = ivf.filter_widening
-    for widening in args.widenings:  # nprobe / share ** widening lists; 0: widened only until k items pass
-        ivf.filter_widening = widening
+    default = ivf.filter_candidates
+    for candidates in args.candidates:  # 0: its own nprobe, widened only until k items pass
+        ivf.filter_candidates = candidates
         rows += measure(ivf, table, vectors, queries, args.k, args.batch, args.batches)
-    ivf.filter_widening = default
+    ivf.filter_candidates = default
     targets = []
-    for index, widening in ((flat, flat.filter_widening), *((ivf, w) for w in args.widenings)):
+    for index, candidates in ((flat, flat.filter_candidates), *((ivf, c) for c in args.candidates)):
         for size in (1, args.batch):
             (row,) = [r for r in rows if r["index"] == index.factory and r["batch"] == size
-                      and r["selectivity"] == "10 %" and r["filter_widening"] == widening]
-            targets.append({"index": index.factory, "filter_widening": widening, "batch": size,
+                      and r["selectivity"] == "10 %" and r["filter_candidates"] == candidates]
+            targets.append({"index": index.factory, "filter_candidates": candidates, "batch": size,
                             "ratio": row["p99_vs_unfiltered"], "p50_ratio": row["p50_vs_unfiltered"],
                             "full": row["full"], "recall": row["recall"],
                             "met": row["p99_vs_unfiltered"] <= TARGET_RATIO and row["full"] == 1})
@@ -193,14 +194,14 @@ def main(argv: list[str] | None = None) -> int:
               "k returned",
               "recall@k", "filter eval p50 ms", "first call ms"]
     table_rows = [[r["index"] + (f" ({r['search_params']})" if r["search_params"] else "")
-                   + (f", widening {r['filter_widening']:g}" if r["index"] != "Flat" else ""), r["batch"],
+                   + (f", candidates {r['filter_candidates']:g}" if r["index"] != "Flat" else ""), r["batch"],
                    r["selectivity"], f"{r.get('allowed', args.items):,}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
                    f"{r['p50_vs_unfiltered']:.2f}", f"{r['p99_vs_unfiltered']:.2f}", f"{r['full']:.0%}",
                    f"{r['recall']:.3f}" if "recall" in r else "",
                    f"{r['evaluation_p50_ms']:.2f}" if "evaluation_p50_ms" in r else "",
                    f"{r['first_call_ms']:.2f}" if "first_call_ms" in r and r["batch"] == 1 else ""] for r in rows]
     def named(t: dict[str, Any]) -> str:
-        return t["index"] if t["index"] == "Flat" else f"{t['index']}, widening {t['filter_widening']:g}"
+        return t["index"] if t["index"] == "Flat" else f"{t['index']}, candidates {t['filter_candidates']:g}"
 
     verdict = [f"- {named(t)}, batch {t['batch']}: "
                f"filtered p99 at 10 % is {t['ratio']:.2f}x the unfiltered p99 (p50 {t['p50_ratio']:.2f}x), k items for "
@@ -214,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.items:,} unit vectors of dim {args.dim} around {args.clusters} centres (noise {args.noise:g}); a "
         f"`bucket` column uniform in 0..99, independent of the vectors; k = {args.k}. The IVF is tuned unfiltered to "
         f"recall@{args.k} >= 0.95 ({tuning.params}, measured {tuning.recall:.3f}); filtered, it probes "
-        "nprobe / share ** widening lists (widening 1: about as many passing vectors scored as unfiltered; 0: its own "
-        "nprobe), 4x wider while a query has fewer than k. Each call evaluates "
+        "at least its nprobe lists, or as many as hold `candidates` x k passing vectors (0: its own nprobe; "
+        "the default is 10), 4x wider while a query has fewer than k. Each call evaluates "
         "the filter and searches; a distinct filter's rows, bitmap and gathered vectors are kept after its first "
         "call (`first call ms`, batch 1: the cold call; `filter eval p50 ms`: an evaluation without the cache).",
         "",

@@ -217,12 +217,12 @@ def test_an_ivf_index_returns_k_items_at_one_percent_where_its_nprobe_alone_woul
     assert recall >= 0.9, recall
 
 
-@pytest.mark.parametrize("widening", [1.0, 0.0])
-def test_an_ivf_index_probes_lists_with_a_selector_when_many_items_pass(widening):
+@pytest.mark.parametrize("candidates", [10.0, 0.0])
+def test_an_ivf_index_probes_lists_with_a_selector_when_many_items_pass(candidates):
     ids, items, queries, rng = _vectors(5, 20_000, num_queries=30)
     index = ItemIndex.build(ids, items, "IVF128,Flat")
     index.set_search_params("nprobe=4")
-    index.filter_widening = widening
+    index.filter_candidates = candidates
     allowed = np.sort(rng.choice(len(ids), 10_000, replace=False))  # 50 %: fewer lists hold them than pass
     exact = _exact_allowed(items, queries, 10, allowed, [[]] * len(queries))
     exclude = [exact[i, :3] for i in range(len(queries))]  # each query's best three allowed rows
@@ -230,7 +230,7 @@ def test_an_ivf_index_probes_lists_with_a_selector_when_many_items_pass(widening
     assert ((top.rows >= 0).sum(axis=1) == 10).all()
     assert np.isin(top.rows, allowed).all()
     assert not any(np.isin(rows, own).any() for rows, own in zip(top.rows, exclude))
-    if widening == 1.0:  # nprobe / share lists: about the recall of the unfiltered search at its nprobe
+    if candidates:  # lists holding 10 k passing vectors: about the recall of the unfiltered search at its nprobe
         truth = _exact_allowed(items, queries, 10, allowed, exclude)
         recall = np.mean([len(np.intersect1d(found, best)) / 10 for found, best in zip(top.rows, truth)])
         everything = _exact_allowed(items, queries, 10, np.arange(len(ids)), [[]] * len(queries))

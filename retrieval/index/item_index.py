@@ -159,12 +159,12 @@ class ItemIndex:
         # SUBINDEX_BYTES.
         self._allow_cache: OrderedDict[int, _Allowed] = OrderedDict()
         self._allow_lock = threading.Lock()
-        # How far a filtered IVF or HNSW search starts wider than its own nprobe / efSearch: by 1 / share ** this
-        # (``_search_within``). 1 scores about as many passing vectors as an unfiltered search scores vectors, 0
-        # widens only until k items pass. 0.5 (measured, 500k items, IVF1024 tuned to nprobe 2, recall@10 at
-        # 1 / 10 / 50 %: 1.000 / 0.986 / 0.995 against 1.000 / 0.995 / 0.995 at 1 and 0.586 / 0.979 / 0.993 at 0;
-        # benchmarks/results/bench_filters.md).
-        self.filter_widening = 0.5
+        # Passing vectors a filtered IVF search aims to score per result: it probes at least the lists that hold,
+        # at the filter's share, this many times k of them (``_search_within``; 0: its own nprobe, widened only
+        # until k items pass). An HNSW walks with efSearch / sqrt(share). Measured against 0 and against
+        # nprobe / share lists (as many passing vectors as an unfiltered search scores vectors):
+        # benchmarks/results/bench_filters.md.
+        self.filter_candidates = 10.0
         self._graphs: tuple[Any, Any] | None = None  # (the IVF, the HNSW) under the wrappers, found on first use
 
     @classmethod
@@ -460,12 +460,11 @@ class ItemIndex:
         to keep, by FAISS skipping every other row (an ``IDSelectorBitmap``) for fewer than
         ``SKIP_BELOW_QUERIES`` queries when at least ``GATHER_BELOW_SHARE`` of the catalogue passes,
         else gathered a block at a time.
-        Other indexes search with FAISS skipping every other row too: an IVF probes
-        ``nprobe / share ** self.filter_widening`` lists (share = allowed / ntotal; at power 1 it
-        scores about as many allowed vectors as an unfiltered search scores vectors, so recall holds;
-        at 0 it starts from its own nprobe; the default 0.5 is between), unless the allowed rows are fewer than the
-        entries of the lists it would probe: then their vectors are read back and scored exactly
-        (``_exact_within``, a plain IVF only). An HNSW walks with ``efSearch`` widened alike. A query
+        Other indexes search with FAISS skipping every other row too: an IVF probes its nprobe lists,
+        or more: enough to hold ``self.filter_candidates`` x k passing vectors at the filter's share
+        (share = allowed / ntotal; lists of ntotal / nlist vectors), unless the allowed rows are fewer
+        than the entries of the lists it would probe: then their vectors are read back and scored
+        exactly (``_exact_within``, a plain IVF only). An HNSW walks with ``efSearch / sqrt(share)``. A query
         that still gets fewer than min(k, allowed - excluded) rows is searched again 4x wider, up to
         every list or the whole graph. Excluded rows are over-fetched and dropped, as ``search`` does
         without ``allow``.
@@ -490,11 +489,11 @@ class ItemIndex:
         if self._graphs is None:  # the IVF or HNSW under the index's wrappers: found once
             self._graphs = (faiss.try_extract_index_ivf(self.index), _hnsw_of(self.index))
         ivf, hnsw = self._graphs
-        widening = share**-self.filter_widening
         if ivf is not None:
-            breadth, widest = math.ceil(ivf.nprobe * widening), ivf.nlist
+            lists_for_candidates = self.filter_candidates * k / (share * len(self) / ivf.nlist)
+            breadth, widest = max(ivf.nprobe, math.ceil(lists_for_candidates)), ivf.nlist
         elif hnsw is not None:
-            breadth, widest = math.ceil(max(hnsw.hnsw.efSearch, k) * widening), len(self)
+            breadth, widest = math.ceil(max(hnsw.hnsw.efSearch, k) / math.sqrt(share)), len(self)
         else:
             breadth, widest = 0, 0
         if (isinstance(self.index, faiss.IndexIVF) and ivf is not None
