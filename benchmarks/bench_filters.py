@@ -21,8 +21,9 @@ the allowed rows (``ItemIndex.search(allow=...)``), k = ``--k``.
   passing vectors: 0 starts from its own nprobe, ~ nprobe x list size / k scores about as many passing
   vectors as an unfiltered search scores vectors; every one widens 4x while a query has fewer than k).
 
-Latency: batch 1, each of ``--queries`` queries alone (FAISS on one OpenMP thread, as ``retrieval
-serve`` searches), p50 and p99 over the queries; batch ``--batch`` (64), ``--batches`` batches,
+Latency: batch 1, each of ``--queries`` queries alone, ``--repeats`` times (FAISS on one OpenMP thread, as
+``retrieval serve`` searches), p50 and p99 over the calls (an IVF query takes tens of microseconds: on
+a shared machine its p99 is the scheduler's); batch ``--batch`` (64), ``--batches`` batches,
 p50/p99 of a batch's seconds. Unfiltered and filtered calls alternate query by query, so load
 changes hit both alike. Recall: the share of each query's exact filtered top-k found (numpy over the
 allowed rows); ``full``: the share of queries that got k items.
@@ -84,7 +85,7 @@ def _timed(call: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def measure(index: ItemIndex, table: FilterTable, vectors: np.ndarray, queries: np.ndarray, k: int,
-            batch: int, batches: int) -> list[dict[str, Any]]:
+            batch: int, batches: int, repeats: int) -> list[dict[str, Any]]:
     """Rows of the report for one index: unfiltered, then each selectivity, at batch 1 and ``batch``."""
     rows: list[dict[str, Any]] = []
     filters = {label: {"bucket": {"max": top}} for label, top in SELECTIVITIES.items()}
@@ -108,7 +109,7 @@ def measure(index: ItemIndex, table: FilterTable, vectors: np.ndarray, queries: 
 
     labels: list[str | None] = [None, *filters]
     for size in (1, batch):
-        starts = list(range(0, len(queries), size))[: (len(queries) if size == 1 else batches)]
+        starts = list(range(len(queries))) * repeats if size == 1 else list(range(0, len(queries), size))[:batches]
         seconds: dict[str | None, list[float]] = {label: [] for label in labels}
         found: dict[str | None, list[np.ndarray]] = {label: [] for label in labels}
         for round_, start in enumerate(starts):
@@ -116,7 +117,8 @@ def measure(index: ItemIndex, table: FilterTable, vectors: np.ndarray, queries: 
             for label in labels[round_ % len(labels):] + labels[: round_ % len(labels)]:  # rotate the order
                 spent, top = _timed(lambda block=block, label=label: search(block, label))
                 seconds[label].append(spent)
-                found[label].append(top.rows)
+                if round_ < len(queries):  # recall: each query once
+                    found[label].append(top.rows)
         for label in labels:
             got = np.vstack(found[label])
             row: dict[str, Any] = {"index": index.factory, "search_params": index.search_params, "batch": size,
@@ -146,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noise", type=float, default=1.0,
                         help="per-coordinate noise around the cluster centres (N(0, 1) coordinates)")
     parser.add_argument("--queries", type=int, default=256, help="queries timed one at a time (batch 1)")
+    parser.add_argument("--repeats", type=int, default=4, help="times each query is timed alone (batch 1)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--batches", type=int, default=4, help="batches of --batch queries timed")
     parser.add_argument("--k", type=int, default=10)
@@ -165,11 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     flat = ItemIndex.build(ids, vectors)
     ivf = ItemIndex.build(ids, vectors, f"IVF{args.lists},Flat", train_sample_size=min(args.items, 100 * args.lists))
     tuning = ivf.tune(vectors, tune_queries, k=args.k, target_recall=0.95)
-    rows = measure(flat, table, vectors, queries, args.k, args.batch, args.batches)
+    rows = measure(flat, table, vectors, queries, args.k, args.batch, args.batches, args.repeats)
     default = ivf.filter_candidates
     for candidates in args.candidates:  # 0: its own nprobe, widened only until k items pass
         ivf.filter_candidates = candidates
-        rows += measure(ivf, table, vectors, queries, args.k, args.batch, args.batches)
+        rows += measure(ivf, table, vectors, queries, args.k, args.batch, args.batches, args.repeats)
     ivf.filter_candidates = default
     targets = []
     for index, candidates in ((flat, flat.filter_candidates), *((ivf, c) for c in args.candidates)):
