@@ -64,9 +64,9 @@ KIND_OPERATORS: dict[str, tuple[str, ...]] = {
 KIND_NAMES = {"string": "a string column", "number": "a number column", "bool": "a true/false column",
               "list": "a list-of-strings column", ITEM: "the item id"}
 MAX_VALUES = 100_000  # values an "in" list may hold (an item_id allow-list is the long one)
-# Distinct filters whose passing rows a FilterTable keeps: evaluating one over 500k items takes 0.2-0.9 ms
-# (benchmarks/results/bench_filters.md), more than an IVF search; at most 4 MB each for 500k items.
-CACHED_FILTERS = 16
+# The passing rows a FilterTable keeps, of 16 or more distinct filters: evaluating one over 500k items takes
+# 0.2-0.9 ms (benchmarks/results/bench_filters.md), more than an IVF search; at most 4 MB each for 500k items.
+CACHED_FILTERS = 32  # entries: a filter's canonical key and the JSON it was sent as
 
 Scalar = str | float | bool
 
@@ -205,6 +205,16 @@ def _scalar_kind(value: Scalar) -> str:
     return "bool" if isinstance(value, bool) else "string" if isinstance(value, str) else "number"
 
 
+def _raw_key(filters: Any) -> str | None:
+    """A mapping of filters as canonical JSON, for the cache: None when it is not plain JSON (or no mapping)."""
+    if not isinstance(filters, Mapping) or not filters:
+        return None
+    try:
+        return "raw:" + json.dumps(filters, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError):
+        return None
+
+
 def column_kind(column: pa.Array) -> Kind | None:
     """The kind of a display column a filter can test (``DisplayFeatures`` writes these types); None otherwise."""
     if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
@@ -279,6 +289,12 @@ class FilterTable:
         Raises:
           RequestError: the filters' shape (``parse_filters``) or a column, operator or value (``check``).
         """
+        raw = _raw_key(filters)  # a filter sent again as the same JSON is found before it is parsed again
+        if raw is not None:
+            with self._lock:
+                if raw in self._cache:
+                    self._cache.move_to_end(raw)
+                    return self._cache[raw]
         parsed = parse_filters(filters)
         if parsed is None:
             return None
@@ -286,11 +302,15 @@ class FilterTable:
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
+                if raw is not None:
+                    self._cache[raw] = self._cache[key]
                 return self._cache[key]
         rows = np.flatnonzero(self.mask(parsed)).astype(np.int64)
         rows.flags.writeable = False  # shared by every request with this filter
         with self._lock:
             self._cache[key] = rows
+            if raw is not None:
+                self._cache[raw] = rows
             while len(self._cache) > CACHED_FILTERS:
                 self._cache.popitem(last=False)
         return rows
