@@ -470,14 +470,14 @@ class ItemIndex:
         without ``allow``.
         """
         num, allowed, bitmap = len(queries), entry.rows, entry.bitmap
-        if exclude is None or not any(len(rows) for rows in exclude):
+        excluding = exclude is not None and any(len(rows) for rows in exclude)
+        if not excluding:
             excluded = [_NONE] * num
         else:
-            excluded = [np.intersect1d(np.asarray(rows, dtype=np.int64), allowed) for rows in exclude]
-        wanted = np.minimum(k, len(allowed) - np.array([len(rows) for rows in excluded], dtype=np.int64))
+            excluded = [np.intersect1d(np.asarray(rows, dtype=np.int64), allowed) for rows in exclude]  # type: ignore[union-attr]
         if len(allowed) == 0:
             return _pad(np.zeros((num, 0), np.float32), np.zeros((num, 0), np.int64), k)
-        share = len(allowed) / len(self)
+        share = len(allowed) / entry.ntotal
         if isinstance(self.index, faiss.IndexFlat) and self.index.metric_type == faiss.METRIC_INNER_PRODUCT:
             gather = flat_vectors(self.index).__getitem__
             kept = self._gathered(entry, gather)
@@ -489,15 +489,22 @@ class ItemIndex:
         if self._graphs is None:  # the IVF or HNSW under the index's wrappers: found once
             self._graphs = (faiss.try_extract_index_ivf(self.index), _hnsw_of(self.index))
         ivf, hnsw = self._graphs
-        if ivf is not None:
-            lists_for_candidates = self.filter_candidates * k / (share * len(self) / ivf.nlist)
-            breadth, widest = max(ivf.nprobe, math.ceil(lists_for_candidates)), ivf.nlist
-        elif hnsw is not None:
-            breadth, widest = math.ceil(max(hnsw.hnsw.efSearch, k) / math.sqrt(share)), len(self)
-        else:
-            breadth, widest = 0, 0
-        if (isinstance(self.index, faiss.IndexIVF) and ivf is not None
-                and len(allowed) <= min(breadth, widest) / ivf.nlist * len(self)):
+        plan_key = (ivf.nprobe if ivf is not None else hnsw.hnsw.efSearch if hnsw is not None else 0, k,
+                    self.filter_candidates)
+        plan = entry.plans.get(plan_key)  # (first breadth, widest, whether to score the allowed rows exactly)
+        if plan is None:
+            if ivf is not None:
+                lists_for_candidates = self.filter_candidates * k / (share * entry.ntotal / ivf.nlist)
+                breadth, widest = max(ivf.nprobe, math.ceil(lists_for_candidates)), ivf.nlist
+            elif hnsw is not None:
+                breadth, widest = math.ceil(max(hnsw.hnsw.efSearch, k) / math.sqrt(share)), entry.ntotal
+            else:
+                breadth, widest = 0, 0
+            exact = (isinstance(self.index, faiss.IndexIVF) and ivf is not None
+                     and len(allowed) <= min(breadth, widest) / ivf.nlist * entry.ntotal)
+            plan = entry.plans[plan_key] = (breadth, widest, exact)
+        breadth, widest, exact = plan
+        if exact:
             # Fewer allowed rows than the lists to probe hold: scoring them all is exact and costs less
             # (a gathered matrix product against a per-entry selector check and distance).
             try:
@@ -505,21 +512,23 @@ class ItemIndex:
                 return self._exact_within(queries, k, excluded, allowed, self.vectors, kept)
             except ValueError:  # vectors FAISS cannot give back: probe the lists
                 pass
-        depth = int(min(k + max(len(rows) for rows in excluded), len(allowed)))
+        depth = int(min(k + max(len(rows) for rows in excluded), len(allowed))) if excluding else min(k, len(allowed))
         result: TopK | None = None
-        pending = np.arange(num)
-        while len(pending):
+        pending: np.ndarray | None = None  # the queries searched again, None: all of them
+        while True:
             breadth = min(breadth, widest)
             params = entry.params.get(breadth)
             if params is None:
                 params = _skipping_params(self.index, selector, breadth, nprobe=breadth if ivf is not None else None)[0]
                 entry.params[breadth] = params
             try:
-                found_scores, found_rows = self.index.search(queries[pending], depth, params=params)
+                asked = queries if pending is None else queries[pending]
+                found_scores, found_rows = self.index.search(asked, depth, params=params)
             except RuntimeError:  # an index type FAISS cannot filter while searching: score the allowed rows
                 return self._exact_within(queries, k, excluded, allowed, self.vectors)
-            if any(len(own) for own in excluded):
-                found_rows, found_scores = drop_members(found_rows, found_scores, [excluded[int(i)] for i in pending])
+            if excluding:
+                owners = range(num) if pending is None else pending
+                found_rows, found_scores = drop_members(found_rows, found_scores, [excluded[int(i)] for i in owners])
             missing = found_rows.shape[1] < k or bool((found_rows[:, :k] < 0).any())
             top = _pad(found_scores[:, :k], found_rows[:, :k], k) if missing else TopK(found_scores[:, :k],
                                                                                         found_rows[:, :k])
@@ -529,10 +538,12 @@ class ItemIndex:
                 result.scores[pending], result.rows[pending] = top.scores, top.rows
             if not missing or breadth >= widest:
                 break
-            short = (top.rows >= 0).sum(axis=1) < wanted[pending]
+            left = len(allowed) - np.array([len(rows) for rows in excluded], dtype=np.int64)
+            wanted = np.minimum(k, left if pending is None else left[pending])
+            short = (top.rows >= 0).sum(axis=1) < wanted
             if not short.any():
                 break
-            pending, breadth = pending[short], breadth * 4
+            pending, breadth = (np.arange(num) if pending is None else pending)[short], breadth * 4
         assert result is not None  # num >= 1: the loop ran
         return result
 
@@ -924,6 +935,7 @@ class _Allowed:
     vectors: np.ndarray | None = None
     selector: Any = None  # faiss.IDSelectorBitmap over ``bitmap``, made on the first search that needs it
     params: dict[int, Any] = field(default_factory=dict)  # breadth -> faiss SearchParameters with ``selector``
+    plans: dict[tuple, tuple[int, int, bool]] = field(default_factory=dict)  # ``_search_within``'s first breadth
 
 
 def _hnsw_of(index: faiss.Index) -> faiss.IndexHNSW | None:
