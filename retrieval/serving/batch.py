@@ -36,11 +36,11 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
@@ -51,6 +51,7 @@ from retrieval.common.arrays import CheckedSink
 from retrieval.common.errors import UserError
 from retrieval.common.progress import Progress
 from retrieval.serving.bundle import Bundle, Recommendations
+from retrieval.serving.item_filters import ItemFilters, parse_filters
 from retrieval.serving.request_checks import checked_ids, checked_k
 
 # Queries per search and per row group: >= ExactRouting.min_queries, ~100k rows at k=100. recommend_parser's
@@ -246,6 +247,7 @@ def recommend_to_file(
     *,
     exclude_item_ids: Sequence[str | int] | None = (),
     exclude_seen: bool = True,
+    filters: Mapping[str, Any] | ItemFilters | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     overwrite: bool = False,
     progress: Progress | None = None,
@@ -253,20 +255,22 @@ def recommend_to_file(
     """Top-k for each user of ``users`` into the Parquet file ``out`` (``RECOMMENDATION_SCHEMA``).
 
     Each user's rows are what ``bundle.recommend({"user_id": user}, k, exclude_item_ids,
-    exclude_seen=exclude_seen)`` answers: their training items excluded unless
-    ``exclude_seen`` is False, ``exclude_item_ids`` for everyone, popular items (score null)
-    for an id the model does not know. ``block_size`` users are searched at once and written
+    exclude_seen=exclude_seen, filters=filters)`` answers: their training items excluded unless
+    ``exclude_seen`` is False, ``exclude_item_ids`` and ``filters`` for everyone, popular items (score
+    null) for an id the model does not know. ``block_size`` users are searched at once and written
     as one row group. ``progress`` (if given) is told of each block.
 
     Raises:
-      UserError: ``out`` exists and not ``overwrite``, or is a directory; block_size below 1; k or
-        ``exclude_item_ids`` breaking a rule of ``retrieval.serving.request_checks`` (a RequestError).
+      UserError: ``out`` exists and not ``overwrite``, or is a directory; block_size below 1; k,
+        ``exclude_item_ids`` or ``filters`` breaking a rule of ``retrieval.serving.request_checks`` or
+        ``retrieval.serving.item_filters`` (a RequestError).
     """
-    k, exclude_item_ids = _checked_request(bundle, k, block_size, exclude_item_ids)
+    k, exclude_item_ids, filters = _checked_request(bundle, k, block_size, exclude_item_ids, filters)
 
     def answer(block: list[str]) -> list[Recommendations]:
         queries = [{"user_id": user} for user in block]
-        return bundle.recommend_batch(queries, k, [exclude_item_ids] * len(block), exclude_seen=exclude_seen)
+        return bundle.recommend_batch(queries, k, [exclude_item_ids] * len(block), exclude_seen=exclude_seen,
+                                      filters=filters)
 
     return _write(users, answer, RECOMMENDATION_SCHEMA, "users", out, block_size, overwrite, progress)
 
@@ -278,6 +282,7 @@ def similar_to_file(
     out: str | Path,
     *,
     exclude_item_ids: Sequence[str | int] | None = (),
+    filters: Mapping[str, Any] | ItemFilters | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     overwrite: bool = False,
     progress: Progress | None = None,
@@ -288,10 +293,10 @@ def similar_to_file(
     Raises:
       RequestError: an id of ``items`` is not in the catalogue (``item_source`` checks a file first).
     """
-    k, exclude_item_ids = _checked_request(bundle, k, block_size, exclude_item_ids)
+    k, exclude_item_ids, filters = _checked_request(bundle, k, block_size, exclude_item_ids, filters)
 
     def answer(block: list[str]) -> list[Recommendations]:
-        return bundle.similar_items_batch(block, k, [exclude_item_ids] * len(block))
+        return bundle.similar_items_batch(block, k, [exclude_item_ids] * len(block), filters=filters)
 
     return _write(items, answer, SIMILAR_SCHEMA, "items", out, block_size, overwrite, progress)
 
@@ -307,13 +312,17 @@ def check_out(out: str | Path, overwrite: bool) -> Path:
 
 
 def _checked_request(
-    bundle: Bundle, k: int, block_size: int, exclude_item_ids: Sequence[str | int] | None
-) -> tuple[int, list[str]]:
-    """(k capped at the catalogue, the exclusions as id strings), by the rules every entry point shares
-    (``retrieval.serving.request_checks``), and a positive ``block_size``: before any output is written."""
+    bundle: Bundle, k: int, block_size: int, exclude_item_ids: Sequence[str | int] | None,
+    filters: Mapping[str, Any] | ItemFilters | None = None,
+) -> tuple[int, list[str], ItemFilters | None]:
+    """(k capped at the catalogue, the exclusions as id strings, the parsed filters), by the rules every
+    entry point shares (``retrieval.serving.request_checks``, ``retrieval.serving.item_filters``: the filters'
+    columns checked against the bundle's table), and a positive ``block_size``: before any output is written."""
     if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer) or block_size < 1:
         raise UserError(f"block_size must be a positive integer, got {block_size!r}")
-    return checked_k(k, len(bundle.index)), checked_ids(exclude_item_ids, "exclude_item_ids")
+    parsed = parse_filters(filters)
+    bundle.allowed_rows(parsed)  # a column the table lacks is refused here, before the file is opened
+    return checked_k(k, len(bundle.index)), checked_ids(exclude_item_ids, "exclude_item_ids"), parsed
 
 
 def _write(
@@ -410,12 +419,14 @@ def _recommend_to_files(args: argparse.Namespace, block_size: int) -> int:
         items = item_source(bundle, args.similar[0])
         with Progress(items.total, "similar items", "items") as progress:
             summary = similar_to_file(bundle, items, args.k, args.out, exclude_item_ids=args.exclude,
-                                      block_size=block_size, overwrite=args.overwrite, progress=progress)
+                                      filters=args.filters, block_size=block_size, overwrite=args.overwrite,
+                                      progress=progress)
     else:
         users = user_source(bundle, args.users)
         with Progress(users.total, "recommend", "users") as progress:
             summary = recommend_to_file(bundle, users, args.k, args.out, exclude_item_ids=args.exclude,
-                                        exclude_seen=not args.include_seen, block_size=block_size,
+                                        exclude_seen=not args.include_seen, filters=args.filters,
+                                        block_size=block_size,
                                         overwrite=args.overwrite, progress=progress)
     print(summary.line())
     return 0

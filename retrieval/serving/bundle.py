@@ -52,6 +52,7 @@ from retrieval.bundle.user_histories import UserHistories
 from retrieval.common.errors import UserError, entry_point
 from retrieval.data.values import finite_feature_value
 from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFilesError, ItemIndex
+from retrieval.serving.item_filters import FilterTable, ItemFilters, parse_filters
 from retrieval.serving.request_checks import (
     RequestError,
     check_query_keys,
@@ -186,6 +187,8 @@ class Bundle:
         self.user_features = self._load_user_features()
         self.user_histories = self._load_user_histories()
         self.item_display = self._load_item_features()
+        # What a request's filters are evaluated against: the item table in index-row order.
+        self.filter_table = FilterTable(self.item_display, self._id_array)
         self._norm_range = _norm_range(self.manifest.get("query_norms"))
         changed = self.changed_files()
         if changed:
@@ -639,6 +642,7 @@ class Bundle:
         *,
         exclude_seen: bool = True,
         history_order: HistoryOrder = "newest_first",
+        filters: Mapping[str, Any] | ItemFilters | None = None,
     ) -> Recommendations:
         """Top-k item ids for one raw query, never returning ``exclude_item_ids``.
 
@@ -649,13 +653,16 @@ class Bundle:
         ``history_order="oldest_first"`` for one in time order (a line of a sequences file).
         ``k`` and ``exclude_item_ids`` follow ``retrieval.serving.request_checks``: k an int >= 1, capped at
         the catalogue size; ids strings or ints (``494`` is item ``"494"``), a list of them or None.
+        ``filters`` (``retrieval.serving.item_filters``, e.g. ``{"genre": {"in": ["Comedy"]}, "year":
+        {"min": 1990}}``) keeps the answer to the items of the bundle's item table that pass them,
+        searched inside the index: k items come back whenever k pass (and are not excluded).
 
         Raises:
-          RequestError: naming the argument, the query feature or the query key that is wrong.
+          RequestError: naming the argument, the query feature, the query key or the filter that is wrong.
         """
         excluded = checked_ids(exclude_item_ids, "exclude_item_ids")
         return self.recommend_batch([query], k, [excluded], exclude_seen=exclude_seen,
-                                    history_order=history_order)[0]
+                                    history_order=history_order, filters=filters)[0]
 
     def recommend_batch(
         self,
@@ -665,17 +672,26 @@ class Bundle:
         *,
         exclude_seen: bool = True,
         history_order: HistoryOrder = "newest_first",
+        filters: Mapping[str, Any] | ItemFilters | None = None,
     ) -> list[Recommendations]:
         """Top-k for a batch of raw queries (one FAISS search for all); ``k``, ``exclude_item_ids`` (one
-        list per query, or None), ``exclude_seen`` and ``history_order`` as in ``recommend``."""
+        list per query, or None), ``exclude_seen``, ``history_order`` and ``filters`` (one for every
+        query of the batch) as in ``recommend``."""
         k = checked_k(k, len(self.index))
         exclude_item_ids = checked_id_lists(exclude_item_ids, len(queries), "exclude_item_ids")
+        allowed = self.allowed_rows(filters)  # a bad filter is refused before the towers run
         if not queries:
             return []
         embeddings, known_ids = self.embed_with_known(queries, history_order=history_order)
         return self.recommend_embedded(
-            embeddings, known_ids, k, exclude_item_ids, queries=queries, exclude_seen=exclude_seen
+            embeddings, known_ids, k, exclude_item_ids, queries=queries, exclude_seen=exclude_seen,
+            allowed=allowed,
         )
+
+    def allowed_rows(self, filters: Mapping[str, Any] | ItemFilters | None) -> np.ndarray | None:
+        """The sorted index rows [m] int64 that pass ``filters`` (``retrieval.serving.item_filters``);
+        None for no filter. RequestError naming the column, operator or value a filter gets wrong."""
+        return self.filter_table.allowed_rows(filters)
 
     def embed_with_known(self, queries: Sequence[Mapping[str, Any]], *,
                          history_order: HistoryOrder = "newest_first") -> tuple[np.ndarray, np.ndarray]:
@@ -691,6 +707,8 @@ class Bundle:
         *,
         queries: Sequence[Mapping[str, Any]] | None = None,
         exclude_seen: bool = True,
+        filters: Mapping[str, Any] | ItemFilters | None = None,
+        allowed: np.ndarray | None = None,
     ) -> list[Recommendations]:
         """Top-k for query embeddings [n, dim] and known_ids [n] from ``embed_with_known`` (one FAISS search).
 
@@ -700,29 +718,37 @@ class Bundle:
         ``queries`` [n] are the raw queries the embeddings came
         from: with ``exclude_seen`` their users' training items and history items are excluded
         (``excluded_rows``), so they are needed unless the bundle has nothing of the kind to exclude.
+        ``filters`` (one for every row) as in ``recommend``; ``allowed``, the rows they pass
+        (``allowed_rows``), when the caller has them already.
         """
         k = checked_k(k, len(self.index))  # capped: nothing is allocated for ranks the catalogue lacks
         exclude_item_ids = checked_id_lists(exclude_item_ids, len(embeddings), "exclude_item_ids")
+        if allowed is None:
+            allowed = self.allowed_rows(filters)
         _check_finite(embeddings, "embedding")  # FAISS drops NaN rows: an empty answer that looks like success
         if queries is not None and len(queries) != len(embeddings):
             raise ValueError(f"queries has {len(queries)} entries for {len(embeddings)} embeddings")
         exclude = self.excluded_rows(len(embeddings), exclude_item_ids, queries, exclude_seen=exclude_seen)
-        top = self.index.search(embeddings, k, exclude=exclude)
+        top = self.index.search(embeddings, k, exclude=exclude, allow=None if allowed is None else
+                                [allowed] * len(embeddings))
         # An all-zero embedding is the towers' out-of-vocabulary row: the model
         # knows nothing about this query, so popularity is the honest answer.
         unknown = ~np.any(embeddings != 0, axis=1)
+        popular = self._popular_rows if allowed is None else \
+            self._popular_rows[np.isin(self._popular_rows, allowed)]  # the popular items that pass, in order
         results = []
         for i in range(len(embeddings)):
             if unknown[i]:
                 excluded = set(exclude[i].tolist())
-                rows = [r for r in self._popular_rows if r not in excluded][:k]
+                rows = [r for r in popular if r not in excluded][:k]
                 results.append(Recommendations(self._ids(rows), [None] * len(rows), "popular"))
             else:
                 rows = top.rows[i][top.rows[i] >= 0]
                 scores = top.scores[i][: len(rows)]
                 # Scores that overflow to inf - inf are NaN, which FAISS drops: fewer rows than the
                 # catalogue has left (``excluded_rows`` are distinct) is that, not a short catalogue.
-                available = min(k, len(self.index) - len(exclude[i]))
+                available = min(k, len(self.index) - len(exclude[i])) if allowed is None else \
+                    min(k, len(allowed) - int(np.isin(exclude[i], allowed).sum()))
                 if not np.isfinite(scores).all():
                     raise ValueError(
                         f"embedding {i}: its scores overflow float32 (the embedding is finite but huge); "
@@ -803,7 +829,8 @@ class Bundle:
         return [item for item in self.item_display.search(text, limit * 2) if item in self._row_of][:limit]
 
     def similar_items(
-        self, item_id: str | int, k: int = 10, *, exclude_item_ids: Sequence[str | int] | None = ()
+        self, item_id: str | int, k: int = 10, *, exclude_item_ids: Sequence[str | int] | None = (),
+        filters: Mapping[str, Any] | ItemFilters | None = None,
     ) -> Recommendations:
         """The k items nearest ``item_id``'s own embedding, best first; never the item itself nor
         ``exclude_item_ids`` (ids not in the catalogue are ignored).
@@ -818,7 +845,8 @@ class Bundle:
         where an ID-only doc tower puts items without training clicks, ties with every item:
         it gets the most popular items, scores None, ``fallback="popular"``, as a query would.
 
-        Ids and ``k`` follow ``retrieval.serving.request_checks`` as in ``recommend``.
+        Ids and ``k`` follow ``retrieval.serving.request_checks`` as in ``recommend``; ``filters`` keep the
+        answer to the items that pass them, as in ``recommend`` (the item itself need not pass).
 
         Raises:
           RequestError: ``item_id`` is not in the bundle's catalogue, or an argument breaks a rule of
@@ -826,18 +854,23 @@ class Bundle:
           BundleError: the index is of a type FAISS cannot read vectors back from (``ItemIndex.vectors``).
         """
         item = checked_id(item_id, "item_id")
-        return self.similar_items_batch([item], k, [checked_ids(exclude_item_ids, "exclude_item_ids")])[0]
+        return self.similar_items_batch([item], k, [checked_ids(exclude_item_ids, "exclude_item_ids")],
+                                        filters=filters)[0]
 
     def similar_items_batch(
         self,
         item_ids: Sequence[str | int],
         k: int = 10,
         exclude_item_ids: Sequence[Sequence[str | int]] | None = None,
+        *,
+        filters: Mapping[str, Any] | ItemFilters | None = None,
     ) -> list[Recommendations]:
-        """``similar_items`` for [n] item ids (one FAISS search); ``exclude_item_ids`` [n] lists or None."""
+        """``similar_items`` for [n] item ids (one FAISS search); ``exclude_item_ids`` [n] lists or None;
+        ``filters`` one for every item."""
         k = checked_k(k, len(self.index))
         item_ids = checked_ids(item_ids, "item_ids")
         exclude_item_ids = checked_id_lists(exclude_item_ids, len(item_ids), "exclude_item_ids")
+        allowed = self.allowed_rows(filters)
         rows = []
         for item in item_ids:
             row = self._row_of.get(item)
@@ -855,7 +888,8 @@ class Bundle:
         # and near the top otherwise.
         excluded = [[item, *extra] for item, extra in zip(item_ids, exclude_item_ids)]
         # known_ids all True: an indexed item is never the "features" fallback of an unseen query id.
-        return self.recommend_embedded(vectors, np.ones(len(rows), dtype=bool), k, excluded, exclude_seen=False)
+        return self.recommend_embedded(vectors, np.ones(len(rows), dtype=bool), k, excluded, exclude_seen=False,
+                                       allowed=allowed)
 
     def excluded_rows(
         self,
@@ -1067,6 +1101,11 @@ def recommend_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("-k", "--k", type=int, default=10, help="items per query (default: %(default)s)")
     parser.add_argument("--exclude", nargs="*", default=[], help="item ids never to return")
     parser.add_argument(
+        "--filters", metavar="JSON", type=filters_argument,
+        help='only items of the bundle\'s item table that pass these filters, for every query, e.g. '
+        '\'{"genre": {"in": ["Comedy"]}, "year": {"min": 1990, "max": 1999}}\' (docs/operations.md, "Filters")',
+    )
+    parser.add_argument(
         "--include-seen",
         action="store_true",
         help="also return the user's training items (excluded by default; --user-id and --users only)",
@@ -1084,6 +1123,18 @@ def recommend_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def filters_argument(text: str) -> ItemFilters | None:
+    """``--filters``' JSON text as ``ItemFilters`` (``parse_filters``); argparse reports a bad one naming the flag."""
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error}): {_short(text)}") from None
+    try:
+        return parse_filters(value)
+    except RequestError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def recommend(args: argparse.Namespace) -> int:
     """Print one JSON line per query of ``recommend_parser``'s ``args``: its top-k ids, scores and fallback;
     with ``--out``, write them for many users or items to a file (``retrieval.serving.batch``)."""
@@ -1099,13 +1150,14 @@ def recommend(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} applies to --out, which this command was not given")
     bundle = Bundle.load(args.bundle)
     if args.similar:
-        similar = bundle.similar_items_batch(args.similar, args.k, [args.exclude] * len(args.similar))
+        similar = bundle.similar_items_batch(args.similar, args.k, [args.exclude] * len(args.similar),
+                                             filters=args.filters)
         for item, result in zip(args.similar, similar):
             print(json.dumps({"item_id": item, **asdict(result)}))
         return 0
     queries = [{"user_id": user} for user in args.user_id]
     results = bundle.recommend_batch(
-        queries, args.k, [args.exclude] * len(queries), exclude_seen=not args.include_seen
+        queries, args.k, [args.exclude] * len(queries), exclude_seen=not args.include_seen, filters=args.filters
     )
     for query, result in zip(queries, results):
         print(json.dumps({"query": query, **asdict(result)}))

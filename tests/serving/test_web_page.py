@@ -132,7 +132,7 @@ def test_the_page_is_served_with_a_csp_that_runs_only_its_own_script(shop):
     assert html == page_html()
     for anchor in ['id="user"', 'id="go"', 'id="recommendations"', 'id="training"', 'id="similar"',
                    'id="history"', 'id="k"', 'id="include-seen"', 'id="known-users"', 'id="search"',
-                   'id="search-results"', 'id="history-order"', 'id="user-features"']:
+                   'id="search-results"', 'id="history-order"', 'id="user-features"', 'id="filters"']:
         assert anchor in html, anchor
     # Data reaches the DOM as text only.
     assert "innerHTML" not in html and "outerHTML" not in html and "insertAdjacentHTML" not in html
@@ -471,6 +471,24 @@ def test_the_page_in_a_headless_browser_shows_what_the_json_routes_answer(world,
             similar = client.post("/similar", json={"item_id": clicked, "k": K}).json()
             assert _rendered(driver, "similar") == similar["item_ids"] and clicked not in similar["item_ids"]
 
+            # The filter box: its JSON goes with the request, and the answer is /recommend's with those filters;
+            # a column the table lacks shows the 422's message.
+            filters = {"category": {"in": ["c1", "c2"]}, "year": {"min": 2000}}
+            assert "category" in driver.find_element(By.ID, "filters-hint").text
+            box = driver.find_element(By.ID, "filters")
+            box.send_keys(json.dumps(filters))
+            submitted(user)
+            expected = client.post("/recommend", json={"query": {"user_id": user}, "k": K, "filters": filters}).json()
+            assert _rendered(driver, "recommendations") == expected["item_ids"] and len(expected["item_ids"]) == K
+            assert expected["item_ids"] != client.post("/recommend", json={"query": {"user_id": user},
+                                                                           "k": K}).json()["item_ids"]
+            box.clear()
+            box.send_keys('{"colour": "red"}')
+            driver.find_element(By.ID, "go").click()
+            wait.until(status_is("error"))
+            assert "filters.colour: the item table has no column 'colour'" in driver.find_element(By.ID, "status").text
+            box.clear()
+
             # The search box lists GET /items/search's answer, titles first.
             box = driver.find_element(By.ID, "search")
             box.send_keys("of item01")
@@ -491,8 +509,11 @@ def test_the_page_in_a_headless_browser_shows_what_the_json_routes_answer(world,
             assert driver.save_screenshot(str(narrow)) and narrow.stat().st_size > 0
             print(f"screenshots: {wide} {narrow}")
             console = [entry for entry in driver.get_log("browser") if entry.get("level") == "SEVERE"]
-            # The unknown user's 404 is the one error the console may show (fetch logs failed requests).
-            assert all("/items" in entry["message"] and "404" in entry["message"] for entry in console), console
+            # The unknown user's 404 and the bad filter's 422 are the errors the console may show (fetch logs
+            # failed requests).
+            allowed = [("/items", "404"), ("/recommend", "422")]
+            assert all(any(path in entry["message"] and status in entry["message"] for path, status in allowed)
+                       for entry in console), console
     finally:
         driver.quit()
         server.should_exit = True

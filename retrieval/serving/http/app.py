@@ -191,6 +191,7 @@ def create_app(
                 current.check_query(query, position)
             # One query-tower call for the whole batch (mostly outside the interpreter lock), then the
             # search and the JSON in slices, yielding the interpreter between them.
+            allowed = current.allowed_rows(parsed.filters)  # RequestError naming a column the bundle lacks: 422
             embeddings, known = current.embed_with_known(queries, history_order=parsed.history_order or "newest_first")
             for start in range(0, len(queries), step):
                 if start:
@@ -198,7 +199,7 @@ def create_app(
                 window = slice(start, start + step)
                 results = current.recommend_embedded(
                     embeddings[window], known[window], parsed.k, excluded[window],
-                    queries=queries[window], exclude_seen=parsed.exclude_seen,
+                    queries=queries[window], exclude_seen=parsed.exclude_seen, allowed=allowed,
                 )
                 pieces.append(_dumps([_result(r) for r in results])[1:-1])
         except ValueError as error:
@@ -224,7 +225,8 @@ def create_app(
         parsed = _validated(_parse_object(body), SimilarRequest)
         limit_search_threads()
         try:
-            result = current.similar_items(parsed.item_id, parsed.k, exclude_item_ids=parsed.exclude_item_ids)
+            result = current.similar_items(parsed.item_id, parsed.k, exclude_item_ids=parsed.exclude_item_ids,
+                                           filters=parsed.filters)
         except ValueError as error:  # RequestError: an item id not in the catalogue
             raise HTTPException(422, str(error)) from None
         return _dumps({"bundle": current.version, "item_id": parsed.item_id, **_result(result)})

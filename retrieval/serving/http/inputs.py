@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from retrieval.serving.http.limits import MAX_BATCH, MAX_EXCLUDED, MAX_K
+from retrieval.serving.item_filters import parse_filters
 from retrieval.serving.request_checks import checked_id, checked_id_lists, checked_ids, checked_k
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -42,6 +43,12 @@ def _bounded_ids(value: Any, name: str, bound: int) -> Any:
     return checked_ids(value, name)
 
 
+def _filters(value: Any) -> Any:
+    """A request's ``filters`` as ``ItemFilters`` (``retrieval.serving.item_filters.parse_filters``: its shape;
+    the bundle checks the columns), None for none."""
+    return parse_filters(value)
+
+
 class RecommendRequest(BaseModel):
     """Body of ``POST /recommend``: exactly one of ``query`` and ``queries``; ids and ``k`` follow
     ``retrieval.serving.request_checks`` (an int id is its decimal string, for items as for users)."""
@@ -57,8 +64,11 @@ class RecommendRequest(BaseModel):
     # How the histories the queries send are ordered; required when one sends a non-empty history
     # (the service checks: a history pasted in time order must not be read as newest first, silently).
     history_order: Literal["newest_first", "oldest_first"] | None = None
+    # One for every query of the request: ``retrieval.serving.item_filters`` (its shape checked here).
+    filters: Any = None
 
     _k = field_validator("k", mode="before")(_request_k)
+    _filters = field_validator("filters", mode="before")(_filters)
 
     @model_validator(mode="after")
     def _one_shape(self) -> RecommendRequest:
@@ -90,15 +100,18 @@ class RecommendRequest(BaseModel):
 
 
 class SimilarRequest(BaseModel):
-    """Body of ``POST /similar``: one catalogue item id, ``k`` and ``exclude_item_ids`` as ``/recommend`` takes them."""
+    """Body of ``POST /similar``: one catalogue item id, ``k``, ``exclude_item_ids`` and ``filters`` as
+    ``/recommend`` takes them."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     item_id: str
     k: int = 10
     exclude_item_ids: list[str] = Field([], max_length=MAX_EXCLUDED)
+    filters: Any = None  # as /recommend takes them
 
     _k = field_validator("k", mode="before")(_request_k)
+    _filters = field_validator("filters", mode="before")(_filters)
 
     @field_validator("item_id", mode="before")
     @classmethod
