@@ -59,8 +59,8 @@ from retrieval.bundle.parts import BundlePart, DisplayFeaturesPart
 from retrieval.bundle.run_directory import atomic_directory
 from retrieval.bundle.saved_models import write_tf_serving_config
 from retrieval.bundle.seen_items import find_sorted
+from retrieval.common.errors import UserError
 from retrieval.data import ITEM
-from retrieval.errors import UserError
 from retrieval.index import ItemIndex
 from retrieval.index.item_index import NORM_TOLERANCE
 
