@@ -167,6 +167,10 @@ def test_a_removed_item_is_never_served(world, added, tmp_path):
     assert fallback.fallback == "popular" and fallback.item_ids == [i for i in ("i0", "i1", "i2") if i not in removed]
     with pytest.raises(RequestError, match=f"item id '{removed[0]}' was removed"):
         bundle.similar_items(removed[0])
+    # Nor under a filter whose allow-list names them (the filtered search takes the same exclusions).
+    allowed = {"item_id": {"in": [*removed, "i4", "i5"]}}
+    for result in bundle.recommend_batch(world["queries"], ALL, exclude_seen=False, filters=allowed):
+        assert sorted(result.item_ids) == [item for item in ("i4", "i5") if item not in removed]
     # Nor found by the page's item search.
     assert set(bundle.search_items("thing new", 20)) == set(added["new"]["item_id"]) - set(removed)
     assert Bundle.load(added["dir"]).search_items("Toy Story", 5) == ["i0"]
