@@ -454,25 +454,35 @@ def with_replay(source: LogSource, parent: ParentState, config: Config) -> LogSo
     split keeps them on the training side (the config refuses the other split kinds)."""
     assert isinstance(source.clicks, ClickTable)  # the config refuses data.out_of_core
     table = source.clicks.table
-    manifest = read_manifest(parent.directory)
-    if "seen_items" not in manifest.files:
+    pairs = parent_seen_pairs(parent)
+    if pairs is None:
         raise ConfigError(f"train.replay_fraction: the parent {parent.directory} has no seen items to replay")
-    seen = SeenItems.load(parent.directory / manifest.files["seen_items"])
     fraction = config.train.replay_fraction
     new_training = table.num_rows * (1.0 if config.split.kind == "none" else 1.0 - config.split.test_fraction)
-    wanted = min(seen.num_pairs, int(round(fraction / (1.0 - fraction) * new_training)))
-    chosen = np.sort(np.random.default_rng(config.train.seed).choice(seen.num_pairs, wanted, replace=False))
-    users = np.repeat(np.char.decode(seen.user_ids, "utf-8").astype(object), np.diff(seen.indptr))[chosen]
-    replay = pd.DataFrame({USER: users, ITEM: np.asarray(parent.catalogue, dtype=object)[seen.item_rows[chosen]]})
+    wanted = min(len(pairs), int(round(fraction / (1.0 - fraction) * new_training)))
+    chosen = np.sort(np.random.default_rng(config.train.seed).choice(len(pairs), wanted, replace=False))
+    replay = pairs.iloc[chosen].reset_index(drop=True)
     new = table.to_pandas()
     if TIME in new:
         replay[TIME] = int(new[TIME].min()) - 1
     if WEIGHT in new:
         replay[WEIGHT] = 1.0
     log.info("replay: %d of the parent's %d (user, item) pairs added to the %d new clicks", wanted,
-             seen.num_pairs, table.num_rows)
+             len(pairs), table.num_rows)
     mixed = pd.concat([replay, new], ignore_index=True)
     return dataclasses.replace(source, clicks=ClickTable.from_frame(mixed, source.clicks.read_batch_size))
+
+
+def parent_seen_pairs(parent: ParentState, users: set[str] | None = None) -> pd.DataFrame | None:
+    """The parent bundle's seen items as (``user_id``, ``item_id``) rows, in the CSR's order (of
+    ``users`` only, when given); None for a parent bundle without seen items."""
+    manifest = read_manifest(parent.directory)
+    if "seen_items" not in manifest.files:
+        return None
+    seen = SeenItems.load(parent.directory / manifest.files["seen_items"])
+    user_ids = np.repeat(np.char.decode(seen.user_ids, "utf-8").astype(object), np.diff(seen.indptr))
+    pairs = pd.DataFrame({USER: user_ids, ITEM: np.asarray(parent.catalogue, dtype=object)[seen.item_rows]})
+    return pairs if users is None else pairs[pairs[USER].isin(users)].reset_index(drop=True)
 
 
 def _training_pairs(clicks: ClickLog, plan: Plan, stats: FeatureStatistics) -> tuple[np.ndarray, np.ndarray]:
@@ -529,10 +539,17 @@ class EvaluatedClicks:
 
 def evaluation_clicks(config: Config, data: JobData) -> EvaluatedClicks:
     """Every test user of a log in memory, or ``data.stream.max_test_users`` of them sampled
-    when streamed: their clicks are all the evaluation holds. Ranked over ``data.catalogue_ids``."""
+    when streamed: their clicks are all the evaluation holds. Ranked over ``data.catalogue_ids``.
+    A warm start's training clicks include its parent's (its bundle's seen items): excluded from
+    the ranking and known to the unseen-user filter alike."""
     stream = config.data.stream
     users = sample_test_users(data.counts, None if data.source.in_memory else stream.max_test_users, stream.seed)
     user_train, user_test = collect_users(data.clicks, data.plan, users)
+    if data.parent is not None:
+        # A warm-started model trained on its parent's clicks too: they are known and excluded as its own are.
+        parent_pairs = parent_seen_pairs(data.parent, set(users))
+        if parent_pairs is not None:
+            user_train = pd.concat([parent_pairs, user_train], ignore_index=True)
     given_test = data.source.test_clicks
     if given_test is not None:
         user_test = given_test[given_test[USER].astype(str).isin(set(users))].reset_index(drop=True)

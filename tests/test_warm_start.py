@@ -181,6 +181,14 @@ def test_a_warm_start_trains_on_new_clicks_and_its_bundle_serves_new_ids(periods
     result = train_evaluate_export(_config(paths, folder, "b", "c", f"train.warm_start={parent}",
                                            f"train.warm_start_optimizer={optimizer}", f"run.name=child-{optimizer}"))
     assert result.metrics["model"]["recall@20"] > result.metrics["popularity"]["recall@20"] * 0.8
+    # Evaluated as it serves: the parent's clicks are its training clicks too (known users, excluded items).
+    a, b, c = (pd.read_csv(paths[name], dtype={"user_id": str, "item_id": str}) for name in "abc")
+    trained = set(zip(a.user_id, a.item_id, strict=True)) | set(zip(b.user_id, b.item_id, strict=True))
+    counts = result.metrics["counts"]
+    unknown = c.user_id[~c.user_id.isin(set(a.user_id) | set(b.user_id))]
+    assert counts["test_users_unseen_in_training"] == unknown.nunique()
+    repeats = set(zip(c.user_id, c.item_id, strict=True)) & trained
+    assert counts["test_clicks_repeating_a_training_click"] == len(repeats) > 0
     manifest = read_manifest(result.directory)
     assert manifest.parent is not None and manifest.parent.change == "warm_start"
     assert manifest.parent.directory == str(parent) and manifest.parent.run == "parent"
@@ -197,7 +205,6 @@ def test_a_warm_start_trains_on_new_clicks_and_its_bundle_serves_new_ids(periods
                 for r in seen.item_rows[seen.indptr[u]:seen.indptr[u + 1]]}
 
     old = pairs(SeenItems.load(parent / "seen_items"), list(Bundle.load(parent).index.item_ids))
-    b = pd.read_csv(paths["b"], dtype={"user_id": str, "item_id": str})
     assert pairs(SeenItems.load(result.directory / "seen_items"), list(bundle.index.item_ids)) == \
         old | set(zip(b.user_id, b.item_id, strict=True))
 
