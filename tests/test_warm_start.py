@@ -268,3 +268,44 @@ def test_the_warm_start_flag_is_the_config_key(periods, tmp_path):
     with pytest.raises(ConfigError, match="train.warm_start='.*nowhere' does not exist"):
         _train(args)
 
+
+
+FEATURE_TOWERS = (
+    "towers={query: {features: [{name: user_id, kind: id}, {name: age, kind: numeric}, "
+    "{name: country, kind: categorical, embedding_dim: 4}], history: {length: 5, pooling: mean, "
+    "share_item_embedding: true}}, doc: {features: [{name: item_id, kind: id}, "
+    "{name: category, kind: categorical, embedding_dim: 4}, {name: price, kind: numeric, log: true}], "
+    "mlp: {widths: [16]}}}"
+)
+
+
+def test_feature_towers_grow_categorical_vocabularies_and_keep_the_numeric_scaling(periods, tmp_path):
+    """A new category value sorts between known ones ("c000" between "c00" and "c01"), so known values'
+    rows move: a gather by id, not a copy of the first rows; the price normalisation is the parent's,
+    though the new log's prices differ (a recomputed one would move every item's embedding)."""
+    from retrieval.jobs import build_job_model, read_and_split, train_evaluate_export
+    from retrieval.serving import Bundle
+    from retrieval.training import embed_frame
+
+    paths, folder = periods
+    _, items, users = generate_clicks(SyntheticConfig(n_users=150, n_items=80, seed=3))
+    items.to_csv(tmp_path / "items.csv", index=False)
+    users.to_csv(tmp_path / "users.csv", index=False)
+    changed = items.copy()
+    changed.loc[changed.item_id.isin(NEW_ITEMS), "category"] = "c000"
+    changed.to_csv(tmp_path / "items-new.csv", index=False)
+    features = [FEATURE_TOWERS, f"data.user_features.path={tmp_path / 'users.csv'}",
+                "evaluation.unseen_users=keep"]
+    parent = train_evaluate_export(_config(paths, folder, "a", "b", *features, "run.name=features-parent",
+                                           f"data.item_features.path={tmp_path / 'items.csv'}")).directory
+    config = _config(paths, folder, "b", "c", *features, f"train.warm_start={parent}",
+                     f"data.item_features.path={tmp_path / 'items-new.csv'}")
+    data = read_and_split(config, ParentState.read(parent))
+    model = build_job_model(config, data)
+    categories = data.fitted["tower_statistics"].features["category"].ids
+    assert "c000" in categories and categories.index("c01") == categories.index("c000") + 1
+    old, state = Bundle.load(parent), ParentState.read(parent)
+    catalogue = items.set_index("item_id").loc[state.items].reset_index()
+    rows = pd.Index(old.index.item_ids).get_indexer(state.items)
+    np.testing.assert_allclose(embed_frame(model.doc_tower, catalogue[["item_id", "category", "price"]]),
+                               old.index.flat_vectors()[rows], atol=1e-5)

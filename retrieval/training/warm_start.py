@@ -271,7 +271,9 @@ def _row_maps(model: tf.keras.Model, parent: ParentState) -> list[tuple[np.ndarr
             if shape != parent_shape:
                 raise ConfigError(
                     f"train.warm_start: variable {variable.name} has shape {shape}, the parent's {record['name']} "
-                    f"{parent_shape}: the tower shape differs (model.embedding_dim, towers, MLP sizes ...)"
+                    f"{parent_shape} and no vocabulary indexes its rows: the tower shape differs (model.embedding_dim, "
+                    "towers, MLP sizes ...), or it is a sampler's table sized by the catalogue, which a warm start "
+                    "cannot grow by id"
                 )
             maps.append(None)
             continue
