@@ -1096,7 +1096,8 @@ class TrainConfig(_Section):
         "carry",
         description="train.warm_start: carry the parent's optimizer state (moments / accumulators, rows "
         "remapped by id like the weights, new rows at zero; needs the same train.optimizer) or reset it "
-        "(a new optimizer, whose first steps are as large as from scratch).",
+        "(a new optimizer, whose first steps are as large as from scratch). carry: recall@20 0.481 against "
+        "reset's 0.468 on a small time-split case, mean of 3 seeds (benchmarks/results/bench_warm_start.json).",
     )
     replay_fraction: float = Field(
         0.0,

@@ -13,21 +13,21 @@ parent's count as the warm starts' own), with each job's wall time and training 
 a run on stdout. The full period-by-period comparison is the freshness benchmark's; this is the
 quick check behind ``train.warm_start_optimizer``'s default.
 
-    PYTHONPATH=. python benchmarks/warm_start_small.py --out /tmp/warm --seeds 42 1 2 \
-        --json benchmarks/results/warm_start_small.json
+    python -m benchmarks.bench_warm_start --out /tmp/warm --seeds 42 1 2 --json benchmarks/results/bench_warm_start.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import sys
 import time
 from pathlib import Path
 
 import pandas as pd
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
+from benchmarks import _harness as harness
 from retrieval.config import SyntheticConfig, load_config
 from retrieval.data.synthetic import generate_clicks
 from retrieval.jobs import RunResult, train_evaluate_export
@@ -58,14 +58,15 @@ def main() -> None:
                  for run in ("parent", "warm-carry", "warm-reset", "retrain")}
         training = {run: round(sum(r["training_s"] for r in rows if r["run"] == run) / len(args.seeds), 2)
                     for run in ("warm-carry", "warm-reset", "retrain")}
-        args.json.write_text(json.dumps({
+        harness.write_json(args.json, {
+            "command": harness.command("bench_warm_start", sys.argv[1:]),
+            "machine": harness.machine("tensorflow", "faiss"),
             "clicks": {name: len(frame) for name, frame in parts.items()}, "warm_epochs": args.warm_epochs,
-            "cpus": os.cpu_count(), "load_average_after": os.getloadavg()[0],
             "mean_recall@20": means, "mean_training_s": training,
             "warm_carry_over_retrain_recall": round(means["warm-carry"] / means["retrain"], 3),
             "warm_carry_over_retrain_training_s": round(training["warm-carry"] / training["retrain"], 3),
             "runs": rows,
-        }, indent=1) + "\n")
+        })
 
 
 def _repetition(out: Path, seed: int, warm_epochs: int) -> list[dict]:
@@ -85,7 +86,7 @@ def _repetition(out: Path, seed: int, warm_epochs: int) -> list[dict]:
             "training_s": result.metrics["timing"]["seconds"]["training"],
             "recall@20": round(result.metrics["model"]["recall@20"], 4),
             "popularity_recall@20": round(result.metrics["popularity"]["recall@20"], 4),
-            "load_average": os.getloadavg()[0],
+            "load_average": harness.load_average()[0],
         })
         print(json.dumps(rows[-1]), flush=True)
         return result
