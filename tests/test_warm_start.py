@@ -309,3 +309,24 @@ def test_feature_towers_grow_categorical_vocabularies_and_keep_the_numeric_scali
     rows = pd.Index(old.index.item_ids).get_indexer(state.items)
     np.testing.assert_allclose(embed_frame(model.doc_tower, catalogue[["item_id", "category", "price"]]),
                                old.index.flat_vectors()[rows], atol=1e-5)
+
+
+def test_a_warm_started_run_is_a_parent_in_turn(periods, parent):
+    """A chain: the child's own state (grown vocabularies, merged seen items) is what the grandchild reads."""
+    from retrieval.bundle.manifest import read_manifest
+    from retrieval.jobs import train_evaluate_export
+    from retrieval.serving import Bundle
+
+    paths, folder = periods
+    child = train_evaluate_export(_config(paths, folder, "b", "c", f"train.warm_start={parent}",
+                                          "run.name=chain-child")).directory
+    config = load_config(None, [f"data.clicks.path={paths['c']}", *SMALL[:-1], "split.kind=temporal",
+                                f"run.output_dir={folder / 'runs'}", f"train.warm_start={child}",
+                                "run.name=chain-grandchild"])
+    grandchild = train_evaluate_export(config).directory
+    assert read_manifest(grandchild).parent.run == "chain-child"
+    a = pd.read_csv(paths["a"], dtype={"user_id": str})
+    state = ParentState.read(grandchild)
+    assert set(a.user_id) <= set(state.users)  # the grandparent's users are still known
+    served = Bundle.load(grandchild).recommend({"user_id": a.user_id.iloc[0]}, k=5)
+    assert served.fallback is None
