@@ -1321,6 +1321,12 @@ class ExportConfig(_Section):
         "serving fills the history of a query that sends only the user id. At least "
         "towers.query.history.length (the tower reads that many); more lets a page list them.",
     )
+    warm_start_state: bool = Field(
+        True,
+        description="Write <run>/warm_start/ (every variable, the optimizer's slots, the vocabularies and counts: "
+        "about the model's size plus its slots, x3 the tables with lazy_adam), from which a later run can "
+        "train on (train.warm_start). false saves the disk and the write; the run then cannot be a parent.",
+    )
 
 
 class RunConfig(_Section):

@@ -196,8 +196,9 @@ def train_evaluate_export(
                           user_features=user_features_of(data), item_features=data.source.item_features,
                           user_histories=user_histories_of(config, data, index),
                           training_queries=data.tables.queries(tuning_users))
-        save_training_state(scratch, model, data.stats, config.train.optimizer, list(index.item_ids),
-                            data.fitted.get("tower_statistics"))
+        if config.export.warm_start_state:
+            save_training_state(scratch, model, data.stats, config.train.optimizer, list(index.item_ids),
+                                data.fitted.get("tower_statistics"))
         inputs.check_content()  # last: the run directory appears only if the inputs held still
     return RunResult(final, metrics, time.perf_counter() - started)
 

@@ -330,3 +330,14 @@ def test_a_warm_started_run_is_a_parent_in_turn(periods, parent):
     assert set(a.user_id) <= set(state.users)  # the grandparent's users are still known
     served = Bundle.load(grandchild).recommend({"user_id": a.user_id.iloc[0]}, k=5)
     assert served.fallback is None
+
+
+def test_export_warm_start_state_false_writes_no_state_and_the_run_is_no_parent(periods):
+    from retrieval.jobs import train_evaluate_export
+
+    paths, folder = periods
+    run = train_evaluate_export(_config(paths, folder, "a", "b", "export.warm_start_state=false",
+                                        "run.name=stateless")).directory
+    assert (run / "manifest.json").is_file() and not (run / "warm_start").exists()
+    with pytest.raises(ConfigError, match="holds no training state .* unless export.warm_start_state was false"):
+        ParentState.read(run)
