@@ -15,6 +15,7 @@ from retrieval.config.sections import (
     MAX_EVALUATION_K,
     MIN_TEMPERATURE,
     SEED_MAX,
+    WARM_START_SHAPE_KEYS,
     ALSConfig,
     BaselinesConfig,
     CategoricalFeature,
@@ -56,6 +57,8 @@ from retrieval.config.sections import (
     parse_override,
     read_yaml,
     save_config,
+    warm_start_conflicts,
+    warm_start_parent,
     with_absolute_data_paths,
 )
 
@@ -100,11 +103,14 @@ __all__ = [
     "TowersConfig",
     "TrainConfig",
     "TransformerConfig",
+    "WARM_START_SHAPE_KEYS",
     "apply_overrides",
     "faiss_index_problem",
     "load_config",
     "parse_override",
     "read_yaml",
     "save_config",
+    "warm_start_conflicts",
+    "warm_start_parent",
     "with_absolute_data_paths",
 ]

@@ -8,7 +8,8 @@ epoch at a time), ``worker_input`` (a source's batches staged for a cluster's wo
 to read through the tf.data service), ``cluster`` (a worker or ps task's server),
 ``checkpoints``, ``loop`` (the step loop every run uses), ``early_stopping``,
 ``fit`` (selection + final run), ``embeddings``, ``checkpoint_directory`` (the directory the
-job gives ``fit``: located, locked, checked on resume, cleaned up).
+job gives ``fit``: located, locked, checked on resume, cleaned up), ``warm_start`` (a run trained
+on from a finished run's weights, its vocabularies grown by id).
 """
 
 from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState

@@ -95,6 +95,7 @@ TRAINING_MODULES = [
     "fit",
     "embeddings",
     "checkpoint_directory",  # a run's checkpoint directory for fit: lock, resume checks, cleanup
+    "warm_start",  # a run trained on from a finished run's weights
 ]
 
 
