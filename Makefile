@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/demo.yaml
 SET    ?=
 
-.PHONY: install install-browser test test-fast train train-cluster evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend bench-parameter-server bench-index-blocks bench-demo bench-topk bench-filters
+.PHONY: install install-browser test test-fast train train-cluster evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend bench-parameter-server bench-index-blocks bench-demo bench-topk bench-filters bench-catalogue
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -171,6 +171,11 @@ bench-filters:
 # (each row a whole job on configs/beauty.yaml); ARGS="--throughput" measures trained pairs/s instead.
 bench-sequential:
 	nice -n 10 $(BIN)/python -m benchmarks.bench_sequential $(ARGS)
+
+# Live catalogue edits on the served ML-100K feature-tower bundle (trained first): seconds from
+# POST /admin/catalogue to the new item being served, failed requests under 4 client threads (~5 min on 2 cores).
+bench-catalogue:
+	$(BIN)/python -m benchmarks.bench_catalogue $(ARGS)
 
 # Execute notebooks/*.ipynb at full settings and save their outputs (tables, PNG plots) into the
 # committed files, volatile metadata stripped (~9 min on 2 busy cores). The tests run them small.

@@ -7,6 +7,7 @@
     retrieval recommend --bundle artifacts/<run> --user-id 196 [-k 10]   top-k from a shell
     retrieval recommend --bundle artifacts/<run> --users users.txt|all --k 100 --out recs.parquet [--overwrite]
     retrieval recommend --bundle artifacts/<run> --similar items.txt|all -k 10 --out similar.parquet
+    retrieval catalogue add|remove|update --bundle artifacts/<run> --items items.jsonl [--out D]   edit items
     retrieval serve --bundle artifacts/<run> [--host 127.0.0.1] [--port 8000] [--admin-token T | --no-admin]
     retrieval reload --bundle artifacts/<new run> [--port 8000] [--host H | --url U] [--token T]
 
@@ -44,6 +45,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -351,6 +353,57 @@ def _recommend(args: argparse.Namespace) -> int:
     return recommend(args)
 
 
+# --- catalogue -----------------------------------------------------------------------------------
+
+
+def catalogue_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Add, remove or update catalogue items of a bundle without retraining "
+        "(retrieval.bundle.catalogue). add embeds each new item from its raw doc features through the "
+        "bundle's doc model and appends it to the index; an ID-only doc model cannot embed an id it "
+        "never saw, so it takes new items only with an 'embedding' column. remove keeps the items' "
+        "rows and never serves them again. update changes display features (and, given every doc "
+        "input, re-embeds). Without --out the edit is the bundle's next version, "
+        "<bundle>.catalogue/<name>.v<n>, and <bundle>.catalogue/current points at it: `retrieval "
+        "serve --bundle <bundle>` serves it (after a restart or `retrieval reload`). An edited bundle "
+        "has no topk SavedModel.",
+    )
+    parser.add_argument("change", choices=["add", "remove", "update"], help="what to do with the items")
+    parser.add_argument("--bundle", required=True, help="bundle directory, e.g. artifacts/<run> (its newest "
+                        "catalogue version is edited)")
+    parser.add_argument(
+        "--items", required=True, metavar="FILE",
+        help="the items: .csv, .parquet or .jsonl (one JSON object a line; list inputs need .jsonl or "
+        ".parquet), an item_id column and, for add and update, columns named as the doc model's inputs "
+        "(manifest.json doc_features) and display features; remove reads item_id only",
+    )
+    parser.add_argument("--out", help="write the edited bundle to this new directory instead of the next version")
+    parser.add_argument("--overwrite", action="store_true", help="with --out: replace a bundle there")
+    return parser
+
+
+def _catalogue(args: argparse.Namespace) -> int:
+    import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow loads)
+    from retrieval.bundle.catalogue import current_version, edit_catalogue, publish_edit, read_items
+
+    if args.overwrite and args.out is None:
+        raise UserError("--overwrite applies to --out, which this command was not given")
+    if not Path(args.bundle).is_dir():
+        raise UserError(f"--bundle {args.bundle}: no such bundle directory")
+    items = read_items(args.items)
+    if args.out is not None:
+        edit_catalogue(current_version(args.bundle), args.change, items, args.out, overwrite=args.overwrite)
+        written = Path(args.out)
+    else:
+        written = publish_edit(args.bundle, args.change, items)
+    manifest = json.loads((written / "manifest.json").read_text())
+    disabled = len(manifest.get("disabled_item_ids") or ())
+    print(json.dumps({"bundle": str(written), "change": args.change, "items": len(items),
+                      "num_items": manifest["num_items"] - disabled, "disabled_items": disabled}))
+    return 0
+
+
 # --- serve, reload -------------------------------------------------------------------------------
 
 
@@ -447,6 +500,8 @@ def _serve(args: argparse.Namespace) -> int:
         args.bundle, admin=not args.no_admin, admin_token=token, host=args.host, limits=limits,
         search_threads=args.search_threads or None, verify=args.verify,
     )
+    if not args.no_admin:  # the doc model a catalogue edit embeds with, loaded now so no edit waits for it
+        threading.Thread(target=app.state.holder.doc_model, name="load-doc-model", daemon=True).start()
     sys.setswitchinterval(args.gil_switch_interval)
     config = server_config(
         app, limits, http=args.http, host=args.host, port=args.port, access_log=args.access_log,
@@ -509,6 +564,8 @@ COMMANDS: dict[str, Command] = {
     "export": Command("re-index a bundle with another FAISS index", export_parser, _export),
     "tune": Command("hyper-parameter search over config keys (resumable)", tune_parser, _tune),
     "recommend": Command("top-k items for user ids, or items similar to items", _recommend_parser, _recommend),
+    "catalogue": Command("add, remove or update items of a bundle without retraining", catalogue_parser,
+                         _catalogue),
     "serve": Command("HTTP JSON service over a bundle (uvicorn)", serve_parser, _serve),
     "reload": Command("make a running service serve another bundle", reload_parser, _reload),
 }

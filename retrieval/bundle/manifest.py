@@ -101,6 +101,9 @@ class Manifest(_Strict):
     parent: Parent | None = None
     # Most popular first: what an unknown query gets.
     popular_item_ids: list[str] = []
+    # Items removed by a catalogue edit (``retrieval.bundle.catalogue``): they keep their index rows (the
+    # seen items and histories name rows) and serving excludes them from every answer.
+    disabled_item_ids: list[str] | None = None
     embedding_dim: int | None = None
     metric: str = "inner_product"
     # Unit-norm item vectors: inner product is cosine similarity.

@@ -35,7 +35,7 @@ from retrieval.training import embed_frame
 PROBE_K = 10  # ids the probe query records (fewer for a smaller catalogue)
 # The manifest keys a caller of the writer may set: what the parts cannot know.
 CALLER_KEYS = frozenset({"run", "config", "metrics", "derived", "popular_item_ids", "reindexed_from",
-                         "user_input", "query_history", "parent"})
+                         "user_input", "query_history", "parent", "disabled_item_ids"})
 # Every other key of the manifest: the writer derives it from the parts and the time of writing.
 WRITER_KEYS = frozenset(Manifest.model_fields) - CALLER_KEYS
 
@@ -169,26 +169,32 @@ def write_bundle(
 
 def rewrite_bundle(
     directory: str | Path, source: Manifest, *, index: ItemIndex, probe: dict[str, Any] | None,
-    changes: Mapping[str, Any],
+    changes: Mapping[str, Any], parts: Sequence[BundlePart] = (), dropped_files: Sequence[str] = (),
 ) -> Manifest:
     """Write the manifest of a bundle copied into ``directory`` with its index rebuilt; return it.
 
-    The caller has put every served file but the index in place; this writes ``index`` (its
-    files, ``IndexPart``) and then the manifest: ``source``'s, with the new index's records, the
-    given ``probe`` (recorded through ``index``: ``probe_record``), a new ``created_at``, the
-    current format version, fresh fingerprints and the caller's ``changes`` (only keys of
-    ``CALLER_KEYS``). Re-indexing and the serving benchmarks call it.
+    The caller has put every served file but the index (and ``parts``) in place; this writes
+    ``index`` (its files, ``IndexPart``) and each of ``parts`` (their files and records replace the
+    source's) and then the manifest: ``source``'s, less the ``files`` entries ``dropped_files`` (the
+    caller has left those files out), with the new parts' records, the given ``probe`` (recorded
+    through ``index``: ``probe_record``), a new ``created_at``, the current format version, fresh
+    fingerprints and the caller's ``changes`` (only keys of ``CALLER_KEYS``). Re-indexing,
+    catalogue edits and the serving benchmarks call it.
     """
     clash = sorted(WRITER_KEYS.intersection(changes))
     if clash:
         raise ValueError(f"manifest keys {clash} are written by the bundle writer from the parts it is given; "
                          f"a caller sets only {sorted(CALLER_KEYS)}")
     directory = Path(directory)
-    part = IndexPart(index)
-    files = {**source.files, **part.write(directory)}
+    written_parts: list[BundlePart] = [IndexPart(index), *parts]
+    files = {key: path for key, path in source.files.items() if key not in dropped_files}
+    records: dict[str, Any] = {}
+    for part in written_parts:
+        files.update(part.write(directory))
+        records.update(part.info())
     written = {
         **source.to_dict(),
-        **part.info(),
+        **records,
         "format_version": BUNDLE_FORMAT_VERSION,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "source_commit": source_commit(),

@@ -47,6 +47,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from retrieval.bundle.catalogue import current_version
 from retrieval.common.arrays import CheckedSink
 from retrieval.common.errors import UserError
 from retrieval.common.progress import Progress
@@ -117,8 +118,9 @@ def all_users(bundle: Bundle) -> IdSource:
 
 
 def all_items(bundle: Bundle) -> IdSource:
-    """Every item of the bundle's catalogue, in index order."""
-    return _Ids(bundle.index.item_ids, f"all {len(bundle.index):,} items of bundle {bundle.version!r}")
+    """Every item the bundle serves, in index order (not those a catalogue edit removed)."""
+    served = bundle.served_item_ids()
+    return _Ids(served, f"all {len(served):,} items of bundle {bundle.version!r}")
 
 
 class IdFile:
@@ -414,7 +416,7 @@ def recommend_to_files(args: argparse.Namespace) -> int:
 
 
 def _recommend_to_files(args: argparse.Namespace, block_size: int) -> int:
-    bundle = Bundle.load(args.bundle)
+    bundle = Bundle.load(current_version(args.bundle))  # its newest catalogue version
     if args.similar:
         items = item_source(bundle, args.similar[0])
         with Progress(items.total, "similar items", "items") as progress:

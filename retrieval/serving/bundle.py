@@ -14,6 +14,8 @@ or from a shell::
     python -m retrieval.serving --bundle artifacts/my-run --users users.txt|all -k 100 --out recs.parquet
 
 (``retrieval recommend`` takes the same arguments; ``--out`` runs ``retrieval.serving.batch``.)
+The command line opens ``--bundle``'s newest catalogue version (``retrieval.bundle.catalogue.current_version``);
+``Bundle.load`` opens exactly the directory it is given.
 
 What a user already has is never served by default: the user's training
 items (the bundle's ``seen_items/``, ``retrieval.bundle.seen_items``) and the items
@@ -42,6 +44,7 @@ from typing import Any, Literal
 import numpy as np
 import tensorflow as tf
 
+from retrieval.bundle.catalogue import current_version
 from retrieval.bundle.display_features import DisplayFeatures
 from retrieval.bundle.fingerprints import check_fingerprints, served_files
 from retrieval.bundle.manifest import MANIFEST_FILE, ManifestError, read_manifest
@@ -121,9 +124,14 @@ class Bundle:
 
     ``manifest_model`` is the typed manifest (``retrieval.bundle.manifest.Manifest``, migrated to
     the current shape), ``manifest`` the same as JSON values.
+
+    Items a catalogue edit removed (the manifest's ``disabled_item_ids``, ``retrieval.bundle.catalogue``)
+    keep their index rows and are never served: ``excluded_rows`` excludes them from every answer.
+    ``models_from``: a loaded Bundle whose query SavedModel has the same fingerprints (a catalogue
+    edit of it) lends its loaded model instead of loading it again (a live edit swaps in quickly).
     """
 
-    def __init__(self, directory: str | Path, *, verify: Verify = "quick"):
+    def __init__(self, directory: str | Path, *, verify: Verify = "quick", models_from: Bundle | None = None):
         if verify not in ("quick", "full"):
             raise ValueError(f"verify must be 'quick' or 'full', got {verify!r}")
         self.directory = Path(directory)
@@ -139,7 +147,9 @@ class Bundle:
         self._watched = self._served_states(missing_ok=True)
         self._check_files(verify)
         with _part(self.directory, f"query SavedModel {query_model!r}"):
-            self._query_model = tf.saved_model.load(str(self.directory / query_model))
+            lent = models_from is not None and _same_files(models_from.manifest, self.manifest, query_model)
+            self._query_model: Any = models_from._query_model if models_from is not None and lent \
+                else tf.saved_model.load(str(self.directory / query_model))
             self._embed = self._query_model.signatures["serving_default"]
             # Bundles whose query tower reads id features say which ids it knew (bundle.saved_models.save_tower).
             self._reports_known_ids = "known_ids" in self._embed.structured_outputs
@@ -176,6 +186,14 @@ class Bundle:
             [self._row_of[item] for item in self.manifest.get("popular_item_ids", []) if item in self._row_of],
             dtype=np.int64,
         )
+        unknown = [item for item in self.manifest_model.disabled_item_ids or () if item not in self._row_of]
+        if unknown:
+            raise BundleError(f"{self.directory}: manifest.json disabled_item_ids names {_short(unknown)}, which "
+                              "item_ids.parquet does not hold: the bundle's parts do not belong together")
+        # Removed by a catalogue edit: excluded from every answer (sorted distinct rows, int64).
+        self._disabled_rows = np.unique(np.array(
+            [self._row_of[item] for item in self.manifest_model.disabled_item_ids or ()], dtype=np.int64))
+        self._disabled_set = set(self._disabled_rows.tolist())
         self.seen_items = self._load_seen_items()
         self._user_input, self._history_input = self.manifest_model.user_input, self.manifest_model.history_input
         # What a query may hold: the tower's inputs and the user id (its training items are excluded).
@@ -294,9 +312,9 @@ class Bundle:
         return table
 
     @classmethod
-    def load(cls, directory: str | Path, *, verify: Verify = "quick") -> Bundle:
+    def load(cls, directory: str | Path, *, verify: Verify = "quick", models_from: Bundle | None = None) -> Bundle:
         """Load and check a bundle (see the class docstring); ``verify="full"`` hashes every file whole."""
-        return cls(directory, verify=verify)
+        return cls(directory, verify=verify, models_from=models_from)
 
     def _check_files(self, verify: Verify) -> None:
         """Paths inside the bundle, and (format 2) every served file equal to its fingerprint."""
@@ -372,6 +390,8 @@ class Bundle:
             "query_features": self.query_features,
             "embedding_dim": self.index.dim,
             "num_items": len(self.index),
+            # Removed by catalogue edits: in the index, never served.
+            "disabled_items": int(len(self._disabled_rows)),
             "metric": index["metric"],
             "normalized": index["normalized"],
             "index": index,
@@ -764,6 +784,13 @@ class Bundle:
                 results.append(Recommendations(self._ids(rows), scores.tolist(), fallback))
         return results
 
+    def served_item_ids(self) -> np.ndarray:
+        """[n] the ids of the items this bundle serves, in index order: every indexed item but those a
+        catalogue edit removed (the manifest's ``disabled_item_ids``)."""
+        if not len(self._disabled_rows):
+            return self.index.item_ids
+        return np.delete(self.index.item_ids, self._disabled_rows)
+
     def training_items(self, user_id: str) -> list[str] | None:
         """``user_id``'s distinct training items (index order), or None for a user the bundle does
         not know (not a training user, or a bundle exported without ``seen_items/``)."""
@@ -820,13 +847,20 @@ class Bundle:
 
     def search_items(self, text: str, limit: int) -> list[str]:
         """Up to ``limit`` catalogue item ids whose title contains ``text`` (``DisplayFeatures.search``),
-        or, for a bundle without a title column, whose id starts with it."""
+        or, for a bundle without a title column, whose id starts with it; never an item a catalogue
+        edit removed."""
         text = text.strip()
         if not text:
             return []
         if self.item_display is None or self.item_display.title_feature is None:
-            return [item for item in self._id_array.tolist() if item.startswith(text)][:limit]
-        return [item for item in self.item_display.search(text, limit * 2) if item in self._row_of][:limit]
+            return [item for item in self._id_array.tolist() if item.startswith(text) and self._served(item)][:limit]
+        return [item for item in self.item_display.search(text, limit * 2 + len(self._disabled_rows))
+                if self._served(item)][:limit]
+
+    def _served(self, item: str) -> bool:
+        """Whether ``item`` is in the catalogue and not removed from it."""
+        row = self._row_of.get(item)
+        return row is not None and row not in self._disabled_set
 
     def similar_items(
         self, item_id: str | int, k: int = 10, *, exclude_item_ids: Sequence[str | int] | None = (),
@@ -877,6 +911,9 @@ class Bundle:
             if row is None:
                 raise RequestError(f"item id {_short(item)} is not in the catalogue of bundle {self.version!r} "
                                    f"({len(self.index)} items)")
+            if row in self._disabled_set:
+                raise RequestError(f"item id {_short(item)} was removed from the catalogue of bundle "
+                                   f"{self.version!r}")
             rows.append(row)
         if not rows:
             return []
@@ -901,15 +938,17 @@ class Bundle:
     ) -> list[np.ndarray]:
         """Per query, the sorted distinct index rows never to serve: [num_queries] int64 arrays.
 
-        The caller's ``exclude_item_ids`` (ids not in the catalogue are ignored) and, with
-        ``exclude_seen``, the items the user already has: the training items of the query's user
-        (its user-id input; none for a user unknown to training or a bundle without
-        ``seen_items/``) and the items of its click-history input, if the query tower reads one.
+        The items a catalogue edit removed (always), the caller's ``exclude_item_ids`` (ids not in
+        the catalogue are ignored) and, with ``exclude_seen``, the items the user already has: the
+        training items of the query's user (its user-id input; none for a user unknown to training
+        or a bundle without ``seen_items/``) and the items of its click-history input, if the query
+        tower reads one.
 
         Raises:
           ValueError: ``exclude_seen`` without ``queries`` on a bundle that can exclude seen items.
         """
-        lists: list[list[np.ndarray]] = [[] for _ in range(num_queries)]
+        lists: list[list[np.ndarray]] = [[self._disabled_rows] if len(self._disabled_rows) else []
+                                         for _ in range(num_queries)]
         for own, items in zip(lists, exclude_item_ids or ()):
             own.append(self._rows_of_ids(items))
         can_exclude = self.seen_items is not None or self._history_input is not None
@@ -957,6 +996,16 @@ def _same_top_k(expected_ids: Sequence[str], expected_scores: Sequence[float], i
                 return False
             start = end
     return True
+
+
+def _same_files(old: Mapping[str, Any], new: Mapping[str, Any], folder: str) -> bool:
+    """Whether two manifests fingerprint the same files, all alike, under ``folder`` (a SavedModel's)."""
+    def under(manifest: Mapping[str, Any]) -> dict[str, Any]:
+        files = (manifest.get("fingerprints") or {}).get("files") or {}
+        return {name: record for name, record in files.items() if name.startswith(f"{folder}/")}
+
+    found = under(new)
+    return bool(found) and found == under(old)
 
 
 def _not_unicode(value: Any) -> bool:
@@ -1148,7 +1197,7 @@ def recommend(args: argparse.Namespace) -> int:
     for flag, given in (("--overwrite", args.overwrite), ("--block-size", args.block_size is not None)):
         if given:
             raise UserError(f"{flag} applies to --out, which this command was not given")
-    bundle = Bundle.load(args.bundle)
+    bundle = Bundle.load(current_version(args.bundle))  # its newest catalogue version
     if args.similar:
         similar = bundle.similar_items_batch(args.similar, args.k, [args.exclude] * len(args.similar),
                                              filters=args.filters)

@@ -26,6 +26,7 @@ FLAGS = {
              "--pruner-startup-trials", "--pruner-warmup-epochs", "--no-baseline-trial", "--timeout", "--train-best"],
     "recommend": ["--bundle", "--user-id", "--similar", "--users", "-k", "--k", "--exclude", "--include-seen", "--out",
                   "--overwrite", "--block-size"],
+    "catalogue": ["--bundle", "--items", "--out", "--overwrite"],
     "serve": ["--bundle", "--host", "--port", "--no-admin", "--admin-token", "--search-threads",
               "--tensorflow-threads", "--verify", "--access-log", "--http", "--loop", "--log-level",
               "--gil-switch-interval", "--max-body-bytes"],

@@ -2,7 +2,7 @@
 
 ``create_app`` builds the Starlette app (``/recommend``, ``/similar``, ``/users``,
 ``/users/{user_id}/items``, ``/items``, ``/items/search``, ``/explain``, ``/healthz``, ``/metadata``, ``/metrics``,
-``/admin/reload`` and the web page at ``/``) over a ``BundleHolder``,
+``/admin/reload``, ``/admin/catalogue`` and the web page at ``/``) over a ``BundleHolder``,
 whose ``reload`` swaps a new bundle in with one reference assignment; large batches run in
 the bulk lane (``_bulk_executor``) in chunks, apart from small requests; the
 exception handlers turn errors into ``{"error": ...}`` replies.
@@ -32,7 +32,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from retrieval.common.errors import UserError
 from retrieval.serving.http.inputs import (
+    CatalogueRequest,
     ExplainRequest,
     ItemsRequest,
     RecommendRequest,
@@ -69,15 +71,22 @@ class BundleHolder:
     swap never changes the bundle under a running request, and the old bundle
     is freed when the last request using it finishes. ``load_seconds`` (None
     for a bundle loaded elsewhere) and ``served_since`` (Unix time it was
-    swapped in) describe ``current`` for ``GET /metrics``.
+    swapped in) describe ``current`` for ``GET /metrics``. ``root`` is the
+    bundle directory as given (to ``create_app`` or the last reload): the
+    served bundle is its newest catalogue version (``current_version``), and
+    ``edit`` publishes the next one beside it.
     """
 
-    def __init__(self, bundle: Bundle, verify: Verify = "quick", load_seconds: float | None = None):
+    def __init__(self, bundle: Bundle, verify: Verify = "quick", load_seconds: float | None = None,
+                 root: str | Path | None = None):
         self.current = bundle
         self.verify: Verify = verify
         self.load_seconds = load_seconds
         self.served_since = time.time()
+        self.root = Path(root) if root is not None else bundle.directory
         self._reload_lock = asyncio.Lock()
+        self._doc_model: tuple[Any, Any] | None = None  # (fingerprints of the doc model, its serving function)
+        self._doc_model_lock = threading.Lock()
 
     async def reload(self, directory: str | Path) -> tuple[Bundle, Bundle]:
         """Load ``directory`` off the event loop (every check of ``Bundle.load`` at ``verify``), then swap;
@@ -86,16 +95,77 @@ class BundleHolder:
             new, seconds = await run_in_threadpool(_timed_load, directory, self.verify)
             # All on the event loop, where /metrics reads them too: a scrape never sees half of the swap.
             old, self.current = self.current, new
+            self.root = Path(directory)
             self.load_seconds, self.served_since = seconds, time.time()
             return old, new
 
+    async def edit(self, change: str, items: Any) -> tuple[Bundle, Bundle]:
+        """Publish the catalogue edit as the next version of ``root`` (``publish_edit``), load it with
+        the served bundle's query model and swap it in; return (old, new). One edit or reload at a
+        time; a failed edit raises and the old bundle stays (its version was not published, or was
+        published and failed to load: then the next restart reports it)."""
+        async with self._reload_lock:
+            new, seconds = await run_in_threadpool(self._publish_and_load, change, items)
+            old, self.current = self.current, new
+            self.load_seconds, self.served_since = seconds, time.time()
+            return old, new
+
+    def _publish_and_load(self, change: Any, items: Any) -> tuple[Bundle, float]:
+        import pandas as pd
+
+        from retrieval.bundle.catalogue import CatalogueModels, current_version, publish_edit
+        from retrieval.serving.bundle import Bundle
+
+        started = time.perf_counter()
+        current = self.current
+        if current_version(self.root).resolve() != current.directory.resolve():
+            raise ValueError(f"the newest catalogue version of {self.root.name!r} is not the one served "
+                             f"({current.version!r}): reload first, so the edit starts from what is served")
+        changed = current.changed_files()
+        if changed:  # the edit copies the served files: they must be those loaded and checked
+            raise ValueError(f"the served bundle's files changed on disk since they were loaded "
+                             f"({', '.join(changed)}): reload it first")
+        models = CatalogueModels(self.doc_model(current), lambda query: current.embed([query]))
+        directory = publish_edit(self.root, change, pd.DataFrame.from_records(items), models=models,
+                                 loaded=(current.index, current.item_display))
+        new = Bundle.load(directory, verify=self.verify, models_from=current)
+        return new, time.perf_counter() - started
+
+    def doc_model(self, bundle: Bundle | None = None) -> Any:
+        """The doc SavedModel's serving function of ``bundle`` (default: the served one), loaded once
+        and kept while the edits keep the same doc model files (their fingerprints). ``retrieval
+        serve`` calls it in the background at start, so the first edit does not wait for the load."""
+        import tensorflow as tf
+
+        bundle = self.current if bundle is None else bundle
+        folder = bundle.manifest_model.files["doc_model"]
+        fingerprint = {name: record for name, record in (bundle.manifest.get("fingerprints") or {}).get(
+            "files", {}).items() if name.startswith(f"{folder}/")}
+        with self._doc_model_lock:
+            if self._doc_model is None or self._doc_model[0] != fingerprint:
+                import retrieval.bundle.writer  # noqa: F401  (what an edit writes with, imported ahead of it)
+                from retrieval.bundle.catalogue import input_tensor
+
+                loaded = tf.saved_model.load(str(bundle.directory / folder)).signatures["serving_default"]
+                # One call on an all-missing item: TensorFlow's first call of a function is slow.
+                specs = bundle.manifest_model.doc_inputs or {}
+                try:
+                    loaded(**{name: input_tensor([None], specs[name], name)
+                              for name in bundle.manifest_model.doc_features if name in specs})
+                except Exception as error:  # only a warm-up: the edit itself reports a real problem
+                    log.debug("doc model warm-up call failed: %r", error)
+                self._doc_model = (fingerprint, loaded)
+            return self._doc_model[1]
+
 
 def _timed_load(directory: str | Path, verify: Verify) -> tuple[Bundle, float]:
-    """``Bundle.load(directory, verify=verify)`` and the seconds it took."""
+    """``Bundle.load`` of ``directory``'s newest catalogue version (``current_version``: ``directory``
+    itself when it was never edited) at ``verify``, and the seconds it took."""
+    from retrieval.bundle.catalogue import current_version
     from retrieval.serving.bundle import Bundle
 
     started = time.perf_counter()
-    bundle = Bundle.load(directory, verify=verify)
+    bundle = Bundle.load(current_version(directory), verify=verify)
     return bundle, time.perf_counter() - started
 
 
@@ -136,10 +206,12 @@ def create_app(
 
     Args:
       bundle: bundle directory, e.g. ``artifacts/<run>``, or a loaded Bundle.
-      admin: expose ``POST /admin/reload``. It loads any directory the
-        server can read: keep it on loopback, give a token, or turn it off
+      admin: expose ``POST /admin/reload`` and ``POST /admin/catalogue``. The
+        first loads any directory the server can read, the second writes
+        catalogue versions beside the bundle (``retrieval.bundle.catalogue``):
+        keep them on loopback, give a token, or turn them off
         (``check_admin_exposure`` says which host needs what).
-      admin_token: when set, ``/admin/reload`` requires
+      admin_token: when set, the admin routes require
         ``Authorization: Bearer <admin_token>``.
       host: the address the server is bound to. Admin routes refuse (403) a
         ``Host`` header that does not name it (``admin_host_allowed``) and an
@@ -165,7 +237,7 @@ def create_app(
         holder = BundleHolder(bundle, verify)
     else:
         loaded, seconds = _timed_load(bundle, verify)
-        holder = BundleHolder(loaded, verify, load_seconds=seconds)
+        holder = BundleHolder(loaded, verify, load_seconds=seconds, root=bundle)
     metrics = ServiceMetrics(holder)
     bulk_lane = _bulk_executor(limits)
     expected_authorization = None if admin_token is None else f"Bearer {admin_token}".encode()
@@ -368,6 +440,33 @@ def create_app(
             {"bundle": new.version, "previous": old.version, "seconds": round(time.perf_counter() - started, 3)}
         )
 
+    async def catalogue(request: Request) -> JSONResponse:
+        """Apply a catalogue edit (``BundleHolder.edit``): the reply names the new version and the time taken."""
+        refusal = admin_refusal(request)
+        if refusal is not None:
+            return refusal
+        body = _parse_object(await _read_body(request, limits.max_body_bytes))
+        try:
+            parsed = CatalogueRequest.model_validate(body)
+            records = parsed.records()
+        except (ValidationError, ValueError) as error:
+            return _error(422, _describe(error) if isinstance(error, ValidationError) else str(error))
+        started = time.perf_counter()
+        try:
+            old, new = await holder.edit(parsed.change, records)
+        except Exception as error:  # whatever failed, the old bundle keeps serving
+            log.warning("catalogue %s failed: %r", parsed.change, error)
+            # Catalogue, run-directory and bundle errors name the items or the part, never file bytes.
+            reason = str(error) if isinstance(error, ValueError | UserError) else type(error).__name__
+            return _error(422, f"catalogue {parsed.change} not applied, still serving {holder.current.version!r}: "
+                               f"{reason}")
+        log.info("catalogue %s of %d items: %s -> %s", parsed.change, len(records), old.version, new.version)
+        return JSONResponse({
+            "bundle": new.version, "previous": old.version, "change": parsed.change, "items": len(records),
+            "num_items": len(new.index) - new.metadata()["disabled_items"],
+            "seconds": round(time.perf_counter() - started, 3),
+        })
+
     page_text = page_html()
     page_header_values = page_headers(page_text)
     routes = [
@@ -385,6 +484,7 @@ def create_app(
     ]
     if admin:
         routes.append(Route("/admin/reload", reload, methods=["POST"]))
+        routes.append(Route("/admin/catalogue", catalogue, methods=["POST"]))
     app = Starlette(
         routes=routes,
         # Starlette types every handler as taking a plain Exception, so a handler for a subclass

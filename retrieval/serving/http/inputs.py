@@ -1,7 +1,7 @@
 """Hostile-input handling of the HTTP app: what a request may carry and how it is read.
 
 The request bodies' pydantic models (``RecommendRequest``, ``SimilarRequest``, ``ItemsRequest``,
-``ExplainRequest``, ``ReloadRequest``),
+``ExplainRequest``, ``ReloadRequest``, ``CatalogueRequest``),
 reading a body under a byte limit (413), parsing it into a JSON object (400)
 and validating it (422), the middleware refusing too many headers (431), and
 the ``{"error": ...}`` replies these failures get.
@@ -160,6 +160,34 @@ class ReloadRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     bundle: str = Field(min_length=1, description="Directory of the bundle to serve from now on.")
+
+
+class CatalogueRequest(BaseModel):
+    """``POST /admin/catalogue``: one catalogue edit (``retrieval.bundle.catalogue``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    change: Literal["add", "remove", "update"]
+    items: list[dict[str, Any]] | None = Field(
+        None, min_length=1, max_length=MAX_BATCH,
+        description="The items: item_id and, to add or update, the doc model's inputs and display features.")
+    item_ids: list[str | int] | None = Field(
+        None, min_length=1, max_length=MAX_BATCH, description="remove: the ids (or items holding only item_id).")
+
+    @model_validator(mode="after")
+    def _one_list(self) -> CatalogueRequest:
+        if (self.items is None) == (self.item_ids is None):
+            raise ValueError("give the items (items) or, to remove, their ids (item_ids): one of the two")
+        if self.item_ids is not None and self.change != "remove":
+            raise ValueError(f"item_ids is for remove; {self.change} takes items (objects with item_id and features)")
+        return self
+
+    def records(self) -> list[dict[str, Any]]:
+        """The items as rows (``item_ids`` as rows holding only ``item_id``)."""
+        if self.items is not None:
+            return self.items
+        return [{"item_id": checked_id(item, f"item_ids[{position}]")}
+                for position, item in enumerate(self.item_ids or ())]
 
 
 class _HeaderCount:
