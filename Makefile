@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/demo.yaml
 SET    ?=
 
-.PHONY: install install-browser test test-fast train train-cluster evaluate lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend bench-parameter-server bench-index-blocks bench-demo bench-topk bench-filters bench-catalogue
+.PHONY: install install-browser test test-fast train train-cluster lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend bench-parameter-server bench-index-blocks bench-demo bench-topk bench-filters bench-catalogue
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip

@@ -357,3 +357,19 @@ def test_source_files_cite_no_missing_paths():
 def test_cited_paths_are_found():
     text = "see retrieval/service.py and ``retrieval/losses/``; docs/x.md, not artifacts/run/ or my.retrieval/a.py"
     assert _cited_paths(text) == ["retrieval/service.py", "retrieval/losses/", "docs/x.md"]
+
+
+def _phony_targets_without_a_rule(makefile: str) -> list[str]:
+    phony = [name for line in re.findall(r"^\.PHONY:(.*)$", makefile, flags=re.M) for name in line.split()]
+    rules = set(re.findall(r"^([\w.-]+):", makefile, flags=re.M))
+    return [name for name in phony if name not in rules]
+
+
+def test_every_phony_make_target_has_a_rule():
+    makefile = (ROOT / "Makefile").read_text()
+    assert "test" in re.findall(r"^([\w.-]+):", makefile, flags=re.M)  # the check sees rules at all
+    assert not _phony_targets_without_a_rule(makefile), "Makefile declares phony targets it never defines"
+
+
+def test_a_phony_target_without_a_rule_is_found():
+    assert _phony_targets_without_a_rule(".PHONY: a evaluate\na:\n\techo a\n") == ["evaluate"]
