@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._harness import ROOT, load_average
+from benchmarks._harness import ROOT, load_average, timed
 from benchmarks._serving_index import log, percentiles, served_recall
 
 SERVE_ARGS: list[str] = []  # --serve-args: extra `retrieval serve` flags for every server started
@@ -115,9 +115,9 @@ class Server:
         import httpx
 
         with httpx.Client(base_url=self.url, timeout=120) as client:
-            seconds = time.perf_counter()
-            reply = client.post("/admin/reload", json={"bundle": str(bundle)})
-            reload_seconds = time.perf_counter() - seconds
+            with timed() as clock:
+                reply = client.post("/admin/reload", json={"bundle": str(bundle)})
+            reload_seconds = clock.seconds
             reply.raise_for_status()
             for user in user_ids[:20]:  # warm-up
                 client.post("/recommend", json={"query": {"user_id": user}, "k": args.k}).raise_for_status()
@@ -125,9 +125,9 @@ class Server:
             deadline = time.perf_counter() + args.http_seconds
             for i in range(args.http_requests):
                 user = user_ids[i % len(user_ids)]
-                seconds = time.perf_counter()
-                response = client.post("/recommend", json={"query": {"user_id": user}, "k": args.k})
-                latencies.append(time.perf_counter() - seconds)
+                with timed() as clock:
+                    response = client.post("/recommend", json={"query": {"user_id": user}, "k": args.k})
+                latencies.append(clock.seconds)
                 if response.status_code != 200:
                     errors += 1
                 else:
@@ -152,18 +152,18 @@ class Server:
             with httpx.Client(base_url=self.url, timeout=120) as client:
                 for i in range(per_worker):
                     user = user_ids[(w * per_worker + i) % len(user_ids)]
-                    seconds = time.perf_counter()
-                    response = client.post("/recommend", json={"query": {"user_id": user}, "k": args.k})
-                    latencies.append(time.perf_counter() - seconds)
+                    with timed() as clock:
+                        response = client.post("/recommend", json={"query": {"user_id": user}, "k": args.k})
+                    latencies.append(clock.seconds)
                     errors += response.status_code != 200
                     if time.perf_counter() > deadline:
                         break
             return latencies, errors
 
-        seconds = time.perf_counter()
-        with ThreadPoolExecutor(args.http_concurrency) as pool:
-            outcomes = list(pool.map(worker, range(args.http_concurrency)))
-        wall = time.perf_counter() - seconds
+        with timed() as clock:
+            with ThreadPoolExecutor(args.http_concurrency) as pool:
+                outcomes = list(pool.map(worker, range(args.http_concurrency)))
+        wall = clock.seconds
         latencies = [x for lat, _ in outcomes for x in lat]
         return {"errors": sum(e for _, e in outcomes), "concurrency": args.http_concurrency,
                 "concurrent_qps": len(latencies) / wall, **percentiles(latencies, "concurrent")}
@@ -258,9 +258,9 @@ def _single_loop(client, user_ids, k: int, seconds: float) -> dict:
     deadline = time.perf_counter() + seconds
     i = 0
     while time.perf_counter() < deadline:
-        started = time.perf_counter()
-        response = client.post("/recommend", json={"query": {"user_id": user_ids[i % len(user_ids)]}, "k": k})
-        latencies.append(time.perf_counter() - started)
+        with timed() as clock:
+            response = client.post("/recommend", json={"query": {"user_id": user_ids[i % len(user_ids)]}, "k": k})
+        latencies.append(clock.seconds)
         errors += response.status_code != 200 or len(response.json().get("item_ids", [])) != k
         i += 1
     return latencies, int(errors)

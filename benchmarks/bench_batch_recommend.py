@@ -41,7 +41,7 @@ from types import SimpleNamespace
 import numpy as np
 import pyarrow.parquet as pq
 
-from benchmarks._harness import RESULTS, command, machine, markdown_table, write_report
+from benchmarks._harness import RESULTS, command, machine, markdown_table, timed, write_report
 from benchmarks._serving_http import towers_for, write_test_bundle
 from benchmarks._serving_index import log, synthetic
 
@@ -106,13 +106,13 @@ def run(args, workdir: Path, argv: list[str] | None = None) -> int:
     (workdir / "out").mkdir(parents=True, exist_ok=True)
     rows, files = [], {}
     for factory in args.factories:
-        seconds = time.perf_counter()
-        config = IndexConfig(factory=factory, train_sample_size=args.train_sample, tune_k=args.k, seed=args.seed,
-                             tune_queries=args.tune_queries)
-        if args.nprobe is not None and "IVF" in factory:
-            config = config.model_copy(update={"search_params": f"nprobe={args.nprobe}"})
-        index = build_index(item_ids, items, config, tune_queries, "held-out synthetic users")
-        build_seconds = time.perf_counter() - seconds
+        with timed() as clock:
+            config = IndexConfig(factory=factory, train_sample_size=args.train_sample, tune_k=args.k, seed=args.seed,
+                                 tune_queries=args.tune_queries)
+            if args.nprobe is not None and "IVF" in factory:
+                config = config.model_copy(update={"search_params": f"nprobe={args.nprobe}"})
+            index = build_index(item_ids, items, config, tune_queries, "held-out synthetic users")
+        build_seconds = clock.seconds
         directory = write_test_bundle(workdir, factory, index, towers, seen_items=seen)
         del index
         seconds = time.perf_counter()

@@ -29,14 +29,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from benchmarks._harness import command as command_line
-from benchmarks._harness import machine, write_report
+from benchmarks._harness import machine, timed, write_report
 from benchmarks.bench_scale import RESULTS, ROOT, ensure_shards, log_name
 
 SOURCES = {"in memory": "false", "streamed": "true"}
@@ -66,10 +65,10 @@ def run_job(source: str, data_path: str, train_rows_bound: int, base: Path, args
     ]
     command = [sys.executable, "-m", "pipelines.train", "--config", str(ROOT / "configs" / "scale.yaml")]
     command += [part for setting in overrides for part in ("--set", setting)]
-    started = time.perf_counter()
-    process = subprocess.Popen(command, cwd=ROOT)
-    _, status, usage = os.wait4(process.pid, 0)
-    seconds = time.perf_counter() - started
+    with timed() as clock:
+        process = subprocess.Popen(command, cwd=ROOT)
+        _, status, usage = os.wait4(process.pid, 0)
+    seconds = clock.seconds
     if status != 0:
         raise SystemExit(f"{source} job failed (wait status {status}): {' '.join(command)}")
     metrics = json.loads((base / "runs" / name / "metrics.json").read_text())

@@ -47,7 +47,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -60,7 +59,15 @@ import tensorflow as tf  # noqa: E402
 import tensorflow_recommenders as tfrs  # noqa: E402
 from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
 
-from benchmarks._harness import RESULTS, command, load_average, machine, versions_of, write_report  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    RESULTS,
+    command,
+    load_average,
+    machine,
+    timed,  # noqa: E402
+    versions_of,
+    write_report,
+)
 from retrieval.common.arrays import drop_members  # noqa: E402
 from retrieval.evaluation import EvalSet, index_ranking  # noqa: E402
 from retrieval.index import FAISS_ONLY, MEASURED_ROUTING, ItemIndex  # noqa: E402
@@ -94,9 +101,9 @@ def _interleaved(methods: dict, repeats: int) -> tuple[dict, dict, dict]:
     results = {}
     for round_ in range(repeats):
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-            started = time.perf_counter()
-            results[name] = methods[name][0]()
-            seconds[name].append(time.perf_counter() - started)
+            with timed() as clock:
+                results[name] = methods[name][0]()
+            seconds[name].append(clock.seconds)
     reference = seconds[names[0]]
     ratios = {name: statistics.median(t / r for t, r in zip(seconds[name], reference)) for name in names}
     return {name: statistics.median(values) for name, values in seconds.items()}, ratios, results
@@ -308,13 +315,13 @@ def bench_topk(args) -> dict:
         for name in order:
             # Each run is paired with a bound run just before it: load from other processes
             # changes over seconds, and the pair sees about the same.
-            started = time.perf_counter()
-            _bare_matmul(items, queries, "workers")
-            seconds[bound].append(time.perf_counter() - started)
+            with timed() as clock:
+                _bare_matmul(items, queries, "workers")
+            seconds[bound].append(clock.seconds)
             run = methods.get(name) or once[name]
-            started = time.perf_counter()
-            results[name] = run()
-            seconds[name].append(time.perf_counter() - started)
+            with timed() as clock:
+                results[name] = run()
+            seconds[name].append(clock.seconds)
             ratios[name].append(seconds[bound][-1] / seconds[name][-1])
         print(json.dumps({"round": round_, **{n: round(v[-1], 3) for n, v in seconds.items() if v}}), flush=True)
     rows = []
@@ -354,22 +361,22 @@ def bench_full_eval(args, rng: np.random.Generator, items: np.ndarray, brute) ->
     sample_order = sample[np.argsort([len(masks[i]) for i in sample], kind="stable")]
     runs = []
 
-    def timed(name: str, count: int, run) -> np.ndarray:
-        started = time.perf_counter()
-        ranked = run()
-        elapsed = time.perf_counter() - started
+    def time_ranking(name: str, count: int, run) -> np.ndarray:
+        with timed() as clock:
+            ranked = run()
+        elapsed = clock.seconds
         runs.append({"method": name, "users": count, "items": args.items, "depth": depth, "seconds": elapsed,
                      "users_per_second": count / elapsed})
         print(json.dumps(runs[-1]), flush=True)
         return ranked
 
-    exact_ranked = timed("ExactTopK (index_ranking, Flat ItemIndex)", args.eval_users,
+    exact_ranked = time_ranking("ExactTopK (index_ranking, Flat ItemIndex)", args.eval_users,
                          lambda: index_ranking(index, users, eval_set, depth))
     index.routing = FAISS_ONLY
-    faiss_ranked = timed("faiss IndexFlatIP (index_ranking, over-fetch + drop)", few,
+    faiss_ranked = time_ranking("faiss IndexFlatIP (index_ranking, over-fetch + drop)", few,
                          lambda: index_ranking(index, users[sample], sample_set, depth))
     index.routing = MEASURED_ROUTING
-    tfrs_ranked = timed("tfrs BruteForce (over-fetch + drop)", few,
+    tfrs_ranked = time_ranking("tfrs BruteForce (over-fetch + drop)", few,
                         lambda: _tfrs_ranking(brute, users[sample_order], [masks[i] for i in sample_order], depth,
                                               args.batch))
     tfrs_by_user = np.empty_like(tfrs_ranked)

@@ -50,7 +50,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from benchmarks._harness import command as command_line
-from benchmarks._harness import load_average, machine, write_report
+from benchmarks._harness import load_average, machine, timed, write_report
 from benchmarks.scale_resume import markdown_row
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,11 +137,11 @@ def ensure_shards(data_dir: Path, args: argparse.Namespace, before_generating=la
         log.info("reusing %s", data_dir)
         return {**json.loads(done.read_text()), "reused": True}
     before_generating()
-    started = time.perf_counter()
-    shutil.rmtree(data_dir, ignore_errors=True)
-    generation = generate_shards(data_dir, args.clicks, args.items, clicks_per_user=args.clicks_per_user,
-                                 clusters=args.clusters, seed=args.seed, shard_clicks=args.shard_clicks)
-    generation["seconds"] = round(time.perf_counter() - started, 1)
+    with timed() as clock:
+        shutil.rmtree(data_dir, ignore_errors=True)
+        generation = generate_shards(data_dir, args.clicks, args.items, clicks_per_user=args.clicks_per_user,
+                                     clusters=args.clusters, seed=args.seed, shard_clicks=args.shard_clicks)
+    generation["seconds"] = round(clock.seconds, 1)
     done.write_text(json.dumps(generation))
     return {**generation, "reused": False}
 
@@ -409,10 +409,10 @@ def main() -> None:
     if args.features:
         tables_done = table_dir / "_DONE.json"
         if not tables_done.exists():
-            clock = time.perf_counter()
-            written = write_feature_tables(table_dir, args.clicks, args.items, clicks_per_user=args.clicks_per_user,
-                                           clusters=args.clusters, seed=args.seed)
-            written["seconds"] = round(time.perf_counter() - clock, 1)
+            with timed() as clock:
+                written = write_feature_tables(table_dir, args.clicks, args.items, clicks_per_user=args.clicks_per_user,
+                                               clusters=args.clusters, seed=args.seed)
+            written["seconds"] = round(clock.seconds, 1)
             tables_done.write_text(json.dumps(written))
         generation["tables"] = json.loads(tables_done.read_text())
         log.info("feature tables: %s", json.dumps(generation["tables"]))
@@ -455,9 +455,9 @@ def main() -> None:
         _write(report, args.out)
         return
     rss_before_job = rss_bytes()
-    job_started = time.perf_counter()
-    result = train_evaluate_export(config, config_name="scale")
-    job_seconds = time.perf_counter() - job_started
+    with timed() as clock:
+        result = train_evaluate_export(config, config_name="scale")
+    job_seconds = clock.seconds
     sampler.stop()
 
     metrics = result.metrics

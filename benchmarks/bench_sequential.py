@@ -45,6 +45,7 @@ from benchmarks._harness import (
     machine,
     pyplot,
     save_figure,
+    timed,
     write_json,
 )
 from retrieval.config import load_config
@@ -172,7 +173,6 @@ def run_variant(name: str, overrides: list[str], data_dir: Path, extra: list[str
 def throughput(data_dir: Path, lengths: tuple[int, ...] = (50, 200), steps: int = 20) -> list[dict[str, Any]]:
     """Trained (query state, next item) pairs a second: the transformer's all-positions pass against
     the same tower trained one click a row (each row its own history), and the ID tower's step."""
-    import time
 
     import tensorflow as tf
 
@@ -362,9 +362,9 @@ def _serving_row(beauty: Path, length: int, history_items: int, users: int, requ
             latencies, served = [], []
             with httpx.Client(base_url=server.url, timeout=60) as client:
                 for i, history in enumerate(histories):
-                    started = time.perf_counter()
-                    reply = client.post("/recommend", json={"query": {"history": history}, "k": k})
-                    seconds = time.perf_counter() - started
+                    with timed() as clock:
+                        reply = client.post("/recommend", json={"query": {"history": history}, "k": k})
+                    seconds = clock.seconds
                     reply.raise_for_status()
                     if i >= 20:
                         latencies.append(seconds)

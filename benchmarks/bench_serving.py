@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._harness import RESULTS, command, load_average, write_json, write_report
+from benchmarks._harness import RESULTS, command, load_average, timed, write_json, write_report
 from benchmarks._serving_http import (
     DEFAULT_STACK,
     HTTP_STACKS,
@@ -181,9 +181,9 @@ def measure_catalogue(items, tune_queries, queries, item_ids, user_ids, args, ar
     from retrieval.config import IndexConfig
     from retrieval.index import ItemIndex, exact_search, recall_at_k
 
-    seconds = time.perf_counter()
-    exact = exact_search(items, queries, args.k)
-    exact_seconds = time.perf_counter() - seconds
+    with timed() as clock:
+        exact = exact_search(items, queries, args.k)
+    exact_seconds = clock.seconds
     exact_qps = len(queries) / exact_seconds
     log(f"exact: {exact_qps:.0f} QPS (batch of {len(queries)})")
     tune_exact = exact_search(items, tune_queries, args.k)  # shared by every index's tuning
@@ -196,16 +196,16 @@ def measure_catalogue(items, tune_queries, queries, item_ids, user_ids, args, ar
         for factory in args.factories:
             # What build_index(item_ids, items, config, tune_queries) does, timed in two parts.
             config = IndexConfig(factory=factory, tune_k=args.k, tune_queries=args.tune_queries, seed=args.seed)
-            seconds = time.perf_counter()
-            index = ItemIndex.build(item_ids, items, factory, train_sample_size=config.train_sample_size,
-                                    seed=config.seed)
-            build_seconds = time.perf_counter() - seconds
+            with timed() as clock:
+                index = ItemIndex.build(item_ids, items, factory, train_sample_size=config.train_sample_size,
+                                        seed=config.seed)
+            build_seconds = clock.seconds
             tune_seconds = 0.0
             if not index.is_exact:
-                seconds = time.perf_counter()
-                index.tune(items, tune_queries, k=args.k, target_recall=config.target_recall,
-                           query_source="held-out queries", exact=tune_exact)
-                tune_seconds = time.perf_counter() - seconds
+                with timed() as clock:
+                    index.tune(items, tune_queries, k=args.k, target_recall=config.target_recall,
+                               query_source="held-out queries", exact=tune_exact)
+                tune_seconds = clock.seconds
             row = measure_index(index, queries, exact, args, recall_at_k, faiss)
             if index.is_exact:  # the same IndexFlatIP search as the exact reference: one timing, not two
                 row["batch_qps"] = exact_qps

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._harness import command, load_average, write_report
+from benchmarks._harness import command, load_average, timed, write_report
 from benchmarks._serving_http import DEFAULT_STACK, SERVE_ARGS
 from benchmarks._serving_index import (
     REAL_FACTORIES,
@@ -217,13 +217,13 @@ def memory_rows(items, tune_queries, queries, args) -> dict:
     from retrieval.index import exact_search, recall_at_k
 
     rng = np.random.default_rng(args.seed + 1)
-    seconds = time.perf_counter()
-    vectors, info = memory_catalogue(items, args.memory_items, args.memory_noise, rng)
-    info["seconds"] = time.perf_counter() - seconds
+    with timed() as clock:
+        vectors, info = memory_catalogue(items, args.memory_items, args.memory_noise, rng)
+    info["seconds"] = clock.seconds
     log(f"memory catalogue: {json.dumps(info)}")
-    seconds = time.perf_counter()
-    exact = exact_search(vectors, queries, args.k)
-    exact_seconds = time.perf_counter() - seconds
+    with timed() as clock:
+        exact = exact_search(vectors, queries, args.k)
+    exact_seconds = clock.seconds
     tune_exact = exact_search(vectors, tune_queries, args.k)
     result = {"catalogue": info, "k": args.k, "target_recall": TARGET_MEMORY_RECALL,
               "tuning_target": TARGET_MEMORY_RECALL + args.memory_tune_margin,
@@ -234,24 +234,24 @@ def memory_rows(items, tune_queries, queries, args) -> dict:
     for factory in args.memory_factories:
         index = faiss.index_factory(vectors.shape[1], factory, faiss.METRIC_INNER_PRODUCT)
         sample = vectors[np.sort(rng.choice(len(vectors), result["train_sample"], replace=False))]
-        seconds = time.perf_counter()
-        index.train(sample)
-        train_seconds = time.perf_counter() - seconds
+        with timed() as clock:
+            index.train(sample)
+        train_seconds = clock.seconds
         del sample
-        seconds = time.perf_counter()
-        for start in range(0, len(vectors), 1_000_000):
-            index.add(vectors[start : start + 1_000_000])
-        add_seconds = time.perf_counter() - seconds
+        with timed() as clock:
+            for start in range(0, len(vectors), 1_000_000):
+                index.add(vectors[start : start + 1_000_000])
+        add_seconds = clock.seconds
         log(f"{factory}: trained in {train_seconds:.0f} s, added in {add_seconds:.0f} s")
-        seconds = time.perf_counter()
-        params, points = sweep(index, tune_queries, tune_exact.rows, args.k,
-                               TARGET_MEMORY_RECALL + args.memory_tune_margin)
-        tune_seconds = time.perf_counter() - seconds
+        with timed() as clock:
+            params, points = sweep(index, tune_queries, tune_exact.rows, args.k,
+                                   TARGET_MEMORY_RECALL + args.memory_tune_margin)
+        tune_seconds = clock.seconds
         for point in points:  # the evaluation users' recall of every setting tried: the curve, not the choice
             faiss.ParameterSpace().set_index_parameters(index, point["params"])
-            seconds = time.perf_counter()
-            point["evaluation_recall"] = recall_at_k(index.search(queries, args.k)[1], exact.rows)
-            point["evaluation_ms_per_query"] = 1e3 * (time.perf_counter() - seconds) / len(queries)
+            with timed() as clock:
+                point["evaluation_recall"] = recall_at_k(index.search(queries, args.k)[1], exact.rows)
+            point["evaluation_ms_per_query"] = 1e3 * clock.seconds / len(queries)
         faiss.ParameterSpace().set_index_parameters(index, params)
         row = {"factory": factory, "search_params": params, "train_seconds": train_seconds,
                "add_seconds": add_seconds, "build_seconds": train_seconds + add_seconds,
@@ -259,9 +259,9 @@ def memory_rows(items, tune_queries, queries, args) -> dict:
                "index_bytes": int(faiss.serialize_index(index).nbytes)}
         batch = []
         for _ in range(2):
-            seconds = time.perf_counter()
-            rows = index.search(queries, args.k)[1]
-            batch.append(time.perf_counter() - seconds)
+            with timed() as clock:
+                rows = index.search(queries, args.k)[1]
+            batch.append(clock.seconds)
         row["recall"] = recall_at_k(rows, exact.rows)
         row["batch_qps"] = len(queries) / min(batch)
         row["speedup_vs_exact"] = row["batch_qps"] / result["exact"]["batch_qps"]

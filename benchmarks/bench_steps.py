@@ -70,7 +70,7 @@ import pandas as pd
 import tensorflow as tf
 
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before tf.keras is first used)
-from benchmarks._harness import RESULTS, command, load_average, machine, versions_of, write_report
+from benchmarks._harness import RESULTS, command, load_average, machine, timed, versions_of, write_report
 from retrieval.config import LossConfig, ModelConfig, TrainConfig
 from retrieval.data import ITEM, USER
 from retrieval.features import FeatureStatistics
@@ -131,18 +131,18 @@ def timed_run(
     tf.keras.backend.clear_session()
     gc.collect()
     seed_everything(config.seed)
-    began = time.perf_counter()
-    model = build_model(ModelConfig(), stats)
-    build = time.perf_counter() - began
+    with timed() as clock:
+        model = build_model(ModelConfig(), stats)
+    build = clock.seconds
     load_before = load_average()[0]
     start = time.perf_counter()
     saves: list[float] = []
     save = TrainingCheckpoint.save
 
     def timed_save(self, state):
-        began = time.perf_counter()
-        save(self, state)
-        saves.append(time.perf_counter() - began)
+        with timed() as clock:
+            save(self, state)
+        saves.append(clock.seconds)
 
     TrainingCheckpoint.save = timed_save  # type: ignore[method-assign]
     try:
@@ -331,9 +331,9 @@ def run_tables(args, log) -> dict[str, Any]:
     rows = args.steps * BATCH
     data = {}
     for n in args.sizes:
-        began = time.perf_counter()
-        data[n] = (FeatureStatistics.from_training_clicks(vocabulary_frame(n)), training_frame(n, rows, seed=1))
-        log(f"tables: data for n={n} in {time.perf_counter() - began:.1f}s")
+        with timed() as clock:
+            data[n] = (FeatureStatistics.from_training_clicks(vocabulary_frame(n)), training_frame(n, rows, seed=1))
+        log(f"tables: data for n={n} in {clock.seconds:.1f}s")
     configs = [(n, opt) for n in args.sizes for opt in args.optimizers]
     runs: dict[str, list[dict]] = {f"{n}/{opt}": [] for n, opt in configs}
     for round_ in range(args.rounds):
