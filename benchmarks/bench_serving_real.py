@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._harness import command, load_average, timed, write_report
+from benchmarks._harness import command, load_average, markdown_table, timed, write_report
 from benchmarks._serving_http import DEFAULT_STACK, SERVE_ARGS
 from benchmarks._serving_index import (
     REAL_FACTORIES,
@@ -364,17 +364,17 @@ def real_markdown(results) -> str:
                   "", f"Measured by `{rerun(section.get('argv', results['argv']))}`.", "",
                   *index_tables(section, k, heading_level="###"), ""]
     if "real" in results or "synthetic" in results:
-        lines += ["## What the data look like", "",
-                  "| data | norm of the mean vector | variance share of the first direction | participation ratio "
-                  f"(effective dims) | share of top-{k} slots taken by the top 1% items | distinct items in the "
-                  "results |",
-                  "|---|---:|---:|---:|---:|---:|"]
-        for name in ("real", "synthetic"):
-            if name in results:
-                d = results[name]["data"]
-                lines.append(f"| {name} | {d['mean_vector_norm']:.3f} | {d['first_direction_variance_share']:.3f} | "
-                             f"{d['participation_ratio']:.1f} | {d['top1pct_items_share_of_results']:.3f} | "
-                             f"{d['distinct_items_in_results']:,} of {d['result_slots']:,} slots |")
+        lines += ["## What the data look like", ""]
+        lines += markdown_table(
+            ["data", "norm of the mean vector", "variance share of the first direction",
+             "participation ratio (effective dims)", f"share of top-{k} slots taken by the top 1% items",
+             "distinct items in the results"],
+            [[name, f"{d['mean_vector_norm']:.3f}", f"{d['first_direction_variance_share']:.3f}",
+              f"{d['participation_ratio']:.1f}", f"{d['top1pct_items_share_of_results']:.3f}",
+              f"{d['distinct_items_in_results']:,} of {d['result_slots']:,} slots"]
+             for name in ("real", "synthetic") if name in results for d in [results[name]["data"]]],
+            align="lrrrrr",
+        )
         lines.append("")
     if "memory" in results:
         m = results["memory"]
@@ -400,11 +400,13 @@ def real_markdown(results) -> str:
             "Every setting tried, recall@k on the tuning users (the choice) and on the evaluation users (the "
             "curve, no part in the choice); ms per query in a 500-query batch on 2 threads:",
             "",
-            "| index | setting | tuning recall | evaluation recall | evaluation ms/query |",
-            "|---|---|---:|---:|---:|",
-            *(f"| {r['factory']} | {p['params']} | {p['recall']:.4f} | {p['evaluation_recall']:.4f} | "
-              f"{p['evaluation_ms_per_query']:.3f} |"
-              for r in m["indexes"] for p in r["operating_points"] if "evaluation_recall" in p),
+            *markdown_table(
+                ["index", "setting", "tuning recall", "evaluation recall", "evaluation ms/query"],
+                [[r["factory"], p["params"], f"{p['recall']:.4f}", f"{p['evaluation_recall']:.4f}",
+                  f"{p['evaluation_ms_per_query']:.3f}"]
+                 for r in m["indexes"] for p in r["operating_points"] if "evaluation_recall" in p],
+                align="llrrr",
+            ),
             "",
         ]
         for attempt in results.get("memory_earlier_attempts", []):
@@ -440,22 +442,16 @@ def real_markdown(results) -> str:
 
 def memory_table(m: dict, items: int) -> list[str]:
     """The memory row's table (Markdown lines)."""
-    lines = [
-        "| index | search params | train s | add s | size GiB | bytes / item | recall@k | batch QPS | x exact | "
-        "single p50 ms | single p99 ms | <= 1 GiB at recall >= 0.9 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in m["indexes"]:
-        lines.append(
-            f"| {r['factory']} | {r['search_params']} | {r['train_seconds']:.0f} | {r['add_seconds']:.0f} | "
-            f"{r['index_bytes'] / 2**30:.3f} | {r['index_bytes'] / items:.0f} | {r['recall']:.4f} | "
-            f"{r['batch_qps']:.0f} | {r['speedup_vs_exact']:.1f} | {r['single_p50_ms']:.2f} | "
-            f"{r['single_p99_ms']:.2f} | {'met' if r['met'] else 'MISSED'} |")
-    return lines
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return markdown_table(
+        ["index", "search params", "train s", "add s", "size GiB", "bytes / item", "recall@k", "batch QPS",
+         "x exact", "single p50 ms", "single p99 ms", "<= 1 GiB at recall >= 0.9"],
+        [[r["factory"], r["search_params"], f"{r['train_seconds']:.0f}", f"{r['add_seconds']:.0f}",
+          f"{r['index_bytes'] / 2**30:.3f}", f"{r['index_bytes'] / items:.0f}", f"{r['recall']:.4f}",
+          f"{r['batch_qps']:.0f}", f"{r['speedup_vs_exact']:.1f}", f"{r['single_p50_ms']:.2f}",
+          f"{r['single_p99_ms']:.2f}", "met" if r["met"] else "MISSED"]
+         for r in m["indexes"]],
+        align="llrrrrrrrrrl",
+    )
 
 
 if __name__ == "__main__":
