@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._harness import ROOT, load_average, timed
+from benchmarks._harness import ROOT, load_average, markdown_table, timed
 from benchmarks._serving_index import log, percentiles, served_recall
 
 SERVE_ARGS: list[str] = []  # --serve-args: extra `retrieval serve` flags for every server started
@@ -319,14 +319,12 @@ def mixed_markdown(m: dict) -> str:
         f"{m['load_average_1min']['min']:.1f}-{m['load_average_1min']['max']:.1f} on {os.cpu_count()} cores "
         "(the machine is shared with other jobs).",
         "",
-        "| phase | single-query requests | p50 ms | p99 ms | max ms | errors |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for phase in ("idle", "mixed"):
-        r = m[phase]
-        lines.append(f"| {phase} | {r['count']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['max_ms']:.2f} | "
-                     f"{r['errors']} |")
-    lines += [
+        *markdown_table(
+            ["phase", "single-query requests", "p50 ms", "p99 ms", "max ms", "errors"],
+            [[phase, r["count"], f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", f"{r['max_ms']:.2f}", r["errors"]]
+             for phase in ("idle", "mixed") for r in [m[phase]]],
+            align="lrrrrr",
+        ),
         "",
         "p99 ms per window, in order (idle / mixed): "
         + ", ".join(f"{a['p99_ms']:.1f} / {b['p99_ms']:.1f}" for a, b in zip(m["windows"][::2], m["windows"][1::2]))
