@@ -64,7 +64,8 @@ from benchmarks._harness import (  # noqa: E402
     command,
     load_average,
     machine,
-    timed,  # noqa: E402
+    markdown_table,
+    timed,
     versions_of,
     write_report,
 )
@@ -199,6 +200,13 @@ def _bench(num_items, dim, num_queries, k, batch, candidate_batches, repeats, se
     return rows
 
 
+def _same_and_gap(agreement: dict | None) -> list[str]:
+    """The "same ids as FAISS" and "max score gap" cells of a method's agreement ("—" when there is none)."""
+    if not agreement:
+        return ["—", "—"]
+    return [f"{agreement['same_ids']:.4f}", f"{agreement['max_score_gap']:.1e}"]
+
+
 def _markdown_tfrs(results: dict) -> str:
     env = results["environment"]
     lines = [
@@ -212,18 +220,14 @@ def _markdown_tfrs(results: dict) -> str:
         f"batches of {results['query_batch']}. Load average (1, 5, 15 min) at start / end: "
         f"{env['load_average_1_5_15_min']['start']} / {env['load_average_1_5_15_min']['end']}.",
         "",
-        "| items | dim | queries | k | method | seconds | queries/s | FAISS speed-up | same ids as FAISS "
-        "| max score gap |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in results["runs"]:
-        agree = row["agreement"] or {}
-        same = f"{agree['same_ids']:.4f}" if agree else "—"
-        gap = f"{agree['max_score_gap']:.1e}" if agree else "—"
-        lines.append(
-            f"| {row['items']} | {row['dim']} | {row['queries']} | {row['k']} | {row['method']} | "
-            f"{row['seconds']:.3f} | {row['queries_per_second']:.0f} | {row['faiss_speedup']:.1f}x | {same} | {gap} |"
-        )
+    lines += markdown_table(
+        ["items", "dim", "queries", "k", "method", "seconds", "queries/s", "FAISS speed-up", "same ids as FAISS",
+         "max score gap"],
+        [[row["items"], row["dim"], row["queries"], row["k"], row["method"], f"{row['seconds']:.3f}",
+          f"{row['queries_per_second']:.0f}", f"{row['faiss_speedup']:.1f}x", *_same_and_gap(row["agreement"])]
+         for row in results["runs"]],
+    )
     lines += [
         "",
         "FAISS speed-up = method seconds / FAISS seconds in the same round. "
@@ -419,26 +423,21 @@ def _markdown_topk(results: dict) -> str:
         f"seconds (per-run values in the JSON). ExactTopK: {results['repeats']} rounds, order rotated; FAISS and "
         "TFRS: one run each.",
         "",
-        "| method | runs | seconds (median) | queries/s | x bound | same ids as FAISS | max score gap |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for row in results["rows"]:
-        agree = row.get("agreement_with_faiss") or {}
-        same = f"{agree['same_ids']:.4f}" if agree else "—"
-        gap = f"{agree['max_score_gap']:.1e}" if agree else "—"
-        lines.append(f"| {row['method']} | {row['runs']} | {row['seconds']:.2f} | {row['queries_per_second']:.0f} | "
-                     f"{row['fraction_of_bound']:.2f} | {same} | {gap} |")
-    lines += [
-        "",
-        "### Full-corpus evaluation with training-item masks",
-        "",
-        "| method | users ranked | items | depth | seconds | users/s | same ids as ExactTopK |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for run in results["evaluation"]:
-        same = f"{run['same_ids_as_exact']:.4f}" if "same_ids_as_exact" in run else "—"
-        lines.append(f"| {run['method']} | {run['users']:,} | {run['items']:,} | {run['depth']} | "
-                     f"{run['seconds']:.1f} | {run['users_per_second']:.0f} | {same} |")
+    lines += markdown_table(
+        ["method", "runs", "seconds (median)", "queries/s", "x bound", "same ids as FAISS", "max score gap"],
+        [[row["method"], row["runs"], f"{row['seconds']:.2f}", f"{row['queries_per_second']:.0f}",
+          f"{row['fraction_of_bound']:.2f}", *_same_and_gap(row.get("agreement_with_faiss"))]
+         for row in results["rows"]],
+    )
+    lines += ["", "### Full-corpus evaluation with training-item masks", ""]
+    lines += markdown_table(
+        ["method", "users ranked", "items", "depth", "seconds", "users/s", "same ids as ExactTopK"],
+        [[run["method"], f"{run['users']:,}", f"{run['items']:,}", run["depth"], f"{run['seconds']:.1f}",
+          f"{run['users_per_second']:.0f}",
+          f"{run['same_ids_as_exact']:.4f}" if "same_ids_as_exact" in run else "—"]
+         for run in results["evaluation"]],
+    )
     leaked = results["evaluation"][0]["masked_items_returned"]
     lines += [
         "",
