@@ -43,6 +43,7 @@ from benchmarks._harness import (
     describe_machine,
     load_average,
     machine,
+    markdown_table,
     pyplot,
     save_figure,
     timed,
@@ -307,10 +308,9 @@ def _throughput_lines() -> list[str]:
     lines = ["", "## Throughput", "",
              "`python -m benchmarks.bench_sequential --throughput`: trained (query state, next item) pairs a "
              "second on Beauty, in-batch softmax, Adam, one process; the rows ran one after another in one run.", "",
-             "| history length | step | pairs a step | ms a step | pairs/s |", "|---|---|---|---|---|"]
-    for row in record["rows"]:
-        lines.append(f"| {row['length']} | {what[row['examples']]} | {row['pairs_per_step']:.0f} | {row['step_ms']} "
-                     f"| {row['pairs_per_second']:,} |")
+             *markdown_table(["history length", "step", "pairs a step", "ms a step", "pairs/s"],
+                             [[row["length"], what[row["examples"]], f"{row['pairs_per_step']:.0f}", row["step_ms"],
+                               f"{row['pairs_per_second']:,}"] for row in record["rows"]])]
     lines += ["", f"Machine: {describe_machine(record['machine'])}; commit {record['machine']['commit']}, "
               f"{record['date']}."]
     return lines
@@ -389,14 +389,13 @@ def _serving_lines() -> list[str]:
              f"({r['ensemble_members']} members of dimension {r['embedding_dim']}) as it ships, reading the "
              f"newest items of the history up to its length, and the same at length {r['history_items']}, "
              "reading all of them.", "",
-             "| tower's history length | requests | p50 ms | p99 ms | mean ms | history items served | load average "
-             "at the first / last request |",
-             "|---|---|---|---|---|---|---|"]
-    for row in r["rows"]:
-        load = row["load_average"]
-        lines.append(f"| {row['length']} | {row['requests']} | {row['sequential_p50_ms']:.2f} "
-                     f"| {row['sequential_p99_ms']:.2f} | {row['sequential_mean_ms']:.2f} "
-                     f"| {row['history_items_served']} | {load['start'][0]} / {load['end'][0]} |")
+             *markdown_table(
+                 ["tower's history length", "requests", "p50 ms", "p99 ms", "mean ms", "history items served",
+                  "load average at the first / last request"],
+                 [[row["length"], row["requests"], f"{row['sequential_p50_ms']:.2f}", f"{row['sequential_p99_ms']:.2f}",
+                   f"{row['sequential_mean_ms']:.2f}", row["history_items_served"],
+                   f"{row['load_average']['start'][0]} / {row['load_average']['end'][0]}"] for row in r["rows"]],
+             )]
     return lines + ["", f"Machine: {describe_machine(r['machine'])}; commit {r['machine']['commit']}, {r['date']}."]
 
 
