@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from benchmarks._harness import command as command_line
-from benchmarks._harness import machine, timed, write_report
+from benchmarks._harness import machine, markdown_table, timed, write_report
 from benchmarks.bench_scale import RESULTS, ROOT, ensure_shards, log_name
 
 SOURCES = {"in memory": "false", "streamed": "true"}
@@ -91,14 +91,14 @@ def markdown(report: dict) -> str:
         f"`{report['command']}` on {os.cpu_count()} CPUs: `configs/scale.yaml` on {report['log']}, in memory "
         "(one Parquet file) and streamed (its shards; a shuffle buffer holding every click, so the same batches), "
         "every test user, a Flat index.", "",
-        "| source | " + " | ".join(keys) + " | final train loss | seconds | peak RSS |",
-        "|---|" + "---|" * (len(keys) + 3),
+        *markdown_table(
+            ["source", *keys, "final train loss", "seconds", "peak RSS"],
+            [[source, *(f"{run['metrics']['model'][k]:.4f}" for k in keys),
+              f"{run['metrics']['final_train_loss']:.6f}", f"{run['seconds']:.0f}",
+              f"{run['peak_rss_bytes'] / 2**30:.2f} GiB"]
+             for source, run in runs.items()],
+        ),
     ]
-    for source, run in runs.items():
-        m = run["metrics"]
-        cells = [f"{m['model'][k]:.4f}" for k in keys]
-        cells += [f"{m['final_train_loss']:.6f}", f"{run['seconds']:.0f}", f"{run['peak_rss_bytes'] / 2**30:.2f} GiB"]
-        lines.append(f"| {source} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "Evaluation counts (" + ", ".join(f"{k} {v}" for k, v in memory["counts"].items()) + "): "
