@@ -50,7 +50,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from benchmarks._harness import command as command_line
-from benchmarks._harness import load_average, machine, timed, write_report
+from benchmarks._harness import load_average, machine, markdown_table, timed, write_report
 from benchmarks.scale_resume import markdown_row
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -575,11 +575,10 @@ def markdown(r: dict) -> str:
         ),
         *([markdown_row(r["resume_check"])] if "resume_check" in r else []),
         "",
-        "| ranker | " + " | ".join(k for k in next(iter(r["evaluation"].values()))) + " |",
-        "|---|" + "---|" * len(next(iter(r["evaluation"].values()))),
+        *markdown_table(["ranker", *next(iter(r["evaluation"].values()))],
+                        [[ranker, *(f"{v:.4f}" for v in values.values())]
+                         for ranker, values in r["evaluation"].items()]),
     ]
-    for ranker, values in r["evaluation"].items():
-        rows.append(f"| {ranker} | " + " | ".join(f"{v:.4f}" for v in values.values()) + " |")
     return "\n".join(rows)
 
 
