@@ -37,7 +37,7 @@ import pandas as pd
 import tensorflow as tf
 
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-from benchmarks._harness import RESULTS, command, machine, pyplot, save_figure, timed, write_report
+from benchmarks._harness import RESULTS, command, machine, markdown_table, pyplot, save_figure, timed, write_report
 from benchmarks._quality import VARIANTS, K, Prepared, metrics_of, prepare_config, rank_scores
 from retrieval.config import ALSConfig, load_config
 from retrieval.data import ITEM, USER, locate_movielens_100k
@@ -217,27 +217,24 @@ def markdown(report: dict) -> str:
                 f"{part['steps'] - 1} steps, legacy SGD, dim 64)\n"
             ),
             f"`{part['command']}`\n",
-            "| loss | " + " | ".join(f"{s:,} items" for s in sizes) + " |",
-            "|---" * (len(sizes) + 1) + "|",
+            *markdown_table(["loss", *(f"{s:,} items" for s in sizes)],
+                            [[loss, *(f"{by_size[str(s)] * 1000:.1f}" for s in sizes)]
+                             for loss, by_size in part["seconds"].items()]),
+            "",
         ]
-        for loss, by_size in part["seconds"].items():
-            lines.append(f"| {loss} | " + " | ".join(f"{by_size[str(s)] * 1000:.1f}" for s in sizes) + " |")
-        lines.append("")
     for name, part in report.get("quality", {}).items():
         lines += [
             f"## {name}: {part['evaluated_users']} evaluated users ({part['config']}; mean ± std over seeds)\n",
             *(f"`{command}`" for command in part.get("commands", [part.get("command", "")])),
             "",
-            f"| ranker | recall@{K} | NDCG@{K} | tail recall@{K} | epochs | seconds |",
-            "|---|---|---|---|---|---|",
+            *markdown_table(
+                ["ranker", f"recall@{K}", f"NDCG@{K}", f"tail recall@{K}", "epochs", "seconds"],
+                [[ranker, _number(summary, f"recall@{K}"), _number(summary, f"ndcg@{K}"),
+                  _number(summary, f"tail_recall@{K}"), f"{summary['epochs']:.1f}" if "epochs" in summary else "",
+                  f"{summary['seconds']:.0f}" if "seconds" in summary else ""]
+                 for ranker, summary in part["rankers"].items()],
+            ),
         ]
-        for ranker, summary in part["rankers"].items():
-            epochs = f"{summary['epochs']:.1f}" if "epochs" in summary else ""
-            seconds = f"{summary['seconds']:.0f}" if "seconds" in summary else ""
-            lines.append(
-                f"| {ranker} | {_number(summary, f'recall@{K}')} | {_number(summary, f'ndcg@{K}')} | "
-                f"{_number(summary, f'tail_recall@{K}')} | {epochs} | {seconds} |"
-            )
         lines.append("")
     return "\n".join(lines)
 
