@@ -51,9 +51,10 @@ from benchmarks._harness import (  # noqa: E402
     describe_machine,
     load_average,
     machine,
+    markdown_table,
     pyplot,
     save_figure,
-    timed,  # noqa: E402
+    timed,
     write_report,
 )
 from benchmarks._quality import Prepared, metrics_of, prepare_config  # noqa: E402
@@ -290,17 +291,10 @@ def markdown(report: dict) -> str:
             ms = sorted({int(m) for s in samplers for m in rows[s]})
             if not samplers:
                 continue
-            lines += [
-                f"### {title}\n",
-                "| sampler | " + " | ".join(f"m={m}" for m in ms) + " |",
-                "|---" * (len(ms) + 1) + "|",
-            ]
-            for sampler in samplers:
-                cells = [_cell(rows[sampler].get(str(m)), metric, digits) for m in ms]
-                lines.append(f"| {sampler} | " + " | ".join(cells) + " |")
+            table = [[sampler, *(_cell(rows[sampler].get(str(m)), metric, digits) for m in ms)] for sampler in samplers]
             if full and metric in (f"recall@{K}", "full_softmax_loss"):
-                lines.append(f"| {FULL} | " + " | ".join(_cell(full, metric, digits) for _ in ms) + " |")
-            lines.append("")
+                table.append([FULL, *(_cell(full, metric, digits) for _ in ms)])
+            lines += [f"### {title}\n", *markdown_table(["sampler", *(f"m={m}" for m in ms)], table), ""]
     if "curve" in report:
         lines += curve_markdown(report["curve"])
     if "notes" in report:
@@ -520,23 +514,28 @@ def curve_markdown(curve: dict) -> list[str]:
         f"## Step time against catalogue size (dim {settings['dim']}, batch {settings['batch']}, "
         f"kernel and uniform m = {settings['m']} per query)\n",
         f"`{curve['command']}`\n",
-        "| items | full softmax ms | uniform ms | kernel ms (draw step) | kernel draws ms | tree refresh ms: "
-        "diff / ids / rebuild (rows) | kernel @ refresh every step | kernel @ every 100 | full / kernel @ 100 "
-        "| full / kernel @ 1 | load avg |",
-        "|---" * 11 + "|",
     ]
+    rows = []
     for key in sorted(curve["points"], key=int):
         p = curve["points"][key]
         every_step = p["kernel_ms"] + p["refresh_diff_ms"]
         every_100 = p["kernel_ms"] + p["refresh_diff_ms"] / 100
         rebuilt = ", rebuilt" if p["refresh_rebuilt"] else ""
-        lines.append(
-            f"| {int(key):,} | {p[FULL + '_ms']:.0f} | {p['uniform_ms']:.0f} | {p['kernel_ms']:.0f} | "
-            f"{p['kernel_draw_ms']:.0f} | {p['refresh_diff_ms']:.0f} / {p['refresh_ids_ms']:.0f} / "
-            f"{p['rebuild_ms']:.0f} ({p['refresh_rows']:,}{rebuilt}) | {every_step:.0f} | {every_100:.0f} | "
-            f"{p[FULL + '_ms'] / every_100:.1f}x | {p[FULL + '_ms'] / every_step:.1f}x | "
-            f"{p['load_average_1min'][0]:.1f}-{p['load_average_1min'][1]:.1f} |"
-        )
+        rows.append([
+            f"{int(key):,}", f"{p[FULL + '_ms']:.0f}", f"{p['uniform_ms']:.0f}", f"{p['kernel_ms']:.0f}",
+            f"{p['kernel_draw_ms']:.0f}",
+            f"{p['refresh_diff_ms']:.0f} / {p['refresh_ids_ms']:.0f} / {p['rebuild_ms']:.0f} "
+            f"({p['refresh_rows']:,}{rebuilt})",
+            f"{every_step:.0f}", f"{every_100:.0f}", f"{p[FULL + '_ms'] / every_100:.1f}x",
+            f"{p[FULL + '_ms'] / every_step:.1f}x",
+            f"{p['load_average_1min'][0]:.1f}-{p['load_average_1min'][1]:.1f}",
+        ])
+    lines += markdown_table(
+        ["items", "full softmax ms", "uniform ms", "kernel ms (draw step)", "kernel draws ms",
+         "tree refresh ms: diff / ids / rebuild (rows)", "kernel @ refresh every step", "kernel @ every 100",
+         "full / kernel @ 100", "full / kernel @ 1", "load avg"],
+        rows,
+    )
     return [*lines, "", *curve["notes"], ""]
 
 
