@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._harness import ROOT, load_average, markdown_table, timed
+from benchmarks._harness import ROOT, Stopwatch, load_average, markdown_table, timed
 from benchmarks._serving_index import log, percentiles, served_recall
 
 SERVE_ARGS: list[str] = []  # --serve-args: extra `retrieval serve` flags for every server started
@@ -68,7 +68,7 @@ def write_test_bundle(workdir: Path, factory: str, index, towers, seen_items=Non
     name = "bench-" + "".join(c if c.isalnum() else "-" for c in factory)
     directory = workdir / name
     first = next((p for p in workdir.iterdir() if (p / MANIFEST_FILE).is_file()), None)
-    seconds = time.perf_counter()
+    clock = Stopwatch()
     if first is None:
         directory.mkdir()
         write_bundle(directory, query_tower=towers[0], doc_tower=towers[1], index=index,
@@ -79,7 +79,7 @@ def write_test_bundle(workdir: Path, factory: str, index, towers, seen_items=Non
         source = read_manifest(first)
         # This bundle's own index files, fingerprinted; the first bundle's probe (no probe: it has none).
         rewrite_bundle(directory, source, index=index, probe=source.probe, changes={"run": name})
-    log(f"bundle {name} written in {time.perf_counter() - seconds:.1f} s")
+    log(f"bundle {name} written in {clock.seconds:.1f} s")
     return directory
 
 

@@ -109,9 +109,9 @@ def single_latencies(search, queries, count, cap_seconds) -> list[float]:
     search(queries[:1])  # warm-up
     latencies, deadline = [], time.perf_counter() + cap_seconds
     for i in range(count):
-        seconds = time.perf_counter()
-        search(queries[i % len(queries)][None, :])
-        latencies.append(time.perf_counter() - seconds)
+        with timed() as clock:
+            search(queries[i % len(queries)][None, :])
+        latencies.append(clock.seconds)
         if time.perf_counter() > deadline:
             break
     return latencies

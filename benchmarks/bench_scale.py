@@ -49,8 +49,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from benchmarks._harness import Stopwatch, load_average, machine, markdown_table, timed, write_report
 from benchmarks._harness import command as command_line
-from benchmarks._harness import load_average, machine, markdown_table, timed, write_report
 from benchmarks.scale_resume import markdown_row
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -272,7 +272,7 @@ def save_embeddings(bundle_dir: Path, out: Path, *, query_users: int, seed: int)
     from retrieval.bundle.manifest import read_manifest
     from retrieval.config import Config
 
-    started = time.perf_counter()
+    clock = Stopwatch()
     manifest = read_manifest(bundle_dir)
     if manifest.doc_features != [ITEM] or manifest.query_features != [USER]:
         raise SystemExit(
@@ -283,7 +283,7 @@ def save_embeddings(bundle_dir: Path, out: Path, *, query_users: int, seed: int)
     item_ids = pq.read_table(bundle_dir / "item_ids.parquet").to_pandas().sort_values("row")["item_id"].to_numpy()
     doc = tf.saved_model.load(str(bundle_dir / manifest.files["doc_model"])).signatures["serving_default"]
     items, _ = _batched(doc, ITEM, item_ids)
-    log.info("embedded %d items in %.1f s", len(items), time.perf_counter() - started)
+    log.info("embedded %d items in %.1f s", len(items), clock.seconds)
     check: dict = {}
     index = faiss.read_index(str(bundle_dir / "index.faiss"))
     try:
@@ -336,7 +336,7 @@ def save_embeddings(bundle_dir: Path, out: Path, *, query_users: int, seed: int)
                     "source": f"training users (known to the query tower) drawn from {len(users):,} log users, "
                               f"seed {seed}", "drawn": int(len(drawn)), "known": int(known.sum())},
         "index_check": check,
-        "seconds": round(time.perf_counter() - started, 1),
+        "seconds": round(clock.seconds, 1),
     }
     (scratch / EMBEDDINGS_MANIFEST).write_text(json.dumps(info, indent=2))
     shutil.rmtree(out, ignore_errors=True)

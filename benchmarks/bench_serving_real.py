@@ -19,12 +19,11 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks._harness import command, load_average, markdown_table, timed, write_report
+from benchmarks._harness import Stopwatch, command, load_average, markdown_table, timed, write_report
 from benchmarks._serving_http import DEFAULT_STACK, SERVE_ARGS
 from benchmarks._serving_index import (
     REAL_FACTORIES,
@@ -67,7 +66,7 @@ def real_main(args, argv) -> int:
     (labelled, for comparison), and the memory row; write ``bench_serving_real.{json,md}``."""
     import faiss
 
-    started = time.perf_counter()
+    clock = Stopwatch()
     args.factories = args.factories or REAL_FACTORIES
     argv = list(argv if argv is not None else sys.argv[1:])
     real = load_embeddings(Path(args.embeddings), args)
@@ -98,7 +97,7 @@ def real_main(args, argv) -> int:
 
     def save() -> None:  # after every section, so a cut-short run keeps what it measured
         results["setup"]["load_average_end"] = load_average()
-        results["setup"]["total_seconds"] = time.perf_counter() - started
+        results["setup"]["total_seconds"] = clock.seconds
         results["targets"] = real_targets(results)
         write_report(out / "bench_serving_real", results, real_markdown(results))
 

@@ -72,6 +72,7 @@ import tensorflow as tf
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before tf.keras is first used)
 from benchmarks._harness import (
     RESULTS,
+    Stopwatch,
     command,
     load_average,
     machine,
@@ -563,10 +564,10 @@ def main() -> None:
     if args.part in ("all", "checkpoints") and "0" not in args.every:
         parser.error("--every must include 0 (the baseline without checkpoints)")
 
-    began = time.perf_counter()
+    clock = Stopwatch()
 
     def log(message: str) -> None:
-        print(f"[{time.perf_counter() - began:7.1f}s] {message}", flush=True)
+        print(f"[{clock.seconds:7.1f}s] {message}", flush=True)
 
     result: dict[str, Any] = {
         "command": command("bench_steps"),
@@ -584,7 +585,7 @@ def main() -> None:
              for runs in result[part]["runs"].values() for run in runs for load in run["load_1min"]]
     loads = loads or [load_average()[0]]
     result["load_1min"] = {"min": min(loads), "max": max(loads), "mean": float(np.mean(loads))}
-    result["total_s"] = time.perf_counter() - began
+    result["total_s"] = clock.seconds
     # One part alone does not overwrite the report of all of them: bench_steps_<part>.{json,md}.
     name = "bench_steps" if args.part == "all" else f"bench_steps_{args.part}"
     write_report(args.out / name, result, markdown(result))
