@@ -14,7 +14,9 @@ import os
 import platform
 import shlex
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -148,6 +150,41 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: 
             raise ValueError(f"markdown_table: a row has {len(row)} cells for {len(header)} columns: {row}")
         lines.append("| " + " | ".join(str(cell) for cell in row) + " |")
     return lines
+
+
+class Stopwatch:
+    """Wall seconds (``time.perf_counter``) since it started; ``stop`` freezes them (``timed`` does)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.stopped: float | None = None
+
+    def stop(self) -> float:
+        """Freeze the reading at now (a second call keeps the first); return the seconds."""
+        if self.stopped is None:
+            self.stopped = time.perf_counter()
+        return self.seconds
+
+    @property
+    def seconds(self) -> float:
+        """The seconds from start to stop; before ``stop``, to now."""
+        return (time.perf_counter() if self.stopped is None else self.stopped) - self.started
+
+    @property
+    def ms(self) -> float:
+        """``seconds`` in milliseconds."""
+        return self.seconds * 1000
+
+
+@contextmanager
+def timed() -> Iterator[Stopwatch]:
+    """Time a block: ``with timed() as clock: work()`` then ``clock.seconds`` (or ``clock.ms``) is the block's
+    wall time, stopped when the block ends (by an error too)."""
+    clock = Stopwatch()
+    try:
+        yield clock
+    finally:
+        clock.stop()
 
 
 def pyplot():

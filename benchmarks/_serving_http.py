@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._harness import ROOT, load_average
+from benchmarks._harness import ROOT, Stopwatch, load_average, markdown_table, timed
 from benchmarks._serving_index import log, percentiles, served_recall
 
 SERVE_ARGS: list[str] = []  # --serve-args: extra `retrieval serve` flags for every server started
@@ -68,7 +68,7 @@ def write_test_bundle(workdir: Path, factory: str, index, towers, seen_items=Non
     name = "bench-" + "".join(c if c.isalnum() else "-" for c in factory)
     directory = workdir / name
     first = next((p for p in workdir.iterdir() if (p / MANIFEST_FILE).is_file()), None)
-    seconds = time.perf_counter()
+    clock = Stopwatch()
     if first is None:
         directory.mkdir()
         write_bundle(directory, query_tower=towers[0], doc_tower=towers[1], index=index,
@@ -79,7 +79,7 @@ def write_test_bundle(workdir: Path, factory: str, index, towers, seen_items=Non
         source = read_manifest(first)
         # This bundle's own index files, fingerprinted; the first bundle's probe (no probe: it has none).
         rewrite_bundle(directory, source, index=index, probe=source.probe, changes={"run": name})
-    log(f"bundle {name} written in {time.perf_counter() - seconds:.1f} s")
+    log(f"bundle {name} written in {clock.seconds:.1f} s")
     return directory
 
 
@@ -115,9 +115,9 @@ class Server:
         import httpx
 
         with httpx.Client(base_url=self.url, timeout=120) as client:
-            seconds = time.perf_counter()
-            reply = client.post("/admin/reload", json={"bundle": str(bundle)})
-            reload_seconds = time.perf_counter() - seconds
+            with timed() as clock:
+                reply = client.post("/admin/reload", json={"bundle": str(bundle)})
+            reload_seconds = clock.seconds
             reply.raise_for_status()
             for user in user_ids[:20]:  # warm-up
                 client.post("/recommend", json={"query": {"user_id": user}, "k": args.k}).raise_for_status()
@@ -125,9 +125,9 @@ class Server:
             deadline = time.perf_counter() + args.http_seconds
             for i in range(args.http_requests):
                 user = user_ids[i % len(user_ids)]
-                seconds = time.perf_counter()
-                response = client.post("/recommend", json={"query": {"user_id": user}, "k": args.k})
-                latencies.append(time.perf_counter() - seconds)
+                with timed() as clock:
+                    response = client.post("/recommend", json={"query": {"user_id": user}, "k": args.k})
+                latencies.append(clock.seconds)
                 if response.status_code != 200:
                     errors += 1
                 else:
@@ -152,18 +152,18 @@ class Server:
             with httpx.Client(base_url=self.url, timeout=120) as client:
                 for i in range(per_worker):
                     user = user_ids[(w * per_worker + i) % len(user_ids)]
-                    seconds = time.perf_counter()
-                    response = client.post("/recommend", json={"query": {"user_id": user}, "k": args.k})
-                    latencies.append(time.perf_counter() - seconds)
+                    with timed() as clock:
+                        response = client.post("/recommend", json={"query": {"user_id": user}, "k": args.k})
+                    latencies.append(clock.seconds)
                     errors += response.status_code != 200
                     if time.perf_counter() > deadline:
                         break
             return latencies, errors
 
-        seconds = time.perf_counter()
-        with ThreadPoolExecutor(args.http_concurrency) as pool:
-            outcomes = list(pool.map(worker, range(args.http_concurrency)))
-        wall = time.perf_counter() - seconds
+        with timed() as clock:
+            with ThreadPoolExecutor(args.http_concurrency) as pool:
+                outcomes = list(pool.map(worker, range(args.http_concurrency)))
+        wall = clock.seconds
         latencies = [x for lat, _ in outcomes for x in lat]
         return {"errors": sum(e for _, e in outcomes), "concurrency": args.http_concurrency,
                 "concurrent_qps": len(latencies) / wall, **percentiles(latencies, "concurrent")}
@@ -258,9 +258,9 @@ def _single_loop(client, user_ids, k: int, seconds: float) -> dict:
     deadline = time.perf_counter() + seconds
     i = 0
     while time.perf_counter() < deadline:
-        started = time.perf_counter()
-        response = client.post("/recommend", json={"query": {"user_id": user_ids[i % len(user_ids)]}, "k": k})
-        latencies.append(time.perf_counter() - started)
+        with timed() as clock:
+            response = client.post("/recommend", json={"query": {"user_id": user_ids[i % len(user_ids)]}, "k": k})
+        latencies.append(clock.seconds)
         errors += response.status_code != 200 or len(response.json().get("item_ids", [])) != k
         i += 1
     return latencies, int(errors)
@@ -319,14 +319,12 @@ def mixed_markdown(m: dict) -> str:
         f"{m['load_average_1min']['min']:.1f}-{m['load_average_1min']['max']:.1f} on {os.cpu_count()} cores "
         "(the machine is shared with other jobs).",
         "",
-        "| phase | single-query requests | p50 ms | p99 ms | max ms | errors |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for phase in ("idle", "mixed"):
-        r = m[phase]
-        lines.append(f"| {phase} | {r['count']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['max_ms']:.2f} | "
-                     f"{r['errors']} |")
-    lines += [
+        *markdown_table(
+            ["phase", "single-query requests", "p50 ms", "p99 ms", "max ms", "errors"],
+            [[phase, r["count"], f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", f"{r['max_ms']:.2f}", r["errors"]]
+             for phase in ("idle", "mixed") for r in [m[phase]]],
+            align="lrrrrr",
+        ),
         "",
         "p99 ms per window, in order (idle / mixed): "
         + ", ".join(f"{a['p99_ms']:.1f} / {b['p99_ms']:.1f}" for a, b in zip(m["windows"][::2], m["windows"][1::2]))

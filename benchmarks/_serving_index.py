@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
-from benchmarks._harness import machine
+from benchmarks._harness import machine, timed
 
 # Idle OpenMP threads sleep instead of spinning: on a machine shared with other
 # jobs, spinning threads steal the cores the working ones need. Set before FAISS
@@ -80,15 +80,15 @@ def load_at_start(s: dict) -> list[float]:
 
 
 def measure_index(index, queries, exact, args, recall_at_k, faiss) -> dict:
-    seconds = time.perf_counter()
-    top = index.search(queries, args.k)
-    batch = [time.perf_counter() - seconds]
+    with timed() as clock:
+        top = index.search(queries, args.k)
+    batch = [clock.seconds]
     recall = recall_at_k(top.rows, exact.rows)
     if not index.is_exact:
         for _ in range(2):
-            seconds = time.perf_counter()
-            index.search(queries, args.k)
-            batch.append(time.perf_counter() - seconds)
+            with timed() as clock:
+                index.search(queries, args.k)
+            batch.append(clock.seconds)
     # One query at a time on one thread, as the service searches (retrieval serve --search-threads 1).
     threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1)
@@ -109,9 +109,9 @@ def single_latencies(search, queries, count, cap_seconds) -> list[float]:
     search(queries[:1])  # warm-up
     latencies, deadline = [], time.perf_counter() + cap_seconds
     for i in range(count):
-        seconds = time.perf_counter()
-        search(queries[i % len(queries)][None, :])
-        latencies.append(time.perf_counter() - seconds)
+        with timed() as clock:
+            search(queries[i % len(queries)][None, :])
+        latencies.append(clock.seconds)
         if time.perf_counter() > deadline:
             break
     return latencies
@@ -144,19 +144,19 @@ def tfrs_vs_faiss(items, queries, exact, args, recall_at_k) -> dict:
     batches = [tf.constant(queries[i : i + args.tfrs_batch]) for i in range(0, len(queries), args.tfrs_batch)]
     search(batches[0])
     search(tf.constant(queries[:1]))  # trace both shapes before timing
-    seconds = time.perf_counter()
-    rows = np.concatenate([search(batch)[1].numpy() for batch in batches])
-    tfrs_seconds = time.perf_counter() - seconds
+    with timed() as clock:
+        rows = np.concatenate([search(batch)[1].numpy() for batch in batches])
+    tfrs_seconds = clock.seconds
     single = single_latencies(lambda q: search(tf.constant(q))[1].numpy(), queries, min(args.single, 100),
                               args.single_seconds)
     brute_force = search = None  # free the TF copy of the items before FAISS builds its own
 
     flat = faiss.IndexFlatIP(items.shape[1])
     flat.add(items)
-    seconds = time.perf_counter()
-    for i in range(0, len(queries), args.tfrs_batch):
-        flat.search(queries[i : i + args.tfrs_batch], args.k)
-    faiss_seconds = time.perf_counter() - seconds
+    with timed() as clock:
+        for i in range(0, len(queries), args.tfrs_batch):
+            flat.search(queries[i : i + args.tfrs_batch], args.k)
+    faiss_seconds = clock.seconds
     threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1)
     try:

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from benchmarks._harness import RESULTS, command, machine, markdown_table, write_report
+from benchmarks._harness import RESULTS, Stopwatch, command, machine, markdown_table, write_report
 from benchmarks.bench_public import ALS_GRID, RECALL, als_grid, read_report
 from retrieval.config import ALSConfig, load_config
 from retrieval.evaluation.compare import compare_rankers
@@ -48,13 +47,13 @@ def score_log(config_path: Path, points: list[dict]) -> dict[str, float]:
     for point in points:
         evaluation = config.evaluation.model_copy(
             update={"baselines": config.evaluation.baselines.model_copy(update={"als": ALSConfig(**point)})})
-        started = time.perf_counter()
+        clock = Stopwatch()
         ranked = {"als": lambda evaluation=evaluation: _als_ranking(data, catalogue, evaluated.eval_set, depth,
                                                                     evaluation)}
         result = compare_rankers(ranked, evaluated.eval_set, counts, activity, evaluation)
         scores[point_name(point)] = float(result["als"][RECALL])
         print(f"{config_path.name} {point_name(point)}: {scores[point_name(point)]:.4f} "
-              f"({time.perf_counter() - started:.1f} s)", flush=True)
+              f"({clock.seconds:.1f} s)", flush=True)
     return scores
 
 

@@ -41,7 +41,7 @@ from types import SimpleNamespace
 import numpy as np
 import pyarrow.parquet as pq
 
-from benchmarks._harness import RESULTS, command, machine, markdown_table, write_report
+from benchmarks._harness import RESULTS, Stopwatch, command, machine, markdown_table, timed, write_report
 from benchmarks._serving_http import towers_for, write_test_bundle
 from benchmarks._serving_index import log, synthetic
 
@@ -91,7 +91,7 @@ def run(args, workdir: Path, argv: list[str] | None = None) -> int:
     from retrieval.index import build_index
     from retrieval.serving import Bundle
 
-    started = time.perf_counter()
+    total = Stopwatch()
     rng = np.random.default_rng(args.seed)
     sizes = SimpleNamespace(items=args.items, dim=args.dim, clusters=args.clusters, spread=args.spread,
                             queries=args.users, tune_queries=args.tune_queries)
@@ -101,18 +101,18 @@ def run(args, workdir: Path, argv: list[str] | None = None) -> int:
     towers = towers_for(user_ids, users, item_ids, items)
     seen = SeenItems.from_pairs(np.repeat(np.array(user_ids, dtype=object), args.seen),
                                 rng.integers(0, args.items, args.users * args.seen))
-    log(f"catalogue of {args.items:,} items and {args.users:,} users drawn in {time.perf_counter() - started:.1f} s")
+    log(f"catalogue of {args.items:,} items and {args.users:,} users drawn in {total.seconds:.1f} s")
 
     (workdir / "out").mkdir(parents=True, exist_ok=True)
     rows, files = [], {}
     for factory in args.factories:
-        seconds = time.perf_counter()
-        config = IndexConfig(factory=factory, train_sample_size=args.train_sample, tune_k=args.k, seed=args.seed,
-                             tune_queries=args.tune_queries)
-        if args.nprobe is not None and "IVF" in factory:
-            config = config.model_copy(update={"search_params": f"nprobe={args.nprobe}"})
-        index = build_index(item_ids, items, config, tune_queries, "held-out synthetic users")
-        build_seconds = time.perf_counter() - seconds
+        with timed() as clock:
+            config = IndexConfig(factory=factory, train_sample_size=args.train_sample, tune_k=args.k, seed=args.seed,
+                                 tune_queries=args.tune_queries)
+            if args.nprobe is not None and "IVF" in factory:
+                config = config.model_copy(update={"search_params": f"nprobe={args.nprobe}"})
+            index = build_index(item_ids, items, config, tune_queries, "held-out synthetic users")
+        build_seconds = clock.seconds
         directory = write_test_bundle(workdir, factory, index, towers, seen_items=seen)
         del index
         seconds = time.perf_counter()
@@ -137,7 +137,7 @@ def run(args, workdir: Path, argv: list[str] | None = None) -> int:
         "nprobe": args.nprobe, "tune_queries": args.tune_queries, "train_sample": args.train_sample, "seed": args.seed,
         "machine": machine("numpy", "faiss", "tensorflow", "pyarrow", faiss_threads=faiss.omp_get_max_threads()),
         "results": rows,
-        "seconds": round(time.perf_counter() - started, 1),
+        "seconds": round(total.seconds, 1),
     }
     write_report(args.out, report, markdown(report))
     log(f"written {args.out}.json and .md")
@@ -172,9 +172,9 @@ def run_trained(args, directory: Path, workdir: Path, argv: list[str] | None = N
     """``--bundle``: users/s of a trained bundle over its own index and training users."""
     from retrieval.serving import Bundle
 
-    started = time.perf_counter()
+    clock = Stopwatch()
     bundle = Bundle.load(directory)
-    load_seconds = time.perf_counter() - started
+    load_seconds = clock.seconds
     if bundle.seen_items is None:
         raise SystemExit(f"error: {directory} has no seen_items/: its training users are unknown")
     known = np.asarray(bundle.seen_items.user_ids)
@@ -190,7 +190,7 @@ def run_trained(args, directory: Path, workdir: Path, argv: list[str] | None = N
         "seen_per_user": "the bundle's", "block_size": args.block_size, "seed": args.seed,
         "machine": machine("numpy", "faiss", "tensorflow", "pyarrow"),
         "results": [row],
-        "seconds": round(time.perf_counter() - started, 1),
+        "seconds": round(clock.seconds, 1),
     }
     write_report(args.out, report, markdown(report))
     log(f"written {args.out}.json and .md")

@@ -29,14 +29,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from benchmarks._harness import command as command_line
-from benchmarks._harness import machine, write_report
+from benchmarks._harness import machine, markdown_table, timed, write_report
 from benchmarks.bench_scale import RESULTS, ROOT, ensure_shards, log_name
 
 SOURCES = {"in memory": "false", "streamed": "true"}
@@ -66,10 +65,10 @@ def run_job(source: str, data_path: str, train_rows_bound: int, base: Path, args
     ]
     command = [sys.executable, "-m", "pipelines.train", "--config", str(ROOT / "configs" / "scale.yaml")]
     command += [part for setting in overrides for part in ("--set", setting)]
-    started = time.perf_counter()
-    process = subprocess.Popen(command, cwd=ROOT)
-    _, status, usage = os.wait4(process.pid, 0)
-    seconds = time.perf_counter() - started
+    with timed() as clock:
+        process = subprocess.Popen(command, cwd=ROOT)
+        _, status, usage = os.wait4(process.pid, 0)
+    seconds = clock.seconds
     if status != 0:
         raise SystemExit(f"{source} job failed (wait status {status}): {' '.join(command)}")
     metrics = json.loads((base / "runs" / name / "metrics.json").read_text())
@@ -92,14 +91,14 @@ def markdown(report: dict) -> str:
         f"`{report['command']}` on {os.cpu_count()} CPUs: `configs/scale.yaml` on {report['log']}, in memory "
         "(one Parquet file) and streamed (its shards; a shuffle buffer holding every click, so the same batches), "
         "every test user, a Flat index.", "",
-        "| source | " + " | ".join(keys) + " | final train loss | seconds | peak RSS |",
-        "|---|" + "---|" * (len(keys) + 3),
+        *markdown_table(
+            ["source", *keys, "final train loss", "seconds", "peak RSS"],
+            [[source, *(f"{run['metrics']['model'][k]:.4f}" for k in keys),
+              f"{run['metrics']['final_train_loss']:.6f}", f"{run['seconds']:.0f}",
+              f"{run['peak_rss_bytes'] / 2**30:.2f} GiB"]
+             for source, run in runs.items()],
+        ),
     ]
-    for source, run in runs.items():
-        m = run["metrics"]
-        cells = [f"{m['model'][k]:.4f}" for k in keys]
-        cells += [f"{m['final_train_loss']:.6f}", f"{run['seconds']:.0f}", f"{run['peak_rss_bytes'] / 2**30:.2f} GiB"]
-        lines.append(f"| {source} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "Evaluation counts (" + ", ".join(f"{k} {v}" for k, v in memory["counts"].items()) + "): "

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._harness import RESULTS, ROOT, command, machine, markdown_table, write_report
+from benchmarks._harness import RESULTS, ROOT, command, machine, markdown_table, timed, write_report
 
 CONFIG = "configs/demo.yaml"
 RANKERS = ("model", "popularity", "als")
@@ -33,9 +33,9 @@ def run_seed(seed: int, output_dir: Path) -> dict:
     name = f"demo-seed-{seed}"
     argv = [sys.executable, "-m", "pipelines.train", "--config", CONFIG, "--set", f"train.seed={seed}",
             "--set", f"run.output_dir={output_dir}", "--set", f"run.name={name}"]
-    started = time.perf_counter()
-    subprocess.run(argv, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    seconds = time.perf_counter() - started
+    with timed() as clock:
+        subprocess.run(argv, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    seconds = clock.seconds
     metrics = json.loads((output_dir / name / "metrics.json").read_text())
     return {
         "seed": seed,

@@ -47,7 +47,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -60,7 +59,16 @@ import tensorflow as tf  # noqa: E402
 import tensorflow_recommenders as tfrs  # noqa: E402
 from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
 
-from benchmarks._harness import RESULTS, command, load_average, machine, versions_of, write_report  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    RESULTS,
+    command,
+    load_average,
+    machine,
+    markdown_table,
+    timed,
+    versions_of,
+    write_report,
+)
 from retrieval.common.arrays import drop_members  # noqa: E402
 from retrieval.evaluation import EvalSet, index_ranking  # noqa: E402
 from retrieval.index import FAISS_ONLY, MEASURED_ROUTING, ItemIndex  # noqa: E402
@@ -94,9 +102,9 @@ def _interleaved(methods: dict, repeats: int) -> tuple[dict, dict, dict]:
     results = {}
     for round_ in range(repeats):
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-            started = time.perf_counter()
-            results[name] = methods[name][0]()
-            seconds[name].append(time.perf_counter() - started)
+            with timed() as clock:
+                results[name] = methods[name][0]()
+            seconds[name].append(clock.seconds)
     reference = seconds[names[0]]
     ratios = {name: statistics.median(t / r for t, r in zip(seconds[name], reference)) for name in names}
     return {name: statistics.median(values) for name, values in seconds.items()}, ratios, results
@@ -192,6 +200,13 @@ def _bench(num_items, dim, num_queries, k, batch, candidate_batches, repeats, se
     return rows
 
 
+def _same_and_gap(agreement: dict | None) -> list[str]:
+    """The "same ids as FAISS" and "max score gap" cells of a method's agreement ("—" when there is none)."""
+    if not agreement:
+        return ["—", "—"]
+    return [f"{agreement['same_ids']:.4f}", f"{agreement['max_score_gap']:.1e}"]
+
+
 def _markdown_tfrs(results: dict) -> str:
     env = results["environment"]
     lines = [
@@ -205,18 +220,14 @@ def _markdown_tfrs(results: dict) -> str:
         f"batches of {results['query_batch']}. Load average (1, 5, 15 min) at start / end: "
         f"{env['load_average_1_5_15_min']['start']} / {env['load_average_1_5_15_min']['end']}.",
         "",
-        "| items | dim | queries | k | method | seconds | queries/s | FAISS speed-up | same ids as FAISS "
-        "| max score gap |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in results["runs"]:
-        agree = row["agreement"] or {}
-        same = f"{agree['same_ids']:.4f}" if agree else "—"
-        gap = f"{agree['max_score_gap']:.1e}" if agree else "—"
-        lines.append(
-            f"| {row['items']} | {row['dim']} | {row['queries']} | {row['k']} | {row['method']} | "
-            f"{row['seconds']:.3f} | {row['queries_per_second']:.0f} | {row['faiss_speedup']:.1f}x | {same} | {gap} |"
-        )
+    lines += markdown_table(
+        ["items", "dim", "queries", "k", "method", "seconds", "queries/s", "FAISS speed-up", "same ids as FAISS",
+         "max score gap"],
+        [[row["items"], row["dim"], row["queries"], row["k"], row["method"], f"{row['seconds']:.3f}",
+          f"{row['queries_per_second']:.0f}", f"{row['faiss_speedup']:.1f}x", *_same_and_gap(row["agreement"])]
+         for row in results["runs"]],
+    )
     lines += [
         "",
         "FAISS speed-up = method seconds / FAISS seconds in the same round. "
@@ -308,13 +319,13 @@ def bench_topk(args) -> dict:
         for name in order:
             # Each run is paired with a bound run just before it: load from other processes
             # changes over seconds, and the pair sees about the same.
-            started = time.perf_counter()
-            _bare_matmul(items, queries, "workers")
-            seconds[bound].append(time.perf_counter() - started)
+            with timed() as clock:
+                _bare_matmul(items, queries, "workers")
+            seconds[bound].append(clock.seconds)
             run = methods.get(name) or once[name]
-            started = time.perf_counter()
-            results[name] = run()
-            seconds[name].append(time.perf_counter() - started)
+            with timed() as clock:
+                results[name] = run()
+            seconds[name].append(clock.seconds)
             ratios[name].append(seconds[bound][-1] / seconds[name][-1])
         print(json.dumps({"round": round_, **{n: round(v[-1], 3) for n, v in seconds.items() if v}}), flush=True)
     rows = []
@@ -354,22 +365,22 @@ def bench_full_eval(args, rng: np.random.Generator, items: np.ndarray, brute) ->
     sample_order = sample[np.argsort([len(masks[i]) for i in sample], kind="stable")]
     runs = []
 
-    def timed(name: str, count: int, run) -> np.ndarray:
-        started = time.perf_counter()
-        ranked = run()
-        elapsed = time.perf_counter() - started
+    def time_ranking(name: str, count: int, run) -> np.ndarray:
+        with timed() as clock:
+            ranked = run()
+        elapsed = clock.seconds
         runs.append({"method": name, "users": count, "items": args.items, "depth": depth, "seconds": elapsed,
                      "users_per_second": count / elapsed})
         print(json.dumps(runs[-1]), flush=True)
         return ranked
 
-    exact_ranked = timed("ExactTopK (index_ranking, Flat ItemIndex)", args.eval_users,
+    exact_ranked = time_ranking("ExactTopK (index_ranking, Flat ItemIndex)", args.eval_users,
                          lambda: index_ranking(index, users, eval_set, depth))
     index.routing = FAISS_ONLY
-    faiss_ranked = timed("faiss IndexFlatIP (index_ranking, over-fetch + drop)", few,
+    faiss_ranked = time_ranking("faiss IndexFlatIP (index_ranking, over-fetch + drop)", few,
                          lambda: index_ranking(index, users[sample], sample_set, depth))
     index.routing = MEASURED_ROUTING
-    tfrs_ranked = timed("tfrs BruteForce (over-fetch + drop)", few,
+    tfrs_ranked = time_ranking("tfrs BruteForce (over-fetch + drop)", few,
                         lambda: _tfrs_ranking(brute, users[sample_order], [masks[i] for i in sample_order], depth,
                                               args.batch))
     tfrs_by_user = np.empty_like(tfrs_ranked)
@@ -412,26 +423,21 @@ def _markdown_topk(results: dict) -> str:
         f"seconds (per-run values in the JSON). ExactTopK: {results['repeats']} rounds, order rotated; FAISS and "
         "TFRS: one run each.",
         "",
-        "| method | runs | seconds (median) | queries/s | x bound | same ids as FAISS | max score gap |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for row in results["rows"]:
-        agree = row.get("agreement_with_faiss") or {}
-        same = f"{agree['same_ids']:.4f}" if agree else "—"
-        gap = f"{agree['max_score_gap']:.1e}" if agree else "—"
-        lines.append(f"| {row['method']} | {row['runs']} | {row['seconds']:.2f} | {row['queries_per_second']:.0f} | "
-                     f"{row['fraction_of_bound']:.2f} | {same} | {gap} |")
-    lines += [
-        "",
-        "### Full-corpus evaluation with training-item masks",
-        "",
-        "| method | users ranked | items | depth | seconds | users/s | same ids as ExactTopK |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for run in results["evaluation"]:
-        same = f"{run['same_ids_as_exact']:.4f}" if "same_ids_as_exact" in run else "—"
-        lines.append(f"| {run['method']} | {run['users']:,} | {run['items']:,} | {run['depth']} | "
-                     f"{run['seconds']:.1f} | {run['users_per_second']:.0f} | {same} |")
+    lines += markdown_table(
+        ["method", "runs", "seconds (median)", "queries/s", "x bound", "same ids as FAISS", "max score gap"],
+        [[row["method"], row["runs"], f"{row['seconds']:.2f}", f"{row['queries_per_second']:.0f}",
+          f"{row['fraction_of_bound']:.2f}", *_same_and_gap(row.get("agreement_with_faiss"))]
+         for row in results["rows"]],
+    )
+    lines += ["", "### Full-corpus evaluation with training-item masks", ""]
+    lines += markdown_table(
+        ["method", "users ranked", "items", "depth", "seconds", "users/s", "same ids as ExactTopK"],
+        [[run["method"], f"{run['users']:,}", f"{run['items']:,}", run["depth"], f"{run['seconds']:.1f}",
+          f"{run['users_per_second']:.0f}",
+          f"{run['same_ids_as_exact']:.4f}" if "same_ids_as_exact" in run else "—"]
+         for run in results["evaluation"]],
+    )
     leaked = results["evaluation"][0]["masked_items_returned"]
     lines += [
         "",

@@ -32,13 +32,12 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-from benchmarks._harness import RESULTS, machine, write_report
+from benchmarks._harness import RESULTS, Stopwatch, machine, write_report
 from retrieval.config import Config, EvaluationConfig, load_config
 from retrieval.data import ITEM, USER, load_dataset
 from retrieval.evaluation import build_eval_set, ranking_metrics
@@ -101,7 +100,7 @@ def served_metrics(bundle: Bundle, config: Config, users: str, items: tuple[str,
 def run(name: str, seed: int, out: Path) -> dict:
     path, extra = CONFIGS[name]
     overrides = QUIET + PINNED + extra + [f"train.seed={seed}", f"split.seed={seed}", f"run.output_dir={out}"]
-    started = time.perf_counter()
+    clock = Stopwatch()
     config = load_config(ROOT / path, overrides + [f"run.name={_slug(name)}-{seed}"])
     result = train_evaluate_export(config)
     bundle = Bundle.load(result.directory)
@@ -123,7 +122,7 @@ def run(name: str, seed: int, out: Path) -> dict:
     row["cold_items"] = served_metrics(Bundle.load(cold.directory), cold_config, "warm", held) | {
         "held_out_items": len(held)
     }
-    row["seconds"] = round(time.perf_counter() - started, 1)
+    row["seconds"] = round(clock.seconds, 1)
     return row
 
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import numpy as np
 
-from benchmarks._harness import RESULTS, command, load_average, machine, markdown_table, write_report
+from benchmarks._harness import RESULTS, Stopwatch, command, load_average, machine, markdown_table, write_report
 from benchmarks._serving_index import log, measure_index, synthetic
 from retrieval.config import IndexConfig, ModelConfig
 from retrieval.index import ItemIndex, build_index, exact_search, recall_at_k
@@ -59,12 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         exact = exact_search(items, queries, args.k)
         ivf = IndexConfig(factory="auto", exact_max_items=1).factory_for(size, args.dim)
         for factory in ("Flat", ivf):
-            started = time.perf_counter()
+            clock = Stopwatch()
             if factory == "Flat":
                 index = ItemIndex.build(ids, items, "Flat")
             else:
                 index = build_index(ids, items, IndexConfig(factory=factory), queries=tune_queries)
-            built = time.perf_counter() - started
+            built = clock.seconds
             measured = measure_index(index, queries, exact, args, recall_at_k, faiss)
             rows.append({"items": size, "factory": factory, "build_seconds": built, **measured})
             log(f"{size} {factory}: {measured}")

@@ -19,10 +19,9 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from benchmarks._harness import RESULTS, machine, markdown_table, write_report
+from benchmarks._harness import RESULTS, Stopwatch, machine, markdown_table, write_report
 from benchmarks._harness import command as command_line
 
 WAYS = ("blocks", "whole matrix")
@@ -63,13 +62,13 @@ def run_way(way: str, items: int, dim: int, factory: str, queries: int, seed: in
     config = IndexConfig(factory=factory, tune_k=100, tune_queries=queries)
     embed_frame(tower, catalogue.iloc[:10])  # the first call's tracing, before the baseline
     before = _reset_peak_rss()  # building the table peaked above what it holds: measure from here
-    started = time.perf_counter()
+    clock = Stopwatch()
     if way == "blocks":
         index = build_index_in_blocks(list(ids), lambda block: embed_frame(tower, catalogue.iloc[block]), dim, config,
                                       probe, "random unit queries")
     else:
         index = build_index(list(ids), embed_frame(tower, catalogue), config, probe, "random unit queries")
-    seconds = time.perf_counter() - started
+    seconds = clock.seconds
     peak = _status_bytes("VmHWM")
     return {"rss_before_bytes": before, "peak_rss_bytes": peak, "indexing_extra_peak_bytes": peak - before,
             "index_bytes": index.index.ntotal * dim * 4, "seconds": seconds,

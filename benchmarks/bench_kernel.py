@@ -39,7 +39,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -52,8 +51,10 @@ from benchmarks._harness import (  # noqa: E402
     describe_machine,
     load_average,
     machine,
+    markdown_table,
     pyplot,
     save_figure,
+    timed,
     write_report,
 )
 from benchmarks._quality import Prepared, metrics_of, prepare_config  # noqa: E402
@@ -192,17 +193,17 @@ def sampling_cost(model, data: Prepared, batch_size: int, repeats: int = 5) -> d
     sample = tf.function(lambda p, q: sampler.sample(p, queries=q, embed_catalogue=model.embed_catalogue))
     result = {}
     if isinstance(sampler, KernelSampler):
-        started = time.perf_counter()
-        sampler.refresh(model.embed_catalogue().numpy())
-        result["refresh_ms"] = (time.perf_counter() - started) * 1000
+        with timed() as clock:
+            sampler.refresh(model.embed_catalogue().numpy())
+        result["refresh_ms"] = clock.ms
         result["refresh_ms_per_step"] = result["refresh_ms"] / sampler.refresh_steps
         sampler.step.assign(1)  # off the refresh schedule: time the draws alone
     tf.nest.map_structure(lambda t: t.numpy(), sample(positive_ids, queries))  # trace
     times = []
     for _ in range(repeats):
-        started = time.perf_counter()
-        tf.nest.map_structure(lambda t: t.numpy(), sample(positive_ids, queries))
-        times.append(time.perf_counter() - started)
+        with timed() as clock:
+            tf.nest.map_structure(lambda t: t.numpy(), sample(positive_ids, queries))
+        times.append(clock.seconds)
     result["sample_ms"] = statistics.median(times) * 1000
     result["sampling_ms_per_step"] = result["sample_ms"] + result.get("refresh_ms_per_step", 0.0)
     return result
@@ -217,9 +218,9 @@ def train_row(data: Prepared, overrides: list[str], epochs: int, seed: int, loss
     )
     seed_everything(config.train.seed)
     model = build_model(config.model, data.stats, train_clicks=data.train)
-    started = time.perf_counter()
-    history = fit(model, data.train, config.train, split=config.split)
-    seconds = time.perf_counter() - started
+    with timed() as clock:
+        history = fit(model, data.train, config.train, split=config.split)
+    seconds = clock.seconds
     result = metrics_of(rank_model(model, data), data)
     steps = epochs * -(-len(data.train) // config.train.batch_size)
     result.update(
@@ -290,17 +291,10 @@ def markdown(report: dict) -> str:
             ms = sorted({int(m) for s in samplers for m in rows[s]})
             if not samplers:
                 continue
-            lines += [
-                f"### {title}\n",
-                "| sampler | " + " | ".join(f"m={m}" for m in ms) + " |",
-                "|---" * (len(ms) + 1) + "|",
-            ]
-            for sampler in samplers:
-                cells = [_cell(rows[sampler].get(str(m)), metric, digits) for m in ms]
-                lines.append(f"| {sampler} | " + " | ".join(cells) + " |")
+            table = [[sampler, *(_cell(rows[sampler].get(str(m)), metric, digits) for m in ms)] for sampler in samplers]
             if full and metric in (f"recall@{K}", "full_softmax_loss"):
-                lines.append(f"| {FULL} | " + " | ".join(_cell(full, metric, digits) for _ in ms) + " |")
-            lines.append("")
+                table.append([FULL, *(_cell(full, metric, digits) for _ in ms)])
+            lines += [f"### {title}\n", *markdown_table(["sampler", *(f"m={m}" for m in ms)], table), ""]
     if "curve" in report:
         lines += curve_markdown(report["curve"])
     if "notes" in report:
@@ -450,17 +444,17 @@ def curve_point(num_items: int, *, dim: int, batch: int, m: int, repeats: int, s
         "uniform": lambda: uniform_step(*batch_ids()).numpy(),
         "kernel": lambda: kernel_step(*batch_ids())[0].numpy(),
     }
-    started = time.perf_counter()
-    steps["kernel"]()  # traces, and builds the tree (first call)
-    result: dict = {"num_items": num_items, "kernel_build_ms": (time.perf_counter() - started) * 1000}
+    with timed() as clock:
+        steps["kernel"]()  # traces, and builds the tree (first call)
+    result: dict = {"num_items": num_items, "kernel_build_ms": clock.ms}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for step in steps.values():
         step()  # warm-up (traces)
     for _ in range(repeats):
         for name, step in steps.items():
-            started = time.perf_counter()
-            step()
-            times[name].append((time.perf_counter() - started) * 1000)
+            with timed() as clock:
+                step()
+            times[name].append(clock.ms)
     for name, values in times.items():
         result[f"{name}_ms"] = statistics.median(values)
         result[f"{name}_ms_all"] = values
@@ -471,26 +465,26 @@ def curve_point(num_items: int, *, dim: int, batch: int, m: int, repeats: int, s
     _, negative_ids = kernel_step(user_ids, positive_ids)
     touched = np.unique(np.concatenate([positive_ids.numpy(), negative_ids.numpy().ravel()]))
     before = (sampler.refreshes, sampler.rebuilds, sampler.rows_updated)
-    started = time.perf_counter()
-    sampler.refresh(items.numpy())
-    result["refresh_diff_ms"] = (time.perf_counter() - started) * 1000
+    with timed() as clock:
+        sampler.refresh(items.numpy())
+    result["refresh_diff_ms"] = clock.ms
     result["refresh_rows"] = sampler.rows_updated - before[2]
     result["refresh_rebuilt"] = sampler.rebuilds > before[1]
     result["touched_rows"] = len(touched)
-    started = time.perf_counter()
-    sampler.update_rows(touched, tf.gather(items, touched).numpy())
-    result["refresh_ids_ms"] = (time.perf_counter() - started) * 1000
+    with timed() as clock:
+        sampler.update_rows(touched, tf.gather(items, touched).numpy())
+    result["refresh_ids_ms"] = clock.ms
     assert sampler.tree is not None
-    started = time.perf_counter()
-    sampler.tree.refresh(items.numpy()[1:])
-    result["rebuild_ms"] = (time.perf_counter() - started) * 1000
+    with timed() as clock:
+        sampler.tree.refresh(items.numpy()[1:])
+    result["rebuild_ms"] = clock.ms
     # Draws alone, on the same machine state (numpy, outside TensorFlow).
     queries = tf.gather(users, user_ids).numpy()
     draws = []
     for _ in range(repeats):
-        started = time.perf_counter()
-        sampler.draw(queries, positive_ids.numpy())
-        draws.append((time.perf_counter() - started) * 1000)
+        with timed() as clock:
+            sampler.draw(queries, positive_ids.numpy())
+        draws.append(clock.ms)
     result["kernel_draw_ms"] = statistics.median(draws)
     return result
 
@@ -520,23 +514,28 @@ def curve_markdown(curve: dict) -> list[str]:
         f"## Step time against catalogue size (dim {settings['dim']}, batch {settings['batch']}, "
         f"kernel and uniform m = {settings['m']} per query)\n",
         f"`{curve['command']}`\n",
-        "| items | full softmax ms | uniform ms | kernel ms (draw step) | kernel draws ms | tree refresh ms: "
-        "diff / ids / rebuild (rows) | kernel @ refresh every step | kernel @ every 100 | full / kernel @ 100 "
-        "| full / kernel @ 1 | load avg |",
-        "|---" * 11 + "|",
     ]
+    rows = []
     for key in sorted(curve["points"], key=int):
         p = curve["points"][key]
         every_step = p["kernel_ms"] + p["refresh_diff_ms"]
         every_100 = p["kernel_ms"] + p["refresh_diff_ms"] / 100
         rebuilt = ", rebuilt" if p["refresh_rebuilt"] else ""
-        lines.append(
-            f"| {int(key):,} | {p[FULL + '_ms']:.0f} | {p['uniform_ms']:.0f} | {p['kernel_ms']:.0f} | "
-            f"{p['kernel_draw_ms']:.0f} | {p['refresh_diff_ms']:.0f} / {p['refresh_ids_ms']:.0f} / "
-            f"{p['rebuild_ms']:.0f} ({p['refresh_rows']:,}{rebuilt}) | {every_step:.0f} | {every_100:.0f} | "
-            f"{p[FULL + '_ms'] / every_100:.1f}x | {p[FULL + '_ms'] / every_step:.1f}x | "
-            f"{p['load_average_1min'][0]:.1f}-{p['load_average_1min'][1]:.1f} |"
-        )
+        rows.append([
+            f"{int(key):,}", f"{p[FULL + '_ms']:.0f}", f"{p['uniform_ms']:.0f}", f"{p['kernel_ms']:.0f}",
+            f"{p['kernel_draw_ms']:.0f}",
+            f"{p['refresh_diff_ms']:.0f} / {p['refresh_ids_ms']:.0f} / {p['rebuild_ms']:.0f} "
+            f"({p['refresh_rows']:,}{rebuilt})",
+            f"{every_step:.0f}", f"{every_100:.0f}", f"{p[FULL + '_ms'] / every_100:.1f}x",
+            f"{p[FULL + '_ms'] / every_step:.1f}x",
+            f"{p['load_average_1min'][0]:.1f}-{p['load_average_1min'][1]:.1f}",
+        ])
+    lines += markdown_table(
+        ["items", "full softmax ms", "uniform ms", "kernel ms (draw step)", "kernel draws ms",
+         "tree refresh ms: diff / ids / rebuild (rows)", "kernel @ refresh every step", "kernel @ every 100",
+         "full / kernel @ 100", "full / kernel @ 1", "load avg"],
+        rows,
+    )
     return [*lines, "", *curve["notes"], ""]
 
 

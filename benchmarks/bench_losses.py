@@ -30,7 +30,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +37,7 @@ import pandas as pd
 import tensorflow as tf
 
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-from benchmarks._harness import RESULTS, command, machine, pyplot, save_figure, write_report
+from benchmarks._harness import RESULTS, command, machine, markdown_table, pyplot, save_figure, timed, write_report
 from benchmarks._quality import VARIANTS, K, Prepared, metrics_of, prepare_config, rank_scores
 from retrieval.config import ALSConfig, load_config
 from retrieval.data import ITEM, USER, locate_movielens_100k
@@ -71,13 +70,13 @@ def train_and_score(data: Prepared, overrides: list[str], seed: int) -> dict:
         DATASETS[data.name],
         ["train.verbose=0", f"train.seed={42 + seed}", f"model.loss.seed={seed}", *overrides],
     )
-    started = time.perf_counter()
-    seed_everything(config.train.seed)
-    model = build_model(config.model, data.stats, train_clicks=data.train)
-    history = fit(model, data.train, config.train, split=config.split)
-    result = metrics_of(rank_scores(model_scores(model, data), data), data)
-    result["epochs"] = len(history["loss"])
-    result["seconds"] = time.perf_counter() - started
+    with timed() as clock:
+        seed_everything(config.train.seed)
+        model = build_model(config.model, data.stats, train_clicks=data.train)
+        history = fit(model, data.train, config.train, split=config.split)
+        result = metrics_of(rank_scores(model_scores(model, data), data), data)
+        result["epochs"] = len(history["loss"])
+    result["seconds"] = clock.seconds
     return result
 
 
@@ -90,10 +89,10 @@ def baseline_rows(data: Prepared, seeds: int) -> dict[str, list[dict]]:
     rows = {"popularity": [metrics_of(rank_scores(popularity, data), data)]}
     rows["implicit ALS"] = []
     for seed in range(seeds):
-        started = time.perf_counter()
-        factors = fit_als(data.train, data.catalogue_ids, ALSConfig(seed=seed))
-        result = metrics_of(rank_scores(factors.users(users) @ factors.item_factors.T, data), data)
-        result["seconds"] = time.perf_counter() - started
+        with timed() as clock:
+            factors = fit_als(data.train, data.catalogue_ids, ALSConfig(seed=seed))
+            result = metrics_of(rank_scores(factors.users(users) @ factors.item_factors.T, data), data)
+        result["seconds"] = clock.seconds
         rows["implicit ALS"].append(result)
     return rows
 
@@ -181,9 +180,9 @@ def step_time(num_items: int, loss: list[str], batch_size: int, steps: int, dim:
     step(batches[0])  # trace and warm up
     times = []
     for batch in batches[1:]:
-        started = time.perf_counter()
-        step(batch)["loss"].numpy()
-        times.append(time.perf_counter() - started)
+        with timed() as clock:
+            step(batch)["loss"].numpy()
+        times.append(clock.seconds)
     return statistics.median(times)
 
 
@@ -218,27 +217,24 @@ def markdown(report: dict) -> str:
                 f"{part['steps'] - 1} steps, legacy SGD, dim 64)\n"
             ),
             f"`{part['command']}`\n",
-            "| loss | " + " | ".join(f"{s:,} items" for s in sizes) + " |",
-            "|---" * (len(sizes) + 1) + "|",
+            *markdown_table(["loss", *(f"{s:,} items" for s in sizes)],
+                            [[loss, *(f"{by_size[str(s)] * 1000:.1f}" for s in sizes)]
+                             for loss, by_size in part["seconds"].items()]),
+            "",
         ]
-        for loss, by_size in part["seconds"].items():
-            lines.append(f"| {loss} | " + " | ".join(f"{by_size[str(s)] * 1000:.1f}" for s in sizes) + " |")
-        lines.append("")
     for name, part in report.get("quality", {}).items():
         lines += [
             f"## {name}: {part['evaluated_users']} evaluated users ({part['config']}; mean ± std over seeds)\n",
             *(f"`{command}`" for command in part.get("commands", [part.get("command", "")])),
             "",
-            f"| ranker | recall@{K} | NDCG@{K} | tail recall@{K} | epochs | seconds |",
-            "|---|---|---|---|---|---|",
+            *markdown_table(
+                ["ranker", f"recall@{K}", f"NDCG@{K}", f"tail recall@{K}", "epochs", "seconds"],
+                [[ranker, _number(summary, f"recall@{K}"), _number(summary, f"ndcg@{K}"),
+                  _number(summary, f"tail_recall@{K}"), f"{summary['epochs']:.1f}" if "epochs" in summary else "",
+                  f"{summary['seconds']:.0f}" if "seconds" in summary else ""]
+                 for ranker, summary in part["rankers"].items()],
+            ),
         ]
-        for ranker, summary in part["rankers"].items():
-            epochs = f"{summary['epochs']:.1f}" if "epochs" in summary else ""
-            seconds = f"{summary['seconds']:.0f}" if "seconds" in summary else ""
-            lines.append(
-                f"| {ranker} | {_number(summary, f'recall@{K}')} | {_number(summary, f'ndcg@{K}')} | "
-                f"{_number(summary, f'tail_recall@{K}')} | {epochs} | {seconds} |"
-            )
         lines.append("")
     return "\n".join(lines)
 

@@ -34,10 +34,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from benchmarks._harness import RESULTS, ROOT, machine, markdown_table, write_report
+from benchmarks._harness import RESULTS, ROOT, machine, markdown_table, timed, write_report
 from benchmarks._harness import command as command_line
 from retrieval.training.parameter_server import table_bytes
 
@@ -69,10 +68,10 @@ def run_job(name: str, cluster: bool, settings: list[str], base: Path, worker_me
     else:
         command = [sys.executable, "-m", "pipelines.train", *train]
     print(f"[{name}] {' '.join(command[1:])}", file=sys.stderr, flush=True)
-    started = time.perf_counter()
-    process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "TF_CONFIG": ""})
-    _, status, usage = os.wait4(process.pid, 0)
-    seconds = time.perf_counter() - started
+    with timed() as clock:
+        process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "TF_CONFIG": ""})
+        _, status, usage = os.wait4(process.pid, 0)
+    seconds = clock.seconds
     result = {"command": " ".join(["python", *command[1:]]), "seconds": round(seconds, 1),
               "exit_status": os.waitstatus_to_exitcode(status)}
     if result["exit_status"] != 0:

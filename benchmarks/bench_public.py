@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-from benchmarks._harness import RESULTS, command, cpu_model, machine, pyplot, save_figure, write_json
+from benchmarks._harness import RESULTS, command, cpu_model, machine, markdown_table, pyplot, save_figure, write_json
 from benchmarks._quality import VARIANTS as LOSS_VARIANTS
 from retrieval.config import ALSConfig, BaselinesConfig, Config, ConfigError, load_config
 from retrieval.data import ITEM, USER, load_dataset
@@ -366,24 +366,21 @@ def markdown(report: dict) -> str:
         "fell from every validation user to 10,000: rows run before it ranked every user each epoch (on Gowalla, "
         "benchmarks/results/bench_public_selection/ measured the same chosen epoch and model).\n",
         f"## recall@{K} (rows x datasets)\n",
-        "| row | " + " | ".join(datasets) + " |",
-        "|---" * (len(datasets) + 1) + "|",
     ]
     by_dataset = {d: {s["short"]: s for s in table_rows(summary, d)} for d in datasets}
-    for short in dict.fromkeys(name for rows in by_dataset.values() for name in rows):
-        lines.append(f"| {short} | " + " | ".join(_cell(by_dataset[d].get(short), RECALL) for d in datasets) + " |")
+    lines += markdown_table(
+        ["row", *datasets],
+        [[short, *(_cell(by_dataset[d].get(short), RECALL) for d in datasets)]
+         for short in dict.fromkeys(name for rows in by_dataset.values() for name in rows)],
+    )
     lines.append("")
     for d in datasets:
         rows = list(by_dataset[d].values())
         als = next((s for s in rows if s["row"] == "als"), None)
         tfrs = next((s for s in rows if s["row"] == "tfrs+logq" and not s["extra"]), None)
         users = rows[0].get("users") if rows else None
-        lines += [
-            f"## {d}: {users} users evaluated\n",
-            f"| row | recall@{K} | NDCG@{K} | × tuned ALS | × TFRS + log-Q | epochs | seconds | CPU | seeds "
-            "| overrides |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
+        lines.append(f"## {d}: {users} users evaluated\n")
+        table = []
         for s in rows:
             ratio_als = f"{s[RECALL] / als[RECALL]:.2f}" if als and als[RECALL] else ""
             ratio_tfrs = f"{s[RECALL] / tfrs[RECALL]:.2f}" if tfrs and tfrs[RECALL] else ""
@@ -391,19 +388,23 @@ def markdown(report: dict) -> str:
             if "best_epoch" in s:
                 epochs += f" (best {s['best_epoch']:.1f})"
             overrides = " ".join(s["extra"] if s["row"] in GRIDS else [*s["overrides"], *s["extra"]])
-            lines.append(
-                f"| {s['label']} | {_cell(s, RECALL)} | {_cell(s, NDCG)} | {ratio_als} | {ratio_tfrs} | {epochs} | "
-                f"{s.get('seconds', 0):.0f} | {s.get('cpu', '')} | {s['seeds']} | "
-                f"{'`' + overrides + '`' if overrides else ''} |"
-            )
+            table.append([s["label"], _cell(s, RECALL), _cell(s, NDCG), ratio_als, ratio_tfrs, epochs,
+                          f"{s.get('seconds', 0):.0f}", s.get("cpu", ""), s["seeds"],
+                          "`" + overrides + "`" if overrides else ""])
+        lines += markdown_table(
+            ["row", f"recall@{K}", f"NDCG@{K}", "× tuned ALS", "× TFRS + log-Q", "epochs", "seconds", "CPU", "seeds",
+             "overrides"],
+            table,
+        )
         for name in GRIDS:
             grid = sorted((s for s in summarise(report["rows"]) if s["dataset"] == d and s["row"] == name),
                           key=lambda s: -s[RECALL])
             if grid:
-                lines += ["", f"{name.upper()} grid on {d} (best first):\n",
-                          f"| point | recall@{K} | NDCG@{K} | seconds |", "|---|---|---|---|"]
-                lines += [f"| {' '.join(s['overrides'])} | {_cell(s, RECALL)} | {_cell(s, NDCG)} | "
-                          f"{s['seconds']:.0f} |" for s in grid]
+                lines += ["", f"{name.upper()} grid on {d} (best first):\n"]
+                lines += markdown_table(
+                    ["point", f"recall@{K}", f"NDCG@{K}", "seconds"],
+                    [[" ".join(s["overrides"]), _cell(s, RECALL), _cell(s, NDCG), f"{s['seconds']:.0f}"] for s in grid],
+                )
         lines.append("")
     # Rows recorded before the benchmarks ran as modules name the script: the same command.
     commands = list(dict.fromkeys(re.sub(r"python3? benchmarks/(\w+)\.py", r"python -m benchmarks.\1", r["command"])

@@ -49,8 +49,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from benchmarks._harness import Stopwatch, load_average, machine, markdown_table, timed, write_report
 from benchmarks._harness import command as command_line
-from benchmarks._harness import load_average, machine, write_report
 from benchmarks.scale_resume import markdown_row
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,11 +137,11 @@ def ensure_shards(data_dir: Path, args: argparse.Namespace, before_generating=la
         log.info("reusing %s", data_dir)
         return {**json.loads(done.read_text()), "reused": True}
     before_generating()
-    started = time.perf_counter()
-    shutil.rmtree(data_dir, ignore_errors=True)
-    generation = generate_shards(data_dir, args.clicks, args.items, clicks_per_user=args.clicks_per_user,
-                                 clusters=args.clusters, seed=args.seed, shard_clicks=args.shard_clicks)
-    generation["seconds"] = round(time.perf_counter() - started, 1)
+    with timed() as clock:
+        shutil.rmtree(data_dir, ignore_errors=True)
+        generation = generate_shards(data_dir, args.clicks, args.items, clicks_per_user=args.clicks_per_user,
+                                     clusters=args.clusters, seed=args.seed, shard_clicks=args.shard_clicks)
+    generation["seconds"] = round(clock.seconds, 1)
     done.write_text(json.dumps(generation))
     return {**generation, "reused": False}
 
@@ -272,7 +272,7 @@ def save_embeddings(bundle_dir: Path, out: Path, *, query_users: int, seed: int)
     from retrieval.bundle.manifest import read_manifest
     from retrieval.config import Config
 
-    started = time.perf_counter()
+    clock = Stopwatch()
     manifest = read_manifest(bundle_dir)
     if manifest.doc_features != [ITEM] or manifest.query_features != [USER]:
         raise SystemExit(
@@ -283,7 +283,7 @@ def save_embeddings(bundle_dir: Path, out: Path, *, query_users: int, seed: int)
     item_ids = pq.read_table(bundle_dir / "item_ids.parquet").to_pandas().sort_values("row")["item_id"].to_numpy()
     doc = tf.saved_model.load(str(bundle_dir / manifest.files["doc_model"])).signatures["serving_default"]
     items, _ = _batched(doc, ITEM, item_ids)
-    log.info("embedded %d items in %.1f s", len(items), time.perf_counter() - started)
+    log.info("embedded %d items in %.1f s", len(items), clock.seconds)
     check: dict = {}
     index = faiss.read_index(str(bundle_dir / "index.faiss"))
     try:
@@ -336,7 +336,7 @@ def save_embeddings(bundle_dir: Path, out: Path, *, query_users: int, seed: int)
                     "source": f"training users (known to the query tower) drawn from {len(users):,} log users, "
                               f"seed {seed}", "drawn": int(len(drawn)), "known": int(known.sum())},
         "index_check": check,
-        "seconds": round(time.perf_counter() - started, 1),
+        "seconds": round(clock.seconds, 1),
     }
     (scratch / EMBEDDINGS_MANIFEST).write_text(json.dumps(info, indent=2))
     shutil.rmtree(out, ignore_errors=True)
@@ -409,10 +409,10 @@ def main() -> None:
     if args.features:
         tables_done = table_dir / "_DONE.json"
         if not tables_done.exists():
-            clock = time.perf_counter()
-            written = write_feature_tables(table_dir, args.clicks, args.items, clicks_per_user=args.clicks_per_user,
-                                           clusters=args.clusters, seed=args.seed)
-            written["seconds"] = round(time.perf_counter() - clock, 1)
+            with timed() as clock:
+                written = write_feature_tables(table_dir, args.clicks, args.items, clicks_per_user=args.clicks_per_user,
+                                               clusters=args.clusters, seed=args.seed)
+            written["seconds"] = round(clock.seconds, 1)
             tables_done.write_text(json.dumps(written))
         generation["tables"] = json.loads(tables_done.read_text())
         log.info("feature tables: %s", json.dumps(generation["tables"]))
@@ -455,9 +455,9 @@ def main() -> None:
         _write(report, args.out)
         return
     rss_before_job = rss_bytes()
-    job_started = time.perf_counter()
-    result = train_evaluate_export(config, config_name="scale")
-    job_seconds = time.perf_counter() - job_started
+    with timed() as clock:
+        result = train_evaluate_export(config, config_name="scale")
+    job_seconds = clock.seconds
     sampler.stop()
 
     metrics = result.metrics
@@ -575,11 +575,10 @@ def markdown(r: dict) -> str:
         ),
         *([markdown_row(r["resume_check"])] if "resume_check" in r else []),
         "",
-        "| ranker | " + " | ".join(k for k in next(iter(r["evaluation"].values()))) + " |",
-        "|---|" + "---|" * len(next(iter(r["evaluation"].values()))),
+        *markdown_table(["ranker", *next(iter(r["evaluation"].values()))],
+                        [[ranker, *(f"{v:.4f}" for v in values.values())]
+                         for ranker, values in r["evaluation"].items()]),
     ]
-    for ranker, values in r["evaluation"].items():
-        rows.append(f"| {ranker} | " + " | ".join(f"{v:.4f}" for v in values.values()) + " |")
     return "\n".join(rows)
 
 

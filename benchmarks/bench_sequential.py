@@ -43,8 +43,10 @@ from benchmarks._harness import (
     describe_machine,
     load_average,
     machine,
+    markdown_table,
     pyplot,
     save_figure,
+    timed,
     write_json,
 )
 from retrieval.config import load_config
@@ -172,7 +174,6 @@ def run_variant(name: str, overrides: list[str], data_dir: Path, extra: list[str
 def throughput(data_dir: Path, lengths: tuple[int, ...] = (50, 200), steps: int = 20) -> list[dict[str, Any]]:
     """Trained (query state, next item) pairs a second: the transformer's all-positions pass against
     the same tower trained one click a row (each row its own history), and the ID tower's step."""
-    import time
 
     import tensorflow as tf
 
@@ -307,10 +308,9 @@ def _throughput_lines() -> list[str]:
     lines = ["", "## Throughput", "",
              "`python -m benchmarks.bench_sequential --throughput`: trained (query state, next item) pairs a "
              "second on Beauty, in-batch softmax, Adam, one process; the rows ran one after another in one run.", "",
-             "| history length | step | pairs a step | ms a step | pairs/s |", "|---|---|---|---|---|"]
-    for row in record["rows"]:
-        lines.append(f"| {row['length']} | {what[row['examples']]} | {row['pairs_per_step']:.0f} | {row['step_ms']} "
-                     f"| {row['pairs_per_second']:,} |")
+             *markdown_table(["history length", "step", "pairs a step", "ms a step", "pairs/s"],
+                             [[row["length"], what[row["examples"]], f"{row['pairs_per_step']:.0f}", row["step_ms"],
+                               f"{row['pairs_per_second']:,}"] for row in record["rows"]])]
     lines += ["", f"Machine: {describe_machine(record['machine'])}; commit {record['machine']['commit']}, "
               f"{record['date']}."]
     return lines
@@ -362,9 +362,9 @@ def _serving_row(beauty: Path, length: int, history_items: int, users: int, requ
             latencies, served = [], []
             with httpx.Client(base_url=server.url, timeout=60) as client:
                 for i, history in enumerate(histories):
-                    started = time.perf_counter()
-                    reply = client.post("/recommend", json={"query": {"history": history}, "k": k})
-                    seconds = time.perf_counter() - started
+                    with timed() as clock:
+                        reply = client.post("/recommend", json={"query": {"history": history}, "k": k})
+                    seconds = clock.seconds
                     reply.raise_for_status()
                     if i >= 20:
                         latencies.append(seconds)
@@ -389,14 +389,13 @@ def _serving_lines() -> list[str]:
              f"({r['ensemble_members']} members of dimension {r['embedding_dim']}) as it ships, reading the "
              f"newest items of the history up to its length, and the same at length {r['history_items']}, "
              "reading all of them.", "",
-             "| tower's history length | requests | p50 ms | p99 ms | mean ms | history items served | load average "
-             "at the first / last request |",
-             "|---|---|---|---|---|---|---|"]
-    for row in r["rows"]:
-        load = row["load_average"]
-        lines.append(f"| {row['length']} | {row['requests']} | {row['sequential_p50_ms']:.2f} "
-                     f"| {row['sequential_p99_ms']:.2f} | {row['sequential_mean_ms']:.2f} "
-                     f"| {row['history_items_served']} | {load['start'][0]} / {load['end'][0]} |")
+             *markdown_table(
+                 ["tower's history length", "requests", "p50 ms", "p99 ms", "mean ms", "history items served",
+                  "load average at the first / last request"],
+                 [[row["length"], row["requests"], f"{row['sequential_p50_ms']:.2f}", f"{row['sequential_p99_ms']:.2f}",
+                   f"{row['sequential_mean_ms']:.2f}", row["history_items_served"],
+                   f"{row['load_average']['start'][0]} / {row['load_average']['end'][0]}"] for row in r["rows"]],
+             )]
     return lines + ["", f"Machine: {describe_machine(r['machine'])}; commit {r['machine']['commit']}, {r['date']}."]
 
 

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._harness import RESULTS, command, load_average, write_json, write_report
+from benchmarks._harness import RESULTS, command, load_average, markdown_table, timed, write_json, write_report
 from benchmarks._serving_http import (
     DEFAULT_STACK,
     HTTP_STACKS,
@@ -181,9 +181,9 @@ def measure_catalogue(items, tune_queries, queries, item_ids, user_ids, args, ar
     from retrieval.config import IndexConfig
     from retrieval.index import ItemIndex, exact_search, recall_at_k
 
-    seconds = time.perf_counter()
-    exact = exact_search(items, queries, args.k)
-    exact_seconds = time.perf_counter() - seconds
+    with timed() as clock:
+        exact = exact_search(items, queries, args.k)
+    exact_seconds = clock.seconds
     exact_qps = len(queries) / exact_seconds
     log(f"exact: {exact_qps:.0f} QPS (batch of {len(queries)})")
     tune_exact = exact_search(items, tune_queries, args.k)  # shared by every index's tuning
@@ -196,16 +196,16 @@ def measure_catalogue(items, tune_queries, queries, item_ids, user_ids, args, ar
         for factory in args.factories:
             # What build_index(item_ids, items, config, tune_queries) does, timed in two parts.
             config = IndexConfig(factory=factory, tune_k=args.k, tune_queries=args.tune_queries, seed=args.seed)
-            seconds = time.perf_counter()
-            index = ItemIndex.build(item_ids, items, factory, train_sample_size=config.train_sample_size,
-                                    seed=config.seed)
-            build_seconds = time.perf_counter() - seconds
+            with timed() as clock:
+                index = ItemIndex.build(item_ids, items, factory, train_sample_size=config.train_sample_size,
+                                        seed=config.seed)
+            build_seconds = clock.seconds
             tune_seconds = 0.0
             if not index.is_exact:
-                seconds = time.perf_counter()
-                index.tune(items, tune_queries, k=args.k, target_recall=config.target_recall,
-                           query_source="held-out queries", exact=tune_exact)
-                tune_seconds = time.perf_counter() - seconds
+                with timed() as clock:
+                    index.tune(items, tune_queries, k=args.k, target_recall=config.target_recall,
+                               query_source="held-out queries", exact=tune_exact)
+                tune_seconds = clock.seconds
             row = measure_index(index, queries, exact, args, recall_at_k, faiss)
             if index.is_exact:  # the same IndexFlatIP search as the exact reference: one timing, not two
                 row["batch_qps"] = exact_qps
@@ -294,34 +294,32 @@ def targets(results) -> dict:
 
 def index_tables(results, k: int, heading_level: str = "##") -> list[str]:
     """The per-index table and the HTTP table of one catalogue's results (Markdown lines)."""
-    lines = [
-        "| index | search params | build s | tune s | size MiB | recall@k | batch QPS | x exact | "
-        "single p50 ms | single p99 ms |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in results["indexes"]:
-        lines.append(
-            f"| {r['factory']} | {r['search_params'] or '-'} | {r['build_seconds']:.1f} | {r['tune_seconds']:.1f} | "
-            f"{r['index_bytes'] / 2**20:.0f} | {r['recall']:.4f} | {r['batch_qps']:.0f} | "
-            f"{r['speedup_vs_exact']:.1f} | {r['single_p50_ms']:.2f} | {r['single_p99_ms']:.2f} |"
-        )
+    lines = markdown_table(
+        ["index", "search params", "build s", "tune s", "size MiB", "recall@k", "batch QPS", "x exact",
+         "single p50 ms", "single p99 ms"],
+        [[r["factory"], r["search_params"] or "-", f"{r['build_seconds']:.1f}", f"{r['tune_seconds']:.1f}",
+          f"{r['index_bytes'] / 2**20:.0f}", f"{r['recall']:.4f}", f"{r['batch_qps']:.0f}",
+          f"{r['speedup_vs_exact']:.1f}", f"{r['single_p50_ms']:.2f}", f"{r['single_p99_ms']:.2f}"]
+         for r in results["indexes"]],
+        align="llrrrrrrrr",
+    )
     lines += [
         "",
         f"{heading_level} End to end over HTTP (`retrieval serve`, uvicorn on 127.0.0.1, JSON, k={k})",
         "",
-        "| index | HTTP parser / loop | reload s | requests | p50 ms | p99 ms | QPS (1 client) | served recall@k | "
-        "concurrent QPS | concurrent p50 ms | concurrent p99 ms | errors |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r, stack, h in [(r, stack, r[key]) for r in results["indexes"]
-                        for stack, key in ((DEFAULT_STACK, "http"), ("h11/asyncio", "http_h11")) if key in r]:
-        lines.append(
-            f"| {r['factory']} | {stack} | {h['reload_seconds']:.1f} | {h['sequential_count']} | "
-            f"{h['sequential_p50_ms']:.2f} | "
-            f"{h['sequential_p99_ms']:.2f} | {h['sequential_qps']:.0f} | {h['served_recall']:.4f} | "
-            f"{h['concurrent_qps']:.0f} ({h['concurrency']} clients) | {h['concurrent_p50_ms']:.2f} | "
-            f"{h['concurrent_p99_ms']:.2f} | {h['errors']} |"
-        )
+    lines += markdown_table(
+        ["index", "HTTP parser / loop", "reload s", "requests", "p50 ms", "p99 ms", "QPS (1 client)", "served recall@k",
+         "concurrent QPS", "concurrent p50 ms", "concurrent p99 ms", "errors"],
+        [[r["factory"], stack, f"{h['reload_seconds']:.1f}", h["sequential_count"], f"{h['sequential_p50_ms']:.2f}",
+          f"{h['sequential_p99_ms']:.2f}", f"{h['sequential_qps']:.0f}", f"{h['served_recall']:.4f}",
+          f"{h['concurrent_qps']:.0f} ({h['concurrency']} clients)", f"{h['concurrent_p50_ms']:.2f}",
+          f"{h['concurrent_p99_ms']:.2f}", h["errors"]]
+         for r in results["indexes"]
+         for stack, key in ((DEFAULT_STACK, "http"), ("h11/asyncio", "http_h11")) if key in r
+         for h in [r[key]]],
+        align="llrrrrrrrrrr",
+    )
     return lines
 
 
@@ -351,13 +349,15 @@ def markdown(results, argv) -> str:
         "",
         f"## FAISS Flat vs TFRS BruteForce (same embeddings, exact, batches of {t['batch']})",
         "",
-        "| engine | batch QPS | single p50 ms | single p99 ms | recall@k vs FAISS exact |",
-        "|---|---:|---:|---:|---:|",
     ]
-    for name, label in [("faiss_flat", "FAISS IndexFlatIP"), ("tfrs_bruteforce", "TFRS BruteForce")]:
-        e = t[name]
-        lines.append(f"| {label} | {e['batch_qps']:.0f} | {e['single_p50_ms']:.2f} | {e['single_p99_ms']:.2f} | "
-                     f"{e['recall']:.4f} |")
+    lines += markdown_table(
+        ["engine", "batch QPS", "single p50 ms", "single p99 ms", "recall@k vs FAISS exact"],
+        [[label, f"{e['batch_qps']:.0f}", f"{e['single_p50_ms']:.2f}", f"{e['single_p99_ms']:.2f}",
+          f"{e['recall']:.4f}"]
+         for name, label in [("faiss_flat", "FAISS IndexFlatIP"), ("tfrs_bruteforce", "TFRS BruteForce")]
+         for e in [t[name]]],
+        align="lrrrr",
+    )
     if "mixed" in results:
         lines += ["", *mixed_markdown(results["mixed"]).splitlines()]
     g = results["targets"]

@@ -19,12 +19,11 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks._harness import command, load_average, write_report
+from benchmarks._harness import Stopwatch, command, load_average, markdown_table, timed, write_report
 from benchmarks._serving_http import DEFAULT_STACK, SERVE_ARGS
 from benchmarks._serving_index import (
     REAL_FACTORIES,
@@ -67,7 +66,7 @@ def real_main(args, argv) -> int:
     (labelled, for comparison), and the memory row; write ``bench_serving_real.{json,md}``."""
     import faiss
 
-    started = time.perf_counter()
+    clock = Stopwatch()
     args.factories = args.factories or REAL_FACTORIES
     argv = list(argv if argv is not None else sys.argv[1:])
     real = load_embeddings(Path(args.embeddings), args)
@@ -98,7 +97,7 @@ def real_main(args, argv) -> int:
 
     def save() -> None:  # after every section, so a cut-short run keeps what it measured
         results["setup"]["load_average_end"] = load_average()
-        results["setup"]["total_seconds"] = time.perf_counter() - started
+        results["setup"]["total_seconds"] = clock.seconds
         results["targets"] = real_targets(results)
         write_report(out / "bench_serving_real", results, real_markdown(results))
 
@@ -217,13 +216,13 @@ def memory_rows(items, tune_queries, queries, args) -> dict:
     from retrieval.index import exact_search, recall_at_k
 
     rng = np.random.default_rng(args.seed + 1)
-    seconds = time.perf_counter()
-    vectors, info = memory_catalogue(items, args.memory_items, args.memory_noise, rng)
-    info["seconds"] = time.perf_counter() - seconds
+    with timed() as clock:
+        vectors, info = memory_catalogue(items, args.memory_items, args.memory_noise, rng)
+    info["seconds"] = clock.seconds
     log(f"memory catalogue: {json.dumps(info)}")
-    seconds = time.perf_counter()
-    exact = exact_search(vectors, queries, args.k)
-    exact_seconds = time.perf_counter() - seconds
+    with timed() as clock:
+        exact = exact_search(vectors, queries, args.k)
+    exact_seconds = clock.seconds
     tune_exact = exact_search(vectors, tune_queries, args.k)
     result = {"catalogue": info, "k": args.k, "target_recall": TARGET_MEMORY_RECALL,
               "tuning_target": TARGET_MEMORY_RECALL + args.memory_tune_margin,
@@ -234,24 +233,24 @@ def memory_rows(items, tune_queries, queries, args) -> dict:
     for factory in args.memory_factories:
         index = faiss.index_factory(vectors.shape[1], factory, faiss.METRIC_INNER_PRODUCT)
         sample = vectors[np.sort(rng.choice(len(vectors), result["train_sample"], replace=False))]
-        seconds = time.perf_counter()
-        index.train(sample)
-        train_seconds = time.perf_counter() - seconds
+        with timed() as clock:
+            index.train(sample)
+        train_seconds = clock.seconds
         del sample
-        seconds = time.perf_counter()
-        for start in range(0, len(vectors), 1_000_000):
-            index.add(vectors[start : start + 1_000_000])
-        add_seconds = time.perf_counter() - seconds
+        with timed() as clock:
+            for start in range(0, len(vectors), 1_000_000):
+                index.add(vectors[start : start + 1_000_000])
+        add_seconds = clock.seconds
         log(f"{factory}: trained in {train_seconds:.0f} s, added in {add_seconds:.0f} s")
-        seconds = time.perf_counter()
-        params, points = sweep(index, tune_queries, tune_exact.rows, args.k,
-                               TARGET_MEMORY_RECALL + args.memory_tune_margin)
-        tune_seconds = time.perf_counter() - seconds
+        with timed() as clock:
+            params, points = sweep(index, tune_queries, tune_exact.rows, args.k,
+                                   TARGET_MEMORY_RECALL + args.memory_tune_margin)
+        tune_seconds = clock.seconds
         for point in points:  # the evaluation users' recall of every setting tried: the curve, not the choice
             faiss.ParameterSpace().set_index_parameters(index, point["params"])
-            seconds = time.perf_counter()
-            point["evaluation_recall"] = recall_at_k(index.search(queries, args.k)[1], exact.rows)
-            point["evaluation_ms_per_query"] = 1e3 * (time.perf_counter() - seconds) / len(queries)
+            with timed() as clock:
+                point["evaluation_recall"] = recall_at_k(index.search(queries, args.k)[1], exact.rows)
+            point["evaluation_ms_per_query"] = 1e3 * clock.seconds / len(queries)
         faiss.ParameterSpace().set_index_parameters(index, params)
         row = {"factory": factory, "search_params": params, "train_seconds": train_seconds,
                "add_seconds": add_seconds, "build_seconds": train_seconds + add_seconds,
@@ -259,9 +258,9 @@ def memory_rows(items, tune_queries, queries, args) -> dict:
                "index_bytes": int(faiss.serialize_index(index).nbytes)}
         batch = []
         for _ in range(2):
-            seconds = time.perf_counter()
-            rows = index.search(queries, args.k)[1]
-            batch.append(time.perf_counter() - seconds)
+            with timed() as clock:
+                rows = index.search(queries, args.k)[1]
+            batch.append(clock.seconds)
         row["recall"] = recall_at_k(rows, exact.rows)
         row["batch_qps"] = len(queries) / min(batch)
         row["speedup_vs_exact"] = row["batch_qps"] / result["exact"]["batch_qps"]
@@ -364,17 +363,17 @@ def real_markdown(results) -> str:
                   "", f"Measured by `{rerun(section.get('argv', results['argv']))}`.", "",
                   *index_tables(section, k, heading_level="###"), ""]
     if "real" in results or "synthetic" in results:
-        lines += ["## What the data look like", "",
-                  "| data | norm of the mean vector | variance share of the first direction | participation ratio "
-                  f"(effective dims) | share of top-{k} slots taken by the top 1% items | distinct items in the "
-                  "results |",
-                  "|---|---:|---:|---:|---:|---:|"]
-        for name in ("real", "synthetic"):
-            if name in results:
-                d = results[name]["data"]
-                lines.append(f"| {name} | {d['mean_vector_norm']:.3f} | {d['first_direction_variance_share']:.3f} | "
-                             f"{d['participation_ratio']:.1f} | {d['top1pct_items_share_of_results']:.3f} | "
-                             f"{d['distinct_items_in_results']:,} of {d['result_slots']:,} slots |")
+        lines += ["## What the data look like", ""]
+        lines += markdown_table(
+            ["data", "norm of the mean vector", "variance share of the first direction",
+             "participation ratio (effective dims)", f"share of top-{k} slots taken by the top 1% items",
+             "distinct items in the results"],
+            [[name, f"{d['mean_vector_norm']:.3f}", f"{d['first_direction_variance_share']:.3f}",
+              f"{d['participation_ratio']:.1f}", f"{d['top1pct_items_share_of_results']:.3f}",
+              f"{d['distinct_items_in_results']:,} of {d['result_slots']:,} slots"]
+             for name in ("real", "synthetic") if name in results for d in [results[name]["data"]]],
+            align="lrrrrr",
+        )
         lines.append("")
     if "memory" in results:
         m = results["memory"]
@@ -400,11 +399,13 @@ def real_markdown(results) -> str:
             "Every setting tried, recall@k on the tuning users (the choice) and on the evaluation users (the "
             "curve, no part in the choice); ms per query in a 500-query batch on 2 threads:",
             "",
-            "| index | setting | tuning recall | evaluation recall | evaluation ms/query |",
-            "|---|---|---:|---:|---:|",
-            *(f"| {r['factory']} | {p['params']} | {p['recall']:.4f} | {p['evaluation_recall']:.4f} | "
-              f"{p['evaluation_ms_per_query']:.3f} |"
-              for r in m["indexes"] for p in r["operating_points"] if "evaluation_recall" in p),
+            *markdown_table(
+                ["index", "setting", "tuning recall", "evaluation recall", "evaluation ms/query"],
+                [[r["factory"], p["params"], f"{p['recall']:.4f}", f"{p['evaluation_recall']:.4f}",
+                  f"{p['evaluation_ms_per_query']:.3f}"]
+                 for r in m["indexes"] for p in r["operating_points"] if "evaluation_recall" in p],
+                align="llrrr",
+            ),
             "",
         ]
         for attempt in results.get("memory_earlier_attempts", []):
@@ -440,22 +441,16 @@ def real_markdown(results) -> str:
 
 def memory_table(m: dict, items: int) -> list[str]:
     """The memory row's table (Markdown lines)."""
-    lines = [
-        "| index | search params | train s | add s | size GiB | bytes / item | recall@k | batch QPS | x exact | "
-        "single p50 ms | single p99 ms | <= 1 GiB at recall >= 0.9 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in m["indexes"]:
-        lines.append(
-            f"| {r['factory']} | {r['search_params']} | {r['train_seconds']:.0f} | {r['add_seconds']:.0f} | "
-            f"{r['index_bytes'] / 2**30:.3f} | {r['index_bytes'] / items:.0f} | {r['recall']:.4f} | "
-            f"{r['batch_qps']:.0f} | {r['speedup_vs_exact']:.1f} | {r['single_p50_ms']:.2f} | "
-            f"{r['single_p99_ms']:.2f} | {'met' if r['met'] else 'MISSED'} |")
-    return lines
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return markdown_table(
+        ["index", "search params", "train s", "add s", "size GiB", "bytes / item", "recall@k", "batch QPS",
+         "x exact", "single p50 ms", "single p99 ms", "<= 1 GiB at recall >= 0.9"],
+        [[r["factory"], r["search_params"], f"{r['train_seconds']:.0f}", f"{r['add_seconds']:.0f}",
+          f"{r['index_bytes'] / 2**30:.3f}", f"{r['index_bytes'] / items:.0f}", f"{r['recall']:.4f}",
+          f"{r['batch_qps']:.0f}", f"{r['speedup_vs_exact']:.1f}", f"{r['single_p50_ms']:.2f}",
+          f"{r['single_p99_ms']:.2f}", "met" if r["met"] else "MISSED"]
+         for r in m["indexes"]],
+        align="llrrrrrrrrrl",
+    )
 
 
 if __name__ == "__main__":

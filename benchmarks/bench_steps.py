@@ -70,7 +70,17 @@ import pandas as pd
 import tensorflow as tf
 
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before tf.keras is first used)
-from benchmarks._harness import RESULTS, command, load_average, machine, versions_of, write_report
+from benchmarks._harness import (
+    RESULTS,
+    Stopwatch,
+    command,
+    load_average,
+    machine,
+    markdown_table,
+    timed,
+    versions_of,
+    write_report,
+)
 from retrieval.config import LossConfig, ModelConfig, TrainConfig
 from retrieval.data import ITEM, USER
 from retrieval.features import FeatureStatistics
@@ -131,18 +141,18 @@ def timed_run(
     tf.keras.backend.clear_session()
     gc.collect()
     seed_everything(config.seed)
-    began = time.perf_counter()
-    model = build_model(ModelConfig(), stats)
-    build = time.perf_counter() - began
+    with timed() as clock:
+        model = build_model(ModelConfig(), stats)
+    build = clock.seconds
     load_before = load_average()[0]
     start = time.perf_counter()
     saves: list[float] = []
     save = TrainingCheckpoint.save
 
     def timed_save(self, state):
-        began = time.perf_counter()
-        save(self, state)
-        saves.append(time.perf_counter() - began)
+        with timed() as clock:
+            save(self, state)
+        saves.append(clock.seconds)
 
     TrainingCheckpoint.save = timed_save  # type: ignore[method-assign]
     try:
@@ -331,9 +341,9 @@ def run_tables(args, log) -> dict[str, Any]:
     rows = args.steps * BATCH
     data = {}
     for n in args.sizes:
-        began = time.perf_counter()
-        data[n] = (FeatureStatistics.from_training_clicks(vocabulary_frame(n)), training_frame(n, rows, seed=1))
-        log(f"tables: data for n={n} in {time.perf_counter() - began:.1f}s")
+        with timed() as clock:
+            data[n] = (FeatureStatistics.from_training_clicks(vocabulary_frame(n)), training_frame(n, rows, seed=1))
+        log(f"tables: data for n={n} in {clock.seconds:.1f}s")
     configs = [(n, opt) for n in args.sizes for opt in args.optimizers]
     runs: dict[str, list[dict]] = {f"{n}/{opt}": [] for n, opt in configs}
     for round_ in range(args.rounds):
@@ -418,37 +428,36 @@ def bound_markdown(bound: dict[str, Any]) -> list[str]:
         "logits matmul forward and backward, softmax cross-entropy, scatter of the touched rows), as a graph "
         "and compiled by XLA; bound = the faster. Medians over interleaved rounds.",
         "",
-        "| negatives | dim | batch | " + " | ".join(f"project K={k} (ms)" for k in per_calls)
-        + " | bare graph (ms) | bare XLA (ms) | " + " | ".join(f"step / bound K={k}" for k in per_calls)
-        + " | " + " | ".join(f"bound / step K={k}" for k in per_calls) + " |",
-        "|---|---:|---:|" + "---:|" * (3 * len(per_calls) + 2),
     ]
-    for row in bound["summary"]:
+
+    def first_cells(row: dict[str, Any]) -> list[Any]:
         kind = row["negatives"] + (f" ({row['shared_negatives']})" if row["shared_negatives"] else "")
-        lines.append(
-            f"| {kind} | {row['dim']} | {row['batch']:,} | "
-            + " | ".join(f"{row['project_ms'][k]:.1f}" for k in per_calls)
-            + f" | {row['bare_graph_ms']:.1f} | {row['bare_xla_ms']:.1f} | "
-            + " | ".join(f"{row['step_over_bound'][k]:.2f}" for k in per_calls) + " | "
-            + " | ".join(f"{row['bound_over_step'][k]:.2f}" for k in per_calls) + " |"
-        )
+        return [kind, row["dim"], f"{row['batch']:,}"]
+
+    lines += markdown_table(
+        ["negatives", "dim", "batch", *(f"project K={k} (ms)" for k in per_calls), "bare graph (ms)", "bare XLA (ms)",
+         *(f"step / bound K={k}" for k in per_calls), *(f"bound / step K={k}" for k in per_calls)],
+        [[*first_cells(row), *(f"{row['project_ms'][k]:.1f}" for k in per_calls), f"{row['bare_graph_ms']:.1f}",
+          f"{row['bare_xla_ms']:.1f}", *(f"{row['step_over_bound'][k]:.2f}" for k in per_calls),
+          *(f"{row['bound_over_step'][k]:.2f}" for k in per_calls)]
+         for row in bound["summary"]],
+        align="l" + "r" * (3 * len(per_calls) + 4),
+    )
     lines += [
         "",
         "The same in process CPU time per step (less sensitive to other processes on a shared machine; "
         "two cores give up to 2 CPU ms a wall ms):",
         "",
-        "| negatives | dim | batch | " + " | ".join(f"project K={k} (CPU ms)" for k in per_calls)
-        + " | bare graph (CPU ms) | bare XLA (CPU ms) | " + " | ".join(f"step / bound K={k}" for k in per_calls) + " |",
-        "|---|---:|---:|" + "---:|" * (2 * len(per_calls) + 2),
     ]
-    for row in bound["summary"]:
-        kind = row["negatives"] + (f" ({row['shared_negatives']})" if row["shared_negatives"] else "")
-        lines.append(
-            f"| {kind} | {row['dim']} | {row['batch']:,} | "
-            + " | ".join(f"{row['cpu_ms'][f'project/{k}']:.1f}" for k in per_calls)
-            + f" | {row['cpu_ms']['bare/graph']:.1f} | {row['cpu_ms']['bare/xla']:.1f} | "
-            + " | ".join(f"{row['cpu_step_over_bound'][k]:.2f}" for k in per_calls) + " |"
-        )
+    lines += markdown_table(
+        ["negatives", "dim", "batch", *(f"project K={k} (CPU ms)" for k in per_calls), "bare graph (CPU ms)",
+         "bare XLA (CPU ms)", *(f"step / bound K={k}" for k in per_calls)],
+        [[*first_cells(row), *(f"{row['cpu_ms'][f'project/{k}']:.1f}" for k in per_calls),
+          f"{row['cpu_ms']['bare/graph']:.1f}", f"{row['cpu_ms']['bare/xla']:.1f}",
+          *(f"{row['cpu_step_over_bound'][k]:.2f}" for k in per_calls)]
+         for row in bound["summary"]],
+        align="l" + "r" * (2 * len(per_calls) + 4),
+    )
     lines += ["", f"Target: bound / step >= {TARGET_BOUND_FRACTION}. `uptime` before, between rounds and after:", ""]
     lines += [f"    {line}" for line in bound["uptime"]]
     return lines
@@ -477,13 +486,14 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             f"## Step time vs table size (n users x n items, {tables['steps_per_run']} steps per run)",
             "",
-            f"| n | optimizer | ms/step | x step(n={smallest:,}) | runs (ms/step) | setup (s) |",
-            "|---:|---|---:|---:|---|---:|",
+            *markdown_table(
+                ["n", "optimizer", "ms/step", f"x step(n={smallest:,})", "runs (ms/step)", "setup (s)"],
+                [[f"{row['n']:,}", row["optimizer"], f"{row['median_ms']:.1f}", f"{row[f'ratio_to_{smallest}']:.2f}",
+                  ", ".join(f"{v:.1f}" for v in row["runs_ms"]), f"{row['setup_s']:.1f}"]
+                 for row in tables["summary"]],
+                align="rlrrlr",
+            ),
         ]
-        for row in tables["summary"]:
-            runs = ", ".join(f"{v:.1f}" for v in row["runs_ms"])
-            lines.append(f"| {row['n']:,} | {row['optimizer']} | {row['median_ms']:.1f} | "
-                         f"{row[f'ratio_to_{smallest}']:.2f} | {runs} | {row['setup_s']:.1f} |")
         lines += [
             "",
             f"Target: step(1M) <= {TARGET_RATIO} x step(10k). Setup: `build_model` plus `fit` up to the "
@@ -495,17 +505,17 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             f"## Checkpoint overhead (n = {ckpt['n']:,}, {ckpt['optimizer']}, {ckpt['steps_per_run']} steps per run)",
             "",
-            "| checkpoints every | timed span (s) | overhead | fit wall (s) | overhead (fit wall) "
-            "| ms/step | saves a run | s per save | runs span (s) |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            *markdown_table(
+                ["checkpoints every", "timed span (s)", "overhead", "fit wall (s)", "overhead (fit wall)", "ms/step",
+                 "saves a run", "s per save", "runs span (s)"],
+                [[row["every"], f"{row['span_s']:.2f}", f"{100 * row['overhead_span']:+.1f} %",
+                  f"{row['fit_wall_s']:.2f}", f"{100 * row['overhead_fit_wall']:+.1f} %", f"{row['median_ms']:.1f}",
+                  f"{row['saves_per_run']:g}", f"{row['seconds_per_save']:.2f}",
+                  ", ".join(f"{v:.2f}" for v in row["runs_span_s"])]
+                 for row in ckpt["summary"]],
+                align="rrrrrrrrl",
+            ),
         ]
-        for row in ckpt["summary"]:
-            runs = ", ".join(f"{v:.2f}" for v in row["runs_span_s"])
-            lines.append(
-                f"| {row['every']} | {row['span_s']:.2f} | {100 * row['overhead_span']:+.1f} % | "
-                f"{row['fit_wall_s']:.2f} | {100 * row['overhead_fit_wall']:+.1f} % | {row['median_ms']:.1f} | "
-                f"{row['saves_per_run']:g} | {row['seconds_per_save']:.2f} | {runs} |"
-            )
         per_save = max(row["seconds_per_save"] for row in ckpt["summary"])
         default = TrainConfig().checkpoint_every_seconds or float("nan")
         lines += [
@@ -554,10 +564,10 @@ def main() -> None:
     if args.part in ("all", "checkpoints") and "0" not in args.every:
         parser.error("--every must include 0 (the baseline without checkpoints)")
 
-    began = time.perf_counter()
+    clock = Stopwatch()
 
     def log(message: str) -> None:
-        print(f"[{time.perf_counter() - began:7.1f}s] {message}", flush=True)
+        print(f"[{clock.seconds:7.1f}s] {message}", flush=True)
 
     result: dict[str, Any] = {
         "command": command("bench_steps"),
@@ -575,7 +585,7 @@ def main() -> None:
              for runs in result[part]["runs"].values() for run in runs for load in run["load_1min"]]
     loads = loads or [load_average()[0]]
     result["load_1min"] = {"min": min(loads), "max": max(loads), "mean": float(np.mean(loads))}
-    result["total_s"] = time.perf_counter() - began
+    result["total_s"] = clock.seconds
     # One part alone does not overwrite the report of all of them: bench_steps_<part>.{json,md}.
     name = "bench_steps" if args.part == "all" else f"bench_steps_{args.part}"
     write_report(args.out / name, result, markdown(result))

@@ -16,10 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
-from benchmarks._harness import RESULTS, machine, markdown_table, versions_of, write_report
+from benchmarks._harness import RESULTS, machine, markdown_table, timed, versions_of, write_report
 from retrieval.config import SyntheticConfig
 from retrieval.data import generate_clicks
 
@@ -32,9 +31,9 @@ def bench(n_users: int, n_items: int, mean_clicks: int, repeats: int, seed: int)
     clicks, _, _ = generate_clicks(config)  # warm-up (imports, allocator)
     seconds = []
     for _ in range(repeats):
-        started = time.perf_counter()
-        generate_clicks(config)
-        seconds.append(time.perf_counter() - started)
+        with timed() as clock:
+            generate_clicks(config)
+        seconds.append(clock.seconds)
     median = statistics.median(seconds)
     return {
         "users": n_users,

@@ -10,7 +10,6 @@ Writes ``benchmarks/results/bench_tower_call.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import time
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS and TF_ENABLE_ONEDNN_OPTS before TensorFlow is imported)
 
@@ -18,7 +17,15 @@ import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS and TF_ENABLE_ONEDNN_OPTS b
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from benchmarks._harness import RESULTS, command, load_average, machine, markdown_table, write_report  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    RESULTS,
+    command,
+    load_average,
+    machine,
+    markdown_table,
+    timed,  # noqa: E402
+    write_report,
+)
 from retrieval.towers.id import lookup_vocabulary  # noqa: E402
 
 
@@ -30,10 +37,10 @@ def tower(vocabulary, dim: int) -> tf.keras.Model:
 
 def seconds_per_call(call, batch, repeats: int) -> float:
     call(batch)  # warm-up (and the trace of a tf.function)
-    started = time.perf_counter()
-    for _ in range(repeats):
-        call(batch)
-    return (time.perf_counter() - started) / repeats
+    with timed() as clock:
+        for _ in range(repeats):
+            call(batch)
+    return clock.seconds / repeats
 
 
 def main() -> None:

@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import pandas as pd
 
 import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow)
 from benchmarks import _harness as harness
+from benchmarks._harness import Stopwatch
 from retrieval.config import SyntheticConfig, load_config
 from retrieval.data.synthetic import generate_clicks
 from retrieval.jobs import RunResult, train_evaluate_export
@@ -76,13 +76,13 @@ def _repetition(out: Path, seed: int, warm_epochs: int) -> list[dict]:
     rows = []
 
     def run(name: str, train: str, test: str, *extra: str) -> RunResult:
-        started = time.perf_counter()
+        clock = Stopwatch()
         config = load_config(None, [f"data.clicks.path={out / f'{train}.csv'}",
                                     f"data.test_clicks.path={out / f'{test}.csv'}", *common,
                                     f"run.name={name}", *extra])
         result = train_evaluate_export(config)
         rows.append({
-            "seed": seed, "run": name, "wall_s": round(time.perf_counter() - started, 1),
+            "seed": seed, "run": name, "wall_s": round(clock.seconds, 1),
             "training_s": result.metrics["timing"]["seconds"]["training"],
             "recall@20": round(result.metrics["model"]["recall@20"], 4),
             "popularity_recall@20": round(result.metrics["popularity"]["recall@20"], 4),

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks._harness import timed
+
 ROOT = Path(__file__).resolve().parents[1]
 _CHECKPOINT = re.compile(r'^model_checkpoint_path: "ckpt-(\d+)"', re.M)
 _RESUMED = re.compile(r"resuming from step (\d+) \(epoch (\d+)/(\d+), batch (\d+)/(\d+)\)"
@@ -107,32 +109,32 @@ def resume_check(config: str, overrides: list[str], output_dir: Path, name: str,
 
     result: dict = {"command_overrides": base, "max_train_batches": batches,
                     "checkpoint_every_seconds": checkpoint_seconds}
-    clock = time.perf_counter()
-    reference_log = output_dir / f"{name}-reference.log"
-    reference_log.unlink(missing_ok=True)
-    code, _ = _run(command(f"{name}-reference"), reference_log)
-    if code != 0:
-        raise RuntimeError(f"the reference run failed (rc {code}); see {reference_log}")
-    result["reference_seconds"] = round(time.perf_counter() - clock, 1)
+    with timed() as clock:
+        reference_log = output_dir / f"{name}-reference.log"
+        reference_log.unlink(missing_ok=True)
+        code, _ = _run(command(f"{name}-reference"), reference_log)
+        if code != 0:
+            raise RuntimeError(f"the reference run failed (rc {code}); see {reference_log}")
+    result["reference_seconds"] = round(clock.seconds, 1)
     log(f"resume check: reference run done in {result['reference_seconds']} s")
 
     killed_name = f"{name}-killed"
     killed_log = output_dir / f"{killed_name}.log"
     killed_log.unlink(missing_ok=True)
     checkpoints = output_dir / f".{killed_name}.checkpoints"
-    clock = time.perf_counter()
-    code, killed = _run(command(killed_name), killed_log, kill_when=lambda: (_latest_step(checkpoints) or 0) > 0)
-    if not killed:
-        raise RuntimeError(f"the run ended (rc {code}) before its first checkpoint; see {killed_log}")
-    result["killed_at_checkpoint_step"] = _latest_step(checkpoints)
-    result["killed_after_seconds"] = round(time.perf_counter() - clock, 1)
+    with timed() as clock:
+        code, killed = _run(command(killed_name), killed_log, kill_when=lambda: (_latest_step(checkpoints) or 0) > 0)
+        if not killed:
+            raise RuntimeError(f"the run ended (rc {code}) before its first checkpoint; see {killed_log}")
+        result["killed_at_checkpoint_step"] = _latest_step(checkpoints)
+    result["killed_after_seconds"] = round(clock.seconds, 1)
     log(f"resume check: killed at checkpoint step {result['killed_at_checkpoint_step']} "
         f"after {result['killed_after_seconds']} s")
-    clock = time.perf_counter()
-    code, _ = _run(command(killed_name), killed_log)
-    if code != 0:
-        raise RuntimeError(f"the resumed run failed (rc {code}); see {killed_log}")
-    result["resumed_seconds"] = round(time.perf_counter() - clock, 1)
+    with timed() as clock:
+        code, _ = _run(command(killed_name), killed_log)
+        if code != 0:
+            raise RuntimeError(f"the resumed run failed (rc {code}); see {killed_log}")
+    result["resumed_seconds"] = round(clock.seconds, 1)
     return compare(output_dir / f"{name}-reference", output_dir / killed_name, killed_log, result, log)
 
 

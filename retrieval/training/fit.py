@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -101,63 +102,60 @@ def fit(
                 every_seconds=config.checkpoint_every_seconds, every_steps=config.checkpoint_every_steps,
             )
             state = checkpoint.restore()
-    logs = RunLogs(log_dir) if log_dir is not None else None
-    epochs, selection = config.epochs, dict[str, list[float]]()
-    if checkpoint is not None and state is not None:
-        if state.selection:
-            epochs = _refit_epochs(config, int(state.selection["best_epoch"][0]))
-            log.info("early-stopping selection was done before the checkpoint (best epoch %d): not repeated", epochs)
-        log.info("resuming from step %d (epoch %d/%d, batch %d/%d) of %s",
-                 state.steps, state.epoch + 1, epochs, state.batch, source.steps_per_epoch, checkpoint.latest)
-        if _has_dropout(model):
-            log.warning(
-                "the towers use dropout, whose random masks are not checkpointed (TF stateful random ops): "
-                "the resumed run is statistically, not bit for bit, the uninterrupted one"
-            )
-    elif config.validation_fraction > 0:
-        if validation is None:
-            if not isinstance(train, pd.DataFrame):
-                raise ValueError(
-                    f"train.validation_fraction={config.validation_fraction} (early stopping) on a ClickSource "
-                    "needs its ValidationData (the job carves it from the shards with plan_validation)"
+    # Every log writer opened below is closed when fit ends, returning or raising: one stack holds them all.
+    with ExitStack() as stack:
+        logs = stack.enter_context(RunLogs(log_dir)) if log_dir is not None else None
+        epochs, selection = config.epochs, dict[str, list[float]]()
+        if checkpoint is not None and state is not None:
+            if state.selection:
+                epochs = _refit_epochs(config, int(state.selection["best_epoch"][0]))
+                log.info("early-stopping selection was done before the checkpoint (best epoch %d): not repeated",
+                         epochs)
+            log.info("resuming from step %d (epoch %d/%d, batch %d/%d) of %s",
+                     state.steps, state.epoch + 1, epochs, state.batch, source.steps_per_epoch, checkpoint.latest)
+            if _has_dropout(model):
+                log.warning(
+                    "the towers use dropout, whose random masks are not checkpointed (TF stateful random ops): "
+                    "the resumed run is statistically, not bit for bit, the uninterrupted one"
                 )
-            validation = ValidationData.from_frame(
-                train, config.validation_fraction, config.batch_size, config.seed, split
-            )
-        hooks = [*epoch_hooks, *([] if on_epoch_end is None else [on_epoch_end])]
-        # Without a refit the selection run is the training run: it gets the logs.
-        # A refit from the best weights goes on with the selection's optimizer: fresh Adam moments
-        # would make its first steps as large as training from scratch.
-        onward = optimizer if config.refit and config.refit_from == "best" else None
-        selection_logs = logs
-        if config.refit and log_dir is not None:
-            selection_logs = RunLogs(log_dir, "selection")
-        best, selection = select_epochs(model, validation, config, hooks, selection_logs, say,
-                                        checkpoint_dir=selection_dir, timing=None if config.refit else timing,
-                                        optimizer=onward)
-        if config.refit and selection_logs is not None:
-            selection_logs.close()
-        epochs = _refit_epochs(config, best)
-        say(selection_summary(config, selection))
-        if not config.refit:
-            if logs is not None:
-                logs.close()
-            return selection
-        state = TrainingState(selection=selection)
+        elif config.validation_fraction > 0:
+            if validation is None:
+                if not isinstance(train, pd.DataFrame):
+                    raise ValueError(
+                        f"train.validation_fraction={config.validation_fraction} (early stopping) on a ClickSource "
+                        "needs its ValidationData (the job carves it from the shards with plan_validation)"
+                    )
+                validation = ValidationData.from_frame(
+                    train, config.validation_fraction, config.batch_size, config.seed, split
+                )
+            hooks = [*epoch_hooks, *([] if on_epoch_end is None else [on_epoch_end])]
+            # Without a refit the selection run is the training run: it gets the logs.
+            # A refit from the best weights goes on with the selection's optimizer: fresh Adam moments
+            # would make its first steps as large as training from scratch.
+            onward = optimizer if config.refit and config.refit_from == "best" else None
+            selection_logs = logs
+            if config.refit and log_dir is not None:
+                selection_logs = stack.enter_context(RunLogs(log_dir, "selection"))
+            best, selection = select_epochs(model, validation, config, hooks, selection_logs, say,
+                                            checkpoint_dir=selection_dir, timing=None if config.refit else timing,
+                                            optimizer=onward)
+            epochs = _refit_epochs(config, best)
+            say(selection_summary(config, selection))
+            if not config.refit:
+                return selection
+            state = TrainingState(selection=selection)
+            if checkpoint is not None:
+                checkpoint.save(state)  # the state the final run starts from: a resume need not repeat the selection
+        model.compile(optimizer=optimizer)
+        with fed_by(source, config.parameter_server) as batches:
+            state = train_epochs(model, batches, epochs, state=state, checkpoint=checkpoint, logs=logs,
+                                 hooks=epoch_hooks, verbose=config.verbose, say=say,
+                                 steps_per_execution=config.steps_per_execution)
         if checkpoint is not None:
-            checkpoint.save(state)  # the state the final run starts from: a resume need not repeat the selection
-    model.compile(optimizer=optimizer)
-    with fed_by(source, config.parameter_server) as batches:
-        state = train_epochs(model, batches, epochs, state=state, checkpoint=checkpoint, logs=logs,
-                             hooks=epoch_hooks, verbose=config.verbose, say=say,
-                             steps_per_execution=config.steps_per_execution)
-    if checkpoint is not None:
-        checkpoint.save(state)  # the end state: a job killed after training does not train again
-    if logs is not None:
-        logs.close()
-    if timing is not None:
-        timing.update(state.timing)
-    return {**state.selection, **state.history}
+            checkpoint.save(state)  # the end state: a job killed after training does not train again
+        if timing is not None:
+            timing.update(state.timing)
+        return {**state.selection, **state.history}
 
 
 def select_epochs(

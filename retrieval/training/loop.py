@@ -80,6 +80,12 @@ class RunLogs:
     def close(self) -> None:
         self._writer.close()
 
+    def __enter__(self) -> RunLogs:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 def _cell(values: list[float], epoch: int) -> float | str:
     return values[epoch] if epoch < len(values) else "NA"

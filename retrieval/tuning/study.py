@@ -26,7 +26,6 @@ import optuna
 import yaml
 from optuna.trial import FrozenTrial, TrialState
 
-import retrieval.tuning
 from retrieval.common.atomic import atomic_file
 from retrieval.common.lock import exclusive_lock
 from retrieval.config import Config, ConfigError
@@ -168,7 +167,10 @@ def _objective(
 
         log.info("trial %d: %s", trial.number, json.dumps(values))
         try:
-            # Read through the package (retrieval/tuning/__init__.py), where tests replace it.
+            # Read through the package (retrieval/tuning/__init__.py), where tests replace it; imported here,
+            # on the call, because the package imports this module (at the top it would be an import cycle).
+            import retrieval.tuning
+
             result = retrieval.tuning.train_evaluate_export(config, config_name="tune", on_epoch_end=report)
         finally:
             directory = study_dir / RUNS_DIR / f"trial-{trial.number:04d}"

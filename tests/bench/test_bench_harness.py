@@ -55,6 +55,20 @@ def test_markdown_table_and_report_writers(tmp_path):
     assert not list((tmp_path / "sub").glob(".*.tmp"))  # written whole, nothing partial left behind
 
 
+def test_timed_reads_the_block_in_seconds_and_ms_and_stops_on_an_error(monkeypatch):
+    ticks = iter([10.0, 10.25, 12.5, 20.0, 21.5, 30.0])
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: next(ticks))
+    with harness.timed() as clock:  # starts at 10.0
+        assert clock.seconds == 0.25  # inside the block: the seconds so far (10.25)
+    assert clock.seconds == 2.5 and clock.ms == 2500.0  # stopped at 12.5: later reads do not move
+    assert clock.stop() == 2.5  # a second stop keeps the first
+    with pytest.raises(KeyError), harness.timed() as failed:  # 20.0 to 21.5
+        raise KeyError("x")
+    assert failed.stopped is not None and failed.seconds == 1.5  # stopped when the error left the block
+    watch = harness.Stopwatch()  # 30.0
+    assert watch.stopped is None and watch.started == 30.0
+
+
 def test_command_reruns_the_module():
     assert harness.command("bench_eval", ["--mode", "tfrs", "--set", "a b"]) == (
         "python -m benchmarks.bench_eval --mode tfrs --set 'a b'"
