@@ -1,6 +1,6 @@
 """The ``retrieval`` command (``[project.scripts]`` in pyproject.toml): every entry point in one.
 
-    retrieval train [--config F] [--set k=v ...]        train, evaluate and export a bundle (make train)
+    retrieval train [--config F] [--set k=v ...] [--warm-start RUN]  train, evaluate, export (make train)
     retrieval evaluate --run artifacts/<run> [--out D]  re-evaluate an exported bundle
     retrieval export --run artifacts/<run> --out D --set index.factory=HNSW32   re-index a bundle
     retrieval tune --trials N [--config F] [--space S]  hyper-parameter search (make tune)
@@ -153,13 +153,18 @@ def train_parser(prog: str | None = None, *, default_config: str | None = None) 
         description="Train, evaluate and export: the whole job into <run.output_dir>/<run>, a complete bundle.",
     )
     config_arguments(parser, default_config=default_config)
+    parser.add_argument(
+        "--warm-start", metavar="RUN",
+        help="train on from a finished run directory's weights: the config key train.warm_start",
+    )
     return parser
 
 
 def _train(args: argparse.Namespace) -> int:
     from retrieval.config import load_config
 
-    config = load_config(args.config, args.overrides)
+    warm = [] if args.warm_start is None else [f"train.warm_start={json.dumps(args.warm_start)}"]
+    config = load_config(args.config, [*args.overrides, *warm])
     setup_logging()
     check_inputs_before_tensorflow(config)
 

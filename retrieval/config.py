@@ -8,6 +8,7 @@ path of the bad key in the message.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -1137,6 +1138,44 @@ class TrainConfig(_Section):
         "(distribute: none).",
     )
 
+    warm_start: str | None = Field(
+        None,
+        description="A finished run (its run directory, which is its bundle) to train on from: the towers start "
+        "from its trained weights, the id and categorical vocabularies grow to the parent's ids plus the new "
+        "log's (known ids keep their trained rows; new ids get the model's fresh initialisation), the streaming "
+        "log-Q estimate continues and a static one counts the parent's clicks plus the new ones, the bundle's "
+        "seen items are the parent's plus the new clicks and its index holds the parent's catalogue plus the new "
+        "items; the manifest records the parent. The parent must have the same tower shape and loss (the model "
+        "and towers keys warm_start_conflicts lists). None = train from scratch. `retrieval train --warm-start`.",
+    )
+    warm_start_optimizer: Literal["carry", "reset"] = Field(
+        "carry",
+        description="train.warm_start: carry the parent's optimizer state (moments / accumulators, rows "
+        "remapped by id like the weights, new rows at zero; needs the same train.optimizer) or reset it "
+        "(a new optimizer, whose first steps are as large as from scratch).",
+    )
+    replay_fraction: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="train.warm_start: mix a sample of the parent's training clicks (its bundle's seen "
+        "items, one (user, item) pair per click kept there) into the new training clicks, this share of "
+        "the training clicks after mixing, drawn with train.seed; 0 = the new clicks only.",
+    )
+
+    @model_validator(mode="after")
+    def _warm_start_settings_need_a_parent(self) -> TrainConfig:
+        if self.warm_start is None and self.replay_fraction > 0:
+            raise ValueError(
+                f"train.replay_fraction={self.replay_fraction} replays a parent's clicks; it needs train.warm_start"
+            )
+        if self.warm_start is not None and self.distribute == "parameter_server":
+            raise ValueError(
+                "train.warm_start is not yet supported with train.distribute: parameter_server "
+                "(its tables are sharded over the ps tasks)"
+            )
+        return self
+
     @model_validator(mode="after")
     def _steps_per_execution_on_one_device(self) -> TrainConfig:
         if self.steps_per_execution > 1 and self.distribute != "none":
@@ -1706,7 +1745,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     if overrides:
         raw = apply_overrides(raw, overrides)
         source += " + --set " + " ".join(overrides)
-    return Config.from_dict(raw, source)
+    config = Config.from_dict(raw, source)
+    warm_start_parent(config)  # a parent that cannot be trained on from is refused now, not after the data
+    return config
 
 
 def with_absolute_data_paths(config: Config, base: str | os.PathLike | None = None) -> Config:
@@ -1732,3 +1773,76 @@ def with_absolute_data_paths(config: Config, base: str | os.PathLike | None = No
 
 def save_config(config: Config, path: str | os.PathLike) -> None:
     Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False), encoding="utf-8")
+
+
+# What decides the variables a model builds and their shapes (the towers section decides too, whole):
+# a warm start must match its parent on each, its weights being matched one by one.
+WARM_START_SHAPE_KEYS = (
+    "model.embedding_dim",
+    "model.ensemble_members",
+    "model.normalize",
+    "model.item_bias",
+    "model.loss.kind",
+    "model.loss.negatives",
+    "model.loss.hard_negatives",
+    "model.loss.log_q_source",
+    "model.loss.streaming",
+    "model.loss.kernel",
+    "model.log_q_correction",
+)
+
+
+def warm_start_conflicts(config: Config, parent: Config) -> list[str]:
+    """The dotted keys where ``config`` would build other variables than its ``train.warm_start`` parent:
+    ``WARM_START_SHAPE_KEYS`` and every key of ``towers`` (features, history length and layout, MLP
+    sizes ...) whose value differs; empty when the weights can be carried."""
+    new, old = config.to_dict(), parent.to_dict()
+
+    def differing(a: Any, b: Any, prefix: str) -> list[str]:
+        if isinstance(a, dict) and isinstance(b, dict):
+            return [key for name in sorted(set(a) | set(b)) for key in differing(a.get(name), b.get(name),
+                                                                                  f"{prefix}.{name}")]
+        return [] if a == b else [prefix]
+
+    conflicts = [key for key in WARM_START_SHAPE_KEYS if _value_at(new, key) != _value_at(old, key)]
+    return conflicts + differing(new["towers"], old["towers"], "towers")
+
+
+def warm_start_parent(config: Config) -> Config | None:
+    """The config of ``train.warm_start``'s parent run (its ``manifest.json``'s), checked against ``config``
+    (``warm_start_conflicts``); None without a warm start. Read at load, before any data or TensorFlow.
+
+    Raises:
+      ConfigError: the parent is not a run or bundle directory, or it builds other variables (naming
+        the first differing key and both values).
+    """
+    path = config.train.warm_start
+    if path is None:
+        return None
+    manifest = Path(path).expanduser() / "manifest.json"
+    if not manifest.is_file():
+        what = "does not exist" if not Path(path).expanduser().exists() else "holds no manifest.json"
+        raise ConfigError(f"train.warm_start={path!r} {what}: it must be a finished run directory (a bundle)")
+    try:
+        raw = json.loads(manifest.read_text(encoding="utf-8")).get("config")
+    except (OSError, ValueError, AttributeError) as error:
+        raise ConfigError(f"train.warm_start={path!r}: its manifest.json cannot be read ({error})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"train.warm_start={path!r}: its manifest.json records no config to check against")
+    parent = Config.from_dict(raw, source=f"{manifest} (train.warm_start's parent)")
+    conflicts = warm_start_conflicts(config, parent)
+    if conflicts:
+        key = conflicts[0]
+        new, old = (_value_at(c.to_dict(), key) for c in (config, parent))
+        more = f" (and {len(conflicts) - 1} more: {', '.join(conflicts[1:4])})" if len(conflicts) > 1 else ""
+        raise ConfigError(
+            f"train.warm_start={path!r}: {key} is {new!r}, the parent's is {old!r}{more}; a warm start carries "
+            f"the parent's weights, so {key} must be the parent's (or train from scratch)"
+        )
+    return parent
+
+
+def _value_at(raw: Any, key: str) -> Any:
+    for part in key.split("."):
+        raw = raw.get(part) if isinstance(raw, dict) else None
+    return raw

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -17,12 +17,13 @@ import pandas as pd
 import tensorflow as tf
 
 from retrieval.arrays import seeded_subset
+from retrieval.bundle.manifest import read_manifest
 from retrieval.bundle.run_directory import atomic_directory
 from retrieval.bundle.seen_items import SeenItems
 from retrieval.bundle.user_histories import UserHistories
 from retrieval.bundle.writer import write_bundle
 from retrieval.checkpoint_directory import training_checkpoints
-from retrieval.config import Config, ConfigError, save_config, with_absolute_data_paths
+from retrieval.config import Config, ConfigError, save_config, warm_start_parent, with_absolute_data_paths
 from retrieval.data import ITEM, TIME, USER, DataError
 from retrieval.data.dataset import LogSource, catalogue_table, open_log, split_summary
 from retrieval.data.fingerprint import RunInputs
@@ -78,6 +79,14 @@ from retrieval.training.parameter_server import (
     id_table_shapes,
     with_estimator_shards,
 )
+from retrieval.training.warm_start import (
+    ParentState,
+    carry_optimizer,
+    grown_statistics,
+    grown_tower_statistics,
+    restore_weights,
+    save_training_state,
+)
 from retrieval.training.worker_input import data_dispatcher
 
 log = logging.getLogger("retrieval")
@@ -121,6 +130,10 @@ def train_evaluate_export(
     started = time.perf_counter()
     # The run's config.yaml and manifest name the files it read wherever the run is opened later.
     config = with_absolute_data_paths(config)
+    if config.train.warm_start is not None:  # the parent read here too, for the Python API's configs
+        warm = str(Path(config.train.warm_start).expanduser().resolve())
+        config = config.model_copy(update={"train": config.train.model_copy(update={"warm_start": warm})})
+        warm_start_parent(config)
     sharded = config.train.distribute == "parameter_server"
     # First: MultiWorkerMirroredStrategy precedes other TF work. A parameter-server strategy shards
     # the ID tables by their shapes, known once the data is read: it comes after read_and_split.
@@ -139,7 +152,7 @@ def train_evaluate_export(
         inputs, checkpoint_dir = _inputs_and_checkpoints(config, name, cleanup)
         save_config(config, scratch / "config.yaml")
         with _timed(seconds, "data"):
-            data = read_and_split(config)
+            data = read_and_split(config, _parent_state(config))
             # Who is evaluated follows from the split alone: an empty eval set fails here, not after training.
             evaluated = evaluation_clicks(config, data)
         if strategy is None:
@@ -164,6 +177,8 @@ def train_evaluate_export(
             metrics = evaluate(config, index, queries, data, evaluated)
         with _timed(seconds, "seen_items"):
             seen_items = seen_items_of(data, index)
+            if data.parent is not None:
+                seen_items = merged_seen_items(seen_items, data.parent, index)
         metrics["data"] = data.summary(len(evaluated.eval_set.user_ids))
         metrics["derived"] = derived_settings(config, data.stats, len(data.catalogue_ids))
         metrics["final_train_loss"] = history["loss"][-1]
@@ -179,6 +194,8 @@ def train_evaluate_export(
                           user_features=user_features_of(data), item_features=data.source.item_features,
                           user_histories=user_histories_of(config, data, index),
                           training_queries=data.tables.queries(tuning_users))
+        save_training_state(scratch, model, data.stats, config.train.optimizer, list(index.item_ids),
+                            data.fitted.get("tower_statistics"))
         inputs.check_content()  # last: the run directory appears only if the inputs held still
     return RunResult(final, metrics, time.perf_counter() - started)
 
@@ -271,8 +288,19 @@ def write_run_outputs(
             "metrics": {k: metrics[k] for k in [*ranker_names(metrics), "counts"]},
             "popular_item_ids": stats.item_popularity.ranked_item_ids(POPULAR_ITEMS_IN_MANIFEST),
             "derived": metrics.get("derived", {}),
+            **({} if config.train.warm_start is None else {"parent": parent_record(config.train.warm_start)}),
         },
     )
+
+
+def parent_record(directory: str) -> dict[str, Any]:
+    """The manifest's ``parent`` of a run warm-started from ``directory`` (its run name and creation time)."""
+    parent = read_manifest(directory)
+    return {"directory": str(directory), "run": parent.run, "created_at": parent.created_at, "change": "warm_start"}
+
+
+def _parent_state(config: Config) -> ParentState | None:
+    return None if config.train.warm_start is None else ParentState.read(config.train.warm_start)
 
 
 def derived_settings(config: Config, stats: FeatureStatistics, catalogue_items: int) -> dict[str, Any]:
@@ -320,6 +348,9 @@ class JobData:
       catalogue_ids: every item the index holds, in catalogue order.
       held_out: items whose training clicks ``split.hold_out_items`` removed.
       evaluated_on: ``split.evaluate_on``.
+      parent: ``train.warm_start``'s training state (``retrieval.training.warm_start``); None from scratch.
+      fitted: what the model's build derived from the data (the feature towers' statistics), which the
+        run's training state keeps.
     """
 
     source: LogSource
@@ -331,6 +362,8 @@ class JobData:
     catalogue_ids: list[str]
     held_out: tuple[str, ...]
     evaluated_on: str
+    parent: ParentState | None = None
+    fitted: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     _pairs: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -370,9 +403,12 @@ class JobData:
         }
 
 
-def read_and_split(config: Config) -> JobData:
+def read_and_split(config: Config, parent: ParentState | None = None) -> JobData:
     """Open the log, plan its split and count both sides (a few passes over the log; none
-    holds more than the plan needs, ``retrieval.data.streaming``)."""
+    holds more than the plan needs, ``retrieval.data.streaming``).
+
+    With a warm start's ``parent`` the vocabularies and item counts are the parent's grown by the
+    new training clicks' (``grown_statistics``) and the catalogue holds the parent's items too."""
     source = open_log(config.data)
     clicks, split = source.clicks, config.split
     given_test = source.test_clicks
@@ -388,15 +424,18 @@ def read_and_split(config: Config) -> JobData:
     if given_test is not None:
         counts = counts.with_test(given_test)
     stats = FeatureStatistics.from_counts(counts.user_ids, counts.item_ids, counts.item_counts, counts.has_weights)
+    if parent is not None:
+        stats = grown_statistics(stats, parent)
     histories, pairs = None, {}
     if config.towers.query.history is not None:  # each click's earlier clicks, coded once (16 bytes a click)
         pairs["train"] = _training_pairs(clicks, plan, stats)
         histories = _histories(clicks, plan, stats, pairs["train"])
-    tables, join = _tower_tables(config, source, counts, histories)
+    tables, join = _tower_tables(config, source, counts, histories, () if parent is None else parent.catalogue)
     catalogue_ids = tables.items[ITEM].tolist()  # the feature table's items first, then the log's
     items = len(catalogue_ids)
     check_index_fits(config.index.factory_for(items, config.model.output_dim), items, config.index.train_sample_size)
-    data = JobData(source, plan, counts, stats, tables, join, catalogue_ids, held_out, split.evaluate_on, pairs)
+    data = JobData(source, plan, counts, stats, tables, join, catalogue_ids, held_out, split.evaluate_on, parent,
+                   _pairs=pairs)
     log.info("data: %s", json.dumps(data.summary()))
     return data
 
@@ -425,11 +464,13 @@ def _histories(
 
 
 def _tower_tables(
-    config: Config, source: LogSource, counts: StreamCounts, histories: ClickHistories | None
+    config: Config, source: LogSource, counts: StreamCounts, histories: ClickHistories | None,
+    parent_items: Sequence[str] = (),
 ) -> tuple[TowerTables, ExampleJoin | None]:
-    """The catalogue and user tables (feature rows first, then ids only in the log) and their
-    join onto click batches (None: ID towers)."""
-    items = catalogue_table(ITEM, source.item_features, pd.DataFrame({ITEM: counts.catalogue()}))
+    """The catalogue and user tables (feature rows first, then ids only in the log, then a warm
+    start's ``parent_items`` not in either) and their join onto click batches (None: ID towers)."""
+    items = catalogue_table(ITEM, source.item_features, pd.DataFrame({ITEM: counts.catalogue()}),
+                            pd.DataFrame({ITEM: list(parent_items)}))
     users = None
     if source.user_features is not None:
         users = catalogue_table(USER, source.user_features, pd.DataFrame({USER: counts.user_ids}),
@@ -533,14 +574,22 @@ def build_job_model(config: Config, data: JobData, custom_towers: TowerFactory |
         statistics = data.join.statistics((counts.user_ids, counts.user_counts), (counts.item_ids, counts.item_counts),
                                           clicks, stats.items, data.tables.reference_time)
         del clicks
+        if data.parent is not None:
+            statistics = grown_tower_statistics(statistics, data.parent)
+        data.fitted["tower_statistics"] = statistics
         towers = build_ensemble_towers(config.towers, config.model, statistics)
         catalogue = data.tables.catalogue()  # sampled negatives are embedded from their raw features
     user_history = None
     if config.model.reads_users_training_items:  # coded while scanning
         user_rows, item_rows = data.training_pairs()
         user_history = UserHistory(user_rows, item_rows.astype(np.int64) + 1, len(stats.users))  # +1: OOV is 0
-    return build_model(config.model, stats, use_weights=config.train.use_weights, towers=towers,
-                       catalogue_features=catalogue, user_history=user_history)
+    model = build_model(config.model, stats, use_weights=config.train.use_weights, towers=towers,
+                        catalogue_features=catalogue, user_history=user_history)
+    if data.parent is not None:
+        new_rows = restore_weights(model, data.parent)
+        log.info("warm start from %s: every variable carried, %d new table rows at their initialisation",
+                 data.parent.directory, new_rows)
+    return model
 
 
 def train(
@@ -552,8 +601,16 @@ def train(
     validation = _validation(config, data) if config.train.validation_fraction > 0 else None
     log.info("training: %d clicks, %d epochs", data.counts.train_rows, config.train.epochs)
     timing: dict[str, list[float]] = {}
+    prepare = None
+    if data.parent is not None and config.train.warm_start_optimizer == "carry":
+        parent = data.parent
+
+        def prepare(optimizer) -> None:
+            carry_optimizer(optimizer, model, parent, config.train.optimizer)
+
     with strategy.scope():  # fit compiles: the optimizer's variables too
         history = fit(model, source, config.train, log_dir=log_dir, checkpoint_dir=checkpoint_dir,
+                      prepare_optimizer=prepare,
                       say=log.info, timing=timing, validation=validation,
                       epoch_hooks=[inputs.after_epoch],  # a streamed epoch reads the shards again
                       on_epoch_end=on_epoch_end)
@@ -665,6 +722,22 @@ def seen_items_of(data: JobData, index: ItemIndex) -> SeenItems:
     user_rows, item_rows = data.training_pairs()
     item_rows = _recoded(item_rows, data.stats.items.ids, index.item_ids)
     return SeenItems.from_coded_pairs(user_rows, item_rows, users.to_numpy())
+
+
+def merged_seen_items(seen: SeenItems, parent: ParentState, index: ItemIndex) -> SeenItems:
+    """``seen`` (the new training clicks' items, rows of ``index``) with the parent bundle's seen items
+    added: a user's items are the union of both (``index`` holds the parent's catalogue)."""
+    manifest = read_manifest(parent.directory)
+    if "seen_items" not in manifest.files:
+        return seen
+    old = SeenItems.load(parent.directory / manifest.files["seen_items"])
+    old = old.remapped(pd.Index(index.item_ids, dtype=object).get_indexer(pd.Index(parent.catalogue, dtype=object)))
+    users = np.concatenate([np.char.decode(seen.user_ids, "utf-8"), np.char.decode(old.user_ids, "utf-8")])
+    codes, vocabulary = pd.factorize(pd.Series(users, dtype=object))
+    user_rows = np.concatenate([np.repeat(codes[: len(seen)], np.diff(seen.indptr)),
+                                np.repeat(codes[len(seen):], np.diff(old.indptr))])
+    return SeenItems.from_coded_pairs(user_rows, np.concatenate([seen.item_rows, old.item_rows]),
+                                      np.asarray(vocabulary, dtype=object))
 
 
 def user_histories_of(config: Config, data: JobData, index: ItemIndex) -> UserHistories | None:

@@ -121,6 +121,7 @@ class StreamingFrequency(tf.Module):
         self.num_hashes = int(num_hashes)
         self.num_shards = int(num_shards)
         self.learning_rate = float(learning_rate)
+        self.initial_gap = float(initial_gap)
         # Every replica computes the same update (see above): keep the first one's.
         first = dict(trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         self.step = tf.Variable(0, dtype=tf.int64, name="step", **first)
@@ -149,6 +150,15 @@ class StreamingFrequency(tf.Module):
         """One hash's array from its shards: bucket ``b`` is shard ``b % S``'s row ``b // S``."""
         return tf.reshape(tf.stack([tf.convert_to_tensor(shard) for shard in shards], axis=1), [-1])[
             : self.num_buckets]
+
+    def assign_arrays(self, hash_index: int, gap: np.ndarray, last_step: np.ndarray) -> None:
+        """Set hash ``hash_index``'s whole arrays (``gap`` float32 and ``last_step`` int64, [num_buckets])
+        across its shards (a warm start moves an estimate to new keys: ``retrieval.training.warm_start``)."""
+        rows = -(-self.num_buckets // self.num_shards)
+        for values, shards in ((gap, self.gaps[hash_index]), (last_step, self.last_steps[hash_index])):
+            padded = np.resize(values, rows * self.num_shards).reshape(rows, self.num_shards)
+            for s, shard in enumerate(shards):
+                shard.assign(padded[:, s])
 
     def buckets(self, keys: tf.Tensor) -> tf.Tensor:
         """Bucket of each key under each hash: int64 ``[num_hashes, *keys.shape]``."""

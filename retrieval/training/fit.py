@@ -39,6 +39,7 @@ def fit(
     say: Callable[[str], None] = print,
     timing: dict[str, list[float]] | None = None,
     validation: ValidationData | None = None,
+    prepare_optimizer: Callable[[tf.keras.optimizers.Optimizer], None] | None = None,
 ) -> dict[str, list[float]]:
     """Train ``model`` on the training clicks; return the per-epoch history.
 
@@ -80,10 +81,15 @@ def fit(
         pure function of the seed).
       validation: the early-stopping data; None = carved from ``train`` (a frame) by
         ``validation_split``.
+      prepare_optimizer: called with the new optimizer before training (and before a resume restores
+        its checkpoint over it): a warm start fills its slots with the parent's
+        (``retrieval.training.warm_start.carry_optimizer``).
     """
     seed_everything(config.seed)
     source = FrameClicks(train, config.batch_size, seed=config.seed) if isinstance(train, pd.DataFrame) else train
     optimizer = make_optimizer(config)
+    if prepare_optimizer is not None:
+        prepare_optimizer(optimizer)
     checkpoint, state, selection_dir = None, None, None
     if checkpoint_dir is not None and config.checkpoints:
         if config.validation_fraction > 0:
