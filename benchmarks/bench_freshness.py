@@ -6,7 +6,9 @@ For the last ``--periods`` update periods t (each followed by a period t + 1 to 
 
 - **frozen**: one run of the job on every period before the first update period, never updated;
 - **warm**: the job with ``train.warm_start`` from the previous period's warm run (the frozen run for
-  the first), trained on period t's clicks (``--warm-set train.replay_fraction=...`` adds older ones);
+  the first), trained on period t's clicks; ``--warm "NAME KEY=VALUE ..."`` runs warm variants side
+  by side, each its own chain (``--warm "warm-replay train.replay_fraction=0.5"`` replays older clicks,
+  ``--warm "warm-reset train.warm_start_optimizer=reset"`` starts a fresh optimizer);
 - **retrain**: the job from scratch on every period up to t.
 
 Each run is the product's job (``retrieval.train``: data, training, indexing, evaluation, export), on
@@ -35,6 +37,8 @@ import argparse
 import json
 import math
 import os
+import re
+import shlex
 import shutil
 import sys
 import time
@@ -50,7 +54,7 @@ from benchmarks._harness import RESULTS, ROOT, machine, markdown_table, write_re
 from benchmarks._harness import command as command_line
 
 K = 20
-ARMS = ("frozen", "warm", "retrain")
+ARMS = ("frozen", "warm", "retrain")  # --arms: "warm" stands for every warm variant
 WEEK_SECONDS = 7 * 86_400
 # The synthetic log: 25k users x 20k items, ~1.1M clicks over 12 weekly periods; each week 3% of the
 # catalogue launches and 3% of the live items retire, popularity drifts and 10% of users' tastes move.
@@ -211,10 +215,11 @@ def warm_start_supported() -> bool:
 class Replay:
     """Runs the arms over one log: period files, jobs and their scores, in ``work``."""
 
-    def __init__(self, log: PeriodLog, config: str, overrides: Sequence[str], warm_overrides: Sequence[str],
-                 work: Path, arms: Sequence[str]):
-        self.log, self.config, self.work, self.arms = log, config, work, list(arms)
-        self.overrides, self.warm_overrides = [*JOB_SETTINGS, *overrides], list(warm_overrides)
+    def __init__(self, log: PeriodLog, config: str, overrides: Sequence[str], warm: dict[str, list[str]],
+                 work: Path, retrain: bool = True):
+        """``warm``: each warm variant's name and its overrides (on top of ``overrides``); {} runs none."""
+        self.log, self.config, self.work, self.warm, self.retrain = log, config, work, warm, retrain
+        self.overrides = [*JOB_SETTINGS, *overrides]
         (work / "data").mkdir(parents=True, exist_ok=True)
 
     def clicks_file(self, name: str, mask: np.ndarray) -> Path:
@@ -254,7 +259,7 @@ class Replay:
         base = self.job("frozen", self.clicks_file(f"upto-{first - 1}", period < first),
                         self.clicks_file(f"period-{first}", period == first))
         frozen_bundle = Bundle.load(base["directory"])
-        parent = base["directory"]
+        parents = {name: base["directory"] for name in self.warm}
         for t in updates:
             history, test = self.log.clicks[period <= t], self.log.clicks[period == t + 1]
             fresh = fresh_items(self.log.clicks, t)
@@ -266,15 +271,16 @@ class Replay:
                            "training_seconds": base["training_seconds"], "train_clicks": base["train_clicks"],
                            "trained_up_to_period": first - 1},
             }
-            if "warm" in self.arms:
-                warm = self.job(f"warm-{t}", self.clicks_file(f"period-{t}", period == t), test_file,
-                                [f"train.warm_start={parent}", *self.warm_overrides])
-                row["warm"] = {**score(Bundle.load(warm["directory"]), history, test, fresh),
-                               **_timing(warm), "parent": Path(parent).name}
+            train_file = self.clicks_file(f"period-{t}", period == t)
+            for name, overrides in self.warm.items():
+                parent = parents[name]
+                warm = self.job(f"{name}-{t}", train_file, test_file, [f"train.warm_start={parent}", *overrides])
+                row[name] = {**score(Bundle.load(warm["directory"]), history, test, fresh),
+                             **_timing(warm), "parent": Path(parent).name}
                 if parent != base["directory"]:
                     shutil.rmtree(parent, ignore_errors=True)
-                parent = warm["directory"]
-            if "retrain" in self.arms:
+                parents[name] = warm["directory"]
+            if self.retrain:
                 retrain = self.job(f"retrain-{t}", self.clicks_file(f"upto-{t}", period <= t), test_file)
                 row["retrain"] = {**score(Bundle.load(retrain["directory"]), history, test, fresh),
                                   **_timing(retrain)}
@@ -282,7 +288,7 @@ class Replay:
             row.update(_ratios(row))
             rows.append(row)
             print(f"[bench_freshness] period {t}: " + ", ".join(
-                f"{arm} {row[arm]['recall@20']:.4f}" for arm in ARMS if arm in row), file=sys.stderr, flush=True)
+                f"{arm} {row[arm]['recall@20']:.4f}" for arm in arms_of(row)), file=sys.stderr, flush=True)
         return rows
 
 
@@ -290,33 +296,38 @@ def _timing(job: dict[str, Any]) -> dict[str, Any]:
     return {key: job[key] for key in ("seconds", "training_seconds", "train_clicks", "epochs", "job_recall@20")}
 
 
+def arms_of(row: dict[str, Any]) -> list[str]:
+    """The arms a row scored, in run order: frozen, the warm variants, retrain."""
+    return [key for key, value in row.items() if isinstance(value, dict) and f"recall@{K}" in value]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b, 4)
+
+
 def _ratios(row: dict[str, Any]) -> dict[str, Any]:
-    """warm against retrain: wall time and recall@20 (overall and new), where both ran."""
-    if "warm" not in row or "retrain" not in row:
+    """Each warm variant against the retrain: wall time and recall@20 (overall and new), where both ran."""
+    if "retrain" not in row:
         return {}
-    warm, retrain = row["warm"], row["retrain"]
-
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return None if a is None or not b else round(a / b, 4)
-
-    return {"warm_over_retrain": {
-        "seconds": ratio(warm["seconds"], retrain["seconds"]),
-        "training_seconds": ratio(warm["training_seconds"], retrain["training_seconds"]),
-        f"recall@{K}": ratio(warm[f"recall@{K}"], retrain[f"recall@{K}"]),
-        f"recall@{K}_new": ratio(warm[f"recall@{K}_new"], retrain[f"recall@{K}_new"]),
-    }}
+    retrain = row["retrain"]
+    variants = [arm for arm in arms_of(row) if arm not in ("frozen", "retrain")]
+    return {"over_retrain": {
+        arm: {key: _ratio(row[arm][key], retrain[key])
+              for key in ("seconds", "training_seconds", f"recall@{K}", f"recall@{K}_new")}
+        for arm in variants
+    }} if variants else {}
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Means over the evaluated periods, the targets (a warm update at <= 10 % of a retrain's wall time
-    and >= 0.97 x its recall@20, both as means of the per-period ratios) and the frozen model's decay
-    (its recall@20 in the last period less its first)."""
+    """Means over the evaluated periods; for each warm variant the targets (an update at <= 10 % of a
+    retrain's wall time and >= 0.97 x its recall@20, both as means of the per-period ratios); the frozen
+    model's decay (its recall@20 in the last period less its first)."""
     summary: dict[str, Any] = {"periods": len(rows)}
-    for arm in ARMS:
-        if all(arm in row for row in rows):
-            summary[arm] = {key: round(float(np.mean([row[arm][key] for row in rows])), 4)
-                            for key in (f"recall@{K}", f"recall@{K}_new", "seconds")}
-    if rows and all("frozen" in row for row in rows):
+    arms = arms_of(rows[0]) if rows else []
+    for arm in arms:
+        summary[arm] = {key: round(float(np.mean([row[arm][key] for row in rows])), 4)
+                        for key in (f"recall@{K}", f"recall@{K}_new", "seconds")}
+    if "frozen" in arms:
         first, last = rows[0]["frozen"][f"recall@{K}"], rows[-1]["frozen"][f"recall@{K}"]
         summary["frozen_decay_recall@20"] = round(last - first, 4)
     retrains = [row["retrain"] for row in rows if row.get("retrain", {}).get("job_recall@20") is not None]
@@ -324,13 +335,15 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         # The retrain's own job scored the same period t + 1 over the same users: the same number.
         summary["retrain_score_less_job_recall@20_max_abs"] = max(
             abs(r[f"recall@{K}"] - r["job_recall@20"]) for r in retrains)
-    ratios = [row["warm_over_retrain"] for row in rows if "warm_over_retrain" in row]
-    if ratios and len(ratios) == len(rows):
-        seconds = float(np.mean([r["seconds"] for r in ratios]))
-        recall = float(np.mean([r[f"recall@{K}"] for r in ratios]))
-        summary["warm_over_retrain"] = {"seconds": round(seconds, 4), f"recall@{K}": round(recall, 4)}
-        summary["targets"] = {"warm seconds <= 0.10 x retrain": seconds <= 0.10,
-                              "warm recall@20 >= 0.97 x retrain": recall >= 0.97}
+    over: dict[str, Any] = {}
+    for arm in (rows[0].get("over_retrain", {}) if rows else {}):
+        seconds = float(np.mean([row["over_retrain"][arm]["seconds"] for row in rows]))
+        recall = float(np.mean([row["over_retrain"][arm][f"recall@{K}"] for row in rows]))
+        over[arm] = {"seconds": round(seconds, 4), f"recall@{K}": round(recall, 4),
+                     "targets": {"seconds <= 0.10 x retrain": seconds <= 0.10,
+                                 "recall@20 >= 0.97 x retrain": recall >= 0.97}}
+    if over:
+        summary["over_retrain"] = over
     return summary
 
 
@@ -344,15 +357,17 @@ def _cell(value: Any, digits: int = 4) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     rows, summary = report["rows"], report["summary"]
-    arms = [arm for arm in ARMS if rows and arm in rows[0]]
+    arms = arms_of(rows[0]) if rows else []
+    variants = [arm for arm in arms if arm not in ("frozen", "retrain")]
     lines = [
         f"# Models over time: {report['dataset']}", "",
         f"`{report['command']}` on {report['machine']['cpus']} CPUs ({report['machine']['cpu']}); load average "
         f"(1, 5, 15 min) at start {report['machine']['load_average']}, at end {report['load_average_end']}; "
         f"`uptime` at start: `{report['uptime_start']}`.", "",
         f"Log: {report['log']}; {report['clicks']:,} clicks in {report['periods']} periods. Config "
-        f"`{report['config']}` with `{' '.join(report['overrides']) or '(none)'}` for every run; the warm "
-        f"arm adds `train.warm_start=<previous run>` {' '.join(report['warm_overrides'])}.", "",
+        f"`{report['config']}` with `{' '.join(report['overrides']) or '(none)'}` for every run; each warm "
+        "variant adds `train.warm_start=<its previous run>` and: "
+        + "; ".join(f"{name} `{' '.join(o) or '(nothing)'}`" for name, o in report["warm"].items()) + ".", "",
         "Each row is an update period t: **frozen** trained once on the periods before the first row, "
         "**warm** the job warm-started from the previous period's warm run on period t's clicks, **retrain** "
         "the job from scratch on every period up to t; all scored on period t + 1 (users and items with "
@@ -367,8 +382,9 @@ def markdown(report: dict[str, Any]) -> str:
     for arm in arms:
         header += [f"{arm} recall@20", f"{arm} new"]
     header += [f"{arm} s" for arm in arms if arm != "frozen"]
-    if "warm" in arms and "retrain" in arms:
-        header += ["warm/retrain s", "warm/retrain recall"]
+    if "retrain" in arms:
+        for arm in variants:
+            header += [f"{arm}/retrain s", f"{arm}/retrain recall"]
     table = []
     for row in rows:
         scored = row["frozen"]
@@ -377,8 +393,8 @@ def markdown(report: dict[str, Any]) -> str:
         for arm in arms:
             cells += [_cell(row[arm][f"recall@{K}"]), _cell(row[arm][f"recall@{K}_new"])]
         cells += [_cell(row[arm]["seconds"], 1) for arm in arms if arm != "frozen"]
-        if "warm_over_retrain" in row:
-            cells += [_cell(row["warm_over_retrain"]["seconds"], 3), _cell(row["warm_over_retrain"][f"recall@{K}"], 3)]
+        for arm in row.get("over_retrain", {}):
+            cells += [_cell(row["over_retrain"][arm]["seconds"], 3), _cell(row["over_retrain"][arm][f"recall@{K}"], 3)]
         table.append(cells)
     lines += markdown_table(header, table, "r" * len(header))
     frozen = rows[0]["frozen"] if rows else None
@@ -387,13 +403,13 @@ def markdown(report: dict[str, Any]) -> str:
                       f"{frozen['trained_up_to_period']}), {frozen['seconds']:.1f} s."]
     if "frozen_decay_recall@20" in summary:
         lines += [f"Frozen model's recall@20 from the first row to the last: {summary['frozen_decay_recall@20']:+.4f}."]
-    if "warm_over_retrain" in summary:
-        ratio, targets = summary["warm_over_retrain"], summary["targets"]
+    for arm, ratio in summary.get("over_retrain", {}).items():
+        targets = ratio["targets"]
         lines += [
-            f"Warm over retrain, mean of the periods' ratios: wall time {ratio['seconds']:.3f} (target <= 0.10: "
-            f"{'met' if targets['warm seconds <= 0.10 x retrain'] else 'not met'}), recall@20 "
+            f"{arm} over retrain, mean of the periods' ratios: wall time {ratio['seconds']:.3f} (target <= 0.10: "
+            f"{'met' if targets['seconds <= 0.10 x retrain'] else 'not met'}), recall@20 "
             f"{ratio[f'recall@{K}']:.3f} (target >= 0.97: "
-            f"{'met' if targets['warm recall@20 >= 0.97 x retrain'] else 'not met'})."]
+            f"{'met' if targets['recall@20 >= 0.97 x retrain'] else 'not met'})."]
     if "retrain_score_less_job_recall@20_max_abs" in summary:
         lines += [f"Cross-check: each retrain's own job, scoring period t + 1 by its evaluation, gives the retrain "
                   f"recall@20 above to within {summary['retrain_score_less_job_recall@20_max_abs']:.1e}."]
@@ -409,6 +425,22 @@ def _uptime() -> str:
         return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unavailable"
+
+
+def parse_warm(variants: Sequence[str]) -> dict[str, list[str]]:
+    """``["warm", "warm-replay train.replay_fraction=0.5"]`` -> {name: overrides}; names unique, not an
+    arm's, usable in a run name."""
+    parsed: dict[str, list[str]] = {}
+    for variant in variants:
+        name, *overrides = shlex.split(variant)
+        if name in parsed or name in ("frozen", "retrain") or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            raise SystemExit(f"--warm {variant!r}: the name {name!r} must be new, not frozen or retrain, and "
+                             "letters, digits, '_', '.', '-'")
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise SystemExit(f"--warm {variant!r}: {bad[0]!r} is not KEY=VALUE")
+        parsed[name] = overrides
+    return parsed
 
 
 def _parse_synthetic(settings: Sequence[str]) -> dict[str, Any]:
@@ -428,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=None, help="the job's config (default: configs/ml100k.yaml for "
                         "ml-100k, configs/default.yaml for synthetic)")
     parser.add_argument("--set", action="append", default=[], help="config override for every run")
-    parser.add_argument("--warm-set", action="append", default=[], help="config override for the warm runs")
+    parser.add_argument("--warm", action="append", default=None, metavar='"NAME KEY=VALUE ..."',
+                        help="a warm variant: its name and its overrides (default: one, warm, with none)")
     parser.add_argument("--synthetic", action="append", default=[], help=f"generator KEY=VALUE ({SYNTHETIC})")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of frozen,warm,retrain "
                         "(frozen always runs: it is the first warm update's parent)")
@@ -445,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
     if set(arms) - set(ARMS):
         raise SystemExit(f"--arms {args.arms!r}: each of {', '.join(ARMS)}")
+    warm = parse_warm(args.warm or ["warm"]) if "warm" in arms else {}
     warm_missing = None
     if "warm" in arms and not warm_start_supported():
         warm_missing = ("not yet: needs train.warm_start, the job's warm start from a previous run, which this "
@@ -453,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--arms warm: {warm_missing}")
         print(f"[bench_freshness] warm arm skipped: {warm_missing}", file=sys.stderr)
         arms.remove("warm")
+        warm = {}
     synthetic = _parse_synthetic(args.synthetic)
     log = load_log(args.dataset, synthetic)
     updates = update_periods(log.periods, args.periods)
@@ -463,12 +498,12 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine("numpy", "pandas", "tensorflow", "faiss"), "uptime_start": _uptime(),
         "log": log.description, "clicks": len(log.clicks), "periods": log.periods,
         "period_starts": log.starts.tolist(), "config": config, "overrides": [*JOB_SETTINGS, *args.set],
-        "warm_overrides": args.warm_set, "arms": ["frozen", *[a for a in arms if a != "frozen"]],
+        "warm": warm,
         "updates": updates, "new_items_definition": "items first clicked in period t (no click before it)",
     }
     if warm_missing:
         report["warm_missing"] = warm_missing
-    rows = Replay(log, config, args.set, args.warm_set, work, arms).run(updates)
+    rows = Replay(log, config, args.set, warm, work, retrain="retrain" in arms).run(updates)
     report.update(rows=[_plain(row) for row in rows], summary=summarise(rows),
                   load_average_end=machine()["load_average"], uptime_end=_uptime())
     out = Path(args.out) if args.out else RESULTS / f"bench_freshness_{args.dataset.replace('-', '')}"
