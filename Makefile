@@ -131,10 +131,11 @@ bench-scale-both-ways:
 bench-parameter-server:
 	nice -n 10 $(BIN)/python -m benchmarks.bench_parameter_server $(ARGS)
 
-# A log replayed period by period: a frozen model, a warm-start update per period and a full retrain per
-# period, recall@20 on the next period (overall and on items new in the period) and each update's wall time.
-# MovieLens 100K by week, the last 4 weeks (~15 min on 2 cores); the synthetic log with churn and drift
-# (1.1M clicks, 12 weekly periods): ARGS="--dataset synthetic --periods 3" (~1 h on 2 cores).
+# A log replayed period by period: a frozen model, warm-start updates per period (optimizer carried, reset,
+# with replay) and a full retrain per period: recall@20 on the next period (overall and on items new in the
+# period) and each update's wall time. MovieLens 100K by week, the last 8 weeks (~15 min on 2 cores); the
+# synthetic log with churn and drift (1.1M clicks, 12 weekly periods, the last 3): ARGS="--dataset synthetic"
+# (~1 h on 2 cores).
 bench-freshness:
 	nice -n 10 $(BIN)/python -m benchmarks.bench_freshness $(ARGS)
 

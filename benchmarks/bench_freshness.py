@@ -24,9 +24,9 @@ its popular items), excluding those items; recall@20 is ``ranking_metrics``'.
 clicks; the frozen model never saw them. ``recall@20 new`` scores each user on their period t + 1
 clicks on those items only (users with none are left out).
 
-    python -m benchmarks.bench_freshness --dataset ml-100k --periods 4     # make bench-freshness
-    python -m benchmarks.bench_freshness --dataset synthetic --periods 3   # 1.1M clicks, 12 periods
-    python -m benchmarks.bench_freshness --dataset ml-100k --periods 2 --set train.epochs=2 --out /tmp/f
+    python -m benchmarks.bench_freshness                        # make bench-freshness: ML-100K, 8 weeks
+    python -m benchmarks.bench_freshness --dataset synthetic    # 1.1M clicks, 12 periods, the last 3
+    python -m benchmarks.bench_freshness --periods 2 --warm warm --set train.epochs=2 --out /tmp/f
 
 Results: ``benchmarks/results/bench_freshness_<dataset>.{json,md}`` (``--out`` without extension).
 """
@@ -64,6 +64,12 @@ SYNTHETIC = {
     "popularity_drift": 0.3, "taste_drift": 0.1, "seed": 0,
 }
 CONFIGS = {"ml-100k": "configs/ml100k.yaml", "synthetic": "configs/default.yaml"}
+# Update periods evaluated by default: 8 weeks of MovieLens (~15 min on 2 cores), 3 synthetic periods
+# (each retrain ~1M clicks, ~1 h on 2 cores).
+PERIODS = {"ml-100k": 8, "synthetic": 3}
+# The warm variants run by default: the optimizer's state carried (the default), reset, and half of each
+# update's training clicks replayed from the parent's.
+WARM = ("warm", "warm-reset train.warm_start_optimizer=reset", "warm-replay train.replay_fraction=0.5")
 # Every run: no ALS or popularity baseline inside the job (the arms are compared here), no plots.
 JOB_SETTINGS = ("evaluation.baselines.rankers=[]", "evaluation.plots=false", "evaluation.unseen_items=drop")
 
@@ -456,12 +462,13 @@ def _parse_synthetic(settings: Sequence[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=["ml-100k", "synthetic"], default="ml-100k")
-    parser.add_argument("--periods", type=int, default=4, help="update periods evaluated, the log's last")
+    parser.add_argument("--periods", type=int, default=None,
+                        help=f"update periods evaluated, the log's last (default {PERIODS})")
     parser.add_argument("--config", default=None, help="the job's config (default: configs/ml100k.yaml for "
                         "ml-100k, configs/default.yaml for synthetic)")
     parser.add_argument("--set", action="append", default=[], help="config override for every run")
     parser.add_argument("--warm", action="append", default=None, metavar='"NAME KEY=VALUE ..."',
-                        help="a warm variant: its name and its overrides (default: one, warm, with none)")
+                        help=f"a warm variant: its name and its overrides (default: {list(WARM)})")
     parser.add_argument("--synthetic", action="append", default=[], help=f"generator KEY=VALUE ({SYNTHETIC})")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of frozen,warm,retrain "
                         "(frozen always runs: it is the first warm update's parent)")
@@ -478,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
     if set(arms) - set(ARMS):
         raise SystemExit(f"--arms {args.arms!r}: each of {', '.join(ARMS)}")
-    warm = parse_warm(args.warm or ["warm"]) if "warm" in arms else {}
+    warm = parse_warm(args.warm or WARM) if "warm" in arms else {}
     warm_missing = None
     if "warm" in arms and not warm_start_supported():
         warm_missing = ("not yet: needs train.warm_start, the job's warm start from a previous run, which this "
@@ -490,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         warm = {}
     synthetic = _parse_synthetic(args.synthetic)
     log = load_log(args.dataset, synthetic)
-    updates = update_periods(log.periods, args.periods)
+    updates = update_periods(log.periods, args.periods or PERIODS[args.dataset])
     work = Path(args.work_dir or f"/tmp/bench-freshness/{args.dataset}")
     config = args.config or CONFIGS[args.dataset]
     report: dict[str, Any] = {
