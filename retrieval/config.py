@@ -1437,6 +1437,21 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _replay_lands_in_training(self) -> Config:
+        if self.train.replay_fraction == 0:
+            return self
+        if self.split.kind not in ("temporal", "none"):
+            raise ValueError(
+                f"train.replay_fraction={self.train.replay_fraction} puts the parent's clicks before the new log's "
+                f"first click, which only split.kind temporal or none keeps on the training side; split.kind "
+                f"{self.split.kind!r} could hold a replayed click out as a test click"
+            )
+        if self.data.out_of_core:
+            raise ValueError("train.replay_fraction is not yet supported with data.out_of_core (the replayed "
+                             "clicks join a log held in memory)")
+        return self
+
+    @model_validator(mode="after")
     def _split_none_needs_test_file(self) -> Config:
         if self.split.kind == "none" and self.data.test_clicks is None:
             raise ValueError("split.kind 'none' needs data.test_clicks (the separately given test log)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -24,9 +25,10 @@ from retrieval.bundle.user_histories import UserHistories
 from retrieval.bundle.writer import write_bundle
 from retrieval.checkpoint_directory import training_checkpoints
 from retrieval.config import Config, ConfigError, save_config, warm_start_parent, with_absolute_data_paths
-from retrieval.data import ITEM, TIME, USER, DataError
+from retrieval.data import ITEM, TIME, USER, WEIGHT, DataError
 from retrieval.data.dataset import LogSource, catalogue_table, open_log, split_summary
 from retrieval.data.fingerprint import RunInputs
+from retrieval.data.shards import ClickTable
 from retrieval.data.splits import training_split
 from retrieval.data.streaming import (
     ClickLog,
@@ -410,6 +412,8 @@ def read_and_split(config: Config, parent: ParentState | None = None) -> JobData
     With a warm start's ``parent`` the vocabularies and item counts are the parent's grown by the
     new training clicks' (``grown_statistics``) and the catalogue holds the parent's items too."""
     source = open_log(config.data)
+    if parent is not None and config.train.replay_fraction > 0:
+        source = with_replay(source, parent, config)
     clicks, split = source.clicks, config.split
     given_test = source.test_clicks
     plan: Plan = plan_split(clicks, split, config.data.duplicates)
@@ -438,6 +442,47 @@ def read_and_split(config: Config, parent: ParentState | None = None) -> JobData
                    _pairs=pairs)
     log.info("data: %s", json.dumps(data.summary()))
     return data
+
+
+def with_replay(source: LogSource, parent: ParentState, config: Config) -> LogSource:
+    """``source`` with a sample of the parent's training clicks added before its first click
+    (``train.replay_fraction``): the parent bundle's seen items, one (user, item) pair per distinct
+    click the parent and its own parents trained on, drawn without replacement with ``train.seed``
+    so that they make about ``replay_fraction`` of the training clicks (the new log's training side
+    estimated as ``1 - split.test_fraction`` of it under a temporal split, all of it under
+    ``split.kind: none``). Timestamped one second before the new log's first click, so a temporal
+    split keeps them on the training side (the config refuses the other split kinds)."""
+    assert isinstance(source.clicks, ClickTable)  # the config refuses data.out_of_core
+    table = source.clicks.table
+    pairs = parent_seen_pairs(parent)
+    if pairs is None:
+        raise ConfigError(f"train.replay_fraction: the parent {parent.directory} has no seen items to replay")
+    fraction = config.train.replay_fraction
+    new_training = table.num_rows * (1.0 if config.split.kind == "none" else 1.0 - config.split.test_fraction)
+    wanted = min(len(pairs), int(round(fraction / (1.0 - fraction) * new_training)))
+    chosen = np.sort(np.random.default_rng(config.train.seed).choice(len(pairs), wanted, replace=False))
+    replay = pairs.iloc[chosen].reset_index(drop=True)
+    new = table.to_pandas()
+    if TIME in new:
+        replay[TIME] = int(new[TIME].min()) - 1
+    if WEIGHT in new:
+        replay[WEIGHT] = 1.0
+    log.info("replay: %d of the parent's %d (user, item) pairs added to the %d new clicks", wanted,
+             len(pairs), table.num_rows)
+    mixed = pd.concat([replay, new], ignore_index=True)
+    return dataclasses.replace(source, clicks=ClickTable.from_frame(mixed, source.clicks.read_batch_size))
+
+
+def parent_seen_pairs(parent: ParentState, users: set[str] | None = None) -> pd.DataFrame | None:
+    """The parent bundle's seen items as (``user_id``, ``item_id``) rows, in the CSR's order (of
+    ``users`` only, when given); None for a parent bundle without seen items."""
+    manifest = read_manifest(parent.directory)
+    if "seen_items" not in manifest.files:
+        return None
+    seen = SeenItems.load(parent.directory / manifest.files["seen_items"])
+    user_ids = np.repeat(np.char.decode(seen.user_ids, "utf-8").astype(object), np.diff(seen.indptr))
+    pairs = pd.DataFrame({USER: user_ids, ITEM: np.asarray(parent.catalogue, dtype=object)[seen.item_rows]})
+    return pairs if users is None else pairs[pairs[USER].isin(users)].reset_index(drop=True)
 
 
 def _training_pairs(clicks: ClickLog, plan: Plan, stats: FeatureStatistics) -> tuple[np.ndarray, np.ndarray]:
@@ -494,10 +539,17 @@ class EvaluatedClicks:
 
 def evaluation_clicks(config: Config, data: JobData) -> EvaluatedClicks:
     """Every test user of a log in memory, or ``data.stream.max_test_users`` of them sampled
-    when streamed: their clicks are all the evaluation holds. Ranked over ``data.catalogue_ids``."""
+    when streamed: their clicks are all the evaluation holds. Ranked over ``data.catalogue_ids``.
+    A warm start's training clicks include its parent's (its bundle's seen items): excluded from
+    the ranking and known to the unseen-user filter alike."""
     stream = config.data.stream
     users = sample_test_users(data.counts, None if data.source.in_memory else stream.max_test_users, stream.seed)
     user_train, user_test = collect_users(data.clicks, data.plan, users)
+    if data.parent is not None:
+        # A warm-started model trained on its parent's clicks too: they are known and excluded as its own are.
+        parent_pairs = parent_seen_pairs(data.parent, set(users))
+        if parent_pairs is not None:
+            user_train = pd.concat([parent_pairs, user_train], ignore_index=True)
     given_test = data.source.test_clicks
     if given_test is not None:
         user_test = given_test[given_test[USER].astype(str).isin(set(users))].reset_index(drop=True)

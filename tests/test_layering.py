@@ -101,6 +101,7 @@ TRAINING_MODULES = [
     "early_stopping",
     "fit",
     "embeddings",
+    "warm_start",
 ]
 
 

@@ -13,7 +13,7 @@ statistics. ``ParentState.read`` reads it back; the job then
 2. builds the model as from scratch (new rows get the model's own initialisation: random rows
    for ids, the popularity prior for the item bias) and ``restore_weights`` overwrites every
    variable with the parent's, a table's rows gathered by id (``row_map``), the streaming
-   log-Q estimate's buckets moved to the items' new tower indices (``_move_estimate``);
+   log-Q estimate's buckets moved to the items' new tower indices (``move_estimate``);
 3. with ``train.warm_start_optimizer: carry``, ``carry_optimizer`` fills the new optimizer's
    slots the same way (new rows at zero, as a fresh slot starts) and its step counter.
 
@@ -298,18 +298,18 @@ def restore_weights(model: tf.keras.Model, parent: ParentState) -> int:
         variable.assign(_remapped(parent.arrays[f"variable/{position}"], fresh, rows))
         if rows is not None:
             new_rows += len(fresh) - len(rows[0])
-    old_items = parent.items
     for estimator in (m for m in model.submodules if isinstance(m, StreamingFrequency)):
-        _move_estimate(estimator, model, old_items)
+        move_estimate(estimator, parent.items, list(model._item_ids))
     return new_rows
 
 
-def _move_estimate(estimator: StreamingFrequency, model: tf.keras.Model, parent_items: list[str]) -> None:
-    """The streaming estimate keys on tower indices, which move when the item vocabulary grows: each
-    parent item's buckets (its last step and gap, under every hash) go to the buckets of its new
-    index; every other bucket starts unseen. Two items whose new buckets collide keep one's values
-    (as a collision in training would share them)."""
-    items = list(model._item_ids)
+def move_estimate(estimator: StreamingFrequency, parent_items: list[str], items: list[str]) -> None:
+    """Move a streaming estimate from ``parent_items``' tower indices to ``items``' (each id at
+    ``position + 1`` of its list): the estimate keys on tower indices, which move when the item
+    vocabulary grows. Each parent item's buckets (its last step and gap, under every hash) go to
+    the buckets of its new index; every other bucket starts unseen; the step count and the draws per
+    step stay. Two items whose new buckets collide keep one's values (as a collision in training
+    would share them)."""
     rows = row_map(parent_items, items, 1, "items")
     old_keys = tf.constant(rows[0][1:], tf.int64)
     new_keys = tf.constant(rows[1][1:], tf.int64)
