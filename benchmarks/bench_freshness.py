@@ -42,7 +42,7 @@ import shlex
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -256,7 +256,9 @@ class Replay:
             "job_recall@20": run.metrics.get("model", {}).get("recall@20"),
         }
 
-    def run(self, updates: list[int]) -> list[dict[str, Any]]:
+    def run(self, updates: list[int], on_row: Callable[[list[dict[str, Any]]], None] | None = None
+            ) -> list[dict[str, Any]]:
+        """Every arm over ``updates``; ``on_row(rows)`` after each period (a long run's results so far)."""
         from retrieval.serving import Bundle
 
         period = self.log.clicks["period"].to_numpy()
@@ -293,6 +295,8 @@ class Replay:
                 shutil.rmtree(retrain["directory"], ignore_errors=True)
             row.update(_ratios(row))
             rows.append(row)
+            if on_row is not None:
+                on_row(rows)
             print(f"[bench_freshness] period {t}: " + ", ".join(
                 f"{arm} {row[arm]['recall@20']:.4f}" for arm in arms_of(row)), file=sys.stderr, flush=True)
         return rows
@@ -370,6 +374,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"`{report['command']}` on {report['machine']['cpus']} CPUs ({report['machine']['cpu']}); load average "
         f"(1, 5, 15 min) at start {report['machine']['load_average']}, at end {report['load_average_end']}; "
         f"`uptime` at start: `{report['uptime_start']}`.", "",
+        *([f"**Partial**: {len(rows)} of the {len(report['updates'])} update periods finished.", ""]
+          if report.get("partial") else []),
         f"Log: {report['log']}; {report['clicks']:,} clicks in {report['periods']} periods. Config "
         f"`{report['config']}` with `{' '.join(report['overrides']) or '(none)'}` for every run; each warm "
         "variant adds `train.warm_start=<its previous run>` and: "
@@ -510,11 +516,16 @@ def main(argv: list[str] | None = None) -> int:
     }
     if warm_missing:
         report["warm_missing"] = warm_missing
-    rows = Replay(log, config, args.set, warm, work, retrain="retrain" in arms).run(updates)
-    report.update(rows=[_plain(row) for row in rows], summary=summarise(rows),
-                  load_average_end=machine()["load_average"], uptime_end=_uptime())
     out = Path(args.out) if args.out else RESULTS / f"bench_freshness_{args.dataset.replace('-', '')}"
-    write_report(out, report, markdown(report))
+
+    def write(rows: list[dict[str, Any]], partial: bool = True) -> None:
+        # After every period: a run stopped early keeps the periods it finished, marked partial.
+        report.update(rows=[_plain(row) for row in rows], summary=summarise(rows), partial=partial,
+                      load_average_end=machine()["load_average"], uptime_end=_uptime())
+        write_report(out, report, markdown(report))
+
+    rows = Replay(log, config, args.set, warm, work, retrain="retrain" in arms).run(updates, write)
+    write(rows, partial=False)
     print(markdown(report))
     return 0
 
