@@ -103,30 +103,33 @@ def test_score_is_recall_on_the_next_period_overall_and_on_new_items():
     assert scores["recall@2"] == 1.0 and scores["recall@2_new"] == 1.0
 
 
-def test_summary_means_the_ratios_and_checks_the_targets_of_each_warm_variant():
+def test_summary_pools_users_over_periods_and_checks_the_targets_of_each_warm_variant():
     from benchmarks.bench_freshness import _ratios
 
-    def row(frozen, warm, retrain, warm_s, retrain_s):
-        row = {
-            "frozen": {"recall@20": frozen, "recall@20_new": 0.0, "seconds": 50.0},
-            "warm": {"recall@20": warm, "recall@20_new": 0.1, "seconds": warm_s, "training_seconds": 1.0},
-            "warm-slow": {"recall@20": retrain, "recall@20_new": 0.2, "seconds": retrain_s / 2,
-                          "training_seconds": 1.0},
-            "retrain": {"recall@20": retrain, "recall@20_new": 0.2, "seconds": retrain_s, "training_seconds": 2.0},
-        }
+    def arm(recall, seconds, users, new=0.0, users_new=1):
+        return {"recall@20": recall, "recall@20_new": new, "users": users, "users_new": users_new,
+                "seconds": seconds, "training_seconds": seconds / 2}
+
+    def row(frozen, warm, retrain, warm_s, retrain_s, users):
+        row = {"frozen": arm(frozen, 50.0, users), "warm": arm(warm, warm_s, users, 0.1),
+               "warm-slow": arm(retrain, retrain_s / 2, users, 0.2), "retrain": arm(retrain, retrain_s, users, 0.2)}
         return row | _ratios(row)
 
-    rows = [row(0.30, 0.29, 0.30, 4.0, 50.0), row(0.25, 0.30, 0.30, 6.0, 60.0)]
-    assert rows[0]["over_retrain"]["warm"] == {"seconds": 0.08, "training_seconds": 0.5,
+    rows = [row(0.30, 0.29, 0.30, 4.0, 50.0, users=10), row(0.25, 0.20, 0.40, 7.0, 60.0, users=30)]
+    assert rows[0]["over_retrain"]["warm"] == {"seconds": 0.08, "training_seconds": 0.08,
                                                "recall@20": round(0.29 / 0.30, 4), "recall@20_new": 0.5}
     summary = summarise(rows)
     assert summary["frozen_decay_recall@20"] == pytest.approx(-0.05)
+    # Pooled by users: (10 x 0.29 + 30 x 0.20) / 40 against (10 x 0.30 + 30 x 0.40) / 40.
+    assert summary["warm"]["recall@20"] == pytest.approx((2.9 + 6.0) / 40)
+    assert summary["retrain"]["recall@20"] == pytest.approx((3.0 + 12.0) / 40)
+    assert summary["retrain"]["seconds"] == 110.0
     warm, slow = summary["over_retrain"]["warm"], summary["over_retrain"]["warm-slow"]
-    assert warm["seconds"] == pytest.approx((0.08 + 0.1) / 2)
-    assert warm["recall@20"] == pytest.approx((0.29 / 0.30 + 1.0) / 2, abs=1e-4)
-    assert warm["targets"] == {"seconds <= 0.10 x retrain": True, "recall@20 >= 0.97 x retrain": True}
+    assert warm["seconds"] == pytest.approx(11.0 / 110.0, abs=1e-4)
+    assert warm["recall@20"] == pytest.approx(8.9 / 15.0, abs=1e-4)
+    assert warm["targets"] == {"seconds <= 0.10 x retrain": True, "recall@20 >= 0.97 x retrain": False}
+    assert warm["periods_meeting"] == {"seconds": 1, "recall@20": 0}  # 7 / 60 > 0.10; 0.29 / 0.30 < 0.97
     assert slow["targets"] == {"seconds <= 0.10 x retrain": False, "recall@20 >= 0.97 x retrain": True}
-    assert summary["retrain"]["seconds"] == pytest.approx(55.0)
 
 
 def test_warm_variants_are_a_name_and_overrides():
