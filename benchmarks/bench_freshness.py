@@ -345,10 +345,11 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, Any] = {"periods": len(rows)}
     arms = arms_of(rows[0]) if rows else []
     for arm in arms:
+        runs = rows[:1] if arm == "frozen" else rows  # the frozen model trained once
         summary[arm] = {f"recall@{K}": round(pooled(rows, arm), 4),
                         f"recall@{K}_new": round(pooled(rows, arm, f"recall@{K}_new", "users_new"), 4),
-                        "seconds": round(float(sum(row[arm]["seconds"] for row in rows)), 1),
-                        "training_seconds": round(float(sum(row[arm]["training_seconds"] or 0 for row in rows)), 1)}
+                        "seconds": round(float(sum(row[arm]["seconds"] for row in runs)), 1),
+                        "training_seconds": round(float(sum(row[arm]["training_seconds"] or 0 for row in runs)), 1)}
     if "frozen" in arms:
         first, last = rows[0]["frozen"][f"recall@{K}"], rows[-1]["frozen"][f"recall@{K}"]
         summary["frozen_decay_recall@20"] = round(last - first, 4)
@@ -439,8 +440,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += markdown_table(
             ["arm", "recall@20", "recall@20 new", "seconds", "training seconds"],
             [[arm, _cell(summary[arm][f"recall@{K}"]), _cell(summary[arm][f"recall@{K}_new"]),
-              _cell(summary[arm]["seconds"], 1) if arm != "frozen" else f"{rows[0]['frozen']['seconds']:.1f} (once)",
-              _cell(summary[arm]["training_seconds"], 1) if arm != "frozen" else "-"] for arm in arms],
+              _cell(summary[arm]["seconds"], 1) + (" (once)" if arm == "frozen" else ""),
+              _cell(summary[arm]["training_seconds"], 1)] for arm in arms],
             "lrrrr",
         )
     for arm, ratio in summary.get("over_retrain", {}).items():

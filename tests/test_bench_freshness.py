@@ -123,7 +123,7 @@ def test_summary_pools_users_over_periods_and_checks_the_targets_of_each_warm_va
     # Pooled by users: (10 x 0.29 + 30 x 0.20) / 40 against (10 x 0.30 + 30 x 0.40) / 40.
     assert summary["warm"]["recall@20"] == pytest.approx((2.9 + 6.0) / 40)
     assert summary["retrain"]["recall@20"] == pytest.approx((3.0 + 12.0) / 40)
-    assert summary["retrain"]["seconds"] == 110.0
+    assert summary["retrain"]["seconds"] == 110.0 and summary["frozen"]["seconds"] == 50.0  # trained once
     warm, slow = summary["over_retrain"]["warm"], summary["over_retrain"]["warm-slow"]
     assert warm["seconds"] == pytest.approx(11.0 / 110.0, abs=1e-4)
     assert warm["recall@20"] == pytest.approx(8.9 / 15.0, abs=1e-4)
@@ -140,3 +140,17 @@ def test_warm_variants_are_a_name_and_overrides():
     for bad in (["warm", "warm"], ["retrain"], ["warm train.epochs"], ["a/b"]):
         with pytest.raises(SystemExit, match="--warm"):
             parse_warm(bad)
+
+
+@pytest.mark.parametrize("name", ["bench_freshness_ml100k"])
+def test_the_stored_results_agree_with_their_rows(name):
+    import json
+    from pathlib import Path
+
+    report = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results" / f"{name}.json").read_text())
+    assert report["summary"] == json.loads(json.dumps(summarise(report["rows"])))
+    assert report["updates"] == [row["period"] for row in report["rows"]]
+    for row in report["rows"]:
+        arms = [arm for arm in ("frozen", "warm", "retrain") if arm in row]
+        assert arms == ["frozen", "warm", "retrain"]
+        assert len({row[arm]["users"] for arm in arms}) == 1  # every arm scored on the same users
