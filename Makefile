@@ -135,7 +135,7 @@ bench-parameter-server:
 # with replay) and a full retrain per period: recall@20 on the next period (overall and on items new in the
 # period) and each update's wall time. MovieLens 100K by week, the last 8 weeks (~15 min on 2 cores); the
 # synthetic log with churn and drift (1.1M clicks, 12 weekly periods, the last 3): ARGS="--dataset synthetic"
-# (~1 h on 2 cores).
+# (~1 h on 2 shared cores).
 bench-freshness:
 	nice -n 10 $(BIN)/python -m benchmarks.bench_freshness $(ARGS)
 
