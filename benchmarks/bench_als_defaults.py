@@ -24,7 +24,7 @@ from benchmarks._harness import RESULTS, command, machine, markdown_table, write
 from benchmarks.bench_public import ALS_GRID, RECALL, als_grid, read_report
 from retrieval.config import ALSConfig, load_config
 from retrieval.evaluation.compare import compare_rankers
-from retrieval.jobs import _als_ranking, evaluation_clicks, read_and_split
+from retrieval.jobs.train import _als_ranking, evaluation_clicks, read_and_split
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = {"ml-100k": ROOT / "configs/ml100k.yaml", "synthetic": ROOT / "configs/default.yaml"}

@@ -1,5 +1,5 @@
 """Batch recommendation into a Parquet file: users/s of ``retrieval recommend --users ... --out``
-(``retrieval.batch_recommend.recommend_to_file``) at k=100 over a 1M-item catalogue, for an exact
+(``retrieval.serving.batch.recommend_to_file``) at k=100 over a 1M-item catalogue, for an exact
 (Flat) and an IVF bundle.
 
 The bundles are not trained models: no 1M-item trained bundle exists to measure on, and training
@@ -146,8 +146,8 @@ def run(args, workdir: Path, argv: list[str] | None = None) -> int:
 
 def _timed_file(bundle, user_ids: list[str], args, out: Path) -> dict:
     """One warm-up block, then every user answered into ``out``; the row of the results table."""
-    from retrieval.batch_recommend import IdList, recommend_to_file
-    from retrieval.progress import Progress
+    from retrieval.common.progress import Progress
+    from retrieval.serving.batch import IdList, recommend_to_file
 
     bundle.recommend_batch([{"user_id": u} for u in user_ids[: args.block_size]], args.k)  # warm-up
     with Progress(len(user_ids), f"recommend {bundle.index.factory}", "users") as progress:

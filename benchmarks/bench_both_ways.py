@@ -1,6 +1,6 @@
 """One log trained both ways: in memory and streamed from its shards, the same job, equal metrics.
 
-``tests/test_out_of_core.py`` proves the contract of the two click sources on
+``tests/jobs/test_out_of_core.py`` proves the contract of the two click sources on
 15k clicks; this checks it at a size where both still fit (2M clicks and 100k
 users by default, ``bench_scale.py``'s generator and its log when one
 exists: its generator draws from 1M items, about 430k of which the 2M clicks reach) and records what

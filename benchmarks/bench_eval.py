@@ -11,7 +11,7 @@ embeddings (1M x 64, 1000 queries):
   dropped, in two blockings: one BLAS thread in each of 2 worker threads over
   [500 x 1024] blocks (what ExactTopK runs; the faster one, and the bound),
   and BLAS's own threads over [1000 x 16384] blocks.
-- ``ExactTopK``: ``retrieval.exact_topk`` at k = 10, 100, 1000, without and with
+- ``ExactTopK``: ``retrieval.index.exact_topk`` at k = 10, 100, 1000, without and with
   exclusion masks (training items per query, sizes lognormal, median 20).
 - ``faiss IndexFlatIP``: ``index.search`` at each k (no masks: with masks FAISS
   must over-fetch, which only slows it further).
@@ -61,10 +61,10 @@ import tensorflow_recommenders as tfrs  # noqa: E402
 from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
 
 from benchmarks._harness import RESULTS, command, load_average, machine, versions_of, write_report  # noqa: E402
-from retrieval.arrays import drop_members  # noqa: E402
+from retrieval.common.arrays import drop_members  # noqa: E402
 from retrieval.evaluation import EvalSet, index_ranking  # noqa: E402
-from retrieval.exact_topk import ExactTopK  # noqa: E402
 from retrieval.index import FAISS_ONLY, MEASURED_ROUTING, ItemIndex  # noqa: E402
+from retrieval.index.exact_topk import ExactTopK  # noqa: E402
 
 FAISS = "faiss (index_ranking, IndexFlatIP)"
 BRUTE_FORCE = "tfrs BruteForce"

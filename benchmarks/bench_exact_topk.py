@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_exact_topk                 # or: make bench-topk (~10 min on 2 cores)
     python -m benchmarks.bench_exact_topk --items 100000 --repeats 3 --faiss-repeats 0   # quick
-    git show main:retrieval/exact_topk.py > /tmp/before.py
+    git show main:retrieval/index/exact_topk.py > /tmp/before.py
     python -m benchmarks.bench_exact_topk --reference /tmp/before.py   # and an older ExactTopK beside it
 
 Per catalogue (``--items``: 1M, and 40,981 as Gowalla's), one seeded set of unit item vectors
@@ -48,9 +48,9 @@ import faiss
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
-import retrieval.exact_topk as exact_topk
+import retrieval.index.exact_topk as exact_topk
 from benchmarks._harness import RESULTS, command, load_average, machine, markdown_table, write_report
-from retrieval.exact_topk import ExactTopK
+from retrieval.index.exact_topk import ExactTopK
 
 NEAR_TIE = 1e-5  # float32 scores from differently blocked sgemms: ids may swap only this close
 

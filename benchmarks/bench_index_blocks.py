@@ -1,6 +1,6 @@
 """The memory of indexing a catalogue: embedded a block at a time into the index, or as one matrix first.
 
-The job indexes its catalogue with ``build_index_in_blocks`` (``retrieval/jobs.py``,
+The job indexes its catalogue with ``build_index_in_blocks`` (``retrieval/jobs/train.py``,
 ``index_catalogue``): each block of ``retrieval.index.ADD_BATCH_SIZE`` items is embedded by the
 doc tower and added to the index, so the [items, dim] matrix is never held beside the index. The
 other way, ``embed_frame`` over the whole catalogue and then ``build_index``, holds both. Each way

@@ -61,7 +61,7 @@ from retrieval.config import load_config  # noqa: E402
 from retrieval.data import ITEM, USER, locate_movielens_100k  # noqa: E402
 from retrieval.model import build_model  # noqa: E402
 from retrieval.samplers import KernelSampler  # noqa: E402
-from retrieval.training import click_dataset, fit, seed_everything  # noqa: E402
+from retrieval.training import fit, seed_everything  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 K = 20
@@ -184,7 +184,8 @@ def full_softmax_loss(model, clicks, chunk: int = 512) -> float:
 
 def sampling_cost(model, data: Prepared, batch_size: int, repeats: int = 5) -> dict:
     """Milliseconds of ``sampler.sample`` for one training batch (median), and the kernel's rebuild."""
-    batch = next(iter(click_dataset(data.train, batch_size, seed=0)))
+    clicks = data.train.sample(n=min(batch_size, len(data.train)), random_state=0)  # one training batch
+    batch = {column: tf.constant(clicks[column].astype(str).to_numpy()) for column in (USER, ITEM)}
     positive_ids = model.item_index(batch[ITEM])
     queries = model.query_tower({USER: batch[USER]})
     sampler = model.sampler

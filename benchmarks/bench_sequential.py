@@ -176,7 +176,7 @@ def throughput(data_dir: Path, lengths: tuple[int, ...] = (50, 200), steps: int 
 
     import tensorflow as tf
 
-    from retrieval import jobs
+    from retrieval.jobs import train as jobs
     from retrieval.training import make_optimizer
 
     beauty = data_dir / "beauty"

@@ -5,7 +5,7 @@
 
 The generator is meant to be cheap enough to call in every test and notebook:
 ~100k clicks in well under a second. That is a timing, so it lives here rather
-than in ``tests/test_synthetic.py``, where a wall-time bound on a shared 2-core
+than in ``tests/data/test_synthetic.py``, where a wall-time bound on a shared 2-core
 machine fails for reasons that are not bugs. For each size, the log is
 generated ``--repeats`` times after one warm-up; the median seconds and clicks per
 second are written to ``bench_synthetic.json`` and ``bench_synthetic.md`` in ``--out``.

@@ -1,7 +1,7 @@
 """SIGKILL mid-epoch at scale (``bench_scale.py --resume-check N``): the job killed, restarted, and equal
 to an uninterrupted run.
 
-``tests/test_resume.py`` proves exact resume on a tiny log; this runs the
+``tests/training/test_resume.py`` proves exact resume on a tiny log; this runs the
 benchmark's own job (the 20M-click log streamed from its shards, the config
 and overrides of the benchmark run) as ``python -m pipelines.train``
 subprocesses, training capped at N batches an epoch so the check costs two

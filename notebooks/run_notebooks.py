@@ -10,7 +10,7 @@ the results changing is left out, so a re-run diffs only where a figure moved:
 cell timing metadata, the kernel's Python version, widget state, stderr (see
 ``clean``). Execution counts stay (they are 1..n after a clean run). ``RETRIEVAL_NOTEBOOK_SMALL`` is removed
 from the kernel's environment: the test suite sets it to run the same notebooks
-on small settings (``tests/test_notebooks.py``) and never writes them back.
+on small settings (``tests/project/test_notebooks.py``) and never writes them back.
 """
 
 from __future__ import annotations

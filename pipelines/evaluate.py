@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from retrieval.cli import run_command
-from retrieval.errors import entry_point
+from retrieval.common.errors import entry_point
 
 
 @entry_point

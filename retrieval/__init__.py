@@ -6,7 +6,7 @@ TensorFlow is first imported, so we set it here: importing ``retrieval`` is
 enough, no user has to remember it. The same goes for TensorFlow's oneDNN CPU
 kernels (``TF_ENABLE_ONEDNN_OPTS``, see below). Either can be overridden by
 setting the variable before importing ``retrieval``. The lines TensorFlow's native libraries print
-while they load, which no variable silences, are filtered out of stderr (``retrieval.native_logs``).
+while they load, which no variable silences, are filtered out of stderr (``retrieval.common.native_logs``).
 """
 
 import os
@@ -23,8 +23,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 # That level is read only once TensorFlow's libraries have loaded: what they print while loading
 # (absl's "before InitializeLog" line, the oneDNN notice, and on a machine without a GPU the CUDA
 # driver's absence, an ERROR among them) is filtered out of the first `import tensorflow` instead
-# (retrieval/native_logs.py; RETRIEVAL_DEBUG=1 or TF_CPP_MIN_LOG_LEVEL=0 keeps it).
-from retrieval import native_logs  # noqa: E402  (after the environment it reads)
+# (retrieval/common/native_logs.py; RETRIEVAL_DEBUG=1 or TF_CPP_MIN_LOG_LEVEL=0 keeps it).
+from retrieval.common import native_logs  # noqa: E402  (after the environment it reads)
 
 native_logs.install()
 

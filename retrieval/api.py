@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retrieval.bundles import evaluate_bundle
 from retrieval.config import Config, ConfigError, apply_overrides, load_config
 from retrieval.data import USER
-from retrieval.jobs import TowerFactory, train_evaluate_export
+from retrieval.jobs import TowerFactory, evaluate_bundle, train_evaluate_export
 from retrieval.serving import Bundle, HistoryOrder, Recommendations
 
 ConfigLike = Config | str | os.PathLike | None
@@ -64,31 +63,37 @@ class Run:
         exclude_item_ids: Sequence[str | int] | None = (),
         exclude_seen: bool = True,
         history_order: HistoryOrder = "newest_first",
+        filters: Mapping[str, Any] | None = None,
         **features: Any,
     ) -> Recommendations:
         """Top-k for one user: ``user_id`` and/or raw query ``features`` (e.g. ``history=[...]``) as the
         bundle's query tower reads them (a known user's id alone: its stored features and clicks);
         the user's training items are left out unless ``exclude_seen=False``; a history in time
-        order takes ``history_order="oldest_first"`` (``Bundle.recommend``)."""
+        order takes ``history_order="oldest_first"``; ``filters`` (e.g. ``{"year": {"min": 1990}}``)
+        keep the answer to the items of the bundle's item table that pass them (``Bundle.recommend``)."""
         query: dict[str, Any] = dict(features)
         if user_id is not None:
             query[USER] = user_id  # checked by the bundle: a string or an int, as every entry point reads ids
         return self.bundle.recommend(query, k, exclude_item_ids, exclude_seen=exclude_seen,
-                                     history_order=history_order)
+                                     history_order=history_order, filters=filters)
 
     def recommend_batch(
         self, queries: Sequence[Mapping[str, Any]], k: int = 10, *, exclude_seen: bool = True,
-        history_order: HistoryOrder = "newest_first",
+        history_order: HistoryOrder = "newest_first", filters: Mapping[str, Any] | None = None,
     ) -> list[Recommendations]:
         """``recommend`` for many raw queries at once (one embedding and one index search)."""
-        return self.bundle.recommend_batch(queries, k, exclude_seen=exclude_seen, history_order=history_order)
+        return self.bundle.recommend_batch(queries, k, exclude_seen=exclude_seen, history_order=history_order,
+                                           filters=filters)
 
-    def similar_items(self, item_id: str | int, k: int = 10) -> Recommendations:
-        """The k catalogue items nearest ``item_id`` by the doc tower's embeddings, itself left out."""
-        return self.bundle.similar_items(item_id, k)
+    def similar_items(
+        self, item_id: str | int, k: int = 10, *, filters: Mapping[str, Any] | None = None
+    ) -> Recommendations:
+        """The k catalogue items nearest ``item_id`` by the doc tower's embeddings, itself left out;
+        ``filters`` as ``recommend`` takes them."""
+        return self.bundle.similar_items(item_id, k, filters=filters)
 
     def evaluate(self, overrides: Sequence[str] = (), *, out: str | os.PathLike | None = None) -> dict[str, Any]:
-        """Re-evaluate the exported bundle on the data its config names (``bundles.evaluate_bundle``):
+        """Re-evaluate the exported bundle on the data its config names (``jobs.evaluate_bundle``):
         ``overrides`` such as ``"evaluation.ks=[10,50]"``; ``out`` writes metrics.json and report.md."""
         return evaluate_bundle(self.directory, list(overrides), out=None if out is None else Path(out))
 

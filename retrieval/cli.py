@@ -13,13 +13,13 @@
 Each subcommand takes exactly the flags of the module entry point it stands for, from the same
 parser: ``python -m pipelines.train|evaluate|export|tune`` are ``run_command`` here with their
 historical defaults, ``python -m retrieval.serving`` is ``recommend`` (its parser lives in
-``retrieval/serving.py``). Without ``--config``, ``retrieval train`` and ``retrieval tune`` use the
+``retrieval/serving/bundle.py``). Without ``--config``, ``retrieval train`` and ``retrieval tune`` use the
 code's defaults, which are the project's recipe (``configs/default.yaml`` restates them), so they
 work from any directory; ``python -m pipelines.train`` still reads ``configs/default.yaml`` from the
 working directory. Relative paths (in a config, ``run.output_dir``, ``--run``) are relative to the
 working directory, as always.
 
-``serve`` runs the HTTP service of ``retrieval/service.py`` under uvicorn;
+``serve`` runs the HTTP service of ``retrieval/serving/http/`` under uvicorn;
 ``reload`` asks a running service to swap to another bundle without
 dropping requests (``POST /admin/reload``). Both read the admin token from
 ``RETRIEVAL_ADMIN_TOKEN`` when the flag is not given (a flag shows in ``ps``).
@@ -27,7 +27,7 @@ dropping requests (``POST /admin/reload``). Both read the admin token from
 ``--request-read-timeout``, ...; ``retrieval serve --help`` lists them with
 their defaults).
 
-Every ``main`` runs through ``entry_point`` (``retrieval.errors``): a user error (config, data,
+Every ``main`` runs through ``entry_point`` (``retrieval.common.errors``): a user error (config, data,
 bundle, paths, disk; a bundle ``serve`` cannot load, a non-loopback ``--host`` with admin on and no
 token, a service ``reload`` cannot reach or that refuses the bundle) is one line
 ``error: <message>`` on stderr and exit status 2, Ctrl-C ``error: interrupted`` and 130;
@@ -50,10 +50,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from retrieval.errors import UserError, debugging, entry_point
+from retrieval.common.errors import UserError, debugging, entry_point
 
-# retrieval.service loads TensorFlow only when a bundle is loaded: `retrieval reload` and --help start fast.
-from retrieval.service import ADMIN_TOKEN_ENV, ServiceLimits
+# retrieval.serving.http loads TensorFlow only when a bundle is loaded: `retrieval reload` and --help start fast.
+from retrieval.serving.http import ADMIN_TOKEN_ENV, ServiceLimits
 
 # The project's own search space, beside the package in a source checkout (pip install -e .).
 PROJECT_TUNE_SPACE = Path(__file__).resolve().parents[1] / "configs" / "tune_space.yaml"
@@ -118,7 +118,7 @@ def config_arguments(parser: argparse.ArgumentParser, *, default_config: str | N
 def setup_logging() -> None:
     """The project's INFO progress lines on stderr; the libraries' own INFO lines only with RETRIEVAL_DEBUG=1.
 
-    (TensorFlow's native start-up lines are filtered when it is imported: ``retrieval.native_logs``.)
+    (TensorFlow's native start-up lines are filtered when it is imported: ``retrieval.common.native_logs``.)
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if debugging():
@@ -203,8 +203,8 @@ so the run's own report is never overwritten.""",
 def _evaluate(args: argparse.Namespace) -> int:
     setup_logging()
 
-    from retrieval.bundles import evaluate_bundle
     from retrieval.evaluation import format_table
+    from retrieval.jobs import evaluate_bundle
 
     out = Path(args.out) if args.out else Path(args.run) / "reevaluated"
     metrics = evaluate_bundle(args.run, args.overrides, out=out)
@@ -238,8 +238,8 @@ def _export(args: argparse.Namespace) -> int:
     setup_logging()
 
     from retrieval.bundle.manifest import read_manifest
-    from retrieval.bundles import reindex_bundle
     from retrieval.config import Config, apply_overrides
+    from retrieval.jobs import reindex_bundle
 
     manifest = read_manifest(args.run)
     config = Config.from_dict(apply_overrides(manifest.config or {}, args.overrides), source="--set")
@@ -428,7 +428,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     import retrieval  # noqa: F401  (TF_USE_LEGACY_KERAS before TensorFlow loads)
-    from retrieval.service import check_admin_exposure, create_app, server_config
+    from retrieval.serving.http import check_admin_exposure, create_app, server_config
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None

@@ -1,4 +1,4 @@
-"""Distributed-training checks, run by ``tests/test_distribute.py`` in a subprocess.
+"""Distributed-training checks, run by ``tests/training/test_distribute.py`` in a subprocess.
 
 Two logical CPU devices must be configured before TensorFlow initialises its
 devices, and MultiWorkerMirroredStrategy must be created before any other

@@ -1,4 +1,4 @@
-"""A small click log with user and item features of every kind, shared by the tests/test_feature_* files."""
+"""A small click log with user and item features of every kind, shared by the feature tests of every stage."""
 
 import numpy as np
 import pandas as pd

@@ -3,7 +3,7 @@
     python -m retrieval.bundle.layout            # print it
     python -m retrieval.bundle.layout --write    # replace the block between the markers in docs/operations.md
 
-``tests/test_docs.py`` fails when the block differs from ``layout_markdown()``, so a new part
+``tests/project/test_docs.py`` fails when the block differs from ``layout_markdown()``, so a new part
 (one class in ``parts.PARTS``) cannot be left out of the docs.
 """
 

@@ -25,8 +25,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from retrieval.bundle.fingerprints import fingerprint_files
+from retrieval.common.errors import nearest_name
 from retrieval.data import USER
-from retrieval.errors import nearest_name
 from retrieval.index import INDEX_INFO_FILE
 
 MANIFEST_FILE = "manifest.json"

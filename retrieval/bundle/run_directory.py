@@ -10,25 +10,21 @@ under the final name when an overwrite was interrupted between its renames.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 from retrieval.bundle.fingerprints import check_fingerprints
 from retrieval.bundle.manifest import MANIFEST_FILE
-from retrieval.errors import UserError
+from retrieval.common.errors import RunExistsError
+from retrieval.common.lock import exclusive_lock
 
 log = logging.getLogger("retrieval.bundle")
-
-
-class RunExistsError(UserError, FileExistsError):
-    """The run directory exists and overwriting was not asked for."""
 
 
 @contextmanager
@@ -145,37 +141,13 @@ def _check_replaceable(final: Path, overwrite: bool) -> None:
         )
 
 
-@contextmanager
-def _name_lock(final: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``.<name>.lock`` beside ``final``; the file is removed on release.
-
-    The lock file is unlinked while still locked, so a process that opened it
-    meanwhile finds, once it holds the lock, that the path names another file
-    (or none) and retries on a fresh one: only one process ever holds the name.
-    """
+def _name_lock(final: Path) -> AbstractContextManager[None]:
+    """Hold ``.<name>.lock`` beside ``final`` (``exclusive_lock``); the file is removed on release."""
     path = final.parent / f".{final.name}.lock"
-    while True:
-        handle = open(path, "a")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
-            raise RunExistsError(
-                f"another process is writing run {final.name!r} in {final.parent} ({path} is locked); "
-                "wait for it or choose another run.name"
-            ) from None
-        try:
-            same_file = os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
-        except FileNotFoundError:
-            same_file = False
-        if same_file:
-            break
-        handle.close()  # the holder released and removed it between our open and flock: retry
-    try:
-        yield
-    finally:
-        path.unlink(missing_ok=True)
-        handle.close()
+    return exclusive_lock(path, remove_on_release=True, held=lambda: RunExistsError(
+        f"another process is writing run {final.name!r} in {final.parent} ({path} is locked); "
+        "wait for it or choose another run.name"
+    ))
 
 
 def _process_alive(pid: int) -> bool:

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from retrieval.arrays import write_parquet
+from retrieval.common.arrays import write_parquet
 
 SEEN_ITEMS_DIR = "seen_items"  # the folder of a bundle that holds them
 USER_IDS_FILE = "user_ids.npy"

@@ -22,8 +22,8 @@ from typing import IO, get_args
 
 import pyarrow as pa
 
+from retrieval.common.errors import UserError
 from retrieval.config import TableFormat
-from retrieval.errors import UserError
 
 USER = "user_id"
 ITEM = "item_id"

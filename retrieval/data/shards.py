@@ -32,6 +32,7 @@ import pyarrow.csv as pacsv
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
+from retrieval.common.errors import nearest_name
 from retrieval.config import ColumnsConfig, TableConfig
 from retrieval.data.schema import (
     FORMAT_BY_EXTENSION,
@@ -48,7 +49,6 @@ from retrieval.data.schema import (
     read_data,
 )
 from retrieval.data.values import FLOAT32_MAX, BadValues, click_weights, id_strings, timestamp_seconds
-from retrieval.errors import nearest_name
 
 # A click's row key is its shard's place in the sorted shard list times 2**ROW_KEY_BITS plus its
 # 0-based row in the shard: increasing in log order (the in-memory frame's row order) without a

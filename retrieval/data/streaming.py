@@ -50,7 +50,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from retrieval.arrays import seeded_subset
+from retrieval.common.arrays import seeded_subset
 from retrieval.data.schema import ITEM, TIME, USER, WEIGHT, DataError
 from retrieval.data.shards import ClickBatch, ClickLog, ClickShards, ClickTable, as_strings, list_shard_files
 from retrieval.data.shuffle import click_keys, epoch_order

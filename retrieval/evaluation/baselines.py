@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from retrieval.arrays import drop_members
+from retrieval.common.arrays import drop_members
 from retrieval.config import ALSConfig, BaselinesConfig
 from retrieval.data import ITEM, USER
 from retrieval.evaluation.protocol import EvalSet, index_ranking, item_click_counts, pad_columns

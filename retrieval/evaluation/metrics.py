@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from retrieval.arrays import row_membership
+from retrieval.common.arrays import row_membership
 
 
 def ranking_metrics(

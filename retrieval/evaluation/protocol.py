@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from retrieval.common.progress import Progress
 from retrieval.config import EvaluationConfig
 from retrieval.data import ITEM, USER, DataError
 from retrieval.index import ItemIndex
-from retrieval.progress import Progress
 
 
 @dataclass(frozen=True)

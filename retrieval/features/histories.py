@@ -8,7 +8,7 @@ instead: a user row and an item row (int32 each) and a timestamp (int64) a
 click, 16 bytes a click, sorted by (user, time, log order). A batch's histories
 are then two binary searches a row, whatever the batch's order: the values
 ``history_before`` gives the same clicks, and at serving time the values
-``latest_history`` gives (``tests/test_feature_tables.py``).
+``latest_history`` gives (``tests/features/test_feature_tables.py``).
 
 A log without time (``format: user-items``) has no "before": there a click's
 history is its user's *other* training items (``others``: the latest in log

@@ -10,7 +10,7 @@ the size of the tables. Inputs read from the click itself (its ``user_id``,
 ``item_id``, ``timestamp`` or ``weight``; a click column wins over a table
 column of the same name, as in memory) are converted per batch, by
 ``tower_frame`` again. A joined batch holds, for every tower input, the values
-``training_examples`` gives the same clicks (``tests/test_feature_tables.py``).
+``training_examples`` gives the same clicks (``tests/features/test_feature_tables.py``).
 
 ``ExampleJoin.statistics`` fits the towers' ``TowerStatistics`` without the
 joined examples: a table-read feature is fitted on one row per training user

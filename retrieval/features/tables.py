@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from retrieval.common.errors import nearest_name
 from retrieval.config import FeatureConfig, TowerConfig, TowersConfig
 from retrieval.data import ITEM, TIME, USER, WEIGHT, DataError
 from retrieval.data.values import BadValues, feature_numbers
-from retrieval.errors import nearest_name
 
 if TYPE_CHECKING:
     from retrieval.features.histories import ClickHistories

@@ -14,7 +14,9 @@ import math
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +26,9 @@ import pandas as pd
 import pyarrow as pa
 
 import retrieval.index
-from retrieval.arrays import drop_members, write_faiss_index, write_parquet
+from retrieval.common.arrays import drop_members, write_faiss_index, write_parquet
 from retrieval.config import ConfigError, IndexConfig
-from retrieval.exact_topk import ExactTopK, checked_search_args
+from retrieval.index.exact_topk import ExactTopK, checked_search_args
 from retrieval.index.search import (
     MEASURED_ROUTING,
     ExactRouting,
@@ -43,6 +45,20 @@ ITEM_IDS_FILE = "item_ids.parquet"
 INDEX_INFO_FILE = "index.json"
 
 log = logging.getLogger("retrieval.index")
+
+# Allowed rows whose vectors a filtered exact search gathers at once: bounds its copy to 64 MiB at dim 64.
+ALLOWED_BLOCK = 262_144
+# A Flat index's few queries score the allowed rows gathered below this share of the catalogue, through FAISS
+# skipping the others (IDSelectorBitmap) above it: one query over 500k 64-d items, 2 busy cores (load 1-6, so
+# noisy), medians: 1 %: 0.2 ms gathered, 1.4 ms skipping; 10 %: 6.4 and 5.4 ms in one run, 6.9 and 10.7 ms in
+# another; 50 %: 31 and 12 ms.
+GATHER_BELOW_SHARE = 0.2
+# ... and only for fewer queries than this: FAISS scores a Flat index with a selector one query at a time, without
+# BLAS (64 queries over 500k items at 10 %: 1 s skipping, tens of ms gathered).
+SKIP_BELOW_QUERIES = 4
+ALLOW_CACHE = 16  # allow arrays whose checked rows and bitmap an ItemIndex keeps
+SUBINDEX_BYTES = 256 * 2**20  # their gathered vectors, all together (one at most a quarter of it)
+_NONE = np.zeros(0, np.int64)  # no rows excluded
 
 # FAISS's k-means (faiss.ClusteringParameters().min_points_per_centroid) warns below this many
 # training points per centroid; below one point per centroid it refuses to train.
@@ -137,6 +153,19 @@ class ItemIndex:
         self.search_params = ""
         self.set_search_params(search_params)
         self._direct_map_lock = threading.Lock()
+        # id(allow array) -> its checked rows, bitmap and (once scored exactly) gathered vectors: a filter's rows
+        # come back as one array object while its evaluation is cached (``FilterTable``), so they are checked,
+        # packed and gathered once (a per-filter sub-index), the last ALLOW_CACHE of them, vectors within
+        # SUBINDEX_BYTES.
+        self._allow_cache: OrderedDict[int, _Allowed] = OrderedDict()
+        self._allow_lock = threading.Lock()
+        # Passing vectors a filtered IVF search aims to score per result: it probes at least the lists that hold,
+        # at the filter's share, this many times k of them (``_search_within``; 0: its own nprobe, widened only
+        # until k items pass). An HNSW walks with efSearch / sqrt(share). Measured against 0 and against
+        # nprobe / share lists (as many passing vectors as an unfiltered search scores vectors):
+        # benchmarks/results/bench_filters.md.
+        self.filter_candidates = 10.0
+        self._graphs: tuple[Any, Any] | None = None  # (the IVF, the HNSW) under the wrappers, found on first use
 
     @classmethod
     def build(
@@ -293,6 +322,7 @@ class ItemIndex:
         queries: np.ndarray,
         k: int,
         exclude: Sequence[np.ndarray] | None = None,
+        allow: Sequence[np.ndarray | None] | None = None,
     ) -> TopK:
         """Top-k rows by inner product for each query.
 
@@ -301,15 +331,26 @@ class ItemIndex:
           k: results per query.
           exclude: optional per-query arrays of index rows that must not be
             returned (e.g. items the user already clicked).
+          allow: optional per-query arrays of the only index rows that may be
+            returned (a query's filters; None for a query without), exclusions
+            applied on top. Queries given the same array object are searched
+            together (``_search_within``).
 
         Returns:
           TopK with [num_queries, k] scores and rows.
 
         A Flat index searches with ``ExactTopK`` when ``self.routing`` says
         it is faster (it masks ``exclude`` in place instead of over-fetching),
-        with FAISS otherwise; both return the exact top-k.
+        with FAISS otherwise; both return the exact top-k. With ``allow`` a
+        Flat index returns the exact top-k of the allowed rows, and an
+        approximate one never fewer than min(k, allowed - excluded) rows.
         """
         queries = checked_search_args(queries, self.dim, k, exclude)
+        if allow is not None:
+            if len(allow) != len(queries):
+                raise ValueError(f"allow has {len(allow)} entries for {len(queries)} queries")
+            if any(rows is not None for rows in allow):
+                return self._search_allowed(queries, k, exclude, allow)
         if isinstance(self.index, faiss.IndexFlat) and self.index.metric_type == faiss.METRIC_INNER_PRODUCT:
             if self.routing.uses_exact_top_k(len(queries), len(self)) and np.all(np.isfinite(queries)):
                 scores, rows = ExactTopK(flat_vectors(self.index)).search(queries, k, exclude)
@@ -343,6 +384,206 @@ class ItemIndex:
                 top = _pad(found_scores, found_rows, k)
                 scores[i], rows[i] = top.scores[0], top.rows[0]
         return TopK(scores=scores, rows=rows)
+
+    def _search_allowed(
+        self, queries: np.ndarray, k: int, exclude: Sequence[np.ndarray] | None, allow: Sequence[np.ndarray | None]
+    ) -> TopK:
+        """``search`` with allow-lists: the queries sharing one allow array (the same object) in one search."""
+        first = allow[0]
+        if first is not None and all(allowed is first for allowed in allow):  # one filter for the batch
+            return self._search_within(queries, k, exclude, self._allowed(first))
+        scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
+        rows = np.full((len(queries), k), -1, dtype=np.int64)
+        groups: dict[int, list[int]] = {}
+        for position, allowed in enumerate(allow):
+            groups.setdefault(id(allowed), []).append(position)
+        for members in map(np.array, groups.values()):
+            allowed = allow[int(members[0])]
+            excluded = None if exclude is None else [exclude[int(i)] for i in members]
+            if allowed is None:
+                top = self.search(queries[members], k, excluded)
+            else:
+                top = self._search_within(queries[members], k, excluded, self._allowed(allowed))
+            scores[members], rows[members] = top.scores, top.rows
+        return TopK(scores=scores, rows=rows)
+
+    def _allowed(self, allowed: np.ndarray) -> _Allowed:
+        """An allow array's sorted distinct int64 rows and their bitmap (bit r of byte r // 8 for row r),
+        kept for the last ``ALLOW_CACHE`` arrays; ValueError naming a row outside the index."""
+        with self._allow_lock:
+            cached = self._allow_cache.get(id(allowed))
+            if cached is not None and cached.source is allowed and cached.ntotal == len(self):
+                self._allow_cache.move_to_end(id(allowed))
+                return cached
+        rows = np.asarray(allowed, dtype=np.int64).reshape(-1)
+        if len(rows) > 1 and not bool(np.all(rows[1:] > rows[:-1])):  # a filter's rows come sorted: no sort
+            rows = np.unique(rows)
+        if len(rows) and (rows[0] < 0 or rows[-1] >= len(self)):
+            outside = int(rows[0] if rows[0] < 0 else rows[-1])
+            raise ValueError(f"allow names row {outside}, which is not in the index (rows 0..{len(self) - 1})")
+        mask = np.zeros(len(self), dtype=bool)
+        mask[rows] = True
+        entry = _Allowed(allowed, rows, np.packbits(mask, bitorder="little"), len(self))
+        with self._allow_lock:
+            self._allow_cache[id(allowed)] = entry
+            while len(self._allow_cache) > ALLOW_CACHE:
+                self._allow_cache.popitem(last=False)
+        return entry
+
+    def _gathered(self, entry: _Allowed, gather: Callable[[np.ndarray], np.ndarray]) -> np.ndarray | None:
+        """``entry``'s vectors [allowed, dim] float32, gathered once and kept while the cache's gathered
+        vectors stay within ``SUBINDEX_BYTES`` (older entries' dropped first); None when too large to keep."""
+        size = len(entry.rows) * self.dim * 4
+        if size > SUBINDEX_BYTES // 4:
+            return None
+        vectors = entry.vectors
+        if vectors is None:
+            vectors = np.ascontiguousarray(gather(entry.rows), dtype=np.float32)
+            with self._allow_lock:
+                entry.vectors = vectors
+                kept = sum(other.vectors.nbytes for other in self._allow_cache.values() if other.vectors is not None)
+                for other in list(self._allow_cache.values()):
+                    if kept <= SUBINDEX_BYTES:
+                        break
+                    if other is not entry and other.vectors is not None:
+                        kept -= other.vectors.nbytes
+                        other.vectors = None
+        return vectors
+
+    def _search_within(
+        self, queries: np.ndarray, k: int, exclude: Sequence[np.ndarray] | None, entry: _Allowed
+    ) -> TopK:
+        """Top-k of ``queries`` [n, dim] among the sorted rows ``allowed``, never a row of ``exclude``.
+
+        A Flat index scores exactly the allowed rows: their vectors gathered once per filter and kept
+        (``_gathered``: a per-filter sub-index) and scored (``_exact_within``); when they are too many
+        to keep, by FAISS skipping every other row (an ``IDSelectorBitmap``) for fewer than
+        ``SKIP_BELOW_QUERIES`` queries when at least ``GATHER_BELOW_SHARE`` of the catalogue passes,
+        else gathered a block at a time.
+        Other indexes search with FAISS skipping every other row too: an IVF probes its nprobe lists,
+        or more: enough to hold ``self.filter_candidates`` x k passing vectors at the filter's share
+        (share = allowed / ntotal; lists of ntotal / nlist vectors), unless the allowed rows are fewer
+        than the entries of the lists it would probe: then their vectors are read back and scored
+        exactly (``_exact_within``, a plain IVF only). An HNSW walks with ``efSearch / sqrt(share)``. A query
+        that still gets fewer than min(k, allowed - excluded) rows is searched again 4x wider, up to
+        every list or the whole graph. Excluded rows are over-fetched and dropped, as ``search`` does
+        without ``allow``.
+        """
+        num, allowed, bitmap = len(queries), entry.rows, entry.bitmap
+        excluding = exclude is not None and any(len(rows) for rows in exclude)
+        if not excluding:
+            excluded = [_NONE] * num
+        else:
+            excluded = [np.intersect1d(np.asarray(rows, dtype=np.int64), allowed) for rows in exclude]  # type: ignore[union-attr]
+        if len(allowed) == 0:
+            return _pad(np.zeros((num, 0), np.float32), np.zeros((num, 0), np.int64), k)
+        share = len(allowed) / entry.ntotal
+        if isinstance(self.index, faiss.IndexFlat) and self.index.metric_type == faiss.METRIC_INNER_PRODUCT:
+            gather = flat_vectors(self.index).__getitem__
+            kept = self._gathered(entry, gather)
+            if kept is not None or share < GATHER_BELOW_SHARE or num >= SKIP_BELOW_QUERIES:
+                return self._exact_within(queries, k, excluded, allowed, gather, kept)
+        if entry.selector is None:  # made once per allow array; ``bitmap`` lives as long as the entry
+            entry.selector = faiss.IDSelectorBitmap(len(bitmap), faiss.swig_ptr(bitmap))
+        selector = entry.selector
+        if self._graphs is None:  # the IVF or HNSW under the index's wrappers: found once
+            self._graphs = (faiss.try_extract_index_ivf(self.index), _hnsw_of(self.index))
+        ivf, hnsw = self._graphs
+        plan_key = (ivf.nprobe if ivf is not None else hnsw.hnsw.efSearch if hnsw is not None else 0, k,
+                    self.filter_candidates)
+        plan = entry.plans.get(plan_key)  # (first breadth, widest, whether to score the allowed rows exactly)
+        if plan is None:
+            if ivf is not None:
+                lists_for_candidates = self.filter_candidates * k / (share * entry.ntotal / ivf.nlist)
+                breadth, widest = max(ivf.nprobe, math.ceil(lists_for_candidates)), ivf.nlist
+            elif hnsw is not None:
+                breadth, widest = math.ceil(max(hnsw.hnsw.efSearch, k) / math.sqrt(share)), entry.ntotal
+            else:
+                breadth, widest = 0, 0
+            exact = (isinstance(self.index, faiss.IndexIVF) and ivf is not None
+                     and len(allowed) <= min(breadth, widest) / ivf.nlist * entry.ntotal)
+            plan = entry.plans[plan_key] = (breadth, widest, exact)
+        breadth, widest, exact = plan
+        if exact:
+            # Fewer allowed rows than the lists to probe hold: scoring them all is exact and costs less
+            # (a gathered matrix product against a per-entry selector check and distance).
+            try:
+                kept = self._gathered(entry, self.vectors)
+                return self._exact_within(queries, k, excluded, allowed, self.vectors, kept)
+            except ValueError:  # vectors FAISS cannot give back: probe the lists
+                pass
+        depth = int(min(k + max(len(rows) for rows in excluded), len(allowed))) if excluding else min(k, len(allowed))
+        result: TopK | None = None
+        pending: np.ndarray | None = None  # the queries searched again, None: all of them
+        while True:
+            breadth = min(breadth, widest)
+            params = entry.params.get(breadth)
+            if params is None:
+                params = _skipping_params(self.index, selector, breadth, nprobe=breadth if ivf is not None else None)[0]
+                entry.params[breadth] = params
+            try:
+                asked = queries if pending is None else queries[pending]
+                found_scores, found_rows = self.index.search(asked, depth, params=params)
+            except RuntimeError:  # an index type FAISS cannot filter while searching: score the allowed rows
+                return self._exact_within(queries, k, excluded, allowed, self.vectors)
+            if excluding:
+                owners = range(num) if pending is None else pending
+                found_rows, found_scores = drop_members(found_rows, found_scores, [excluded[int(i)] for i in owners])
+            missing = found_rows.shape[1] < k or bool((found_rows[:, :k] < 0).any())
+            top = _pad(found_scores[:, :k], found_rows[:, :k], k) if missing else TopK(found_scores[:, :k],
+                                                                                        found_rows[:, :k])
+            if result is None:
+                result = top  # the first search answers every query
+            else:
+                result.scores[pending], result.rows[pending] = top.scores, top.rows
+            if not missing or breadth >= widest:
+                break
+            left = len(allowed) - np.array([len(rows) for rows in excluded], dtype=np.int64)
+            wanted = np.minimum(k, left if pending is None else left[pending])
+            short = (top.rows >= 0).sum(axis=1) < wanted
+            if not short.any():
+                break
+            pending, breadth = (np.arange(num) if pending is None else pending)[short], breadth * 4
+        assert result is not None  # num >= 1: the loop ran
+        return result
+
+    def _exact_within(
+        self,
+        queries: np.ndarray,
+        k: int,
+        excluded: Sequence[np.ndarray],
+        allowed: np.ndarray,
+        gather: Callable[[np.ndarray], np.ndarray],
+        kept: np.ndarray | None = None,
+    ) -> TopK:
+        """The exact top-k among the sorted rows ``allowed`` (``excluded`` [n] sorted subsets of them left out):
+        their vectors gathered ``ALLOWED_BLOCK`` rows at a time (``gather(rows)`` -> [m, dim]) and
+        scored by ``ExactTopK`` where ``self.routing`` sends such a batch (it masks the exclusions),
+        by FAISS's brute force over the block otherwise (over-fetching the exclusions); the blocks'
+        best merged. ``kept``: the allowed rows' vectors [allowed, dim] already gathered (one block)."""
+        num = len(queries)
+        scores = np.full((num, k), -np.inf, dtype=np.float32)
+        rows = np.full((num, k), -1, dtype=np.int64)
+        step = len(allowed) if kept is not None else ALLOWED_BLOCK
+        for start in range(0, len(allowed), max(step, 1)):
+            block = allowed[start : start + step]
+            vectors = kept if kept is not None else np.ascontiguousarray(gather(block), dtype=np.float32)
+            # Positions of the excluded rows in this block (each is an allowed row, so found exactly).
+            local = [np.searchsorted(block, own[(own >= block[0]) & (own <= block[-1])]) for own in excluded]
+            if self.routing.uses_exact_top_k(num, len(block)) and np.all(np.isfinite(queries)):
+                found_scores, found_rows = ExactTopK(vectors).search(queries, k, local)
+            else:
+                depth = min(k + max(len(own) for own in local), len(block))
+                found_scores, found_rows = faiss.knn(queries, vectors, depth, metric=faiss.METRIC_INNER_PRODUCT)
+                found_rows, found_scores = drop_members(found_rows, found_scores, local)
+                top = _pad(found_scores[:, :k], found_rows[:, :k], k)
+                found_scores, found_rows = top.scores, top.rows
+            found_rows = np.where(found_rows >= 0, block[np.maximum(found_rows, 0)], -1)
+            merged_scores = np.hstack([scores, np.where(found_rows >= 0, found_scores, -np.inf)])
+            merged_rows = np.hstack([rows, found_rows])
+            best = np.argsort(-merged_scores, axis=1, kind="stable")[:, :k]
+            scores, rows = np.take_along_axis(merged_scores, best, 1), np.take_along_axis(merged_rows, best, 1)
+        return _pad(scores, np.where(np.isneginf(scores), -1, rows), k)
 
     def _search_skipping(
         self, query: np.ndarray, k: int, excluded: np.ndarray, wanted: int
@@ -510,25 +751,29 @@ def _wanted(k: int, exclude: Sequence[np.ndarray], num_items: int) -> np.ndarray
 
 
 def _skipping_params(
-    index: faiss.Index, selector: faiss.IDSelector, breadth: int
+    index: faiss.Index, selector: faiss.IDSelector, breadth: int, nprobe: int | None = None
 ) -> tuple[faiss.SearchParameters, bool]:
     """(search parameters that make ``index`` skip the rows ``selector`` rejects, through its wrappers;
     whether ``breadth`` widens the search: an HNSW's efSearch).
+
+    An IVF probes every list, so every item is reachable, or ``nprobe`` lists when given (a
+    filter's search widens them itself).
 
     FAISS's Python layer keeps the selector and nested parameters given as keywords alive; its type
     stubs list no keywords, hence the ignores.
     """
     if isinstance(index, faiss.IndexPreTransform):  # OPQ, PCA: the selector goes to the wrapped index
-        inner, widens = _skipping_params(faiss.downcast_index(index.index), selector, breadth)
+        inner, widens = _skipping_params(faiss.downcast_index(index.index), selector, breadth, nprobe)
         return faiss.SearchParametersPreTransform(index_params=inner), widens  # type: ignore[call-arg]
     if isinstance(index, faiss.IndexRefine):
-        inner, widens = _skipping_params(faiss.downcast_index(index.base_index), selector, breadth)
+        inner, widens = _skipping_params(faiss.downcast_index(index.base_index), selector, breadth, nprobe)
         refine = faiss.IndexRefineSearchParameters(  # type: ignore[call-arg]
             k_factor=index.k_factor, sel=selector, base_index_params=inner
         )
         return refine, widens
     if isinstance(index, faiss.IndexIVF):  # every list: all items reachable
-        return faiss.SearchParametersIVF(sel=selector, nprobe=index.nlist), False  # type: ignore[call-arg]
+        lists = index.nlist if nprobe is None else max(1, min(nprobe, index.nlist))
+        return faiss.SearchParametersIVF(sel=selector, nprobe=lists), False  # type: ignore[call-arg]
     if isinstance(index, faiss.IndexHNSW):
         hnsw = faiss.SearchParametersHNSW(  # type: ignore[attr-defined]
             sel=selector, efSearch=max(index.hnsw.efSearch, breadth)
@@ -676,3 +921,28 @@ class _BlockedTopK:
     def result(self) -> TopK:
         assert self.scores is not None and self.rows is not None, "no block was added"
         return TopK(scores=self.scores, rows=self.rows)
+
+
+@dataclass
+class _Allowed:
+    """An allow array (``source``) checked against an index of ``ntotal`` rows: its sorted distinct ``rows``
+    [m] int64, their ``bitmap`` [ceil(ntotal / 8)] uint8 and, once gathered, their ``vectors`` [m, dim]."""
+
+    source: np.ndarray
+    rows: np.ndarray
+    bitmap: np.ndarray
+    ntotal: int
+    vectors: np.ndarray | None = None
+    selector: Any = None  # faiss.IDSelectorBitmap over ``bitmap``, made on the first search that needs it
+    params: dict[int, Any] = field(default_factory=dict)  # breadth -> faiss SearchParameters with ``selector``
+    plans: dict[tuple, tuple[int, int, bool]] = field(default_factory=dict)  # ``_search_within``'s first breadth
+
+
+def _hnsw_of(index: faiss.Index) -> faiss.IndexHNSW | None:
+    """The HNSW graph index under ``index``'s wrappers (OPQ/PCA transforms, a refinement), or None."""
+    if isinstance(index, faiss.IndexPreTransform):
+        return _hnsw_of(faiss.downcast_index(index.index))
+    if isinstance(index, faiss.IndexRefine):
+        return _hnsw_of(faiss.downcast_index(index.base_index))
+    return index if isinstance(index, faiss.IndexHNSW) else None
+

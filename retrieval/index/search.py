@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from retrieval.exact_topk import ExactTopK
+from retrieval.index.exact_topk import ExactTopK
 
 
 @dataclass(frozen=True)

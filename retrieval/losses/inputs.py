@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from retrieval.replicas import across_replicas, replica_row_offset, replicas_in_step
+from retrieval.common.replicas import across_replicas, replica_row_offset, replicas_in_step
 from retrieval.samplers import Negatives
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from retrieval.replicas import global_batch_size
+from retrieval.common.replicas import global_batch_size
 from retrieval.samplers.base import Negatives, Sampler
 from retrieval.samplers.corpus import CorpusSampler
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
-from retrieval.replicas import replicas_in_step
+from retrieval.common.replicas import replicas_in_step
 from retrieval.samplers.base import Negatives, Sampler
 from retrieval.samplers.kernel_tree import KernelTreeStatistics
 

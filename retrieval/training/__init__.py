@@ -7,8 +7,9 @@ tables, the chief's coordinator), ``sources`` (click frame or streamed shards, o
 epoch at a time), ``worker_input`` (a source's batches staged for a cluster's workers
 to read through the tf.data service), ``cluster`` (a worker or ps task's server),
 ``checkpoints``, ``loop`` (the step loop every run uses), ``early_stopping``,
-``fit`` (selection + final run), ``embeddings``, ``warm_start`` (a run trained on from a
-finished run's weights, its vocabularies grown by id).
+``fit`` (selection + final run), ``embeddings``, ``checkpoint_directory`` (the directory the
+job gives ``fit``: located, locked, checked on resume, cleaned up), ``warm_start`` (a run trained
+on from a finished run's weights, its vocabularies grown by id).
 """
 
 from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -15,7 +14,8 @@ from pathlib import Path
 import faiss
 import tensorflow as tf
 
-from retrieval.arrays import write_faiss_index
+from retrieval.common.arrays import write_faiss_index
+from retrieval.common.atomic import atomic_file
 from retrieval.model import TwoTowerModel
 from retrieval.training.runtime import gather_workers, worker_count
 
@@ -168,11 +168,11 @@ class TrainingCheckpoint:
         try:
             miner_index = self._miner is not None and self._miner.index is not None
             if self._miner is not None and miner_index:
-                write_faiss_index(self._miner.index, self.directory / f".miner-{step}.tmp")
-                os.replace(self.directory / f".miner-{step}.tmp", self.directory / f"miner-{step}.faiss")
+                with atomic_file(self.directory / f"miner-{step}.faiss") as partial:
+                    write_faiss_index(self._miner.index, partial)
             saved = {**dataclasses.asdict(state), "miner_index": miner_index}
-            (self.directory / f".state-{step}.tmp").write_text(json.dumps(saved))
-            os.replace(self.directory / f".state-{step}.tmp", self.directory / f"state-{step}.json")
+            with atomic_file(self.directory / f"state-{step}.json") as partial:
+                partial.write_text(json.dumps(saved))
             self._manager.save(checkpoint_number=step)
         except BaseException:  # a full disk, Ctrl-C: the previous checkpoint stays the one to resume from
             self._discard(step)
@@ -192,7 +192,7 @@ class TrainingCheckpoint:
             return
         for path in self.directory.glob(f"ckpt-{step}_temp*"):
             shutil.rmtree(path, ignore_errors=True)
-        for path in [*self.directory.glob(f"ckpt-{step}.*"), *self.directory.glob(f".*-{step}.tmp"),
+        for path in [*self.directory.glob(f"ckpt-{step}.*"), *self.directory.glob(f".*-{step}.*.tmp"),
                      self.directory / f"state-{step}.json", self.directory / f"miner-{step}.faiss"]:
             path.unlink(missing_ok=True)
 

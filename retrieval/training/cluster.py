@@ -27,7 +27,7 @@ import sys
 
 import tensorflow as tf
 
-from retrieval.errors import entry_point
+from retrieval.common.errors import entry_point
 from retrieval.training.interfaces import ALLOW_ALL_INTERFACES, check_listening
 from retrieval.training.parameter_server import ClusterError, read_tf_config
 from retrieval.training.worker_input import start_data_worker

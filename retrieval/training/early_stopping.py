@@ -11,8 +11,8 @@ import tensorflow as tf
 from retrieval.config import SplitConfig
 from retrieval.data import ITEM, TIME, USER, split_clicks
 from retrieval.data.splits import validation_carve
-from retrieval.exact_topk import ExactTopK
 from retrieval.features import feature_arrays
+from retrieval.index.exact_topk import ExactTopK
 from retrieval.model import TwoTowerModel
 from retrieval.training.sources import ClickSource, FrameClicks
 

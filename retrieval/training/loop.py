@@ -29,7 +29,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from retrieval.errors import UserError
+from retrieval.common.errors import UserError
 from retrieval.model import TwoTowerModel
 from retrieval.training.checkpoints import TrainingCheckpoint, TrainingState
 from retrieval.training.parameter_server import ClusterError, chief_coordinator

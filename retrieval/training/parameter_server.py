@@ -22,8 +22,8 @@ from collections.abc import Iterable
 
 import tensorflow as tf
 
+from retrieval.common.errors import UserError
 from retrieval.config import Config, ParameterServerConfig
-from retrieval.errors import UserError
 from retrieval.training.interfaces import check_listening
 from retrieval.training.runtime import tf_config
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,7 @@ from retrieval.samplers import StreamingFrequency
 log = logging.getLogger("retrieval")
 
 STATE_DIR = "warm_start"
-_ARRAYS = "state.npz"
+_ARRAYS = "arrays"  # one .npy file an array: written one at a time, never all held at once
 _INFO = "state.json"
 # The optimizers' per-variable slot lists (tf-keras optimizers index them by ``_index_dict``).
 _SLOT_LISTS = ("_momentums", "_velocities", "_velocity_hats", "_accumulators")
@@ -92,23 +91,24 @@ def save_training_state(
 ) -> None:
     """Write what a warm start from this run reads into ``directory/warm_start/``.
 
-    ``state.npz``: ``variable/<i>`` for each of ``model.variables`` (in order), ``slot/<list>/<i>`` for
-    the optimizer's slots of variable ``i``, ``vocabulary/<lookup>`` for each lookup that indexes a
-    table, ``users``, ``items`` and ``item_counts`` (the training statistics), ``catalogue`` (the
-    index's item ids in index order, which the bundle's seen items are rows of). ``state.json``: the
+    ``arrays/`` (one ``.npy`` file an array, written as it is read from its variable, so no more
+    than one table is copied in memory at a time): ``variable/<i>`` for each of ``model.variables``
+    (in order), ``slot/<list>/<i>`` for the optimizer's slots of variable ``i``,
+    ``vocabulary/<lookup>`` for each lookup that indexes a table, ``users``, ``items`` and
+    ``item_counts`` (the training statistics), ``catalogue`` (the index's item ids in index order,
+    which the bundle's seen items are rows of). ``state.json``: the
     variables' names and shapes, which lookup indexes each table and its OOV rows, the optimizer's
     class and step, and the feature towers' numeric statistics.
     """
     folder = Path(directory) / STATE_DIR
-    folder.mkdir(parents=True, exist_ok=True)
+    (folder / _ARRAYS).mkdir(parents=True, exist_ok=True)
     tables = _table_lookups(model)
     optimizer = getattr(model, "optimizer", None)
-    arrays: dict[str, np.ndarray] = {
-        "users": np.asarray(stats.users.ids, dtype=str),
-        "items": np.asarray(stats.items.ids, dtype=str),
-        "item_counts": np.asarray(stats.item_popularity.counts[1:], dtype=np.float64),
-        "catalogue": np.asarray(catalogue, dtype=str),
-    }
+    arrays = _Arrays(folder / _ARRAYS)
+    arrays["users"] = np.asarray(stats.users.ids, dtype=str)
+    arrays["items"] = np.asarray(stats.items.ids, dtype=str)
+    arrays["item_counts"] = np.asarray(stats.item_popularity.counts[1:], dtype=np.float64)
+    arrays["catalogue"] = np.asarray(catalogue, dtype=str)
     variables: list[dict[str, Any]] = []
     lookups: dict[str, int] = {}
     for position, variable in enumerate(model.variables):
@@ -136,8 +136,27 @@ def save_training_state(
         },
         "numeric_statistics": numeric,
     }
-    np.savez(folder / _ARRAYS, **arrays)  # type: ignore[arg-type]  # numpy stubs type **kwds as allow_pickle
     (folder / _INFO).write_text(json.dumps(info, indent=1))
+
+
+class _Arrays:
+    """Arrays by name, one ``<name>.npy`` file each under ``folder`` ("/" in a name becomes "."): set
+    writes the file, get reads it (``np.load``, no pickles)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def _path(self, name: str) -> Path:
+        return self.folder / (name.replace("/", ".") + ".npy")
+
+    def __setitem__(self, name: str, array: np.ndarray) -> None:
+        np.save(self._path(name), array, allow_pickle=False)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return np.load(self._path(name), allow_pickle=False)
+
+    def get(self, name: str) -> np.ndarray | None:
+        return self[name] if self._path(name).is_file() else None
 
 
 @dataclass(frozen=True)
@@ -146,12 +165,12 @@ class ParentState:
 
     Attributes:
       directory: the parent run directory.
-      arrays: ``state.npz``'s arrays by name (loaded lazily by numpy).
+      arrays: the saved arrays by name, each read from its file when asked for.
       info: ``state.json``.
     """
 
     directory: Path
-    arrays: Mapping[str, np.ndarray]
+    arrays: _Arrays
     info: dict[str, Any]
 
     @classmethod
@@ -159,16 +178,13 @@ class ParentState:
         """The state under ``directory/warm_start/``; a ``ConfigError`` naming ``train.warm_start`` when absent."""
         directory = Path(directory)
         folder = directory / STATE_DIR
-        if not (folder / _INFO).is_file() or not (folder / _ARRAYS).is_file():
+        if not (folder / _INFO).is_file() or not (folder / _ARRAYS).is_dir():
             raise ConfigError(
                 f"train.warm_start={str(directory)!r} holds no training state ({STATE_DIR}/{_INFO} and {_ARRAYS}): "
-                "a run directory written by `retrieval train` keeps it; a bundle copied without it, or "
-                "written before warm starts existed, cannot be trained on from"
+                "a run directory written by `retrieval train` keeps it unless export.warm_start_state was false; a "
+                "bundle copied without it, or written before warm starts existed, cannot be trained on from"
             )
-        info = json.loads((folder / _INFO).read_text())
-        with np.load(folder / _ARRAYS) as loaded:
-            arrays = {name: loaded[name] for name in loaded.files}
-        return cls(directory, arrays, info)
+        return cls(directory, _Arrays(folder / _ARRAYS), json.loads((folder / _INFO).read_text()))
 
     def vocabulary(self, lookup: str) -> list[str]:
         return self.arrays[f"vocabulary/{lookup}"].tolist()
@@ -271,7 +287,9 @@ def _row_maps(model: tf.keras.Model, parent: ParentState) -> list[tuple[np.ndarr
             if shape != parent_shape:
                 raise ConfigError(
                     f"train.warm_start: variable {variable.name} has shape {shape}, the parent's {record['name']} "
-                    f"{parent_shape}: the tower shape differs (model.embedding_dim, towers, MLP sizes ...)"
+                    f"{parent_shape} and no vocabulary indexes its rows: the tower shape differs (model.embedding_dim, "
+                    "towers, MLP sizes ...), or it is a sampler's table sized by the catalogue, which a warm start "
+                    "cannot grow by id"
                 )
             maps.append(None)
             continue

@@ -19,8 +19,8 @@ from typing import Any, Literal
 import optuna
 import yaml
 
+from retrieval.common.errors import UserError, yaml_problem
 from retrieval.config import Config, ConfigError, read_yaml
-from retrieval.errors import UserError, yaml_problem
 
 # What every trial sets on top of the base config: they change what a trial costs, where it writes
 # and which part scores it, not the settings searched, so best.yaml leaves them out (the base

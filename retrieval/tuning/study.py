@@ -12,13 +12,12 @@ and, once a trial completed, ``best.yaml`` and ``best.json``.
 from __future__ import annotations
 
 import csv
-import fcntl
 import json
 import logging
 import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,8 @@ import yaml
 from optuna.trial import FrozenTrial, TrialState
 
 import retrieval.tuning
+from retrieval.common.atomic import atomic_file
+from retrieval.common.lock import exclusive_lock
 from retrieval.config import Config, ConfigError
 from retrieval.training import TrainingDiverged
 from retrieval.tuning.space import Param, TuneError, scored_on, trial_settings, value_at, with_values
@@ -84,14 +85,10 @@ def _comparable(config: Config) -> dict[str, Any]:
     return _flat({k: v for k, v in config.to_dict().items() if k != "run"})
 
 
-@contextmanager
-def _study_lock(study_dir: Path) -> Iterator[None]:
-    with open(study_dir / ".lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise TuneError(f"another tune process is running the study in {study_dir}") from None
-        yield
+def _study_lock(study_dir: Path) -> AbstractContextManager[None]:
+    return exclusive_lock(
+        study_dir / ".lock", held=lambda: TuneError(f"another tune process is running the study in {study_dir}")
+    )
 
 
 def _open_study(study_dir: Path, base: Config, space: list[Param], settings: TuneSettings) -> optuna.Study:
@@ -191,8 +188,7 @@ def write_outputs(study: optuna.Study, study_dir: Path, base: Config, space: lis
     trials = study.get_trials(deepcopy=False)
     extra = sorted({k for t in trials for k in t.user_attrs})
     columns = ["number", "state", "value", "seconds", *extra, "val_recall_by_epoch", *(p.key for p in space)]
-    partial = study_dir / ".trials.csv.tmp"
-    with open(partial, "w", newline="") as handle:
+    with atomic_file(study_dir / "trials.csv") as partial, open(partial, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(columns)
         for t in trials:
@@ -207,7 +203,6 @@ def write_outputs(study: optuna.Study, study_dir: Path, base: Config, space: lis
                 *(t.user_attrs.get(k, "") for k in extra), json.dumps(steps) if steps else "",
                 *(t.params.get(p.key, "") for p in space),
             ])
-    partial.replace(study_dir / "trials.csv")
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if not complete:
         return

@@ -1,0 +1,1174 @@
+"""Serve top-k for raw queries from an exported bundle.
+
+Loads the query SavedModel with plain ``tf.saved_model.load`` (no project
+code needed to run it), the FAISS index and the row -> item-id map::
+
+    bundle = Bundle.load("artifacts/my-run")
+    bundle.recommend({"user_id": "196"}, k=10, exclude_item_ids=["242"])
+    bundle.similar_items("242", k=10)  # the items nearest item 242's embedding, never 242 itself
+
+or from a shell::
+
+    python -m retrieval.serving --bundle artifacts/my-run --user-id 196 -k 10
+    python -m retrieval.serving --bundle artifacts/my-run --similar 242 -k 10
+    python -m retrieval.serving --bundle artifacts/my-run --users users.txt|all -k 100 --out recs.parquet
+
+(``retrieval recommend`` takes the same arguments; ``--out`` runs ``retrieval.serving.batch``.)
+
+What a user already has is never served by default: the user's training
+items (the bundle's ``seen_items/``, ``retrieval.bundle.seen_items``) and the items
+of the query's click history; ``exclude_seen=False`` (``--include-seen``)
+serves them too.
+
+Over HTTP, ``retrieval serve --bundle artifacts/my-run`` (``retrieval/serving/http/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import tensorflow as tf
+
+from retrieval.bundle.display_features import DisplayFeatures
+from retrieval.bundle.fingerprints import check_fingerprints, served_files
+from retrieval.bundle.manifest import MANIFEST_FILE, ManifestError, read_manifest
+from retrieval.bundle.parts import DisplayFeaturesPart, SeenItemsPart, UserFeaturesPart, UserHistoriesPart
+from retrieval.bundle.seen_items import SeenItems, find_sorted
+from retrieval.bundle.user_features import UserFeatures
+from retrieval.bundle.user_histories import UserHistories
+from retrieval.common.errors import UserError, entry_point
+from retrieval.data.values import finite_feature_value
+from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFilesError, ItemIndex
+from retrieval.serving.item_filters import FilterTable, ItemFilters, parse_filters
+from retrieval.serving.request_checks import (
+    RequestError,
+    check_query_keys,
+    checked_id,
+    checked_id_lists,
+    checked_ids,
+    checked_k,
+)
+from retrieval.serving.request_checks import short as _short
+
+log = logging.getLogger("retrieval.serving")
+
+Verify = Literal["quick", "full"]
+# Scores of the probe query equal those at export within this (absolute and relative); ids may reorder in ties.
+PROBE_TOLERANCE = 1e-5
+# How a sent click history is ordered: the most recent click first (what the query tower reads, and the
+# order of a bundle's stored histories), or time order (oldest first, as a sequences file lists a user's items).
+HistoryOrder = Literal["newest_first", "oldest_first"]
+HISTORY_ORDERS: tuple[HistoryOrder, ...] = ("newest_first", "oldest_first")
+# A query embedding's norm may be this factor below the smallest or above the largest the training users'
+# queries had at export (the manifest's query_norms): users unseen in training embed a little apart.
+QUERY_NORM_MARGIN = 10.0
+# Bytes hashed at each end of every bundle file when /healthz checks that the files are those loaded.
+WATCH_BYTES = 64 * 1024
+
+
+class BundleError(UserError, ValueError):
+    """A bundle that cannot be served: one line naming the directory, the part and why.
+
+    The message never quotes file contents (FAISS and TensorFlow errors echo
+    bytes of the file they failed on), so it is safe to print or send back.
+    """
+
+
+
+
+@dataclass(frozen=True)
+class Recommendations:
+    """Top-k for one query, best first.
+
+    ``fallback`` says how the list was made when the model did not know the
+    query's id: ``"popular"`` for a query the towers know nothing about (an
+    ID-only tower and a user id never seen in training: popularity order, no
+    scores); ``"features"`` for an unknown id that a feature tower embedded from
+    its other features (scores as usual); else None.
+    """
+
+    item_ids: list[str]
+    scores: list[float | None]
+    fallback: str | None = None
+
+
+class Bundle:
+    """A loaded bundle: query model + index + item ids + manifest.
+
+    ``Bundle.load`` raises BundleError (one line, no file bytes) for any
+    bundle it cannot serve: missing or corrupt manifest, SavedModel, index or
+    item ids, or parts that do not fit together. Before anything is loaded,
+    every file under the manifest's ``files`` must stay inside the bundle and
+    match its fingerprint (``verify``: "quick" hashes files up to 64 MiB whole
+    and larger ones by size and both ends, "full" every file whole); then the
+    query model's output dimension must equal the index's, item ids must be
+    unique, and the manifest's probe query must give the items it gave at
+    export (``check_probe``). Format 1 bundles (no fingerprints, no probe)
+    load with a warning.
+
+    ``manifest_model`` is the typed manifest (``retrieval.bundle.manifest.Manifest``, migrated to
+    the current shape), ``manifest`` the same as JSON values.
+    """
+
+    def __init__(self, directory: str | Path, *, verify: Verify = "quick"):
+        if verify not in ("quick", "full"):
+            raise ValueError(f"verify must be 'quick' or 'full', got {verify!r}")
+        self.directory = Path(directory)
+        self.loaded_at = time.time()
+        with _part(self.directory, "manifest.json"):
+            # Typed and migrated to the current shape (``retrieval.bundle.manifest``); ``manifest`` is its JSON.
+            self.manifest_model = read_manifest(self.directory)
+            self.manifest: dict[str, Any] = self.manifest_model.to_dict()
+            self.query_features: list[str] = list(self.manifest_model.query_features)
+            query_model = self.manifest_model.files["query_model"]
+        # Taken before the fingerprint check, compared again after the last part is read: the parts
+        # in memory are then the files that were checked (``changed_files``).
+        self._watched = self._served_states(missing_ok=True)
+        self._check_files(verify)
+        with _part(self.directory, f"query SavedModel {query_model!r}"):
+            self._query_model = tf.saved_model.load(str(self.directory / query_model))
+            self._embed = self._query_model.signatures["serving_default"]
+            # Bundles whose query tower reads id features say which ids it knew (bundle.saved_models.save_tower).
+            self._reports_known_ids = "known_ids" in self._embed.structured_outputs
+            # name -> TensorSpec: string [batch], float32/float64 [batch] or string [batch, width].
+            self._input_specs: dict[str, tf.TensorSpec] = dict(self._embed.structured_input_signature[1])
+        missing = [f for f in self.query_features if f not in self._input_specs]
+        if missing:
+            raise BundleError(
+                f"{self.directory}: the query SavedModel does not take the manifest's query features {missing} "
+                f"(it takes {sorted(self._input_specs)})"
+            )
+        with _part(self.directory, "index (index.faiss, index.json, item_ids.parquet)"):
+            self.index = ItemIndex.load(self.directory)
+        if len(self.index.item_ids) != self.index.index.ntotal:
+            raise BundleError(
+                f"{self.directory}: item_ids.parquet holds {len(self.index.item_ids)} ids for "
+                f"{self.index.index.ntotal} vectors in index.faiss"
+            )
+        # A query model from another run of another dimension would fail every request, not the load.
+        query_dim = self._embed.structured_outputs["embedding"].shape[-1]
+        if query_dim is not None and query_dim != self.index.dim:
+            raise BundleError(
+                f"{self.directory}: the query model ({query_model}) embeds into {query_dim} dimensions but "
+                f"index.faiss holds {self.index.dim}-dimensional vectors: the bundle's parts do not belong together"
+            )
+        if self.manifest.get("embedding_dim", self.index.dim) != self.index.dim:
+            raise BundleError(
+                f"{self.directory}: manifest.json embedding_dim is {_short(self.manifest['embedding_dim'])} but "
+                f"index.faiss holds {self.index.dim}-dimensional vectors: the bundle's parts do not belong together"
+            )
+        self._id_array = np.array([str(item) for item in self.index.item_ids], dtype=object)
+        self._row_of = {item: row for row, item in enumerate(self.index.item_ids)}
+        self._popular_rows = np.array(
+            [self._row_of[item] for item in self.manifest.get("popular_item_ids", []) if item in self._row_of],
+            dtype=np.int64,
+        )
+        self.seen_items = self._load_seen_items()
+        self._user_input, self._history_input = self.manifest_model.user_input, self.manifest_model.history_input
+        # What a query may hold: the tower's inputs and the user id (its training items are excluded).
+        self._query_keys = list(dict.fromkeys([*self.query_features, self._user_input]))
+        self._unread_key_notes = {} if self._history_input is not None else {
+            "history": "its query tower reads no click history, so a history would neither shape nor filter "
+                       "the answer; send items to keep out in exclude_item_ids",
+        }
+        self.user_features = self._load_user_features()
+        self.user_histories = self._load_user_histories()
+        self.item_display = self._load_item_features()
+        # What a request's filters are evaluated against: the item table in index-row order.
+        self.filter_table = FilterTable(self.item_display, self._id_array)
+        self._norm_range = _norm_range(self.manifest.get("query_norms"))
+        changed = self.changed_files()
+        if changed:
+            raise BundleError(f"{self.directory}: {', '.join(changed)} changed while the bundle was being loaded: "
+                              "load it again once it is written")
+        self.check_probe()
+
+    def _served_states(self, missing_ok: bool = False) -> dict[str, tuple[int, int, int, str] | None]:
+        """manifest.json and every served file (``served_files``) -> ``_file_state``; None for a file that
+        cannot be read, and {} when the manifest's files cannot be listed with ``missing_ok`` (the
+        fingerprint check then says why)."""
+        try:
+            found = served_files(self.directory, self.manifest["files"])
+        except Exception:
+            if missing_ok:
+                return {}
+            raise
+        found[MANIFEST_FILE] = self.directory / MANIFEST_FILE
+        states: dict[str, tuple[int, int, int, str] | None] = {}
+        for name, path in found.items():
+            try:
+                states[name] = _file_state(path)
+            except OSError:
+                states[name] = None
+        return states
+
+    def changed_files(self) -> list[str]:
+        """The bundle's files that differ on disk from what this Bundle loaded (sorted; empty when none).
+
+        Each of manifest.json and the served files was stat-ed and hashed at both ends
+        (``_file_state``: size, modification time, inode, blake2b of the first and last
+        ``WATCH_BYTES``) before the fingerprint check; this does it again. Every part is held in
+        memory, so a changed file never changes an answer: ``/healthz`` reports it (503) while
+        the loaded parts keep serving, and a reload reads the files as they are now.
+        """
+        try:
+            now = self._served_states()
+        except Exception:  # the manifest's files can no longer be listed (a part deleted or replaced)
+            return sorted(self._watched) or [MANIFEST_FILE]
+        names = set(self._watched) | set(now)
+        return sorted(name for name in names
+                      if self._watched.get(name) is None or self._watched.get(name) != now.get(name))
+
+    def _load_seen_items(self) -> SeenItems | None:
+        """The training users' items (``seen_items/``); None for a bundle exported without them."""
+        folder = self.manifest_model.files.get(SeenItemsPart.KEY)
+        with _part(self.directory, f"seen items {str(folder)!r}"):
+            seen = SeenItemsPart.read(self.directory, self.manifest_model)
+        if seen is None:
+            return None
+        recorded = self.manifest.get("seen_items")
+        if recorded is not None and recorded != seen.info():
+            raise BundleError(f"{self.directory}: seen items hold {seen.info()}, the manifest says {recorded}")
+        if seen.num_pairs and not 0 <= int(seen.item_rows.min()) <= int(seen.item_rows.max()) < len(self.index):
+            raise BundleError(f"{self.directory}: seen items name index rows outside the {len(self.index)} rows of "
+                              "index.faiss: the bundle's parts do not belong together")
+        return seen
+
+    def _load_user_features(self) -> UserFeatures | None:
+        """The known users' raw query features (``user_features.parquet``); None for a bundle without them."""
+        name = self.manifest_model.files.get(UserFeaturesPart.KEY)
+        with _part(self.directory, f"user features {str(name)!r}"):
+            table = UserFeaturesPart.read(self.directory, self.manifest_model)
+        if table is None:
+            return None
+        strangers = [feature for feature in table.features if feature not in self.query_features]
+        if strangers:
+            raise BundleError(f"{self.directory}: {name} holds {strangers}, which are not query features "
+                              f"of this bundle ({self.query_features})")
+        recorded = self.manifest.get("user_features")
+        if recorded is not None and recorded != table.info():
+            raise BundleError(f"{self.directory}: {name} holds {table.info()}, the manifest says {_short(recorded)}")
+        return table
+
+    def _load_user_histories(self) -> UserHistories | None:
+        """The training users' recent clicks, newest first (``user_histories/``); None for a bundle
+        without them (one whose query tower reads no history, or exported before they were stored)."""
+        folder = self.manifest_model.files.get(UserHistoriesPart.KEY)
+        recorded = self.manifest.get("user_histories")
+        with _part(self.directory, f"user histories {str(folder)!r}"):
+            histories = UserHistoriesPart.read(self.directory, self.manifest_model)
+        if histories is None:
+            return None
+        if recorded != histories.info():
+            raise BundleError(f"{self.directory}: user histories hold {histories.info()}, the manifest says "
+                              f"{_short(recorded)}")
+        if self._history_input is None:
+            raise BundleError(f"{self.directory}: it stores user histories but its query tower reads no history")
+        if histories.num_clicks and int(histories.item_rows.max()) >= len(self.index):
+            raise BundleError(f"{self.directory}: user histories name index rows past its {len(self.index)} items")
+        return histories
+
+    def _load_item_features(self) -> DisplayFeatures | None:
+        """The catalogue's display features (``item_features.parquet``); None for a bundle without them."""
+        name = self.manifest_model.files.get(DisplayFeaturesPart.KEY)
+        with _part(self.directory, f"item features {str(name)!r}"):
+            table = DisplayFeaturesPart.read(self.directory, self.manifest_model)
+        if table is None:
+            return None
+        recorded = self.manifest.get("item_features")
+        if recorded is not None and recorded != table.info():
+            raise BundleError(f"{self.directory}: {name} holds {table.info()}, the manifest says {_short(recorded)}")
+        return table
+
+    @classmethod
+    def load(cls, directory: str | Path, *, verify: Verify = "quick") -> Bundle:
+        """Load and check a bundle (see the class docstring); ``verify="full"`` hashes every file whole."""
+        return cls(directory, verify=verify)
+
+    def _check_files(self, verify: Verify) -> None:
+        """Paths inside the bundle, and (format 2) every served file equal to its fingerprint."""
+        files = self.manifest_model.files
+        try:
+            if self.manifest_model.format_version == 1:
+                served_files(self.directory, files)
+                log.warning(
+                    "%s: bundle format 1 has no fingerprints or probe query, so its parts cannot be checked "
+                    "against the export; re-export it (python -m pipelines.export) to get these checks",
+                    self.directory,
+                )
+                return
+            check_fingerprints(self.directory, self.manifest, full=verify == "full")
+        except ValueError as error:  # names the file and what is wrong with it
+            raise BundleError(f"{self.directory}: {error}") from None
+        except Exception as error:  # an unreadable file, or a fingerprint record of the wrong shape
+            raise BundleError(f"{self.directory}: the files cannot be checked: {_reason(error)}") from None
+        unlisted = [name for name in (INDEX_FILE, ITEM_IDS_FILE, INDEX_INFO_FILE)
+                    if name not in self.manifest["fingerprints"]["files"]]
+        if unlisted:
+            raise BundleError(
+                f"{self.directory}: manifest.json files does not list {unlisted}, which the index is loaded from, "
+                "so they are not checked: re-export the bundle"
+            )
+
+    def check_probe(self) -> None:
+        """Raise BundleError unless the manifest's probe query gives the items it gave at export.
+
+        The probe (``retrieval.bundle.writer.probe_record``) is one training user's raw query; it runs
+        through this bundle's query model and index as a request would. A bundle without a probe passes.
+        """
+        problem = self.probe_problem()
+        if problem:
+            raise BundleError(f"{self.directory}: {problem}")
+
+    def probe_problem(self) -> str | None:
+        """Why the probe query fails (no server paths: /healthz sends it), or None when it passes."""
+        probe = self.manifest.get("probe")
+        if not probe:
+            return None
+        who = "query"
+        try:
+            query = probe["query"]
+            who = f"user {_short(query.get('user_id'))}" if "user_id" in query else f"query {_short(query)}"
+            top = self.index.search(self.embed([query]), int(probe["k"]))
+            rows = top.rows[0][top.rows[0] >= 0]
+            same = _same_top_k(list(probe["item_ids"]), list(probe["scores"]), self._ids(rows),
+                               top.scores[0][: len(rows)])
+        except Exception as error:
+            return f"probe query for {who} cannot be run: {error if isinstance(error, ValueError) else _reason(error)}"
+        if not same:
+            return (f"probe query for {who} returned other items than at export: "
+                    "the bundle's parts do not belong together")
+        return None
+
+    @property
+    def version(self) -> str:
+        """The run name the bundle was exported under (else its directory name)."""
+        return str(self.manifest.get("run") or self.directory.name)
+
+    def metadata(self) -> dict[str, Any]:
+        """What a client may want to know: version, features, index, recall, versions.
+
+        No config dump and no server paths (the bundle's directory stays private).
+        """
+        index = self.index.info()
+        return {
+            "bundle": self.version,
+            "created_at": self.manifest.get("created_at"),
+            "loaded_at": self.loaded_at,
+            "format_version": self.manifest.get("format_version"),
+            "query_features": self.query_features,
+            "embedding_dim": self.index.dim,
+            "num_items": len(self.index),
+            "metric": index["metric"],
+            "normalized": index["normalized"],
+            "index": index,
+            "fallbacks": ["popular", "features"] if len(self.query_features) > 1 else ["popular"],
+            # The features a request may leave out for a user the bundle knows (filled from its table).
+            "user_features": None if self.user_features is None else {
+                "features": self.user_features.features, "num_users": len(self.user_features),
+                "user_input": self._user_input,
+            },
+            # The catalogue's display features (POST /items); None: ids only.
+            "item_features": None if self.item_display is None else self.item_display.features,
+            # The display feature that names an item (the page shows it first, GET /items/search reads it).
+            "item_title": None if self.item_display is None else self.item_display.title_feature,
+            # The raw inputs of the query tower: name -> {"dtype", "shape"} (a page's feature inputs).
+            "query_inputs": self.manifest.get("query_inputs"),
+            # The query keys of the user id and of the click history (None: the tower reads none).
+            "user_input": self._user_input,
+            "history_input": self._history_input,
+            # A history a request sends is read newest first unless it says history_order: "oldest_first".
+            "history_orders": list(HISTORY_ORDERS) if self._history_input is not None else None,
+            # Each training user's stored recent clicks, filled into a query that sends no history.
+            "user_histories": None if self.user_histories is None else self.user_histories.info(),
+            "num_popular_items": int(len(self._popular_rows)),
+            # exclude_seen: training items of known users (bundles exported with seen_items/ only) and
+            # the items of a query's click history.
+            "excludes_seen": self.seen_items is not None,
+            "excludes_history": self._history_input is not None,
+            "versions": self.manifest.get("versions", {}),
+        }
+
+    def check_query(self, query: Any, position: int = 0) -> None:
+        """Raise RequestError (a ValueError) naming the problem unless ``query`` is one this bundle can
+        embed (``complete_queries`` fills what it lacks for a known user first) and holds no key the
+        bundle does not read (``retrieval.serving.request_checks.check_query_keys``: a misspelt feature gets a
+        "did you mean"; a ``history`` to a tower that reads none is refused, not ignored).
+
+        Which inputs a query may leave out: an ID-only tower's user id must be sent; any input of
+        another tower (user features, the click history) may be left out: it is filled from the
+        bundle's stored row of the query's user when there is one (``complete_queries``), else it
+        counts as a missing value (string "", number NaN, history empty). A query that sends neither
+        the user id nor any input is refused. String inputs take a string or int (None: missing,
+        sent as ""); number inputs an int or a float finite in the input's dtype (float32 for
+        numeric features: at most about 3.4e38 in magnitude), or None (missing, sent as NaN; a NaN
+        itself is refused, as are infinities); list inputs (e.g. a click history) a list of strings
+        or ints, truncated or padded to the signature's width.
+        """
+        self._check_completed(self.complete_queries([query])[0], position)
+
+    def _check_completed(self, query: Any, position: int) -> Mapping[str, Any]:
+        """``query``, already completed from the user tables (``complete_queries``), checked
+        (``check_query``), with every input it leaves out as a missing value."""
+        if not isinstance(query, Mapping):
+            raise RequestError(f"query {position} must be an object of features, got {type(query).__name__}")
+        check_query_keys(query, self._query_keys, position, self._unread_key_notes)
+        every_input_needed = self.query_features == [self._user_input]  # an ID-only tower
+        if not every_input_needed and not any(key in query for key in (*self.query_features, self._user_input)):
+            raise RequestError(f"query {position} sends none of this bundle's inputs: send the user id "
+                               f"({self._user_input!r}) or any of {self.query_features}")
+        filled = None
+        for feature in self.query_features:
+            spec = self._input_specs[feature]
+            if feature not in query:
+                if every_input_needed:
+                    raise RequestError(self._missing_feature(query, feature, position))
+                filled = dict(query) if filled is None else filled
+                filled[feature] = [] if spec.shape.rank == 2 else None  # a missing value, as the tower embeds it
+                continue
+            value = query[feature]
+            if _not_unicode(value):
+                raise RequestError(f"query {position} feature {feature!r} is not valid Unicode text (a lone "
+                                   "surrogate, e.g. from a non-UTF-8 command-line argument or a \\ud800 escape)")
+            if spec.dtype != tf.string:
+                problem = finite_feature_value(value, spec.dtype.name)
+                if problem is not None:
+                    raise RequestError(f"query {position} feature {feature!r} {problem}, got {_short(value)}")
+            elif spec.shape.rank == 2:
+                if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or any(
+                    isinstance(v, bool) or not isinstance(v, (str, int)) for v in value
+                ):
+                    raise RequestError(
+                        f"query {position} feature {feature!r} must be a list of strings or integers, "
+                        f"got {_short(value)}"
+                    )
+            elif value is None and len(self.query_features) > 1:
+                continue  # a missing feature of a feature tower; an ID tower's only id must be given
+            elif isinstance(value, bool) or not isinstance(value, (str, int)):
+                raise RequestError(
+                    f"query {position} feature {feature!r} must be a string or integer, got {_short(value)}"
+                )
+        return query if filled is None else filled
+
+    def complete_query(self, query: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``query`` with what it lacks filled from its user's stored rows (``complete_queries``)."""
+        return self.complete_queries([query])[0]
+
+    def complete_queries(self, queries: Sequence[Any]) -> list[Any]:
+        """Each query with what it lacks filled from its user's stored rows (one search of each table
+        for all of them): the user-table features (``user_features.parquet``) and the click history
+        (``user_histories/``: the user's recent training clicks, newest first).
+
+        The user is the query's user-id input (``metadata()["user_input"]``). What the query itself
+        sends wins, feature by feature (null included: a missing value, as the tower embeds it; an
+        empty history too). A query whose user is not stored, a bundle without the table, a query
+        lacking nothing or one that is no object comes back as it is (``check_query`` then treats
+        what it lacks as missing, or names its problem).
+        """
+        completed = list(queries)
+        table = self.user_features
+        if table is not None:
+            lacking = [position for position, query in enumerate(queries)
+                       if isinstance(query, Mapping) and any(feature not in query for feature in table.features)]
+            rows = table.rows_of([_user_key(queries[position].get(self._user_input)) for position in lacking])
+            for position, row in zip(lacking, rows.tolist()):
+                if row >= 0:
+                    query = queries[position]
+                    completed[position] = {**table.values(row, [f for f in table.features if f not in query]),
+                                           **query}
+        histories, name = self.user_histories, self._history_input
+        if histories is not None and name is not None:
+            lacking = [position for position, query in enumerate(completed)
+                       if isinstance(query, Mapping) and name not in query]
+            found = histories.rows_of_many([_user_key(completed[position].get(self._user_input))
+                                            for position in lacking])
+            for position, history_rows in zip(lacking, found):
+                if history_rows is not None:
+                    completed[position] = {**completed[position], name: self._ids(history_rows)}
+        return completed
+
+    def sends_history(self, queries: Sequence[Any]) -> bool:
+        """Whether any of ``queries`` sends a non-empty click history (whose order then matters)."""
+        return any(self._sent_history(query) for query in queries)
+
+    def _sent_history(self, query: Any) -> list[Any] | None:
+        """The click history ``query`` sends as a list (None when it sends none, or no list)."""
+        name = self._history_input
+        if name is None or not isinstance(query, Mapping):
+            return None
+        history = query.get(name)
+        if not isinstance(history, Sequence) or isinstance(history, str | bytes):
+            return None
+        return list(history)
+
+    def in_served_order(self, queries: Sequence[Any], history_order: HistoryOrder) -> list[Any]:
+        """``queries`` with the histories they send newest first, the order the tower reads: reversed
+        when ``history_order`` is ``"oldest_first"``.
+
+        Raises:
+          RequestError: ``history_order`` is neither ``"newest_first"`` nor ``"oldest_first"``.
+        """
+        if history_order not in HISTORY_ORDERS:
+            raise RequestError(f"history_order must be one of {list(HISTORY_ORDERS)}, got {_short(history_order)}")
+        name = self._history_input
+        if history_order == "newest_first" or name is None:
+            return list(queries)
+        sent = [self._sent_history(query) for query in queries]
+        return [query if history is None else {**query, name: history[::-1]} for query, history in zip(queries, sent)]
+
+    def _missing_feature(self, query: Mapping[str, Any], feature: str, position: int) -> str:
+        """Why ``query`` (already completed) lacks ``feature``: one line that says what to send."""
+        return f"query {position} lacks the feature {feature!r} (this bundle reads {self.query_features})"
+
+    def embed(self, queries: Sequence[Mapping[str, Any]], *,
+              history_order: HistoryOrder = "newest_first") -> np.ndarray:
+        """Raw query features -> [num_queries, dim] float32 embeddings.
+
+        ``history_order`` says how the histories the queries send are ordered (``in_served_order``).
+        A query the towers know nothing about (a user id unknown to the tower, or none, and no other
+        input with a value) embeds to zeros: ``recommend_embedded`` answers it with popular items.
+
+        Raises ValueError for a query that ``check_query`` refuses or whose embedding is not finite.
+        """
+        return self._embed_checked(queries, history_order)[0]
+
+    def _embed_checked(self, queries: Sequence[Mapping[str, Any]],
+                       history_order: HistoryOrder = "newest_first") -> tuple[np.ndarray, np.ndarray]:
+        """(embeddings [n, dim], known_ids bool [n]: every id feature in the training vocabulary)."""
+        # One search of the user tables for the whole batch, after the sent histories are put newest first.
+        completed = self.complete_queries(self.in_served_order(queries, history_order))
+        queries = [self._check_completed(query, position) for position, query in enumerate(completed)]
+        inputs = {
+            feature: _input_tensor([query[feature] for query in queries], self._input_specs[feature])
+            for feature in self.query_features
+        }
+        outputs = self._embed(**inputs)
+        known = outputs["known_ids"].numpy() if self._reports_known_ids else np.ones(len(queries), dtype=bool)
+        embeddings = outputs["embedding"].numpy()
+        _check_finite(embeddings, "query")
+        # Nothing to go on: the tower's embedding of all-missing inputs (its biases) would rank items by
+        # whatever those give; popularity is the honest answer, as for an unknown id of an ID tower.
+        user_known = known if self._user_input in self.query_features else np.zeros(len(queries), dtype=bool)
+        empty = np.array([not user_known[i] and not self._carries_a_value(query)
+                          for i, query in enumerate(queries)], dtype=bool)
+        if empty.any():
+            embeddings = embeddings.copy()
+            embeddings[empty] = 0.0
+        self._check_norms(queries, embeddings, skip=empty)
+        return embeddings, known
+
+    def _carries_a_value(self, query: Mapping[str, Any]) -> bool:
+        """Whether any input but the user id holds a value (not None, "", NaN, nor an empty history)."""
+        for feature in self.query_features:
+            if feature == self._user_input:
+                continue
+            value = query.get(feature)
+            if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+                if any(str(v) != "" for v in value):
+                    return True
+            elif value is not None and value != "" and not (isinstance(value, float) and math.isnan(value)):
+                return True
+        return False
+
+    def _check_norms(self, queries: Sequence[Mapping[str, Any]], embeddings: np.ndarray, *,
+                     skip: np.ndarray | None = None) -> None:
+        """Raise RequestError for a query whose embedding [dim] is all zero, or whose norm lies outside
+        the training range (``_norm_range``), when one feature of the query explains it.
+
+        The feature is found by leaving out each feature the query gives (a missing value, as the
+        tower embeds it) in one more query-tower call: the one whose absence brings the norm into
+        range is named (else the one that brings it closest). An all-zero embedding that no feature
+        explains is a query the towers know nothing of (an unknown id, an empty history): it stays,
+        and ``recommend_embedded`` answers it with the popular items; so do the rows ``skip`` [n]
+        marks (queries with nothing to go on, zeroed on purpose by ``_embed_checked``).
+        """
+        low, high = self._norm_range
+        norms = np.linalg.norm(embeddings.astype(np.float64), axis=1)
+        zero = ~np.any(embeddings != 0, axis=1)
+        suspects = np.flatnonzero((zero | (norms < low) | (norms > high)) & ~(skip if skip is not None else False))
+        if not len(suspects):
+            return
+        variants, owners = [], []
+        for position in suspects.tolist():
+            for feature in self.query_features:
+                if _given(queries[position][feature]):
+                    left_out: list[str] | None = [] if self._input_specs[feature].shape.rank == 2 else None
+                    variants.append({**queries[position], feature: left_out})
+                    owners.append((position, feature))
+        left_out_norms = np.zeros(0)
+        if variants:
+            inputs = {feature: _input_tensor([query[feature] for query in variants], self._input_specs[feature])
+                      for feature in self.query_features}
+            left_out_norms = np.linalg.norm(self._embed(**inputs)["embedding"].numpy().astype(np.float64), axis=1)
+        for position in suspects.tolist():
+            tried = [(feature, norm) for (owner, feature), norm in zip(owners, left_out_norms.tolist())
+                     if owner == position and np.isfinite(norm)]
+            explains = [feature for feature, norm in tried if norm > 0 and low <= norm <= high]
+            if zero[position] and not explains:
+                continue  # nothing the towers know: the popular fallback
+            culprit: str | None = None
+            if explains:
+                culprit = explains[0]
+            elif tried:  # no single feature brings it into range: the one that brings it closest
+                culprit = min(tried, key=lambda pair: _log_distance(pair[1], low, high))[0]
+            value = _short(queries[position][culprit]) if culprit is not None else None
+            cause = (f"the feature {culprit!r} ({value}) causes it: without it the norm is in range; a value "
+                     "far outside what the towers were trained on" if culprit in explains else
+                     f"the feature {culprit!r} ({value}) comes closest to explaining it"
+                     if culprit is not None else "no feature of the query explains it")
+            bounds = (f"outside [{low:.3g}, {high:.3g}] (the training users' query norms at export, widened "
+                      f"{QUERY_NORM_MARGIN:g}-fold)" if "query_norms" in self.manifest else "all zero")
+            raise RequestError(f"query {position}: its embedding's norm is {norms[position]:.3g}, {bounds}, so its "
+                               f"nearest items mean nothing; {cause}")
+
+    def recommend(
+        self,
+        query: Mapping[str, Any],
+        k: int = 10,
+        exclude_item_ids: Sequence[str | int] | None = (),
+        *,
+        exclude_seen: bool = True,
+        history_order: HistoryOrder = "newest_first",
+        filters: Mapping[str, Any] | ItemFilters | None = None,
+    ) -> Recommendations:
+        """Top-k item ids for one raw query, never returning ``exclude_item_ids``.
+
+        With ``exclude_seen`` (the default) neither the user's training items nor the items of
+        the query's click history are returned either (see ``excluded_rows``). A query of a known
+        user may send the user id alone: the bundle fills its stored features and history
+        (``complete_queries``). A history the query sends is read newest first; pass
+        ``history_order="oldest_first"`` for one in time order (a line of a sequences file).
+        ``k`` and ``exclude_item_ids`` follow ``retrieval.serving.request_checks``: k an int >= 1, capped at
+        the catalogue size; ids strings or ints (``494`` is item ``"494"``), a list of them or None.
+        ``filters`` (``retrieval.serving.item_filters``, e.g. ``{"genre": {"in": ["Comedy"]}, "year":
+        {"min": 1990}}``) keeps the answer to the items of the bundle's item table that pass them,
+        searched inside the index: k items come back whenever k pass (and are not excluded).
+
+        Raises:
+          RequestError: naming the argument, the query feature, the query key or the filter that is wrong.
+        """
+        excluded = checked_ids(exclude_item_ids, "exclude_item_ids")
+        return self.recommend_batch([query], k, [excluded], exclude_seen=exclude_seen,
+                                    history_order=history_order, filters=filters)[0]
+
+    def recommend_batch(
+        self,
+        queries: Sequence[Mapping[str, Any]],
+        k: int = 10,
+        exclude_item_ids: Sequence[Sequence[str | int]] | None = None,
+        *,
+        exclude_seen: bool = True,
+        history_order: HistoryOrder = "newest_first",
+        filters: Mapping[str, Any] | ItemFilters | None = None,
+    ) -> list[Recommendations]:
+        """Top-k for a batch of raw queries (one FAISS search for all); ``k``, ``exclude_item_ids`` (one
+        list per query, or None), ``exclude_seen``, ``history_order`` and ``filters`` (one for every
+        query of the batch) as in ``recommend``."""
+        k = checked_k(k, len(self.index))
+        exclude_item_ids = checked_id_lists(exclude_item_ids, len(queries), "exclude_item_ids")
+        allowed = self.allowed_rows(filters)  # a bad filter is refused before the towers run
+        if not queries:
+            return []
+        embeddings, known_ids = self.embed_with_known(queries, history_order=history_order)
+        return self.recommend_embedded(
+            embeddings, known_ids, k, exclude_item_ids, queries=queries, exclude_seen=exclude_seen,
+            allowed=allowed,
+        )
+
+    def allowed_rows(self, filters: Mapping[str, Any] | ItemFilters | None) -> np.ndarray | None:
+        """The sorted index rows [m] int64 that pass ``filters`` (``retrieval.serving.item_filters``);
+        None for no filter. RequestError naming the column, operator or value a filter gets wrong."""
+        return self.filter_table.allowed_rows(filters)
+
+    def embed_with_known(self, queries: Sequence[Mapping[str, Any]], *,
+                         history_order: HistoryOrder = "newest_first") -> tuple[np.ndarray, np.ndarray]:
+        """Checked raw queries -> (embeddings [n, dim] float32, known_ids bool [n]) for recommend_embedded."""
+        return self._embed_checked(queries, history_order)
+
+    def recommend_embedded(
+        self,
+        embeddings: np.ndarray,
+        known_ids: np.ndarray,
+        k: int = 10,
+        exclude_item_ids: Sequence[Sequence[str]] | None = None,
+        *,
+        queries: Sequence[Mapping[str, Any]] | None = None,
+        exclude_seen: bool = True,
+        filters: Mapping[str, Any] | ItemFilters | None = None,
+        allowed: np.ndarray | None = None,
+    ) -> list[Recommendations]:
+        """Top-k for query embeddings [n, dim] and known_ids [n] from ``embed_with_known`` (one FAISS search).
+
+        ``recommend_batch`` is embed_with_known + this; a caller answering a large batch embeds it
+        once and searches it in slices. A row holding NaN or inf, or whose scores overflow float32,
+        is a ValueError naming it (FAISS would drop its results: an empty answer that looks like one).
+        ``queries`` [n] are the raw queries the embeddings came
+        from: with ``exclude_seen`` their users' training items and history items are excluded
+        (``excluded_rows``), so they are needed unless the bundle has nothing of the kind to exclude.
+        ``filters`` (one for every row) as in ``recommend``; ``allowed``, the rows they pass
+        (``allowed_rows``), when the caller has them already.
+        """
+        k = checked_k(k, len(self.index))  # capped: nothing is allocated for ranks the catalogue lacks
+        exclude_item_ids = checked_id_lists(exclude_item_ids, len(embeddings), "exclude_item_ids")
+        if allowed is None:
+            allowed = self.allowed_rows(filters)
+        _check_finite(embeddings, "embedding")  # FAISS drops NaN rows: an empty answer that looks like success
+        if queries is not None and len(queries) != len(embeddings):
+            raise ValueError(f"queries has {len(queries)} entries for {len(embeddings)} embeddings")
+        exclude = self.excluded_rows(len(embeddings), exclude_item_ids, queries, exclude_seen=exclude_seen)
+        top = self.index.search(embeddings, k, exclude=exclude, allow=None if allowed is None else
+                                [allowed] * len(embeddings))
+        # An all-zero embedding is the towers' out-of-vocabulary row: the model
+        # knows nothing about this query, so popularity is the honest answer.
+        unknown = ~np.any(embeddings != 0, axis=1)
+        popular = self._popular_rows if allowed is None else \
+            self._popular_rows[np.isin(self._popular_rows, allowed)]  # the popular items that pass, in order
+        results = []
+        for i in range(len(embeddings)):
+            if unknown[i]:
+                excluded = set(exclude[i].tolist())
+                rows = [r for r in popular if r not in excluded][:k]
+                results.append(Recommendations(self._ids(rows), [None] * len(rows), "popular"))
+            else:
+                rows = top.rows[i][top.rows[i] >= 0]
+                scores = top.scores[i][: len(rows)]
+                # Scores that overflow to inf - inf are NaN, which FAISS drops: fewer rows than the
+                # catalogue has left (``excluded_rows`` are distinct) is that, not a short catalogue.
+                available = min(k, len(self.index) - len(exclude[i])) if allowed is None else \
+                    min(k, len(allowed) - int(np.isin(exclude[i], allowed).sum()))
+                if not np.isfinite(scores).all():
+                    raise ValueError(
+                        f"embedding {i}: its scores overflow float32 (the embedding is finite but huge); "
+                        + _NON_FINITE_CAUSE
+                    )
+                if len(rows) < available:  # never an answer shorter than the catalogue allows
+                    raise ValueError(
+                        f"embedding {i}: its scores overflow float32 (NaN scores are dropped), or the index cannot "
+                        f"skip the excluded items: the search found {len(rows)} of the {available} items it should; "
+                        + _NON_FINITE_CAUSE
+                    )
+                fallback = None if known_ids[i] else "features"
+                results.append(Recommendations(self._ids(rows), scores.tolist(), fallback))
+        return results
+
+    def training_items(self, user_id: str) -> list[str] | None:
+        """``user_id``'s distinct training items (index order), or None for a user the bundle does
+        not know (not a training user, or a bundle exported without ``seen_items/``)."""
+        if self.seen_items is None:
+            return None
+        positions = find_sorted(self.seen_items.user_ids, [user_id])
+        if positions[0] < 0:
+            return None
+        return self._ids(self.seen_items.rows_of(user_id))
+
+    def recent_items(self, user_id: str) -> list[str] | None:
+        """``user_id``'s stored recent training clicks, newest first (repeats kept, at most
+        ``export.history_clicks``), or None for a user without them or a bundle that stores none."""
+        if self.user_histories is None:
+            return None
+        rows = self.user_histories.rows_of_many([user_id])[0]
+        return None if rows is None else self._ids(rows)
+
+    def known_user_ids(self, limit: int) -> list[str]:
+        """Up to ``limit`` training user ids (sorted as bytes), e.g. for a page's pick list."""
+        if self.seen_items is None:
+            return []
+        return [user.decode("utf-8") for user in np.asarray(self.seen_items.user_ids[:limit]).tolist()]
+
+    def item_features(self, item_ids: Sequence[str]) -> list[dict[str, Any] | None]:
+        """[len(item_ids)] each item's display features (``retrieval.bundle.display_features``), None for an
+        item the table does not describe; all None for a bundle without a table."""
+        if self.item_display is None:
+            return [None] * len(item_ids)
+        return self.item_display.values_of(item_ids)
+
+    def explain(self, item_ids: Sequence[str], history: Sequence[str]) -> list[str | None]:
+        """For each of ``item_ids``, the item of ``history`` that most explains it ("because you
+        clicked X"): the one whose doc-tower embedding has the highest inner product with the item's
+        (``ItemIndex.vectors``: exact for Flat, IVF*,Flat and HNSW, the decoded code for PQ and SQ);
+        None when ``history`` holds no catalogue item, or the item is not in the catalogue. Ties go
+        to the more recent click (``history`` is read newest first).
+
+        Raises:
+          BundleError: the index is of a type FAISS cannot read vectors back from.
+        """
+        known = [item for item in dict.fromkeys(str(item) for item in history) if item in self._row_of]
+        asked = [self._row_of.get(item) if isinstance(item, str) else None for item in item_ids]
+        rows = [row for row in asked if row is not None]
+        if not known or not rows:
+            return [None] * len(item_ids)
+        try:
+            past = self.index.vectors([self._row_of[item] for item in known])
+            wanted = self.index.vectors(rows)
+        except ValueError as error:
+            raise BundleError(f"bundle {self.version!r}: {error}") from None
+        best = iter(np.argmax(wanted @ past.T, axis=1).tolist())  # argmax: the first (newest) of ties
+        return [None if row is None else known[next(best)] for row in asked]
+
+    def search_items(self, text: str, limit: int) -> list[str]:
+        """Up to ``limit`` catalogue item ids whose title contains ``text`` (``DisplayFeatures.search``),
+        or, for a bundle without a title column, whose id starts with it."""
+        text = text.strip()
+        if not text:
+            return []
+        if self.item_display is None or self.item_display.title_feature is None:
+            return [item for item in self._id_array.tolist() if item.startswith(text)][:limit]
+        return [item for item in self.item_display.search(text, limit * 2) if item in self._row_of][:limit]
+
+    def similar_items(
+        self, item_id: str | int, k: int = 10, *, exclude_item_ids: Sequence[str | int] | None = (),
+        filters: Mapping[str, Any] | ItemFilters | None = None,
+    ) -> Recommendations:
+        """The k items nearest ``item_id``'s own embedding, best first; never the item itself nor
+        ``exclude_item_ids`` (ids not in the catalogue are ignored).
+
+        The item's vector is its doc-tower embedding as the bundle's index holds it
+        (``ItemIndex.vectors``), searched in that index like a query: scores are inner products
+        (cosine when the towers normalise). Every catalogue item is indexed, clicked in training
+        or not, so every one has neighbours. The vector is exact for Flat, IVF*,Flat and HNSW
+        indexes; with a lossy code (PQ, SQ) it is the item's decoded code, so the neighbours are
+        approximate as that index's own scores are (and the search is the index's, tuned
+        ``nprobe``/``efSearch`` included). An item at the all-zero (out-of-vocabulary) row, which is
+        where an ID-only doc tower puts items without training clicks, ties with every item:
+        it gets the most popular items, scores None, ``fallback="popular"``, as a query would.
+
+        Ids and ``k`` follow ``retrieval.serving.request_checks`` as in ``recommend``; ``filters`` keep the
+        answer to the items that pass them, as in ``recommend`` (the item itself need not pass).
+
+        Raises:
+          RequestError: ``item_id`` is not in the bundle's catalogue, or an argument breaks a rule of
+            ``retrieval.serving.request_checks`` (k not an int >= 1, a bare string as ``exclude_item_ids``).
+          BundleError: the index is of a type FAISS cannot read vectors back from (``ItemIndex.vectors``).
+        """
+        item = checked_id(item_id, "item_id")
+        return self.similar_items_batch([item], k, [checked_ids(exclude_item_ids, "exclude_item_ids")],
+                                        filters=filters)[0]
+
+    def similar_items_batch(
+        self,
+        item_ids: Sequence[str | int],
+        k: int = 10,
+        exclude_item_ids: Sequence[Sequence[str | int]] | None = None,
+        *,
+        filters: Mapping[str, Any] | ItemFilters | None = None,
+    ) -> list[Recommendations]:
+        """``similar_items`` for [n] item ids (one FAISS search); ``exclude_item_ids`` [n] lists or None;
+        ``filters`` one for every item."""
+        k = checked_k(k, len(self.index))
+        item_ids = checked_ids(item_ids, "item_ids")
+        exclude_item_ids = checked_id_lists(exclude_item_ids, len(item_ids), "exclude_item_ids")
+        allowed = self.allowed_rows(filters)
+        rows = []
+        for item in item_ids:
+            row = self._row_of.get(item)
+            if row is None:
+                raise RequestError(f"item id {_short(item)} is not in the catalogue of bundle {self.version!r} "
+                                   f"({len(self.index)} items)")
+            rows.append(row)
+        if not rows:
+            return []
+        try:
+            vectors = self.index.vectors(rows)
+        except ValueError as error:  # an index type FAISS cannot read vectors back from
+            raise BundleError(f"bundle {self.version!r}: {error}") from None
+        # The item is excluded like any other: its own vector is its nearest when the towers normalise,
+        # and near the top otherwise.
+        excluded = [[item, *extra] for item, extra in zip(item_ids, exclude_item_ids)]
+        # known_ids all True: an indexed item is never the "features" fallback of an unseen query id.
+        return self.recommend_embedded(vectors, np.ones(len(rows), dtype=bool), k, excluded, exclude_seen=False,
+                                       allowed=allowed)
+
+    def excluded_rows(
+        self,
+        num_queries: int,
+        exclude_item_ids: Sequence[Sequence[str]] | None = None,
+        queries: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        exclude_seen: bool = True,
+    ) -> list[np.ndarray]:
+        """Per query, the sorted distinct index rows never to serve: [num_queries] int64 arrays.
+
+        The caller's ``exclude_item_ids`` (ids not in the catalogue are ignored) and, with
+        ``exclude_seen``, the items the user already has: the training items of the query's user
+        (its user-id input; none for a user unknown to training or a bundle without
+        ``seen_items/``) and the items of its click-history input, if the query tower reads one.
+
+        Raises:
+          ValueError: ``exclude_seen`` without ``queries`` on a bundle that can exclude seen items.
+        """
+        lists: list[list[np.ndarray]] = [[] for _ in range(num_queries)]
+        for own, items in zip(lists, exclude_item_ids or ()):
+            own.append(self._rows_of_ids(items))
+        can_exclude = self.seen_items is not None or self._history_input is not None
+        if exclude_seen and can_exclude:
+            if queries is None:
+                raise ValueError(
+                    "exclude_seen needs the raw queries (queries=...) to find their users' items; "
+                    "pass them, or exclude_seen=False"
+                )
+            if self.seen_items is not None:
+                ids = [_user_key(_query_value(query, self._user_input)) for query in queries]
+                for own, rows in zip(lists, self.seen_items.rows_of_many(ids)):
+                    own.append(rows.astype(np.int64))
+            if self._history_input is not None:
+                if self.user_histories is not None:  # a history filled from the bundle is the user's too
+                    queries = self.complete_queries(queries)
+                for own, query in zip(lists, queries):
+                    history = _query_value(query, self._history_input)
+                    if isinstance(history, Sequence) and not isinstance(history, str | bytes):
+                        own.append(self._rows_of_ids([str(item) for item in history]))
+        return [np.unique(np.concatenate(own)) if own else np.zeros(0, np.int64) for own in lists]
+
+    def _rows_of_ids(self, items: Sequence[str]) -> np.ndarray:
+        return np.array([self._row_of[i] for i in items if i in self._row_of], dtype=np.int64)
+
+    def _ids(self, rows) -> list[str]:
+        return self._id_array[np.asarray(rows, dtype=np.int64)].tolist()
+
+
+def _same_top_k(expected_ids: Sequence[str], expected_scores: Sequence[float], ids: Sequence[str],
+                scores: Sequence[float]) -> bool:
+    """True when a top-k list equals the recorded one: scores within ``PROBE_TOLERANCE`` position by
+    position, and ids equal up to the order of tied scores (the last tie group may be cut by k, so
+    another item of the same score may stand in there)."""
+    expected, got = np.asarray(expected_scores, dtype=np.float64), np.asarray(scores, dtype=np.float64)
+    if len(ids) != len(expected_ids) or len(expected) != len(expected_ids) or len(got) != len(ids):
+        return False
+    if not np.allclose(got, expected, rtol=PROBE_TOLERANCE, atol=PROBE_TOLERANCE):
+        return False
+    start = 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or not np.isclose(expected[end], expected[end - 1], rtol=PROBE_TOLERANCE,
+                                             atol=PROBE_TOLERANCE):
+            if end < len(ids) and set(ids[start:end]) != set(expected_ids[start:end]):
+                return False
+            start = end
+    return True
+
+
+def _not_unicode(value: Any) -> bool:
+    """Whether ``value`` (a string or a list of them) holds a string UTF-8 cannot encode (a lone surrogate)."""
+    values = value if isinstance(value, list) else [value]
+    for text in values:
+        if isinstance(text, str) and not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+    return False
+
+
+def _file_state(path: Path) -> tuple[int, int, int, str]:
+    """(size, mtime in ns, inode, blake2b-128 of the first and last ``WATCH_BYTES``) of ``path``: cheap
+    enough for every ``/healthz``, and it changes with an edit in place, a copy or a move over the file."""
+    with open(path, "rb") as handle:
+        stat = os.fstat(handle.fileno())
+        digest = hashlib.blake2b(handle.read(WATCH_BYTES), digest_size=16)
+        if stat.st_size > WATCH_BYTES:
+            handle.seek(max(stat.st_size - WATCH_BYTES, WATCH_BYTES))
+            digest.update(handle.read(WATCH_BYTES))
+    return stat.st_size, stat.st_mtime_ns, stat.st_ino, digest.hexdigest()
+
+
+@contextmanager
+def _part(directory: Path, what: str) -> Iterator[None]:
+    """Any failure while loading one part of a bundle -> BundleError naming the directory and the part."""
+    try:
+        yield
+    except BundleError:
+        raise
+    except Exception as error:
+        raise BundleError(f"{directory}: {what} cannot be loaded: {_reason(error)}") from error
+
+
+def _reason(error: Exception) -> str:
+    """Why a part failed, without quoting the file (library messages echo its bytes)."""
+    if isinstance(error, FileNotFoundError) and "is not a bundle" in str(error):
+        return "manifest.json is missing"  # read_manifest's own message
+    if isinstance(error, FileNotFoundError | IsADirectoryError | NotADirectoryError | PermissionError):
+        name = Path(error.filename).name if getattr(error, "filename", None) else "a file"
+        return f"{type(error).__name__} on {name}"
+    if isinstance(error, json.JSONDecodeError):
+        return f"not valid JSON (line {error.lineno}, column {error.colno})"
+    if isinstance(error, KeyError):
+        return f"the key {_short(error.args[0] if error.args else None)} is missing"
+    if isinstance(error, ManifestError):
+        return str(error).split(": ", 1)[-1]  # read_manifest's message names the key (or the format version)
+    if isinstance(error, IndexFilesError):
+        return str(error)  # names the file and the rows, never its bytes
+    return f"missing, truncated or corrupt ({type(error).__name__})"
+
+
+def _check_finite(embeddings: np.ndarray, what: str) -> None:
+    """Raise ValueError naming the first row of ``embeddings`` [n, dim] holding a NaN or an infinity."""
+    finite = np.isfinite(embeddings).all(axis=1)
+    if not finite.all():
+        position = int(np.argmin(finite))
+        raise ValueError(
+            f"{what} {position}: the query tower's embedding is not finite (NaN or inf), so it has no "
+            f"nearest items; {_NON_FINITE_CAUSE}"
+        )
+
+
+_NON_FINITE_CAUSE = (
+    "a numeric feature value far outside the training range overflows the tower, or the model was trained to NaN"
+)
+
+
+def _norm_range(record: Any) -> tuple[float, float]:
+    """(lowest, highest) norm a query embedding may have: the manifest's ``query_norms`` widened by
+    ``QUERY_NORM_MARGIN``; for a bundle without the record, any norm above 0 (only zero is suspect)."""
+    if not isinstance(record, Mapping):
+        return float(np.finfo(np.float64).tiny), float("inf")
+    try:
+        low, high = float(record["min"]), float(record["max"])
+    except (KeyError, TypeError, ValueError):
+        raise BundleError(f"manifest.json query_norms must hold numbers min and max, got {_short(record)}") from None
+    if not (np.isfinite(low) and np.isfinite(high) and 0 <= low <= high):
+        raise BundleError(f"manifest.json query_norms must hold 0 <= min <= max, got {_short(record)}")
+    return max(low / QUERY_NORM_MARGIN, float(np.finfo(np.float64).tiny)), high * QUERY_NORM_MARGIN
+
+
+def _given(value: Any) -> bool:
+    """True for a query value that says something (not None, NaN, "" or an empty list)."""
+    if value is None or (isinstance(value, str) and not value):
+        return False
+    if isinstance(value, float) and np.isnan(value):
+        return False
+    return not (isinstance(value, Sequence) and not isinstance(value, str) and not len(value))
+
+
+def _log_distance(norm: float, low: float, high: float) -> float:
+    """How far (in log scale) ``norm`` lies outside [low, high]; 0 inside."""
+    if norm <= 0:
+        return float("inf")
+    return max(np.log(low) - np.log(norm), np.log(norm) - np.log(high), 0.0)
+
+
+def _user_key(user: Any) -> str | None:
+    """A user-id value as the id it names (a string or an int), else None (no user)."""
+    return str(user) if isinstance(user, str | int) and not isinstance(user, bool) else None
+
+
+def _query_value(query: Any, key: str) -> Any:
+    return query.get(key) if isinstance(query, Mapping) else None
+
+
+def _input_tensor(values: Sequence[Any], spec: tf.TensorSpec) -> tf.Tensor:
+    """Checked raw values of one input (``Bundle.check_query``) -> a tensor matching ``spec``."""
+    if spec.dtype != tf.string:
+        return tf.constant([np.nan if v is None else float(v) for v in values], dtype=spec.dtype)
+    if spec.shape.rank == 2:
+        width = spec.shape[1]
+        rows = [[str(v) for v in value][:width] for value in values]
+        return tf.constant([row + [""] * (width - len(row)) for row in rows], dtype=tf.string, shape=[len(rows), width])
+    return tf.constant(["" if v is None else str(v) for v in values], dtype=tf.string)
+
+
+def recommend_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The command line of ``python -m retrieval.serving`` and ``retrieval recommend`` (``recommend`` runs it)."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Top-k item ids for a raw query (--user-id), or the items most similar to an item "
+        "(--similar), from a bundle; with --out, for many users (--users) or items (--similar) into a "
+        "Parquet file.",
+    )
+    parser.add_argument("--bundle", required=True, help="bundle directory, e.g. artifacts/<run>")
+    asked = parser.add_mutually_exclusive_group(required=True)
+    asked.add_argument("--user-id", action="append", help="query user id (repeatable)")
+    asked.add_argument(
+        "--similar", action="append", metavar="ITEM_ID",
+        help="catalogue item id: its nearest items, never itself (repeatable); with --out: 'all' "
+        "(the whole catalogue) or a file of item ids, one a line",
+    )
+    asked.add_argument(
+        "--users", metavar="FILE|all",
+        help="with --out: a file of user ids, one a line, or 'all' (every user of the bundle's seen items)",
+    )
+    parser.add_argument("-k", "--k", type=int, default=10, help="items per query (default: %(default)s)")
+    parser.add_argument("--exclude", nargs="*", default=[], help="item ids never to return")
+    parser.add_argument(
+        "--filters", metavar="JSON", type=filters_argument,
+        help='only items of the bundle\'s item table that pass these filters, for every query, e.g. '
+        '\'{"genre": {"in": ["Comedy"]}, "year": {"min": 1990, "max": 1999}}\' (docs/operations.md, "Filters")',
+    )
+    parser.add_argument(
+        "--include-seen",
+        action="store_true",
+        help="also return the user's training items (excluded by default; --user-id and --users only)",
+    )
+    parser.add_argument(
+        "--out", metavar="FILE.parquet",
+        help="write --users' recommendations (user_id, rank, item_id, score) or --similar's similar items "
+        "(item_id, rank, similar_item_id, score) to this Parquet file",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    parser.add_argument(
+        "--block-size", type=int,
+        help="with --out: users (items) searched at once and written as one row group (default: 1024)",
+    )
+    return parser
+
+
+def filters_argument(text: str) -> ItemFilters | None:
+    """``--filters``' JSON text as ``ItemFilters`` (``parse_filters``); argparse reports a bad one naming the flag."""
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error}): {_short(text)}") from None
+    try:
+        return parse_filters(value)
+    except RequestError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def recommend(args: argparse.Namespace) -> int:
+    """Print one JSON line per query of ``recommend_parser``'s ``args``: its top-k ids, scores and fallback;
+    with ``--out``, write them for many users or items to a file (``retrieval.serving.batch``)."""
+    checked_k(args.k, sys.maxsize, "-k")  # the bundle caps it at its catalogue; refused here before it loads
+    if args.similar and args.include_seen:
+        raise UserError("--include-seen applies to --user-id queries; --similar has no user whose items to keep")
+    if args.out is not None or args.users is not None:
+        from retrieval.serving.batch import recommend_to_files  # same stage; imports this module
+
+        return recommend_to_files(args)
+    for flag, given in (("--overwrite", args.overwrite), ("--block-size", args.block_size is not None)):
+        if given:
+            raise UserError(f"{flag} applies to --out, which this command was not given")
+    bundle = Bundle.load(args.bundle)
+    if args.similar:
+        similar = bundle.similar_items_batch(args.similar, args.k, [args.exclude] * len(args.similar),
+                                             filters=args.filters)
+        for item, result in zip(args.similar, similar):
+            print(json.dumps({"item_id": item, **asdict(result)}))
+        return 0
+    queries = [{"user_id": user} for user in args.user_id]
+    results = bundle.recommend_batch(
+        queries, args.k, [args.exclude] * len(queries), exclude_seen=not args.include_seen, filters=args.filters
+    )
+    for query, result in zip(queries, results):
+        print(json.dumps({"query": query, **asdict(result)}))
+    return 0
+
+
+@entry_point
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m retrieval.serving`` (``retrieval recommend``): a user error is one line and status 2
+    (``retrieval.common.errors``)."""
+    return recommend(recommend_parser().parse_args(argv))
+
+if __name__ == "__main__":
+    sys.exit(main())

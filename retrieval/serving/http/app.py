@@ -1,0 +1,444 @@
+"""The ASGI app of the HTTP service: routes, the bundle being served, the bulk lane.
+
+``create_app`` builds the Starlette app (``/recommend``, ``/similar``, ``/users``,
+``/users/{user_id}/items``, ``/items``, ``/items/search``, ``/explain``, ``/healthz``, ``/metadata``, ``/metrics``,
+``/admin/reload`` and the web page at ``/``) over a ``BundleHolder``,
+whose ``reload`` swaps a new bundle in with one reference assignment; large batches run in
+the bulk lane (``_bulk_executor``) in chunks, apart from small requests; the
+exception handlers turn errors into ``{"error": ...}`` replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import faiss
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from retrieval.serving.http.inputs import (
+    ExplainRequest,
+    ItemsRequest,
+    RecommendRequest,
+    ReloadRequest,
+    SimilarRequest,
+    _describe,
+    _error,
+    _HeaderCount,
+    _parse_object,
+    _query_count,
+    _read_body,
+    _validated,
+    ascii_count,
+)
+from retrieval.serving.http.limits import INLINE_PARSE_BYTES, ServiceLimits, admin_host_allowed, same_origin
+from retrieval.serving.http.metrics import METRICS_PATH, RequestMetrics, ServiceMetrics
+from retrieval.serving.http.page import PAGE_PATH, page_headers, page_html
+
+if TYPE_CHECKING:  # retrieval.serving.bundle loads TensorFlow: imported where a bundle is loaded, so that
+    # `retrieval reload` and `retrieval serve --help` (which read ServiceLimits) start fast.
+    from retrieval.serving.bundle import Bundle, Recommendations, Verify
+
+log = logging.getLogger("retrieval.service")
+# GET /users: how many known user ids a page's pick list gets by default, and at most.
+DEFAULT_USER_LIST, MAX_USER_LIST = 100, 1000
+# GET /items/search: ids a search answers by default and at most; the longest query text.
+DEFAULT_SEARCH_RESULTS, MAX_SEARCH_RESULTS, MAX_SEARCH_TEXT = 20, 100, 200
+
+
+class BundleHolder:
+    """The bundle being served; ``reload`` replaces it with one reference assignment.
+
+    A request reads ``current`` once and uses that object to the end, so a
+    swap never changes the bundle under a running request, and the old bundle
+    is freed when the last request using it finishes. ``load_seconds`` (None
+    for a bundle loaded elsewhere) and ``served_since`` (Unix time it was
+    swapped in) describe ``current`` for ``GET /metrics``.
+    """
+
+    def __init__(self, bundle: Bundle, verify: Verify = "quick", load_seconds: float | None = None):
+        self.current = bundle
+        self.verify: Verify = verify
+        self.load_seconds = load_seconds
+        self.served_since = time.time()
+        self._reload_lock = asyncio.Lock()
+
+    async def reload(self, directory: str | Path) -> tuple[Bundle, Bundle]:
+        """Load ``directory`` off the event loop (every check of ``Bundle.load`` at ``verify``), then swap;
+        return (old, new). A bundle that fails a check raises here and the old one stays."""
+        async with self._reload_lock:  # one reload at a time; requests are never blocked
+            new, seconds = await run_in_threadpool(_timed_load, directory, self.verify)
+            # All on the event loop, where /metrics reads them too: a scrape never sees half of the swap.
+            old, self.current = self.current, new
+            self.load_seconds, self.served_since = seconds, time.time()
+            return old, new
+
+
+def _timed_load(directory: str | Path, verify: Verify) -> tuple[Bundle, float]:
+    """``Bundle.load(directory, verify=verify)`` and the seconds it took."""
+    from retrieval.serving.bundle import Bundle
+
+    started = time.perf_counter()
+    bundle = Bundle.load(directory, verify=verify)
+    return bundle, time.perf_counter() - started
+
+
+def _count_parameter(request: Request, name: str, default: int, bound: int) -> int | JSONResponse:
+    """The query parameter ``name`` as a count from 1 to ``bound`` (``default`` when absent), or the
+    422 that names it: ASCII digits only (``ascii_count``), as ``Content-Length`` is read."""
+    raw = request.query_params.get(name, str(default))
+    count = ascii_count(raw)
+    if count is None or not 1 <= count <= bound:
+        return _error(422, f"{name} must be an integer from 1 to {bound}, got {ascii(raw[:40])}")
+    return count
+
+
+def _body_handler(holder: BundleHolder, answer: Callable[[Bundle, bytes], bytes],
+                  max_body_bytes: int) -> Callable[[Request], Awaitable[Response]]:
+    """A POST route that reads the body (at most ``max_body_bytes``) and answers it with
+    ``answer(bundle, body)`` in the thread pool, against the bundle served when the request arrived."""
+
+    async def handler(request: Request) -> Response:
+        current = holder.current  # read once: a reload mid-request does not affect this request
+        body = await _read_body(request, max_body_bytes)
+        return Response(await run_in_threadpool(answer, current, body), media_type="application/json")
+
+    return handler
+
+
+def create_app(
+    bundle: str | Path | Bundle,
+    *,
+    admin: bool = True,
+    admin_token: str | None = None,
+    host: str = "127.0.0.1",
+    limits: ServiceLimits | None = None,
+    search_threads: int | None = 1,
+    verify: Verify = "quick",
+) -> Starlette:
+    """The ASGI app serving ``bundle`` (a directory or a loaded Bundle).
+
+    Args:
+      bundle: bundle directory, e.g. ``artifacts/<run>``, or a loaded Bundle.
+      admin: expose ``POST /admin/reload``. It loads any directory the
+        server can read: keep it on loopback, give a token, or turn it off
+        (``check_admin_exposure`` says which host needs what).
+      admin_token: when set, ``/admin/reload`` requires
+        ``Authorization: Bearer <admin_token>``.
+      host: the address the server is bound to. Admin routes refuse (403) a
+        ``Host`` header that does not name it (``admin_host_allowed``) and an
+        ``Origin`` other than the server itself (``same_origin``), then check
+        the token (401), then require ``Content-Type: application/json`` (415):
+        a page on another site can neither post to them (a cross-site form or
+        ``no-cors`` fetch sends ``text/plain`` and its own Origin) nor reach
+        them through a DNS name it controls.
+      limits: body, header and bulk-lane bounds (the connection-level ones
+        apply when uvicorn runs the app through ``server_config``).
+      search_threads: OpenMP threads one request's FAISS search may use
+        (None = FAISS's default, every core). 1 suits single-query traffic:
+        concurrent requests already spread over the cores, and a parallel
+        region stalls at its barrier whenever another process holds a core.
+      verify: how ``Bundle.load`` checks the files of ``bundle`` and of every
+        reload against the manifest's fingerprints: "quick" (files over 64 MiB
+        by size and both ends) or "full" (every file hashed whole).
+    """
+    from retrieval.serving.bundle import Bundle, BundleError
+
+    limits = limits or ServiceLimits()
+    if isinstance(bundle, Bundle):
+        holder = BundleHolder(bundle, verify)
+    else:
+        loaded, seconds = _timed_load(bundle, verify)
+        holder = BundleHolder(loaded, verify, load_seconds=seconds)
+    metrics = ServiceMetrics(holder)
+    bulk_lane = _bulk_executor(limits)
+    expected_authorization = None if admin_token is None else f"Bearer {admin_token}".encode()
+
+    def limit_search_threads() -> None:
+        if search_threads:
+            # OpenMP thread counts are per calling thread: set it in the worker thread itself.
+            faiss.omp_set_num_threads(search_threads)
+
+    def answer(current: Bundle, payload: dict[str, Any] | bytes, chunk: int | None) -> bytes:
+        """The JSON reply to one /recommend body, computed in a worker thread."""
+        parsed = _validated(_parse_object(payload) if isinstance(payload, bytes) else payload, RecommendRequest)
+        queries, excluded = parsed.batch()
+        limit_search_threads()
+        step = chunk or len(queries)
+        pieces = []
+        if parsed.history_order is None and current.sends_history(queries):
+            raise HTTPException(422, f"a query sends a click history ({current.metadata()['history_input']!r}): "
+                                f"say its order, history_order 'newest_first' (the most recent click first) "
+                                f"or 'oldest_first' (time order, as a sequences file lists it)")
+        try:
+            for position, query in enumerate(queries):
+                current.check_query(query, position)
+            # One query-tower call for the whole batch (mostly outside the interpreter lock), then the
+            # search and the JSON in slices, yielding the interpreter between them.
+            allowed = current.allowed_rows(parsed.filters)  # RequestError naming a column the bundle lacks: 422
+            embeddings, known = current.embed_with_known(queries, history_order=parsed.history_order or "newest_first")
+            for start in range(0, len(queries), step):
+                if start:
+                    time.sleep(0)  # let the small requests' threads take the interpreter between chunks
+                window = slice(start, start + step)
+                results = current.recommend_embedded(
+                    embeddings[window], known[window], parsed.k, excluded[window],
+                    queries=queries[window], exclude_seen=parsed.exclude_seen, allowed=allowed,
+                )
+                pieces.append(_dumps([_result(r) for r in results])[1:-1])
+        except ValueError as error:
+            raise HTTPException(422, str(error)) from None
+        if parsed.query is not None:
+            return _dumps({"bundle": current.version})[:-1] + b"," + pieces[0][1:-1] + b"}"
+        return _dumps({"bundle": current.version})[:-1] + b',"results":[' + b",".join(pieces) + b"]}"
+
+    async def recommend(request: Request) -> Response:
+        current = holder.current  # read once: a reload mid-request does not affect this request
+        body = await _read_body(request, limits.max_body_bytes)
+        payload = _parse_object(body) if len(body) <= INLINE_PARSE_BYTES else None
+        if payload is not None and _query_count(payload) <= limits.bulk_queries:
+            content = await run_in_threadpool(answer, current, payload, None)
+        else:  # a large batch: its own bounded lane, in chunks, so small requests never wait behind it
+            work = functools.partial(answer, current, body if payload is None else payload, limits.bulk_chunk)
+            content = await asyncio.get_running_loop().run_in_executor(bulk_lane, work)
+        return Response(content, media_type="application/json")
+
+    def answer_similar(current: Bundle, body: bytes) -> bytes:
+        """The JSON reply to one /similar body, parsed and computed in a worker thread (an exclusion
+        list of 10,000 ids is too large a body to parse on the event loop)."""
+        parsed = _validated(_parse_object(body), SimilarRequest)
+        limit_search_threads()
+        try:
+            result = current.similar_items(parsed.item_id, parsed.k, exclude_item_ids=parsed.exclude_item_ids,
+                                           filters=parsed.filters)
+        except ValueError as error:  # RequestError: an item id not in the catalogue
+            raise HTTPException(422, str(error)) from None
+        return _dumps({"bundle": current.version, "item_id": parsed.item_id, **_result(result)})
+
+    similar = _body_handler(holder, answer_similar, limits.max_body_bytes)
+
+    async def healthz(request: Request) -> JSONResponse:
+        current = holder.current
+        # The files on disk are still those loaded (the loaded copy keeps serving either way: a restart or a
+        # reload would read the changed ones), then the probe query through the live query model and index:
+        # a bundle that cannot answer it is not healthy.
+        changed = await run_in_threadpool(current.changed_files)
+        if changed:
+            names = ", ".join(name.encode("utf-8", "backslashreplace").decode() for name in changed[:10])
+            reason = (f"bundle files changed on disk since they were loaded: {names}"
+                      f"{f' and {len(changed) - 10} more' if len(changed) > 10 else ''}; the loaded copy keeps "
+                      "serving, a reload or restart would read the changed files")
+            log.error("health check failed on %s: %s", current.version, reason)
+            return JSONResponse({"status": "failing", "bundle": current.version, "error": reason}, status_code=503)
+        problem = await run_in_threadpool(current.probe_problem)
+        if problem:
+            log.error("health check failed on %s: %s", current.version, problem)
+            return JSONResponse({"status": "failing", "bundle": current.version, "error": problem}, status_code=503)
+        return JSONResponse({"status": "ok", "bundle": current.version, "num_items": len(current.index)})
+
+    async def metadata(request: Request) -> JSONResponse:
+        return JSONResponse(holder.current.metadata())
+
+    async def users(request: Request) -> JSONResponse:
+        current = holder.current
+        limit = _count_parameter(request, "limit", DEFAULT_USER_LIST, MAX_USER_LIST)
+        if isinstance(limit, JSONResponse):
+            return limit
+        known = current.seen_items
+        return JSONResponse({"bundle": current.version, "num_users": 0 if known is None else len(known),
+                             "user_ids": current.known_user_ids(limit)})
+
+    def answer_training_items(current: Bundle, user_id: str) -> bytes:
+        items, recent = current.training_items(user_id), current.recent_items(user_id)
+        if items is None and recent is None:
+            why = ("it was exported without training items (seen_items/)" if current.seen_items is None
+                   else f"it is not one of its {len(current.seen_items)} training users")
+            # A long id is cut in the reply: the client sent it, so it need not come back whole.
+            who = f"user {user_id[:80]!r}"
+            raise HTTPException(404, f"{who} has no training items in bundle {current.version!r}: {why}")
+        # The stored recent clicks, newest first, where the bundle keeps them (towers reading a history).
+        return _dumps({"bundle": current.version, "user_id": user_id, "item_ids": items,
+                       "recent_item_ids": recent})
+
+    async def training_items(request: Request) -> Response:
+        current = holder.current  # read once: a reload mid-request does not affect this request
+        user_id = request.path_params["user_id"]
+        return Response(await run_in_threadpool(answer_training_items, current, user_id),
+                        media_type="application/json")
+
+    def answer_items(current: Bundle, body: bytes) -> bytes:
+        parsed = _validated(_parse_object(body), ItemsRequest)
+        features = current.item_features(parsed.item_ids)
+        names = None if current.item_display is None else current.item_display.features
+        return _dumps({"bundle": current.version, "features": names,
+                       "items": [{"item_id": item, "features": values}
+                                 for item, values in zip(parsed.item_ids, features)]})
+
+    items = _body_handler(holder, answer_items, limits.max_body_bytes)
+
+    def answer_search(current: Bundle, text: str, limit: int) -> bytes:
+        found = current.search_items(text, limit)
+        return _dumps({"bundle": current.version, "q": text, "item_ids": found,
+                       "items": [{"item_id": item, "features": values}
+                                 for item, values in zip(found, current.item_features(found))]})
+
+    async def search_items(request: Request) -> Response:
+        current = holder.current
+        text = request.query_params.get("q", "")
+        limit = _count_parameter(request, "limit", DEFAULT_SEARCH_RESULTS, MAX_SEARCH_RESULTS)
+        if isinstance(limit, JSONResponse):
+            return limit
+        if len(text) > MAX_SEARCH_TEXT:
+            return _error(422, f"q must be at most {MAX_SEARCH_TEXT} characters, got {len(text)}")
+        return Response(await run_in_threadpool(answer_search, current, text, limit),
+                        media_type="application/json")
+
+    def answer_explain(current: Bundle, body: bytes) -> bytes:
+        parsed = _validated(_parse_object(body), ExplainRequest)
+        limit_search_threads()
+        because = current.explain(parsed.item_ids, parsed.history)
+        return _dumps({"bundle": current.version,
+                       "explanations": [{"item_id": item, "because": reason}
+                                        for item, reason in zip(parsed.item_ids, because)]})
+
+    explain = _body_handler(holder, answer_explain, limits.max_body_bytes)
+
+    async def page(request: Request) -> HTMLResponse:
+        return HTMLResponse(page_text, headers=page_header_values)
+
+    def admin_refusal(request: Request) -> JSONResponse | None:
+        """Why an admin request is refused (403 Host or Origin, 401 token, 415 Content-Type), or None."""
+        host_header, origin = request.headers.get("host"), request.headers.get("origin")
+        if not admin_host_allowed(host, host_header):
+            return _error(403, f"admin requests must name the server's address ({host}) in their Host header, "
+                               f"got {ascii((host_header or '')[:80])}")
+        if not same_origin(origin, host_header):
+            return _error(403, "admin requests from another origin are refused, "
+                               f"got Origin {ascii((origin or '')[:80])}")
+        if expected_authorization is not None and not hmac.compare_digest(
+            request.headers.get("authorization", "").encode(), expected_authorization
+        ):
+            return JSONResponse(
+                {"error": "admin token missing or wrong: send 'Authorization: Bearer <token>'"},
+                status_code=401,
+                headers={"www-authenticate": "Bearer"},
+            )
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != "application/json":
+            return _error(415, f"admin requests must be sent as Content-Type: application/json, "
+                               f"got {ascii(media_type[:80]) if media_type else 'none'}")
+        return None
+
+    async def reload(request: Request) -> JSONResponse:
+        refusal = admin_refusal(request)
+        if refusal is not None:
+            return refusal
+        body = _parse_object(await _read_body(request, limits.max_body_bytes))
+        try:
+            parsed = ReloadRequest.model_validate(body)
+        except ValidationError as error:
+            return _error(422, _describe(error))
+        started = time.perf_counter()
+        try:
+            old, new = await holder.reload(parsed.bundle)
+        except Exception as error:  # whatever failed, the old bundle keeps serving
+            log.warning("reload of %r failed: %r", parsed.bundle, error)
+            # BundleError messages name the part and never quote its bytes; other errors by type only.
+            reason = str(error) if isinstance(error, BundleError) else type(error).__name__
+            still = holder.current.version
+            return _error(422, f"bundle {parsed.bundle!r} not loaded, still serving {still!r}: {reason}")
+        log.info("reloaded: %s -> %s", old.version, new.version)
+        return JSONResponse(
+            {"bundle": new.version, "previous": old.version, "seconds": round(time.perf_counter() - started, 3)}
+        )
+
+    page_text = page_html()
+    page_header_values = page_headers(page_text)
+    routes = [
+        Route(PAGE_PATH, page, methods=["GET"]),
+        Route("/recommend", recommend, methods=["POST"]),
+        Route("/similar", similar, methods=["POST"]),
+        Route("/users", users, methods=["GET"]),
+        Route("/users/{user_id:path}/items", training_items, methods=["GET"]),
+        Route("/items", items, methods=["POST"]),
+        Route("/items/search", search_items, methods=["GET"]),
+        Route("/explain", explain, methods=["POST"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/metadata", metadata, methods=["GET"]),
+        Route(METRICS_PATH, metrics.endpoint, methods=["GET"]),
+    ]
+    if admin:
+        routes.append(Route("/admin/reload", reload, methods=["POST"]))
+    app = Starlette(
+        routes=routes,
+        # Starlette types every handler as taking a plain Exception, so a handler for a subclass
+        # (HTTPException here) does not match its Callable type although Starlette calls it correctly.
+        exception_handlers={
+            HTTPException: _http_error,  # type: ignore[dict-item]
+            ClientDisconnect: _client_gone,  # type: ignore[dict-item]
+            Exception: _server_error,
+        },
+    )
+    app.add_middleware(_HeaderCount, max_headers=limits.max_headers)
+    app.add_middleware(RequestMetrics, metrics=metrics, routes=routes)  # added last, so outermost: counts the 431s
+    app.state.holder = holder
+    app.state.metrics = metrics
+    app.state.limits = limits
+    app.state.admin_host = host
+    return app
+
+
+def _bulk_executor(limits: ServiceLimits) -> ThreadPoolExecutor:
+    """The bulk lane: its own ``bulk_workers`` threads, each ``bulk_nice`` steps below the server.
+
+    A thread of its own (not the shared pool) because the lowered priority must stay with bulk work:
+    the OS then gives a core to a small request's thread first (Linux sets nice per thread).
+    """
+
+    def lower_priority() -> None:
+        if limits.bulk_nice and hasattr(os, "setpriority"):
+            try:
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + limits.bulk_nice)
+            except OSError as error:  # not permitted here: the lane still runs, at the server's priority
+                log.warning("bulk lane keeps the server's priority: %s", error)
+
+    return ThreadPoolExecutor(limits.bulk_workers, thread_name_prefix="bulk", initializer=lower_priority)
+
+
+def _dumps(value: Any) -> bytes:
+    """JSON as Starlette's JSONResponse writes it."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+
+
+def _result(result: Recommendations) -> dict[str, Any]:
+    return {"item_ids": result.item_ids, "scores": result.scores, "fallback": result.fallback}
+
+
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    return JSONResponse({"error": str(error.detail)}, status_code=error.status_code, headers=error.headers)
+
+
+async def _client_gone(request: Request, error: ClientDisconnect) -> Response:
+    return Response(status_code=400)  # never sent: the client is gone
+
+
+async def _server_error(request: Request, error: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return _error(500, f"internal error: {type(error).__name__}")
