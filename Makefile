@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/demo.yaml
 SET    ?=
 
-.PHONY: install install-browser test test-fast train train-cluster lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend bench-parameter-server bench-index-blocks bench-demo bench-topk bench-filters bench-catalogue
+.PHONY: install install-browser test test-fast train train-cluster lint clean bench bench-eval bench-features bench-serving bench-serving-real bench-losses bench-kernel bench-scale bench-scale-features bench-scale-both-ways bench-synthetic notebooks bench-public tune bench-steps bench-tower-call bench-sequential bench-batch-recommend bench-parameter-server bench-index-blocks bench-demo bench-topk bench-filters bench-catalogue bench-freshness
 
 install: $(BIN)/activate
 	$(BIN)/pip install --upgrade --quiet pip
@@ -130,6 +130,14 @@ bench-scale-both-ways:
 # (~11 min on 2 cores). ARGS="--clicks 2000000 --users 100000 --items 1000000" for the scale log.
 bench-parameter-server:
 	nice -n 10 $(BIN)/python -m benchmarks.bench_parameter_server $(ARGS)
+
+# A log replayed period by period: a frozen model, warm-start updates per period (optimizer carried, reset,
+# with replay) and a full retrain per period: recall@20 on the next period (overall and on items new in the
+# period) and each update's wall time. MovieLens 100K by week, the last 8 weeks (~15 min on 2 cores); the
+# synthetic log with churn and drift (1.1M clicks, 12 weekly periods, the last 3): ARGS="--dataset synthetic"
+# (~1 h on 2 shared cores).
+bench-freshness:
+	nice -n 10 $(BIN)/python -m benchmarks.bench_freshness $(ARGS)
 
 # ExactTopK against the bare blocked product of its own blocks and FAISS's IndexFlatIP: 1M and 40,981 items,
 # k = 10, 100, 1000, masks on and off, paired runs (~10 min on 2 cores).

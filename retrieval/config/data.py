@@ -57,6 +57,62 @@ class SyntheticConfig(_Section):
     )
     days: int = Field(90, gt=0, description="Time span of the generated log.")
     seed: Seed = Field(0, description="Seed of the generator.")
+    periods: int = Field(
+        1,
+        gt=0,
+        description="Equal periods the `days` are cut into; with more than 1 the catalogue and tastes change "
+        "at each period's start (new_items_per_period, retired_items_per_period, popularity_drift, "
+        "taste_drift) and the item table gains launch_period and retire_period. 1 = a stationary log (the "
+        "generator's original output, unchanged).",
+    )
+    new_items_per_period: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Share of n_items launched at the start of each period after the first (no clicks before "
+        "it); the rest are live from the start. Needs periods > 1.",
+    )
+    retired_items_per_period: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Share of the live items retired at the start of each period after the first (no clicks "
+        "from then on). Needs periods > 1.",
+    )
+    popularity_drift: float = Field(
+        0.0,
+        ge=0,
+        description="Standard deviation of each item's log-popularity random walk, one step a period (1.0 "
+        "moves a typical item by a factor of e per period). Needs periods > 1.",
+    )
+    taste_drift: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of users whose secondary taste cluster moves to another cluster at the start of "
+        "each period after the first. Needs periods > 1.",
+    )
+
+    @model_validator(mode="after")
+    def _churn_needs_periods_and_live_items(self) -> SyntheticConfig:
+        churn = ("new_items_per_period", "retired_items_per_period", "popularity_drift", "taste_drift")
+        if self.periods == 1:
+            for key in churn:
+                if getattr(self, key) != 0:
+                    raise ValueError(
+                        f"{key}: {getattr(self, key)} changes the log between periods, but periods is 1: "
+                        "set periods > 1 (the days are cut into that many periods)"
+                    )
+        if self.periods > self.days:
+            raise ValueError(f"periods: {self.periods} is more than days: {self.days} (a period is at least a day)")
+        launched = round(self.new_items_per_period * self.n_items) * (self.periods - 1)
+        if launched >= self.n_items:
+            raise ValueError(
+                f"new_items_per_period: {self.new_items_per_period} launches {launched} items over "
+                f"{self.periods - 1} periods, leaving none of n_items: {self.n_items} live at the start: "
+                "lower it or the periods"
+            )
+        return self
 
 
 class StreamConfig(_Section):

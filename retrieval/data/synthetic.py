@@ -21,11 +21,23 @@ baseline:
   names its cluster 85% of the time, titles mix cluster-specific and generic
   words, prices and ages have per-cluster means.
 
+With ``periods > 1`` the log changes over time, for benchmarks of model updates
+(``benchmarks/bench_freshness.py``): ``days`` is cut into equal periods and at
+the start of each period after the first, ``new_items_per_period`` of the
+catalogue is launched (never clicked before), ``retired_items_per_period`` of
+the live items retire (never clicked again), every item's log-popularity takes
+a Gaussian random-walk step of ``popularity_drift`` and ``taste_drift`` of the
+users move their secondary cluster elsewhere. Each click is drawn from its own
+period's live popularity and tastes. A launched item draws its popularity rank
+like any other, so some are hits. ``periods: 1`` (the default) is the
+stationary log above, its output unchanged.
+
 Everything is vectorised numpy; one seed gives identical frames.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -58,13 +70,32 @@ class SyntheticTruth:
     Attributes:
         item_cluster: ``[n_items]`` cluster of each item.
         popularity: ``[n_items]`` probability of each item under global
-            sampling; sums to 1, exactly 0 for cold items.
-        user_clusters: ``[n_users, 2]`` primary and secondary cluster of each user.
+            sampling in the first period; sums to 1, exactly 0 for cold items
+            (and for items not yet launched).
+        user_clusters: ``[n_users, 2]`` primary and secondary cluster of each
+            user in the first period.
+        period_popularity: ``[periods, n_items]`` the same per period: 0 outside
+            an item's live periods; row 0 is ``popularity``.
+        period_user_clusters: ``[periods, n_users, 2]``; row 0 is ``user_clusters``.
+        launch_period: ``[n_items]`` first period an item may be clicked in (0 for
+            the starting catalogue).
+        retire_period: ``[n_items]`` first period it is no longer clicked in
+            (``periods`` for items never retired).
     """
 
     item_cluster: np.ndarray
     popularity: np.ndarray
     user_clusters: np.ndarray
+    period_popularity: np.ndarray
+    period_user_clusters: np.ndarray
+    launch_period: np.ndarray
+    retire_period: np.ndarray
+
+    def at(self, period: int) -> SyntheticTruth:
+        """The truth of one period, as a stationary log's (``popularity``, ``user_clusters`` of ``period``)."""
+        return dataclasses.replace(
+            self, popularity=self.period_popularity[period], user_clusters=self.period_user_clusters[period]
+        )
 
 
 def synthetic_truth(cfg: SyntheticConfig) -> SyntheticTruth:
@@ -86,7 +117,9 @@ def generate_clicks(cfg: SyntheticConfig) -> tuple[pd.DataFrame, pd.DataFrame, p
           at least 3 clicks per user.
         - items: every catalogue item, cold ones included: ``item_id``,
           ``category`` (str, e.g. ``"c07"``), ``price`` (float, a few NaN),
-          ``title`` (str).
+          ``title`` (str); with ``periods > 1`` also ``launch_period`` and
+          ``retire_period`` (int64, ``SyntheticTruth``'s), a period being
+          ``days / periods`` long from 2026-01-01.
         - users: ``user_id``, ``age`` (int64), ``country`` (str),
           ``signup_day`` (int64, days since 2026-01-01).
 
@@ -100,11 +133,17 @@ def generate_clicks(cfg: SyntheticConfig) -> tuple[pd.DataFrame, pd.DataFrame, p
     rate = cfg.mean_clicks_per_user * rng.lognormal(-_CLICKS_SIGMA**2 / 2, _CLICKS_SIGMA, cfg.n_users)
     counts = np.maximum(3, rng.poisson(rate))
     user = np.repeat(np.arange(cfg.n_users), counts)
-    item = _draw_items(truth, user, cfg.taste_strength, rng)
-
     span = cfg.days * _DAY
-    arrival = rng.integers(0, max(1, int(_ARRIVAL_WINDOW * span)), cfg.n_users)
-    time = arrival[user] + (rng.random(len(user)) * (span - arrival[user])).astype(np.int64)
+    if cfg.periods == 1:
+        # The stationary log's draws, in their original order: its output never changes.
+        item = _draw_items(truth, user, cfg.taste_strength, rng)
+        arrival = rng.integers(0, max(1, int(_ARRIVAL_WINDOW * span)), cfg.n_users)
+        time = arrival[user] + (rng.random(len(user)) * (span - arrival[user])).astype(np.int64)
+    else:
+        # Times first: each click's item comes from its own period's catalogue and tastes.
+        arrival = rng.integers(0, max(1, int(_ARRIVAL_WINDOW * span)), cfg.n_users)
+        time = arrival[user] + (rng.random(len(user)) * (span - arrival[user])).astype(np.int64)
+        item = _draw_items(truth, user, cfg.taste_strength, rng, period_of(time, span, cfg.periods))
     order = np.lexsort((user, time))
     user, item, time = user[order], item[order], time[order]
 
@@ -119,8 +158,23 @@ def generate_clicks(cfg: SyntheticConfig) -> tuple[pd.DataFrame, pd.DataFrame, p
     )
     features = np.random.default_rng(feature_seed)
     items = _item_features(truth, item_ids, features)
+    if cfg.periods > 1:
+        items["launch_period"] = truth.launch_period.astype(np.int64)
+        items["retire_period"] = truth.retire_period.astype(np.int64)
     users = _user_features(truth, user_ids, arrival // _DAY, features)
     return clicks, items, users
+
+
+def period_of(seconds: np.ndarray, span: int, periods: int) -> np.ndarray:
+    """The period (0 .. periods - 1) of times ``seconds`` after the log's start, ``span`` seconds cut
+    into ``periods`` equal parts (a time at a boundary belongs to the later period)."""
+    return np.minimum(np.asarray(seconds, dtype=np.int64) * periods // span, periods - 1)
+
+
+def period_starts(cfg: SyntheticConfig) -> np.ndarray:
+    """``[periods + 1]`` Unix times: each period's first second and the log's end (as clicks' timestamps)."""
+    span = cfg.days * _DAY
+    return START + -(-np.arange(cfg.periods + 1, dtype=np.int64) * span // cfg.periods)
 
 
 def _streams(seed: int) -> list[np.random.SeedSequence]:
@@ -139,15 +193,74 @@ def _draw_truth(cfg: SyntheticConfig, rng: np.random.Generator) -> SyntheticTrut
     # Secondary differs from primary: shift by 1..n_clusters-1 (same if only one cluster).
     shift = rng.integers(1, n_clusters, cfg.n_users) if n_clusters > 1 else np.zeros(cfg.n_users, int)
     secondary = (primary + shift) % n_clusters
-    return SyntheticTruth(item_cluster, weight / weight.sum(), np.stack([primary, secondary], axis=1))
+    clusters = np.stack([primary, secondary], axis=1)
+    if cfg.periods == 1:
+        popularity = weight / weight.sum()
+        return SyntheticTruth(item_cluster, popularity, clusters, popularity[None], clusters[None],
+                              np.zeros(cfg.n_items, np.int64), np.ones(cfg.n_items, np.int64))
+    # After the stationary draws, so the starting catalogue, its ranks and the users' clusters are the same.
+    launch, retire = _lifetimes(cfg, rng)
+    log_weight = np.log(np.where(weight > 0, weight, 1.0))
+    steps = rng.normal(0.0, cfg.popularity_drift, (cfg.periods - 1, cfg.n_items))
+    walk = np.concatenate([np.zeros((1, cfg.n_items)), np.cumsum(steps, axis=0)])
+    period = np.arange(cfg.periods)[:, None]
+    live = (launch[None] <= period) & (period < retire[None]) & (weight[None] > 0)
+    period_weight = np.where(live, np.exp(log_weight[None] + walk), 0.0)
+    total = period_weight.sum(axis=1, keepdims=True)
+    if (total == 0).any():
+        raise ValueError(f"period {int(np.flatnonzero(total[:, 0] == 0)[0])} of the synthetic log has no live item: "
+                         "lower data.synthetic.retired_items_per_period")
+    period_clusters = [clusters]
+    for _ in range(1, cfg.periods):
+        moved = period_clusters[-1].copy()
+        movers = np.flatnonzero(rng.random(cfg.n_users) < cfg.taste_drift)
+        if n_clusters > 2 and len(movers):
+            # A new secondary cluster, other than both current ones: shift by 1..n_clusters-1 from the
+            # primary, skipping the old secondary's shift.
+            old_shift = (moved[movers, 1] - moved[movers, 0]) % n_clusters
+            shift = rng.integers(1, n_clusters - 1, len(movers))
+            shift = np.where(shift >= old_shift, shift + 1, shift)
+            moved[movers, 1] = (moved[movers, 0] + shift) % n_clusters
+        period_clusters.append(moved)
+    popularity = period_weight / total
+    return SyntheticTruth(item_cluster, popularity[0], clusters, popularity, np.stack(period_clusters),
+                          launch, retire)
+
+
+def _lifetimes(cfg: SyntheticConfig, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``(launch_period, retire_period)`` [n_items]: ``new_items_per_period`` of n_items launched at each
+    period after the first, ``retired_items_per_period`` of the live ones retired there."""
+    per_period = int(round(cfg.new_items_per_period * cfg.n_items))
+    launch = np.zeros(cfg.n_items, np.int64)
+    newcomers = rng.permutation(cfg.n_items)[: per_period * (cfg.periods - 1)]
+    launch[newcomers] = np.repeat(np.arange(1, cfg.periods), per_period)
+    retire = np.full(cfg.n_items, cfg.periods, np.int64)
+    for period in range(1, cfg.periods):
+        live = np.flatnonzero((launch < period) & (retire == cfg.periods))
+        leaving = int(round(cfg.retired_items_per_period * len(live)))
+        retire[rng.choice(live, leaving, replace=False)] = period
+    return launch, retire
 
 
 def _draw_items(
-    truth: SyntheticTruth, user: np.ndarray, taste_strength: float, rng: np.random.Generator
+    truth: SyntheticTruth,
+    user: np.ndarray,
+    taste_strength: float,
+    rng: np.random.Generator,
+    period: np.ndarray | None = None,
 ) -> np.ndarray:
+    """One item per click of ``user``; ``period`` [clicks] draws each from its period's truth (None: the first)."""
+
+    def draw(cluster: np.ndarray, rows: np.ndarray | slice) -> np.ndarray:
+        if period is None:
+            return _sample(truth, cluster, rng)
+        return _sample_by_period(truth, cluster, period[rows], rng)
+
     side = np.where(rng.random(len(user)) < _PRIMARY_SHARE, 0, 1)
-    cluster = np.where(rng.random(len(user)) < taste_strength, truth.user_clusters[user, side], -1)
-    item = _sample(truth, cluster, rng)
+    taste = rng.random(len(user)) < taste_strength
+    clusters = truth.user_clusters[user, side] if period is None else truth.period_user_clusters[period, user, side]
+    cluster = np.where(taste, clusters, -1)
+    item = draw(cluster, slice(None))
     # Users rarely click the same item twice (and evaluation usually excludes
     # training items), so redraw repeats a few times; what remains are heavy
     # users who exhausted their clusters' popular items.
@@ -158,7 +271,18 @@ def _draw_items(
         repeat[first] = False
         if not repeat.any():
             break
-        item[repeat] = _sample(truth, cluster[repeat], rng)
+        item[repeat] = draw(cluster[repeat], repeat)
+    return item
+
+
+def _sample_by_period(
+    truth: SyntheticTruth, cluster: np.ndarray, period: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """``_sample`` for clicks of several periods: each period's clicks from that period's popularity."""
+    item = np.empty(len(cluster), np.int64)
+    for p in np.unique(period).tolist():
+        rows = np.flatnonzero(period == p)
+        item[rows] = _sample(truth.at(p), cluster[rows], rng)
     return item
 
 

@@ -147,3 +147,105 @@ def test_taste_clusters_make_the_log_learnable():
     chance = 20 / n_items
     assert pop > 3 * chance
     assert item_item > 2.5 * pop, (item_item, pop)
+
+
+# The stationary generator's frames (SMALL_SEED3 and the defaults) as produced before the log could
+# change over time: sha256 over pandas' row hashes and the column names, computed by the code of that time.
+STATIONARY_DIGESTS = {
+    "defaults": "8d99a30d2da95b6f8fc674acf1ac85cc9de81a62bd10cd0ebcdab045dfdcfad2",
+    "small seed 3": "6124fe675f90a3ee85a517ca0aa2cb558f7732a71f7e858fe0c22d5c0bca63fc",
+}
+CHURN = SyntheticConfig(
+    n_users=1000, n_items=500, n_clusters=10, mean_clicks_per_user=30, days=70, periods=10,
+    new_items_per_period=0.05, retired_items_per_period=0.05, popularity_drift=0.3, taste_drift=0.1,
+)
+
+
+def frames_digest(frames):
+    import hashlib
+
+    digest = hashlib.sha256()
+    for frame in frames:
+        digest.update(pd.util.hash_pandas_object(frame, index=True).to_numpy().tobytes())
+        digest.update(str(list(frame.columns)).encode())
+    return digest.hexdigest()
+
+
+def test_one_period_is_the_stationary_log_unchanged():
+    small = SyntheticConfig(n_users=1000, n_items=500, n_clusters=10, mean_clicks_per_user=30, seed=3)
+    assert frames_digest(generate_clicks(SyntheticConfig())) == STATIONARY_DIGESTS["defaults"]
+    assert frames_digest(generate_clicks(small)) == STATIONARY_DIGESTS["small seed 3"]
+
+
+@pytest.fixture(scope="module")
+def churn():
+    clicks, items, users = generate_clicks(CHURN)
+    period_length = CHURN.days * 86400 // CHURN.periods  # 7 days: a whole number of seconds here
+    clicks = clicks.assign(period=(clicks[TIME] - START) // period_length)
+    return clicks, items, users
+
+
+def test_churn_launches_items_each_period_and_retired_items_are_never_clicked_after(churn):
+    clicks, items, _ = churn
+    assert clicks["period"].between(0, CHURN.periods - 1).all() and clicks["period"].nunique() == CHURN.periods
+    per_period = round(CHURN.new_items_per_period * CHURN.n_items)
+    launched = items["launch_period"].value_counts().sort_index()
+    assert launched.loc[1:].tolist() == [per_period] * (CHURN.periods - 1)
+    assert launched.loc[0] == CHURN.n_items - per_period * (CHURN.periods - 1)
+    # No click before its item's launch, none in or after its retirement period.
+    joined = clicks.merge(items[[ITEM, "launch_period", "retire_period"]], on=ITEM, how="left", validate="m:1")
+    assert (joined["period"] >= joined["launch_period"]).all()
+    assert (joined["period"] < joined["retire_period"]).all()
+    # Items are first clicked in every period, launched items among them, and the launched items are
+    # clicked in the period they arrive.
+    first = joined.groupby(ITEM).agg(first=("period", "min"), launch=("launch_period", "first"))
+    for period in range(1, CHURN.periods):
+        newcomers = first[first["launch"] == period]
+        assert (newcomers["first"] >= period).all()
+        assert (newcomers["first"] == period).sum() >= per_period // 3, period
+    # Retirement: about retired_items_per_period of the live items each period, and each retired item's
+    # last click comes before it.
+    retired = items[items["retire_period"] < CHURN.periods]
+    assert 0.5 * CHURN.retired_items_per_period * CHURN.n_items * (CHURN.periods - 1) < len(retired)
+    last = joined[joined[ITEM].isin(retired[ITEM])].groupby(ITEM)["period"].max()
+    assert (last < retired.set_index(ITEM).loc[last.index, "retire_period"]).all()
+
+
+def test_popularity_drift_moves_which_items_are_clicked():
+    def rank_correlation_first_last(drift):
+        cfg = CHURN.model_copy(update={"new_items_per_period": 0.0, "retired_items_per_period": 0.0,
+                                       "taste_drift": 0.0, "popularity_drift": drift})
+        truth = synthetic_truth(cfg)
+        first, last = truth.period_popularity[0], truth.period_popularity[-1]
+        live = first > 0
+        ranks = [np.argsort(np.argsort(x[live])) for x in (first, last)]
+        return np.corrcoef(*ranks)[0, 1]
+
+    assert rank_correlation_first_last(0.0) == pytest.approx(1.0)
+    assert rank_correlation_first_last(0.5) < 0.8
+
+
+def test_taste_drift_moves_secondary_clusters_only():
+    truth = synthetic_truth(CHURN)
+    clusters = truth.period_user_clusters
+    assert clusters.shape == (CHURN.periods, CHURN.n_users, 2)
+    assert (clusters[:, :, 0] == clusters[0, :, 0]).all()  # the primary taste stays
+    assert (clusters[:, :, 1] != clusters[:, :, 0]).all()
+    moved = (clusters[1:, :, 1] != clusters[:-1, :, 1]).mean(axis=1)
+    assert (abs(moved - CHURN.taste_drift) < 0.04).all(), moved
+
+
+@pytest.mark.parametrize(
+    "update,named",
+    [
+        ({"taste_drift": 0.1}, "taste_drift"),
+        ({"popularity_drift": 0.5}, "popularity_drift"),
+        ({"periods": 5, "new_items_per_period": 0.25}, "new_items_per_period"),
+        ({"periods": 91}, "periods"),
+    ],
+)
+def test_churn_settings_that_cannot_hold_are_refused_naming_the_key(update, named):
+    from retrieval.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=named):
+        load_config(None, [f"data.synthetic.{key}={value}" for key, value in update.items()])
