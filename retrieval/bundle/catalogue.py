@@ -55,7 +55,7 @@ import tensorflow as tf
 from retrieval.bundle.display_features import DisplayFeatures
 from retrieval.bundle.fingerprints import check_fingerprints
 from retrieval.bundle.manifest import InputSpec, Manifest, read_manifest
-from retrieval.bundle.parts import BundlePart, DisplayFeaturesPart
+from retrieval.bundle.parts import BundlePart, DisplayFeaturesPart, IndexPart
 from retrieval.bundle.run_directory import atomic_directory
 from retrieval.bundle.saved_models import write_tf_serving_config
 from retrieval.bundle.seen_items import find_sorted
@@ -74,6 +74,8 @@ EMBED_BATCH = 8192  # items one doc-model call embeds
 _VERSION = re.compile(r"\.v(\d+)$")
 # manifest files entries an edit writes itself (the index) or leaves out (the topk model).
 _INDEX_ENTRIES = ("index", "index_info", "item_ids")
+# Parts written fresh by some edits are linked when unchanged; the config files are small and copied.
+_COPIED = ("tf_serving_config",)
 _NAMED = 10  # ids an error names before "and N more"
 
 
@@ -177,9 +179,44 @@ def edit_catalogue(
       CatalogueError: naming the items (unknown, duplicate, already served, removed), the columns
         (missing, unknown) or the values that cannot be read.
     """
+    prepared = prepare_edit(source, change, items, run=run or Path(out).name, models=models, loaded=loaded)
+    return write_edit(prepared, out, overwrite=overwrite)
+
+
+@dataclass(frozen=True)
+class PreparedEdit:
+    """An edit applied in memory, not yet written (``prepare_edit``): what serving swaps in at once
+    and ``write_edit`` persists.
+
+    ``manifest`` is the new version's manifest as served: every key the written one will hold but
+    ``fingerprints`` (still the source's) and ``created_at`` (the writer sets both).
+    """
+
+    source: Path  # the version the edit starts from
+    source_manifest: Manifest
+    change: Change
+    manifest: Manifest
+    index: ItemIndex  # the edited index (the source's object itself when no vector moved)
+    display: DisplayFeatures | None  # the edited display table, None when it did not change
+    changes: dict[str, Any]  # the caller keys of the new manifest (run, metrics, disabled_item_ids, parent)
+    dropped: list[str]  # manifest files entries left out (the topk model)
+
+
+def prepare_edit(
+    source: str | Path,
+    change: Change,
+    items: pd.DataFrame,
+    *,
+    run: str,
+    models: CatalogueModels | None = None,
+    loaded: tuple[ItemIndex, DisplayFeatures | None] | None = None,
+) -> PreparedEdit:
+    """Check ``items`` and apply ``change`` to ``source``'s index and display table in memory; nothing
+    is written. ``run`` is the new version's name; ``models`` and ``loaded`` as ``edit_catalogue``
+    takes them. Raises CatalogueError naming the items, columns or values it cannot take."""
     # The writer imports tensorflow_recommenders: loaded here, so that a server that only opens
     # versions (current_version) starts without it.
-    from retrieval.bundle.writer import probe_record, rewrite_bundle
+    from retrieval.bundle.writer import probe_record
 
     if change not in CHANGES:
         raise CatalogueError(f"change must be one of {list(CHANGES)}, got {change!r}")
@@ -207,31 +244,56 @@ def edit_catalogue(
         models = CatalogueModels.load(source, manifest) if models is None else models
         probe = probe_record(probe["query"], models.embed_query(probe["query"]), new_index)
     new_display = _edited_display(display, edit)
-    parts: list[BundlePart] = []
-    if new_display is not None:
-        parts.append(DisplayFeaturesPart(new_display))
     dropped = ["topk_model"] if "topk_model" in manifest.files else []
+    changes = {
+        "run": run,
+        "metrics": None,
+        "disabled_item_ids": sorted(edit.disabled) or None,
+        "parent": {"directory": str(source.resolve()), "run": manifest.run, "created_at": manifest.created_at,
+                   "change": f"catalogue_{change}"},
+    }
+    records = {**IndexPart(new_index).info(), **(DisplayFeaturesPart(new_display).info() if new_display else {})}
+    served = Manifest.from_dict({
+        **manifest.to_dict(), **records, "probe": probe, **changes,
+        "files": {key: path for key, path in manifest.files.items() if key not in dropped},
+    }, source="the edited manifest")
+    return PreparedEdit(source, manifest, change, served, new_index, new_display, changes, dropped)
+
+
+def write_edit(prepared: PreparedEdit, out: str | Path, *, overwrite: bool = False) -> Manifest:
+    """Write ``prepared`` as the bundle ``out``, whole, and return its manifest.
+
+    Written under a scratch name, its files checked against the fingerprints just recorded (as
+    ``Bundle.load`` checks them: what a restart reads is what was served), then renamed into place
+    (``atomic_directory``). Files the edit does not change (the SavedModels, seen items, user
+    features and histories, and the display table unless the edit changes it) are hard-linked from
+    the source: a version's files are never rewritten in place, so sharing them is safe, and a
+    large catalogue is not copied per edit (copied where the file system cannot link).
+    """
+    from retrieval.bundle.writer import rewrite_bundle
+
+    source, manifest = prepared.source, prepared.source_manifest
+    parts: list[BundlePart] = [DisplayFeaturesPart(prepared.display)] if prepared.display is not None else []
     out = Path(out)
     with atomic_directory(out, overwrite=overwrite) as scratch:
-        rewritten = {*_INDEX_ENTRIES, *dropped, *([DisplayFeaturesPart.KEY] if parts else [])}
+        rewritten = {*_INDEX_ENTRIES, *prepared.dropped, *([DisplayFeaturesPart.KEY] if parts else [])}
         for key, relative in manifest.files.items():
             if key in rewritten:
                 continue
-            _copy(source / relative, scratch / relative, link=key.endswith("_model"))
-        if dropped:
-            kept = {key: path for key, path in manifest.files.items() if key not in dropped}
+            _copy(source / relative, scratch / relative, link=key not in _COPIED)
+        if prepared.dropped:
+            kept = {key: path for key, path in manifest.files.items() if key not in prepared.dropped}
             (scratch / manifest.files["tf_serving_config"]).unlink(missing_ok=True)
             write_tf_serving_config(scratch, kept)
         if (source / "config.yaml").is_file():
             shutil.copy2(source / "config.yaml", scratch / "config.yaml")
-        return rewrite_bundle(scratch, manifest, index=new_index, probe=probe, parts=parts, dropped_files=dropped,
-                              changes={
-            "run": run or out.name,
-            "metrics": None,
-            "disabled_item_ids": sorted(edit.disabled) or None,
-            "parent": {"directory": str(source.resolve()), "run": manifest.run, "created_at": manifest.created_at,
-                       "change": f"catalogue_{change}"},
-        })
+        written = rewrite_bundle(scratch, manifest, index=prepared.index, probe=prepared.manifest.probe, parts=parts,
+                                 dropped_files=prepared.dropped, changes=prepared.changes)
+        try:  # the version is complete and equal to its fingerprints before anyone can open it
+            check_fingerprints(scratch, written.to_dict())
+        except ValueError as error:
+            raise CatalogueError(f"{out}: the written version does not match its fingerprints: {error}") from None
+        return written
 
 
 def current_version(root: str | Path) -> Path:
@@ -254,12 +316,29 @@ def publish_edit(root: str | Path, change: Change, items: pd.DataFrame, *,
     """
     root = Path(root)
     source = current_version(root)
+    name = next_version(root)
+    prepared = prepare_edit(source, change, items, run=name, models=models, loaded=loaded)
+    return publish_prepared(root, prepared)
+
+
+def next_version(root: str | Path) -> str:
+    """The name of bundle ``root``'s next catalogue version: ``<root>.v<n>``, n one past the highest."""
+    root = Path(root)
+    versions = _versions_dir(root)
+    numbers = [int(match.group(1)) for path in (versions.iterdir() if versions.is_dir() else ())
+               if path.name.startswith(f"{root.name}.v") and (match := _VERSION.search(path.name))]
+    return f"{root.name}.v{max(numbers, default=0) + 1:04d}"
+
+
+def publish_prepared(root: str | Path, prepared: PreparedEdit) -> Path:
+    """Write ``prepared`` (an edit of ``current_version(root)``) as ``root.catalogue/<its run>``
+    (``write_edit``: complete and checked against its fingerprints), then point
+    ``root.catalogue/current`` at it in one ``os.replace``; return its directory."""
+    root = Path(root)
     versions = _versions_dir(root)
     versions.mkdir(exist_ok=True)
-    numbers = [int(match.group(1)) for path in versions.iterdir()
-               if path.name.startswith(f"{root.name}.v") and (match := _VERSION.search(path.name))]
-    name = f"{root.name}.v{max(numbers, default=0) + 1:04d}"
-    edit_catalogue(source, change, items, versions / name, models=models, loaded=loaded)
+    name = str(prepared.changes["run"])
+    write_edit(prepared, versions / name)
     link = versions / f".{CURRENT}.{os.getpid()}"
     link.unlink(missing_ok=True)
     link.symlink_to(name)
