@@ -259,7 +259,8 @@ def timed_edit(url: str, edit: dict[str, Any], user: dict | None, served: Any, l
         prober.join(timeout=limit + 5)
     body = reply.json()
     return {"change": edit["change"], "bundle": body["bundle"], "admin_seconds": round(answered - started, 3),
-            "server_seconds": body["seconds"], "num_items": body["num_items"],
+            "server_seconds": body["seconds"], "server_served_seconds": body["served_seconds"],
+            "server_persisted_seconds": body["persisted_seconds"], "num_items": body["num_items"],
             "served_after_seconds": round(seen_at[0] - started, 3) if seen_at else None}
 
 
@@ -386,15 +387,19 @@ def markdown(report: dict) -> str:
         f"- restart on the same directory serves the newest version ({summary['restart_bundle']}) and answers "
         f"the kept items' probes as the live service did: **{summary['restart_serves']}**",
         "",
-        *markdown_table(["#", "change", "item", "version", "admin call s", "server s", "served after s", "items"],
+        *markdown_table(["#", "change", "item", "version", "admin call s", "server: served s", "server: persisted s",
+                         "served after s", "items"],
                         [[i + 1, row["change"], row["item_id"], row["bundle"], row["admin_seconds"],
-                          row["server_seconds"], "-" if row["served_after_seconds"] is None and row["change"] ==
-                          "update" else row["served_after_seconds"], row["num_items"]]
-                         for i, row in enumerate(report["edits"])], "rllrrrrr"),
+                          row["server_served_seconds"], row["server_persisted_seconds"],
+                          "-" if row["served_after_seconds"] is None and row["change"] == "update"
+                          else row["served_after_seconds"], row["num_items"]]
+                         for i, row in enumerate(report["edits"])], "rllrrrrrr"),
         "",
         "Served after: from the admin call to the first answer of the prober (the item's probe request, "
-        "k = 1, in a loop) naming the new item (add) or another item (remove); the admin call returns once "
-        "the new version is written, loaded and swapped in. The server loads the doc model in the background "
+        "k = 1, in a loop) naming the new item (add) or another item (remove). The server applies an edit to "
+        "a copy of the served index in memory and swaps it in (server: served s), then writes the version, "
+        "checks its fingerprints and moves the current pointer (server: persisted s, from the same start); "
+        "the admin call returns after both. The server loads the doc model in the background "
         "at start; the series starts 2 s after /healthz answers.",
     ]
     return "\n".join(lines) + "\n"

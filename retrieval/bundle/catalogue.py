@@ -210,10 +210,13 @@ def prepare_edit(
     run: str,
     models: CatalogueModels | None = None,
     loaded: tuple[ItemIndex, DisplayFeatures | None] | None = None,
+    row_of: Mapping[str, int] | None = None,
 ) -> PreparedEdit:
     """Check ``items`` and apply ``change`` to ``source``'s index and display table in memory; nothing
     is written. ``run`` is the new version's name; ``models`` and ``loaded`` as ``edit_catalogue``
-    takes them. Raises CatalogueError naming the items, columns or values it cannot take."""
+    takes them; ``row_of``: the loaded index's row of each id (a served bundle keeps one), so that
+    an edit of a few items looks up a few ids instead of hashing the whole catalogue's. Raises
+    CatalogueError naming the items, columns or values it cannot take."""
     # The writer imports tensorflow_recommenders: loaded here, so that a server that only opens
     # versions (current_version) starts without it.
     from retrieval.bundle.writer import probe_record
@@ -233,7 +236,7 @@ def prepare_edit(
         index, display = ItemIndex.load(source), None
         if manifest.files.get(DisplayFeaturesPart.KEY) is not None:
             display = DisplayFeatures.load(source / manifest.files[DisplayFeaturesPart.KEY])
-    edit = _plan(manifest, index, display, change, items)
+    edit = _plan(manifest, index, display, change, items, row_of)
     vectors = None
     if edit.embed is not None:
         models = CatalogueModels.load(source, manifest) if models is None else models
@@ -364,7 +367,7 @@ class _Edit:
 
 
 def _plan(manifest: Manifest, index: ItemIndex, display: DisplayFeatures | None, change: Change,
-          items: pd.DataFrame) -> _Edit:
+          items: pd.DataFrame, row_of: Mapping[str, int] | None = None) -> _Edit:
     """Check ``items`` against the bundle and say what the edit does (``_Edit``)."""
     if not isinstance(items, pd.DataFrame):
         raise CatalogueError(f"items must be a table of items, got {type(items).__name__}")
@@ -379,8 +382,10 @@ def _plan(manifest: Manifest, index: ItemIndex, display: DisplayFeatures | None,
     if repeated:
         raise CatalogueError(f"the items repeat {_named(repeated)}: give each item once")
     items = items.assign(**{ITEM: ids}).reset_index(drop=True)
-    row_of = pd.Index(index.item_ids.astype(str), dtype=object)
-    rows = row_of.get_indexer(pd.Index(ids, dtype=object))
+    if row_of is not None:
+        rows = np.array([row_of.get(item, -1) for item in ids], dtype=np.int64)
+    else:
+        rows = pd.Index(index.item_ids.astype(str), dtype=object).get_indexer(pd.Index(ids, dtype=object))
     disabled = set(manifest.disabled_item_ids or ())
     doc_inputs = list(manifest.doc_features)
     id_only = doc_inputs == [ITEM]
@@ -558,9 +563,10 @@ def _edited_index(index: ItemIndex, edit: _Edit, vectors: np.ndarray | None) -> 
         faiss_index.add(np.ascontiguousarray(vectors[replaced:]))
     norms = np.linalg.norm(vectors, axis=1)
     normalized = index.normalized and bool(np.all(np.abs(norms - 1) <= NORM_TOLERANCE))
-    return ItemIndex(faiss_index, [*index.item_ids.astype(str).tolist(), *edit.append_ids], index.factory,
-                     normalized=normalized, search_params=index.search_params, tuning=index.tuning,
-                     routing=index.routing)
+    # The appended ids were checked against the index's (``_plan``) and are distinct: not hashed again.
+    return ItemIndex(faiss_index, np.concatenate([index.item_ids, np.array(edit.append_ids, dtype=object)]),
+                     index.factory, normalized=normalized, search_params=index.search_params, tuning=index.tuning,
+                     routing=index.routing, ids_checked=True)
 
 
 def _edited_display(display: DisplayFeatures | None, edit: _Edit) -> DisplayFeatures | None:

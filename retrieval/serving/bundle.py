@@ -40,6 +40,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 import numpy as np
@@ -322,8 +323,7 @@ class Bundle:
         (the files the edit started from). Raises BundleError when the parts do not fit or the
         manifest's probe query does not give its items through ``index``.
         """
-        if index.dim != self.index.dim or len(index) < len(self.index) or not np.array_equal(
-                index.item_ids[: len(self.index)].astype(str), self.index.item_ids.astype(str)):
+        if index.dim != self.index.dim or len(index) < len(self.index):
             raise BundleError(f"{manifest.run}: an edited index must keep the served rows and dimension "
                               f"({len(self.index)} rows of {self.index.dim})")
         new = copy.copy(self)
@@ -830,6 +830,11 @@ class Bundle:
                 fallback = None if known_ids[i] else "features"
                 results.append(Recommendations(self._ids(rows), scores.tolist(), fallback))
         return results
+
+    @property
+    def row_of(self) -> Mapping[str, int]:
+        """Item id -> its index row (removed items included), read only."""
+        return MappingProxyType(self._row_of)
 
     def served_item_ids(self) -> np.ndarray:
         """[n] the ids of the items this bundle serves, in index order: every indexed item but those a

@@ -154,7 +154,7 @@ class BundleHolder:
         models = CatalogueModels(self.doc_model(current), lambda query: current.embed([query]))
         prepared = prepare_edit(current.directory, change, pd.DataFrame.from_records(items),
                                 run=next_version(self.root), models=models,
-                                loaded=(current.index, current.item_display))
+                                loaded=(current.index, current.item_display), row_of=current.row_of)
         return prepared, current.edited(prepared.manifest, prepared.index, prepared.display)
 
     def _persist(self, prepared: Any, pending: Bundle) -> Bundle:
