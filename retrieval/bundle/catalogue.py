@@ -583,15 +583,35 @@ def _edited_display(display: DisplayFeatures | None, edit: _Edit) -> DisplayFeat
     positions = find_sorted(display.item_ids, given_ids)
     keep = np.ones(len(display), dtype=bool)
     keep[positions[positions >= 0]] = False
-    ids = np.concatenate([display.item_ids[keep], np.array([item.encode("utf-8") for item in given_ids])])
-    order = np.argsort(ids, kind="stable")
+    kept = bool(keep.all())  # an add of new ids keeps every row: no filtering pass
+    kept_ids = display.item_ids if kept else display.item_ids[keep]
+    ids = np.concatenate([kept_ids, np.array([item.encode("utf-8") for item in given_ids])])
+    # Both halves in the concatenation's (widest) bytes dtype: a search never truncates a longer new id.
+    order = _merged_order(ids[: len(kept_ids)], ids[len(kept_ids):])
     columns = {}
     for name, column in display.columns.items():
         old = [column[int(row)].as_py() if row >= 0 else None for row in positions.tolist()]
         values = edit.display[name].tolist() if name in edit.display.columns else old
         rows = pa.array([_cell(value, column.type) for value in values], type=column.type)
-        columns[name] = pa.concat_arrays([column.filter(pa.array(keep)), rows]).take(pa.array(order))
+        columns[name] = pa.concat_arrays([column if kept else column.filter(pa.array(keep)), rows]).take(
+            pa.array(order))
     return DisplayFeatures(ids[order], columns)
+
+
+def _merged_order(sorted_ids: np.ndarray, new_ids: np.ndarray) -> np.ndarray:
+    """The order that sorts ``concatenate([sorted_ids, new_ids])`` ([n + m] int64), ``sorted_ids``
+    already sorted and no id in both: the new ids are sorted and inserted by binary search, so an
+    edit of m items costs O(m log n) comparisons and one O(n) pass, not a sort of the catalogue's ids."""
+    n, m = len(sorted_ids), len(new_ids)
+    new_order = np.argsort(new_ids, kind="stable")
+    # Final position of the i-th smallest new id: the kept ids below it plus the i new ids before it.
+    at = np.searchsorted(sorted_ids, new_ids[new_order], side="left") + np.arange(m)
+    is_new = np.zeros(n + m, dtype=bool)
+    is_new[at] = True
+    order = np.empty(n + m, dtype=np.int64)
+    order[at] = n + new_order
+    order[~is_new] = np.arange(n)
+    return order
 
 
 def _cell(value: Any, kind: pa.DataType) -> Any:

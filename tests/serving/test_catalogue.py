@@ -583,3 +583,17 @@ def test_two_live_edits_are_served_and_written_in_order(world, added, tmp_path, 
     assert list(v2.index.item_ids) == [*(f"i{i}" for i in range(8)), first_id, second_id]
     assert v2.manifest["parent"]["run"] == "shop.v0001" and v1.manifest["parent"]["run"] == "shop"
     assert current_version(root).name == "shop.v0002"
+
+
+def test_the_display_table_merge_sorts_as_a_full_sort_would():
+    from retrieval.bundle.catalogue import _merged_order
+
+    rng = np.random.default_rng(3)
+    for n, m in [(0, 3), (5, 0), (50, 7), (200, 40)]:
+        pool = np.array(sorted({f"x{rng.integers(0, 10 ** rng.integers(1, 7))}" for _ in range(3 * (n + m))}))
+        chosen = rng.permutation(len(pool))[: n + m]
+        old, new = np.sort(pool[chosen[:n]]).astype(bytes), pool[chosen[n:]].astype(bytes)
+        both = np.concatenate([old, new])  # new ids longer than every old one included (wider dtype)
+        order = _merged_order(both[:n], both[n:])
+        np.testing.assert_array_equal(order, np.argsort(both, kind="stable"))
+        assert sorted(both.tolist()) == both[order].tolist()
