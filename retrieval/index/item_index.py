@@ -133,7 +133,7 @@ class ItemIndex:
     def __init__(
         self,
         index: faiss.Index,
-        item_ids: Sequence[str],
+        item_ids: Sequence[str] | np.ndarray,
         factory: str,
         *,
         normalized: bool = False,
