@@ -2,9 +2,9 @@
 
 An edit writes a new bundle, whole, from the source bundle (``edit_catalogue``); the source is never
 changed. Its models are the source's (the SavedModels are hard-linked, same paths and TensorFlow
-Serving version), its index the source's with the edit applied, and its manifest gets fresh
-fingerprints, a probe recorded through the new index and ``parent`` = the source with the change
-(``catalogue_add``, ``catalogue_remove``, ``catalogue_update``).
+Serving version, as is every other file the edit does not change), its index the source's with the
+edit applied, and its manifest gets fresh fingerprints, a probe recorded through the new index and
+``parent`` = the source with the change (``catalogue_add``, ``catalogue_remove``, ``catalogue_update``).
 
 - **add**: each new item is embedded from its raw doc features through the bundle's own doc
   SavedModel (the model that embedded the catalogue at export, its normalisation included) and
@@ -630,8 +630,8 @@ def _cell(value: Any, kind: pa.DataType) -> Any:
 
 
 def _copy(source: Path, target: Path, *, link: bool) -> None:
-    """Copy a served file or folder; a SavedModel's files are hard-linked (never rewritten in place),
-    copied where the file system cannot link."""
+    """Copy a served file or folder, hard-linked when ``link`` (a version's files are never rewritten in
+    place), copied where the file system cannot link."""
     target.parent.mkdir(parents=True, exist_ok=True)
     if source.is_dir():
         shutil.copytree(source, target, copy_function=_link_or_copy if link else shutil.copy2)
