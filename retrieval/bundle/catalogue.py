@@ -2,9 +2,9 @@
 
 An edit writes a new bundle, whole, from the source bundle (``edit_catalogue``); the source is never
 changed. Its models are the source's (the SavedModels are hard-linked, same paths and TensorFlow
-Serving version), its index the source's with the edit applied, and its manifest gets fresh
-fingerprints, a probe recorded through the new index and ``parent`` = the source with the change
-(``catalogue_add``, ``catalogue_remove``, ``catalogue_update``).
+Serving version, as is every other file the edit does not change), its index the source's with the
+edit applied, and its manifest gets fresh fingerprints, a probe recorded through the new index and
+``parent`` = the source with the change (``catalogue_add``, ``catalogue_remove``, ``catalogue_update``).
 
 - **add**: each new item is embedded from its raw doc features through the bundle's own doc
   SavedModel (the model that embedded the catalogue at export, its normalisation included) and
@@ -55,7 +55,7 @@ import tensorflow as tf
 from retrieval.bundle.display_features import DisplayFeatures
 from retrieval.bundle.fingerprints import check_fingerprints
 from retrieval.bundle.manifest import InputSpec, Manifest, read_manifest
-from retrieval.bundle.parts import BundlePart, DisplayFeaturesPart
+from retrieval.bundle.parts import BundlePart, DisplayFeaturesPart, IndexPart
 from retrieval.bundle.run_directory import atomic_directory
 from retrieval.bundle.saved_models import write_tf_serving_config
 from retrieval.bundle.seen_items import find_sorted
@@ -74,6 +74,8 @@ EMBED_BATCH = 8192  # items one doc-model call embeds
 _VERSION = re.compile(r"\.v(\d+)$")
 # manifest files entries an edit writes itself (the index) or leaves out (the topk model).
 _INDEX_ENTRIES = ("index", "index_info", "item_ids")
+# Parts written fresh by some edits are linked when unchanged; the config files are small and copied.
+_COPIED = ("tf_serving_config",)
 _NAMED = 10  # ids an error names before "and N more"
 
 
@@ -177,9 +179,47 @@ def edit_catalogue(
       CatalogueError: naming the items (unknown, duplicate, already served, removed), the columns
         (missing, unknown) or the values that cannot be read.
     """
+    prepared = prepare_edit(source, change, items, run=run or Path(out).name, models=models, loaded=loaded)
+    return write_edit(prepared, out, overwrite=overwrite)
+
+
+@dataclass(frozen=True)
+class PreparedEdit:
+    """An edit applied in memory, not yet written (``prepare_edit``): what serving swaps in at once
+    and ``write_edit`` persists.
+
+    ``manifest`` is the new version's manifest as served: every key the written one will hold but
+    ``fingerprints`` (still the source's) and ``created_at`` (the writer sets both).
+    """
+
+    source: Path  # the version the edit starts from
+    source_manifest: Manifest
+    change: Change
+    manifest: Manifest
+    index: ItemIndex  # the edited index (the source's object itself when no vector moved)
+    display: DisplayFeatures | None  # the edited display table, None when it did not change
+    changes: dict[str, Any]  # the caller keys of the new manifest (run, metrics, disabled_item_ids, parent)
+    dropped: list[str]  # manifest files entries left out (the topk model)
+
+
+def prepare_edit(
+    source: str | Path,
+    change: Change,
+    items: pd.DataFrame,
+    *,
+    run: str,
+    models: CatalogueModels | None = None,
+    loaded: tuple[ItemIndex, DisplayFeatures | None] | None = None,
+    row_of: Mapping[str, int] | None = None,
+) -> PreparedEdit:
+    """Check ``items`` and apply ``change`` to ``source``'s index and display table in memory; nothing
+    is written. ``run`` is the new version's name; ``models`` and ``loaded`` as ``edit_catalogue``
+    takes them; ``row_of``: the loaded index's row of each id (a served bundle keeps one), so that
+    an edit of a few items looks up a few ids instead of hashing the whole catalogue's. Raises
+    CatalogueError naming the items, columns or values it cannot take."""
     # The writer imports tensorflow_recommenders: loaded here, so that a server that only opens
     # versions (current_version) starts without it.
-    from retrieval.bundle.writer import probe_record, rewrite_bundle
+    from retrieval.bundle.writer import probe_record
 
     if change not in CHANGES:
         raise CatalogueError(f"change must be one of {list(CHANGES)}, got {change!r}")
@@ -196,7 +236,7 @@ def edit_catalogue(
         index, display = ItemIndex.load(source), None
         if manifest.files.get(DisplayFeaturesPart.KEY) is not None:
             display = DisplayFeatures.load(source / manifest.files[DisplayFeaturesPart.KEY])
-    edit = _plan(manifest, index, display, change, items)
+    edit = _plan(manifest, index, display, change, items, row_of)
     vectors = None
     if edit.embed is not None:
         models = CatalogueModels.load(source, manifest) if models is None else models
@@ -207,31 +247,56 @@ def edit_catalogue(
         models = CatalogueModels.load(source, manifest) if models is None else models
         probe = probe_record(probe["query"], models.embed_query(probe["query"]), new_index)
     new_display = _edited_display(display, edit)
-    parts: list[BundlePart] = []
-    if new_display is not None:
-        parts.append(DisplayFeaturesPart(new_display))
     dropped = ["topk_model"] if "topk_model" in manifest.files else []
+    changes = {
+        "run": run,
+        "metrics": None,
+        "disabled_item_ids": sorted(edit.disabled) or None,
+        "parent": {"directory": str(source.resolve()), "run": manifest.run, "created_at": manifest.created_at,
+                   "change": f"catalogue_{change}"},
+    }
+    records = {**IndexPart(new_index).info(), **(DisplayFeaturesPart(new_display).info() if new_display else {})}
+    served = Manifest.from_dict({
+        **manifest.to_dict(), **records, "probe": probe, **changes,
+        "files": {key: path for key, path in manifest.files.items() if key not in dropped},
+    }, source="the edited manifest")
+    return PreparedEdit(source, manifest, change, served, new_index, new_display, changes, dropped)
+
+
+def write_edit(prepared: PreparedEdit, out: str | Path, *, overwrite: bool = False) -> Manifest:
+    """Write ``prepared`` as the bundle ``out``, whole, and return its manifest.
+
+    Written under a scratch name, its files checked against the fingerprints just recorded (as
+    ``Bundle.load`` checks them: what a restart reads is what was served), then renamed into place
+    (``atomic_directory``). Files the edit does not change (the SavedModels, seen items, user
+    features and histories, and the display table unless the edit changes it) are hard-linked from
+    the source: a version's files are never rewritten in place, so sharing them is safe, and a
+    large catalogue is not copied per edit (copied where the file system cannot link).
+    """
+    from retrieval.bundle.writer import rewrite_bundle
+
+    source, manifest = prepared.source, prepared.source_manifest
+    parts: list[BundlePart] = [DisplayFeaturesPart(prepared.display)] if prepared.display is not None else []
     out = Path(out)
     with atomic_directory(out, overwrite=overwrite) as scratch:
-        rewritten = {*_INDEX_ENTRIES, *dropped, *([DisplayFeaturesPart.KEY] if parts else [])}
+        rewritten = {*_INDEX_ENTRIES, *prepared.dropped, *([DisplayFeaturesPart.KEY] if parts else [])}
         for key, relative in manifest.files.items():
             if key in rewritten:
                 continue
-            _copy(source / relative, scratch / relative, link=key.endswith("_model"))
-        if dropped:
-            kept = {key: path for key, path in manifest.files.items() if key not in dropped}
+            _copy(source / relative, scratch / relative, link=key not in _COPIED)
+        if prepared.dropped:
+            kept = {key: path for key, path in manifest.files.items() if key not in prepared.dropped}
             (scratch / manifest.files["tf_serving_config"]).unlink(missing_ok=True)
             write_tf_serving_config(scratch, kept)
         if (source / "config.yaml").is_file():
             shutil.copy2(source / "config.yaml", scratch / "config.yaml")
-        return rewrite_bundle(scratch, manifest, index=new_index, probe=probe, parts=parts, dropped_files=dropped,
-                              changes={
-            "run": run or out.name,
-            "metrics": None,
-            "disabled_item_ids": sorted(edit.disabled) or None,
-            "parent": {"directory": str(source.resolve()), "run": manifest.run, "created_at": manifest.created_at,
-                       "change": f"catalogue_{change}"},
-        })
+        written = rewrite_bundle(scratch, manifest, index=prepared.index, probe=prepared.manifest.probe, parts=parts,
+                                 dropped_files=prepared.dropped, changes=prepared.changes)
+        try:  # the version is complete and equal to its fingerprints before anyone can open it
+            check_fingerprints(scratch, written.to_dict())
+        except ValueError as error:
+            raise CatalogueError(f"{out}: the written version does not match its fingerprints: {error}") from None
+        return written
 
 
 def current_version(root: str | Path) -> Path:
@@ -254,12 +319,29 @@ def publish_edit(root: str | Path, change: Change, items: pd.DataFrame, *,
     """
     root = Path(root)
     source = current_version(root)
+    name = next_version(root)
+    prepared = prepare_edit(source, change, items, run=name, models=models, loaded=loaded)
+    return publish_prepared(root, prepared)
+
+
+def next_version(root: str | Path) -> str:
+    """The name of bundle ``root``'s next catalogue version: ``<root>.v<n>``, n one past the highest."""
+    root = Path(root)
+    versions = _versions_dir(root)
+    numbers = [int(match.group(1)) for path in (versions.iterdir() if versions.is_dir() else ())
+               if path.name.startswith(f"{root.name}.v") and (match := _VERSION.search(path.name))]
+    return f"{root.name}.v{max(numbers, default=0) + 1:04d}"
+
+
+def publish_prepared(root: str | Path, prepared: PreparedEdit) -> Path:
+    """Write ``prepared`` (an edit of ``current_version(root)``) as ``root.catalogue/<its run>``
+    (``write_edit``: complete and checked against its fingerprints), then point
+    ``root.catalogue/current`` at it in one ``os.replace``; return its directory."""
+    root = Path(root)
     versions = _versions_dir(root)
     versions.mkdir(exist_ok=True)
-    numbers = [int(match.group(1)) for path in versions.iterdir()
-               if path.name.startswith(f"{root.name}.v") and (match := _VERSION.search(path.name))]
-    name = f"{root.name}.v{max(numbers, default=0) + 1:04d}"
-    edit_catalogue(source, change, items, versions / name, models=models, loaded=loaded)
+    name = str(prepared.changes["run"])
+    write_edit(prepared, versions / name)
     link = versions / f".{CURRENT}.{os.getpid()}"
     link.unlink(missing_ok=True)
     link.symlink_to(name)
@@ -285,7 +367,7 @@ class _Edit:
 
 
 def _plan(manifest: Manifest, index: ItemIndex, display: DisplayFeatures | None, change: Change,
-          items: pd.DataFrame) -> _Edit:
+          items: pd.DataFrame, row_of: Mapping[str, int] | None = None) -> _Edit:
     """Check ``items`` against the bundle and say what the edit does (``_Edit``)."""
     if not isinstance(items, pd.DataFrame):
         raise CatalogueError(f"items must be a table of items, got {type(items).__name__}")
@@ -300,8 +382,10 @@ def _plan(manifest: Manifest, index: ItemIndex, display: DisplayFeatures | None,
     if repeated:
         raise CatalogueError(f"the items repeat {_named(repeated)}: give each item once")
     items = items.assign(**{ITEM: ids}).reset_index(drop=True)
-    row_of = pd.Index(index.item_ids.astype(str), dtype=object)
-    rows = row_of.get_indexer(pd.Index(ids, dtype=object))
+    if row_of is not None:
+        rows = np.array([row_of.get(item, -1) for item in ids], dtype=np.int64)
+    else:
+        rows = pd.Index(index.item_ids.astype(str), dtype=object).get_indexer(pd.Index(ids, dtype=object))
     disabled = set(manifest.disabled_item_ids or ())
     doc_inputs = list(manifest.doc_features)
     id_only = doc_inputs == [ITEM]
@@ -479,9 +563,10 @@ def _edited_index(index: ItemIndex, edit: _Edit, vectors: np.ndarray | None) -> 
         faiss_index.add(np.ascontiguousarray(vectors[replaced:]))
     norms = np.linalg.norm(vectors, axis=1)
     normalized = index.normalized and bool(np.all(np.abs(norms - 1) <= NORM_TOLERANCE))
-    return ItemIndex(faiss_index, [*index.item_ids.astype(str).tolist(), *edit.append_ids], index.factory,
-                     normalized=normalized, search_params=index.search_params, tuning=index.tuning,
-                     routing=index.routing)
+    # The appended ids were checked against the index's (``_plan``) and are distinct: not hashed again.
+    return ItemIndex(faiss_index, np.concatenate([index.item_ids, np.array(edit.append_ids, dtype=object)]),
+                     index.factory, normalized=normalized, search_params=index.search_params, tuning=index.tuning,
+                     routing=index.routing, ids_checked=True)
 
 
 def _edited_display(display: DisplayFeatures | None, edit: _Edit) -> DisplayFeatures | None:
@@ -498,15 +583,35 @@ def _edited_display(display: DisplayFeatures | None, edit: _Edit) -> DisplayFeat
     positions = find_sorted(display.item_ids, given_ids)
     keep = np.ones(len(display), dtype=bool)
     keep[positions[positions >= 0]] = False
-    ids = np.concatenate([display.item_ids[keep], np.array([item.encode("utf-8") for item in given_ids])])
-    order = np.argsort(ids, kind="stable")
+    kept = bool(keep.all())  # an add of new ids keeps every row: no filtering pass
+    kept_ids = display.item_ids if kept else display.item_ids[keep]
+    ids = np.concatenate([kept_ids, np.array([item.encode("utf-8") for item in given_ids])])
+    # Both halves in the concatenation's (widest) bytes dtype: a search never truncates a longer new id.
+    order = _merged_order(ids[: len(kept_ids)], ids[len(kept_ids):])
     columns = {}
     for name, column in display.columns.items():
         old = [column[int(row)].as_py() if row >= 0 else None for row in positions.tolist()]
         values = edit.display[name].tolist() if name in edit.display.columns else old
         rows = pa.array([_cell(value, column.type) for value in values], type=column.type)
-        columns[name] = pa.concat_arrays([column.filter(pa.array(keep)), rows]).take(pa.array(order))
+        columns[name] = pa.concat_arrays([column if kept else column.filter(pa.array(keep)), rows]).take(
+            pa.array(order))
     return DisplayFeatures(ids[order], columns)
+
+
+def _merged_order(sorted_ids: np.ndarray, new_ids: np.ndarray) -> np.ndarray:
+    """The order that sorts ``concatenate([sorted_ids, new_ids])`` ([n + m] int64), ``sorted_ids``
+    already sorted and no id in both: the new ids are sorted and inserted by binary search, so an
+    edit of m items costs O(m log n) comparisons and one O(n) pass, not a sort of the catalogue's ids."""
+    n, m = len(sorted_ids), len(new_ids)
+    new_order = np.argsort(new_ids, kind="stable")
+    # Final position of the i-th smallest new id: the kept ids below it plus the i new ids before it.
+    at = np.searchsorted(sorted_ids, new_ids[new_order], side="left") + np.arange(m)
+    is_new = np.zeros(n + m, dtype=bool)
+    is_new[at] = True
+    order = np.empty(n + m, dtype=np.int64)
+    order[at] = n + new_order
+    order[~is_new] = np.arange(n)
+    return order
 
 
 def _cell(value: Any, kind: pa.DataType) -> Any:
@@ -525,8 +630,8 @@ def _cell(value: Any, kind: pa.DataType) -> Any:
 
 
 def _copy(source: Path, target: Path, *, link: bool) -> None:
-    """Copy a served file or folder; a SavedModel's files are hard-linked (never rewritten in place),
-    copied where the file system cannot link."""
+    """Copy a served file or folder, hard-linked when ``link`` (a version's files are never rewritten in
+    place), copied where the file system cannot link."""
     target.parent.mkdir(parents=True, exist_ok=True)
     if source.is_dir():
         shutil.copytree(source, target, copy_function=_link_or_copy if link else shutil.copy2)

@@ -133,19 +133,23 @@ class ItemIndex:
     def __init__(
         self,
         index: faiss.Index,
-        item_ids: Sequence[str],
+        item_ids: Sequence[str] | np.ndarray,
         factory: str,
         *,
         normalized: bool = False,
         search_params: str = "",
         tuning: Tuning | None = None,
         routing: ExactRouting = MEASURED_ROUTING,
+        ids_checked: bool = False,
     ):
+        """``ids_checked``: the caller knows ``item_ids`` are unique (a catalogue edit appending ids it
+        checked against an index's), so the whole list is not hashed again."""
         if index.ntotal != len(item_ids):
             raise ValueError(f"index holds {index.ntotal} vectors but {len(item_ids)} item ids were given")
         self.index = index
         self.item_ids = np.asarray(item_ids, dtype=object)
-        _require_unique(self.item_ids)
+        if not ids_checked:
+            _require_unique(self.item_ids)
         self.factory = factory
         self.normalized = normalized
         self.tuning = tuning

@@ -28,6 +28,7 @@ Over HTTP, ``retrieval serve --bundle artifacts/my-run`` (``retrieval/serving/ht
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import logging
@@ -39,6 +40,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 import numpy as np
@@ -47,7 +49,7 @@ import tensorflow as tf
 from retrieval.bundle.catalogue import current_version
 from retrieval.bundle.display_features import DisplayFeatures
 from retrieval.bundle.fingerprints import check_fingerprints, served_files
-from retrieval.bundle.manifest import MANIFEST_FILE, ManifestError, read_manifest
+from retrieval.bundle.manifest import MANIFEST_FILE, Manifest, ManifestError, read_manifest
 from retrieval.bundle.parts import DisplayFeaturesPart, SeenItemsPart, UserFeaturesPart, UserHistoriesPart
 from retrieval.bundle.seen_items import SeenItems, find_sorted
 from retrieval.bundle.user_features import UserFeatures
@@ -144,6 +146,7 @@ class Bundle:
             query_model = self.manifest_model.files["query_model"]
         # Taken before the fingerprint check, compared again after the last part is read: the parts
         # in memory are then the files that were checked (``changed_files``).
+        self._watch_root, self._watch_files = self.directory, self.manifest["files"]
         self._watched = self._served_states(missing_ok=True)
         self._check_files(verify)
         with _part(self.directory, f"query SavedModel {query_model!r}"):
@@ -219,12 +222,12 @@ class Bundle:
         cannot be read, and {} when the manifest's files cannot be listed with ``missing_ok`` (the
         fingerprint check then says why)."""
         try:
-            found = served_files(self.directory, self.manifest["files"])
+            found = served_files(self._watch_root, self._watch_files)
         except Exception:
             if missing_ok:
                 return {}
             raise
-        found[MANIFEST_FILE] = self.directory / MANIFEST_FILE
+        found[MANIFEST_FILE] = self._watch_root / MANIFEST_FILE
         states: dict[str, tuple[int, int, int, str] | None] = {}
         for name, path in found.items():
             try:
@@ -310,6 +313,50 @@ class Bundle:
         if recorded is not None and recorded != table.info():
             raise BundleError(f"{self.directory}: {name} holds {table.info()}, the manifest says {_short(recorded)}")
         return table
+
+    def edited(self, manifest: Manifest, index: ItemIndex, item_display: DisplayFeatures | None) -> Bundle:
+        """This bundle with a catalogue edit applied in memory (``retrieval.bundle.catalogue.prepare_edit``):
+        ``manifest`` (the new version's, as served), ``index`` (this one's rows first, new items
+        appended) and the display table (None: this one's). Nothing is read from disk: the models,
+        seen items, user tables and histories are this bundle's (an edit keeps every row's item).
+        Until ``persisted`` names its files, ``directory`` and ``changed_files`` stay this bundle's
+        (the files the edit started from). Raises BundleError when the parts do not fit or the
+        manifest's probe query does not give its items through ``index``.
+        """
+        if index.dim != self.index.dim or len(index) < len(self.index):
+            raise BundleError(f"{manifest.run}: an edited index must keep the served rows and dimension "
+                              f"({len(self.index)} rows of {self.index.dim})")
+        new = copy.copy(self)
+        new.manifest_model, new.manifest = manifest, manifest.to_dict()
+        new.loaded_at = time.time()
+        new.index = index
+        appended = [str(item) for item in index.item_ids[len(self.index):]]
+        if appended:
+            new._id_array = np.concatenate([self._id_array, np.array(appended, dtype=object)])
+            new._row_of = {**self._row_of, **{item: len(self.index) + i for i, item in enumerate(appended)}}
+        unknown = [item for item in manifest.disabled_item_ids or () if item not in new._row_of]
+        if unknown:
+            raise BundleError(f"{manifest.run}: disabled_item_ids names {_short(unknown)}, which the index does "
+                              "not hold")
+        new._disabled_rows = np.unique(np.array([new._row_of[item] for item in manifest.disabled_item_ids or ()],
+                                                dtype=np.int64))
+        new._disabled_set = set(new._disabled_rows.tolist())
+        if item_display is not None:
+            new.item_display = item_display
+        if appended or item_display is not None:
+            new.filter_table = FilterTable(new.item_display, new._id_array)
+        new.check_probe()
+        return new
+
+    def persisted(self, directory: str | Path, manifest: Manifest) -> Bundle:
+        """This (edited) bundle as written to ``directory`` with ``manifest`` (its fingerprints): the
+        same parts in memory, ``changed_files`` now watching the written files."""
+        new = copy.copy(self)
+        new.directory = Path(directory)
+        new.manifest_model, new.manifest = manifest, manifest.to_dict()
+        new._watch_root, new._watch_files = new.directory, new.manifest["files"]
+        new._watched = new._served_states()
+        return new
 
     @classmethod
     def load(cls, directory: str | Path, *, verify: Verify = "quick", models_from: Bundle | None = None) -> Bundle:
@@ -783,6 +830,11 @@ class Bundle:
                 fallback = None if known_ids[i] else "features"
                 results.append(Recommendations(self._ids(rows), scores.tolist(), fallback))
         return results
+
+    @property
+    def row_of(self) -> Mapping[str, int]:
+        """Item id -> its index row (removed items included), read only."""
+        return MappingProxyType(self._row_of)
 
     def served_item_ids(self) -> np.ndarray:
         """[n] the ids of the items this bundle serves, in index order: every indexed item but those a

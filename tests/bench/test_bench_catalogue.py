@@ -22,7 +22,7 @@ def test_adds_count_within_the_target_inclusive_and_never_served_ones_apart():
     assert summarise_adds([_edit("remove", 0.1)])["served_after_seconds_median"] is None
 
 
-@pytest.mark.parametrize("name", ["bench_catalogue", "bench_catalogue_100k"])
+@pytest.mark.parametrize("name", ["bench_catalogue", "bench_catalogue_100k", "bench_catalogue_1m"])
 def test_the_stored_results_agree_with_their_edits(name):
     report = json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
     summary = report["summary"]

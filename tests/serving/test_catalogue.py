@@ -442,3 +442,158 @@ def test_live_edits_under_load_fail_nothing_and_never_mix_catalogues(world, tmp_
     for version, items in answers:  # each answer is one whole catalogue: every item of it, nothing else
         assert items == catalogues[version], version
     assert current_version(root).name == "shop.v0003"
+
+
+def _records(items):
+    return [{**row, "genres": list(row["genres"])} for row in items.to_dict("records")]
+
+
+class _HeldWrite:
+    """``publish_prepared`` patched to wait for ``release`` (after setting ``reached``), or to fail."""
+
+    def __init__(self, monkeypatch, fail=None):
+        import retrieval.bundle.catalogue as catalogue
+
+        self.reached, self.release, self.fail = threading.Event(), threading.Event(), fail
+        self.written = []
+        real = catalogue.publish_prepared
+
+        def held(root, prepared):
+            self.reached.set()
+            assert self.release.wait(60), "the test never released the write"
+            if self.fail is not None:
+                raise self.fail
+            self.written.append(prepared.changes["run"])
+            return real(root, prepared)
+
+        monkeypatch.setattr(catalogue, "publish_prepared", held)
+
+
+def test_a_live_edit_is_served_before_its_version_is_written_and_a_restart_serves_it(world, added, tmp_path,
+                                                                                       monkeypatch):
+    import shutil
+
+    root = tmp_path / "shop"
+    shutil.copytree(world["root"], root)
+    app = create_app(root)
+    held = _HeldWrite(monkeypatch)
+    user = added["winner_user"]
+    expected = _brute_force(world, added["ids"], added["vectors"])
+    user_scores = world["query_vectors"] @ added["vectors"].T
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000", timeout=60) as client:
+            async def top(query):
+                reply = await client.post("/recommend", json={"query": query, "k": ALL, "exclude_seen": False,
+                                                             "history_order": "newest_first"})
+                assert reply.status_code == 200, reply.text
+                return reply.json()
+
+            before = await top(world["queries"][user])
+            edit = asyncio.create_task(client.post("/admin/catalogue", json={"change": "add",
+                                                                               "items": _records(added["new"])}))
+            assert await asyncio.to_thread(held.reached.wait, 60)
+            during = await top(world["queries"][user])  # the write is held: served from memory only
+            on_disk_during = current_version(root).name, (tmp_path / "shop.catalogue" / "shop.v0001").exists()
+            held.release.set()
+            reply = await edit
+            after = await top(world["queries"][user])
+            return before, during, on_disk_during, reply, after
+
+    before, during, on_disk_during, reply, after = asyncio.run(go())
+    assert before["bundle"] == "shop" and added["winner"] not in before["item_ids"]
+    assert during["bundle"] == "shop.v0001" and on_disk_during == ("shop", False)
+    assert during["item_ids"][0] == added["winner"]  # the brute-force top-1 of this user is the new item
+    _same_up_to_ties([during["item_ids"]], [expected[user]], lambda item: user_scores[user, added["ids"].index(item)])
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["bundle"] == "shop.v0001" and 0 < body["served_seconds"] <= body["persisted_seconds"]
+    assert after["item_ids"] == during["item_ids"] and current_version(root).name == "shop.v0001"
+    # A restart reads the version written: every check of a load passes and it serves what the live edit did.
+    restarted = Bundle.load(current_version(root), verify="full")
+    assert list(restarted.index.item_ids) == added["ids"]
+    assert _served(restarted, world)[user] == during["item_ids"]
+    healthy = _call(app, "GET", "/healthz")  # the live bundle now watches the written files
+    assert healthy.status_code == 200 and healthy.json()["bundle"] == "shop.v0001"
+
+
+@pytest.mark.parametrize("failure", ["disk", "fingerprints"])
+def test_a_live_edit_whose_version_cannot_be_written_is_rolled_back(world, added, tmp_path, monkeypatch, failure):
+    import shutil
+
+    import retrieval.bundle.catalogue as catalogue
+
+    root = tmp_path / "shop"
+    shutil.copytree(world["root"], root)
+    app = create_app(root)
+    if failure == "disk":
+        held = _HeldWrite(monkeypatch, fail=OSError(28, "No space left on device"))
+        held.release.set()
+    else:  # the written files do not match the fingerprints recorded: current must not move to them
+        def corrupt(directory, manifest, **kwargs):
+            raise ValueError("index.faiss: 12 bytes, the manifest says 13")
+
+        monkeypatch.setattr(catalogue, "check_fingerprints", corrupt)
+    reply = _call(app, "POST", "/admin/catalogue", json={"change": "add", "items": _records(added["new"])})
+    assert reply.status_code == 500
+    message = reply.json()["error"]
+    assert "served as 'shop.v0001' but writing that version failed" in message and "'shop'" in message
+    assert ("No space left on device" if failure == "disk" else "does not match its fingerprints") in message
+    # What is served is what a restart serves: the bundle before the edit, no version on disk.
+    assert current_version(root) == root and not (tmp_path / "shop.catalogue" / "shop.v0001").exists()
+    served = _call(app, "POST", "/recommend", json={"query": world["queries"][added["winner_user"]], "k": ALL,
+                                                     "exclude_seen": False, "history_order": "newest_first"}).json()
+    assert served["bundle"] == "shop" and sorted(served["item_ids"]) == sorted(f"i{i}" for i in range(8))
+    assert _call(app, "GET", "/healthz").json()["status"] == "ok"
+    monkeypatch.undo()  # the disk is back: the same edit goes through
+    again = _call(app, "POST", "/admin/catalogue", json={"change": "add", "items": _records(added["new"])})
+    assert again.status_code == 200 and again.json()["bundle"] == "shop.v0001"
+
+
+def test_two_live_edits_are_served_and_written_in_order(world, added, tmp_path, monkeypatch):
+    import shutil
+
+    root = tmp_path / "shop"
+    shutil.copytree(world["root"], root)
+    app = create_app(root)
+    held = _HeldWrite(monkeypatch)
+    first, second = added["new"].iloc[[0]], added["new"].iloc[[1]]
+    first_id, second_id = first["item_id"].iloc[0], second["item_id"].iloc[0]
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000", timeout=60) as client:
+            one = asyncio.create_task(client.post("/admin/catalogue", json={"change": "add", "items": _records(first)}))
+            assert await asyncio.to_thread(held.reached.wait, 60)
+            two = asyncio.create_task(client.post("/admin/catalogue",
+                                                  json={"change": "add", "items": _records(second)}))
+            await asyncio.sleep(0.5)  # the second edit waits for the first one's write
+            meta = (await client.get("/metadata")).json()
+            held.release.set()
+            return meta, await one, await two
+
+    meta, one, two = asyncio.run(go())
+    assert meta["bundle"] == "shop.v0001" and meta["num_items"] == 9  # the second not yet applied
+    assert one.status_code == 200 and two.status_code == 200
+    assert (one.json()["bundle"], two.json()["bundle"]) == ("shop.v0001", "shop.v0002") == tuple(held.written)
+    versions = tmp_path / "shop.catalogue"
+    v1, v2 = Bundle.load(versions / "shop.v0001"), Bundle.load(versions / "shop.v0002")
+    assert list(v1.index.item_ids) == [*(f"i{i}" for i in range(8)), first_id]
+    assert list(v2.index.item_ids) == [*(f"i{i}" for i in range(8)), first_id, second_id]
+    assert v2.manifest["parent"]["run"] == "shop.v0001" and v1.manifest["parent"]["run"] == "shop"
+    assert current_version(root).name == "shop.v0002"
+
+
+def test_the_display_table_merge_sorts_as_a_full_sort_would():
+    from retrieval.bundle.catalogue import _merged_order
+
+    rng = np.random.default_rng(3)
+    for n, m in [(0, 3), (5, 0), (50, 7), (200, 40)]:
+        pool = np.array(sorted({f"x{rng.integers(0, 10 ** rng.integers(1, 7))}" for _ in range(3 * (n + m))}))
+        chosen = rng.permutation(len(pool))[: n + m]
+        old, new = np.sort(pool[chosen[:n]]).astype(bytes), pool[chosen[n:]].astype(bytes)
+        both = np.concatenate([old, new])  # new ids longer than every old one included (wider dtype)
+        order = _merged_order(both[:n], both[n:])
+        np.testing.assert_array_equal(order, np.argsort(both, kind="stable"))
+        assert sorted(both.tolist()) == both[order].tolist()

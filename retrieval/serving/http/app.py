@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -99,37 +100,71 @@ class BundleHolder:
             self.load_seconds, self.served_since = seconds, time.time()
             return old, new
 
-    async def edit(self, change: str, items: Any) -> tuple[Bundle, Bundle]:
-        """Publish the catalogue edit as the next version of ``root`` (``publish_edit``), load it with
-        the served bundle's query model and swap it in; return (old, new). One edit or reload at a
-        time; a failed edit raises and the old bundle stays (its version was not published, or was
-        published and failed to load: then the next restart reports it)."""
-        async with self._reload_lock:
-            new, seconds = await run_in_threadpool(self._publish_and_load, change, items)
-            old, self.current = self.current, new
-            self.load_seconds, self.served_since = seconds, time.time()
-            return old, new
+    async def edit(self, change: str, items: Any) -> CatalogueEdit:
+        """Apply a catalogue edit to the served bundle, serve it, then persist it as the next version
+        of ``root``; return what happened (``CatalogueEdit``).
 
-    def _publish_and_load(self, change: Any, items: Any) -> tuple[Bundle, float]:
+        1. In the thread pool: the edit is checked and applied to an in-memory copy of the served
+           state (``prepare_edit``: new items embedded by the doc model and added to a copy of the
+           index, the display table and disabled ids edited; ``Bundle.edited``: the rest shared).
+        2. On the event loop, ONE reference assignment: the edit is served (a request sees the
+           old or the new catalogue, never half).
+        3. In the thread pool: the version is written beside the others, checked against its
+           fingerprints, and only then ``root.catalogue/current`` moves to it (``publish_prepared``);
+           a restart serves it from then on.
+
+        One edit or reload at a time, each to its end (step 3 included): versions are written in
+        the order the edits were served, and each edit starts from the persisted one before it. A
+        failure in step 1 raises (nothing served, nothing written). A failure in step 3 puts the
+        bundle served before the edit back (the served catalogue is always what a restart serves,
+        or becomes it when the write finishes) and raises ``EditNotPersisted``.
+        """
+        async with self._reload_lock:
+            started = time.perf_counter()
+            prepared, pending = await run_in_threadpool(self._prepare, change, items)
+            old, self.current = self.current, pending  # served from here on
+            served = time.perf_counter() - started
+            self.served_since = time.time()
+            try:
+                persisted = await run_in_threadpool(self._persist, prepared, pending)
+            except Exception as error:
+                self.current = old  # back to what the newest version on disk holds
+                self.served_since = time.time()
+                log.error("catalogue %s served as %s for %.3f s, then rolled back to %s: writing it failed: %r",
+                          change, pending.version, time.perf_counter() - started - served, old.version, error)
+                raise EditNotPersisted(pending.version, old.version, error) from error
+            self.current = persisted
+            self.load_seconds = time.perf_counter() - started
+            return CatalogueEdit(old, persisted, served, self.load_seconds)
+
+    def _prepare(self, change: Any, items: Any) -> tuple[Any, Bundle]:
+        """The edit applied in memory to the served bundle: (``PreparedEdit``, the Bundle serving it)."""
         import pandas as pd
 
-        from retrieval.bundle.catalogue import CatalogueModels, current_version, publish_edit
-        from retrieval.serving.bundle import Bundle
+        from retrieval.bundle.catalogue import CatalogueModels, current_version, next_version, prepare_edit
 
-        started = time.perf_counter()
         current = self.current
         if current_version(self.root).resolve() != current.directory.resolve():
             raise ValueError(f"the newest catalogue version of {self.root.name!r} is not the one served "
                              f"({current.version!r}): reload first, so the edit starts from what is served")
         changed = current.changed_files()
-        if changed:  # the edit copies the served files: they must be those loaded and checked
+        if changed:  # the new version shares the served files: they must be those loaded and checked
             raise ValueError(f"the served bundle's files changed on disk since they were loaded "
                              f"({', '.join(changed)}): reload it first")
         models = CatalogueModels(self.doc_model(current), lambda query: current.embed([query]))
-        directory = publish_edit(self.root, change, pd.DataFrame.from_records(items), models=models,
-                                 loaded=(current.index, current.item_display))
-        new = Bundle.load(directory, verify=self.verify, models_from=current)
-        return new, time.perf_counter() - started
+        prepared = prepare_edit(current.directory, change, pd.DataFrame.from_records(items),
+                                run=next_version(self.root), models=models,
+                                loaded=(current.index, current.item_display), row_of=current.row_of)
+        return prepared, current.edited(prepared.manifest, prepared.index, prepared.display)
+
+    def _persist(self, prepared: Any, pending: Bundle) -> Bundle:
+        """Write ``prepared`` as the next version of ``root`` and move ``current`` to it; return
+        ``pending`` watching the written files."""
+        from retrieval.bundle.catalogue import publish_prepared
+        from retrieval.bundle.manifest import read_manifest
+
+        directory = publish_prepared(self.root, prepared)
+        return pending.persisted(directory, read_manifest(directory))
 
     def doc_model(self, bundle: Bundle | None = None) -> Any:
         """The doc SavedModel's serving function of ``bundle`` (default: the served one), loaded once
@@ -156,6 +191,27 @@ class BundleHolder:
                     log.debug("doc model warm-up call failed: %r", error)
                 self._doc_model = (fingerprint, loaded)
             return self._doc_model[1]
+
+
+@dataclass(frozen=True)
+class CatalogueEdit:
+    """A live catalogue edit that was served and persisted (``BundleHolder.edit``)."""
+
+    old: Bundle
+    new: Bundle
+    served_seconds: float  # from the start of the edit (its lock taken) to the swap
+    persisted_seconds: float  # from the same start to ``current`` pointing at the written version
+
+
+class EditNotPersisted(RuntimeError):
+    """A live edit was served but its version could not be written: the bundle served before it is
+    served again."""
+
+    def __init__(self, version: str, restored: str, error: BaseException):
+        reason = str(error) if isinstance(error, ValueError | OSError) else type(error).__name__
+        super().__init__(f"the edit was served as {version!r} but writing that version failed ({reason}); "
+                         f"{restored!r}, the newest version on disk, is served again")
+        self.version, self.restored = version, restored
 
 
 def _timed_load(directory: str | Path, verify: Verify) -> tuple[Bundle, float]:
@@ -441,7 +497,11 @@ def create_app(
         )
 
     async def catalogue(request: Request) -> JSONResponse:
-        """Apply a catalogue edit (``BundleHolder.edit``): the reply names the new version and the time taken."""
+        """Apply a catalogue edit (``BundleHolder.edit``). The reply comes once the edit is served AND
+        persisted (a restart serves it): the new version, ``served_seconds`` (from the call to the swap:
+        requests get the edit from then on) and ``seconds`` (to the version written, checked and made
+        current). A refused edit is a 422 naming the problem; an edit served but not written (e.g. a
+        full disk) a 500 saying so, with the bundle before it served again."""
         refusal = admin_refusal(request)
         if refusal is not None:
             return refusal
@@ -453,17 +513,23 @@ def create_app(
             return _error(422, _describe(error) if isinstance(error, ValidationError) else str(error))
         started = time.perf_counter()
         try:
-            old, new = await holder.edit(parsed.change, records)
+            done = await holder.edit(parsed.change, records)
+        except EditNotPersisted as error:
+            return _error(500, f"catalogue {parsed.change} not persisted: {error}")
         except Exception as error:  # whatever failed, the old bundle keeps serving
             log.warning("catalogue %s failed: %r", parsed.change, error)
             # Catalogue, run-directory and bundle errors name the items or the part, never file bytes.
             reason = str(error) if isinstance(error, ValueError | UserError) else type(error).__name__
             return _error(422, f"catalogue {parsed.change} not applied, still serving {holder.current.version!r}: "
                                f"{reason}")
-        log.info("catalogue %s of %d items: %s -> %s", parsed.change, len(records), old.version, new.version)
+        old, new = done.old, done.new
+        log.info("catalogue %s of %d items: %s -> %s (served after %.3f s, persisted after %.3f s)", parsed.change,
+                 len(records), old.version, new.version, done.served_seconds, done.persisted_seconds)
         return JSONResponse({
             "bundle": new.version, "previous": old.version, "change": parsed.change, "items": len(records),
             "num_items": len(new.index) - new.metadata()["disabled_items"],
+            "served_seconds": round(done.served_seconds, 3),
+            "persisted_seconds": round(done.persisted_seconds, 3),
             "seconds": round(time.perf_counter() - started, 3),
         })
 
