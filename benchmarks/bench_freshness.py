@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     warm_missing = None
     if "warm" in arms and not warm_start_supported():
         warm_missing = ("not yet: needs train.warm_start, the job's warm start from a previous run, which this "
-                        "version of retrieval/config/sections.py does not have")
+                        "version of retrieval/config/ does not have")
         if "--arms" in (argv if argv is not None else sys.argv):
             raise SystemExit(f"--arms warm: {warm_missing}")
         print(f"[bench_freshness] warm arm skipped: {warm_missing}", file=sys.stderr)
