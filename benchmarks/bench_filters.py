@@ -45,7 +45,7 @@ import faiss
 import numpy as np
 import pandas as pd
 
-from benchmarks._harness import RESULTS, command, load_average, machine, markdown_table, write_report
+from benchmarks._harness import RESULTS, command, load_average, machine, markdown_table, timed, write_report
 from retrieval.bundle.display_features import DisplayFeatures
 from retrieval.index import ItemIndex
 from retrieval.serving.item_filters import FilterTable
@@ -134,18 +134,18 @@ def measure(index: ItemIndex, table: FilterTable, vectors: np.ndarray, queries: 
         passes: dict[str | None, list[float]] = {label: [] for label in [None, *filters]}
         for _ in range(5 if size == 1 else 0):
             for label in passes:
-                started = time.perf_counter()
-                for start in range(single):
-                    search(queries[start : start + 1], label)
-                passes[label].append((time.perf_counter() - started) / single)
+                with timed() as clock:
+                    for start in range(single):
+                        search(queries[start : start + 1], label)
+                passes[label].append(clock.seconds / single)
         every_twin = [spent for label in filters for spent in twins[label]]
         for label in [None, *filters]:
             got = np.vstack(found[label])
-            timed = every_twin if label is None else seconds[label]
+            samples = every_twin if label is None else seconds[label]
             row: dict[str, Any] = {"index": index.factory, "search_params": index.search_params, "batch": size,
                                    "filter_candidates": index.filter_candidates,
-                                   "selectivity": label or "unfiltered", "calls": len(timed),
-                                   **_percentiles(timed),
+                                   "selectivity": label or "unfiltered", "calls": len(samples),
+                                   **_percentiles(samples),
                                    "full": float(np.mean((got >= 0).sum(axis=1) == k)),
                                    "load_before": load_before, "load_after": load_after}
             if label is not None:
