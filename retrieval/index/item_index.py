@@ -353,6 +353,8 @@ class ItemIndex:
         if allow is not None:
             if len(allow) != len(queries):
                 raise ValueError(f"allow has {len(allow)} entries for {len(queries)} queries")
+            if len(allow) == 1 and allow[0] is not None:  # one query, one filter: the serving path, kept short
+                return self._search_within(queries, k, exclude, self._allowed(allow[0]))
             if any(rows is not None for rows in allow):
                 return self._search_allowed(queries, k, exclude, allow)
         if isinstance(self.index, faiss.IndexFlat) and self.index.metric_type == faiss.METRIC_INNER_PRODUCT:
@@ -445,14 +447,64 @@ class ItemIndex:
             vectors = np.ascontiguousarray(gather(entry.rows), dtype=np.float32)
             with self._allow_lock:
                 entry.vectors = vectors
-                kept = sum(other.vectors.nbytes for other in self._allow_cache.values() if other.vectors is not None)
-                for other in list(self._allow_cache.values()):
-                    if kept <= SUBINDEX_BYTES:
-                        break
-                    if other is not entry and other.vectors is not None:
-                        kept -= other.vectors.nbytes
-                        other.vectors = None
+                self._keep_within_budget(entry)
         return vectors
+
+    def _keep_within_budget(self, entry: _Allowed) -> None:
+        """Drop the gathered vectors and IVF sub-indexes of the least recent entries other than ``entry`` until
+        all of them together fit ``SUBINDEX_BYTES`` (under ``_allow_lock``)."""
+        kept = sum(other.kept_bytes() for other in self._allow_cache.values())
+        for other in list(self._allow_cache.values()):
+            if kept <= SUBINDEX_BYTES:
+                break
+            if other is not entry and other.kept_bytes():
+                kept -= other.kept_bytes()
+                other.vectors, other.subindex, other.subindex_bytes, other.has_subindex = None, None, 0, None
+
+    def _ivf_subindex(self, entry: _Allowed, ivf: faiss.IndexIVF) -> Any:
+        """``entry``'s rows as an IVF of their own, made once per filter and kept (None where it cannot be).
+
+        The sub-index shares the index's trained coarse quantizer and copies, list by list, the entries
+        of the allowed rows (ids = index rows): probing its p nearest lists finds exactly the allowed
+        items that the index's p nearest lists hold, what a search of the index skipping every other
+        row (an ``IDSelectorBitmap``) finds, but scanning only the allowed entries (at 10 % of the
+        catalogue, a tenth of them) and checking no selector. A plain ``IndexIVFFlat`` only (other codes
+        and wrappers keep the selector), within ``SUBINDEX_BYTES`` (one at most a quarter of it).
+        """
+        if entry.has_subindex is not None:
+            return entry.subindex
+        size = len(entry.rows) * (ivf.code_size + 8)  # codes + ids
+        if type(self.index) is not faiss.IndexIVFFlat or size > SUBINDEX_BYTES // 4:
+            entry.has_subindex = False
+            return None
+        # The sub-index points at the index's quantizer: it lives in this ItemIndex's cache, never longer.
+        subindex = faiss.IndexIVFFlat(ivf.quantizer, ivf.d, ivf.nlist, ivf.metric_type)
+        passing = np.unpackbits(entry.bitmap, count=entry.ntotal, bitorder="little").view(bool)
+        code = np.dtype((np.void, ivf.code_size))  # one code: one array element
+        lists: Any = ivf.invlists  # faiss's stubs lack release_ids / release_codes
+        kept: Any = subindex.invlists
+        added = 0
+        for number in range(ivf.nlist):
+            length = lists.list_size(number)
+            if not length:
+                continue
+            ids_pointer, codes_pointer = lists.get_ids(number), lists.get_codes(number)
+            try:
+                ids = faiss.rev_swig_ptr(ids_pointer, length)
+                keep = np.flatnonzero(passing[ids])
+                kept_ids = ids[keep]
+                codes = faiss.rev_swig_ptr(codes_pointer, length * ivf.code_size).view(code)[keep]
+            finally:
+                lists.release_ids(number, ids_pointer)
+                lists.release_codes(number, codes_pointer)
+            if len(keep):
+                kept.add_entries(number, len(keep), faiss.swig_ptr(kept_ids), faiss.swig_ptr(codes.view(np.uint8)))
+                added += len(keep)
+        subindex.ntotal = added
+        with self._allow_lock:
+            entry.subindex, entry.subindex_bytes, entry.has_subindex = subindex, size, True
+            self._keep_within_budget(entry)
+        return subindex
 
     def _search_within(
         self, queries: np.ndarray, k: int, exclude: Sequence[np.ndarray] | None, entry: _Allowed
@@ -464,49 +516,39 @@ class ItemIndex:
         to keep, by FAISS skipping every other row (an ``IDSelectorBitmap``) for fewer than
         ``SKIP_BELOW_QUERIES`` queries when at least ``GATHER_BELOW_SHARE`` of the catalogue passes,
         else gathered a block at a time.
-        Other indexes search with FAISS skipping every other row too: an IVF probes its nprobe lists,
-        or more: enough to hold ``self.filter_candidates`` x k passing vectors at the filter's share
-        (share = allowed / ntotal; lists of ntotal / nlist vectors), unless the allowed rows are fewer
-        than the entries of the lists it would probe: then their vectors are read back and scored
-        exactly (``_exact_within``, a plain IVF only). An HNSW walks with ``efSearch / sqrt(share)``. A query
-        that still gets fewer than min(k, allowed - excluded) rows is searched again 4x wider, up to
-        every list or the whole graph. Excluded rows are over-fetched and dropped, as ``search`` does
-        without ``allow``.
+        An IVF probes its nprobe lists, or more: enough to hold ``self.filter_candidates`` x k passing
+        vectors at the filter's share (share = allowed / ntotal; lists of ntotal / nlist vectors), unless
+        the allowed rows are fewer than the entries of the lists it would probe: then their vectors are
+        read back and scored exactly (``_exact_within``, a plain IVF only). It probes them in the filter's
+        own sub-index (``_ivf_subindex``: the same lists holding only the allowed rows, made on the
+        filter's second search), else skipping every other row (an ``IDSelectorBitmap``); both find the
+        same items. An HNSW walks with ``efSearch / sqrt(share)``, skipping them too. A query that
+        still gets fewer than min(k, allowed - excluded) rows is searched again 4x wider, up to every
+        list or the whole graph. Excluded rows are over-fetched and dropped, as ``search`` does without
+        ``allow``.
         """
-        num, allowed, bitmap = len(queries), entry.rows, entry.bitmap
+        num, allowed = len(queries), entry.rows
         excluding = exclude is not None and any(len(rows) for rows in exclude)
+        if len(allowed) == 0:
+            return _pad(np.zeros((num, 0), np.float32), np.zeros((num, 0), np.int64), k)
         if not excluding:
             excluded = [_NONE] * num
         else:
             excluded = [np.intersect1d(np.asarray(rows, dtype=np.int64), allowed) for rows in exclude]  # type: ignore[union-attr]
-        if len(allowed) == 0:
-            return _pad(np.zeros((num, 0), np.float32), np.zeros((num, 0), np.int64), k)
-        share = len(allowed) / entry.ntotal
-        if isinstance(self.index, faiss.IndexFlat) and self.index.metric_type == faiss.METRIC_INNER_PRODUCT:
-            gather = flat_vectors(self.index).__getitem__
+        index = self.index
+        if isinstance(index, faiss.IndexFlat) and index.metric_type == faiss.METRIC_INNER_PRODUCT:
+            gather = flat_vectors(index).__getitem__
             kept = self._gathered(entry, gather)
-            if kept is not None or share < GATHER_BELOW_SHARE or num >= SKIP_BELOW_QUERIES:
+            if kept is not None or len(allowed) < GATHER_BELOW_SHARE * entry.ntotal or num >= SKIP_BELOW_QUERIES:
                 return self._exact_within(queries, k, excluded, allowed, gather, kept)
-        if entry.selector is None:  # made once per allow array; ``bitmap`` lives as long as the entry
-            entry.selector = faiss.IDSelectorBitmap(len(bitmap), faiss.swig_ptr(bitmap))
-        selector = entry.selector
         if self._graphs is None:  # the IVF or HNSW under the index's wrappers: found once
-            self._graphs = (faiss.try_extract_index_ivf(self.index), _hnsw_of(self.index))
+            self._graphs = (faiss.try_extract_index_ivf(index), _hnsw_of(index))
         ivf, hnsw = self._graphs
         plan_key = (ivf.nprobe if ivf is not None else hnsw.hnsw.efSearch if hnsw is not None else 0, k,
                     self.filter_candidates)
         plan = entry.plans.get(plan_key)  # (first breadth, widest, whether to score the allowed rows exactly)
         if plan is None:
-            if ivf is not None:
-                lists_for_candidates = self.filter_candidates * k / (share * entry.ntotal / ivf.nlist)
-                breadth, widest = max(ivf.nprobe, math.ceil(lists_for_candidates)), ivf.nlist
-            elif hnsw is not None:
-                breadth, widest = math.ceil(max(hnsw.hnsw.efSearch, k) / math.sqrt(share)), entry.ntotal
-            else:
-                breadth, widest = 0, 0
-            exact = (isinstance(self.index, faiss.IndexIVF) and ivf is not None
-                     and len(allowed) <= min(breadth, widest) / ivf.nlist * entry.ntotal)
-            plan = entry.plans[plan_key] = (breadth, widest, exact)
+            plan = entry.plans[plan_key] = self._plan(entry, k, ivf, hnsw)
         breadth, widest, exact = plan
         if exact:
             # Fewer allowed rows than the lists to probe hold: scoring them all is exact and costs less
@@ -516,24 +558,27 @@ class ItemIndex:
                 return self._exact_within(queries, k, excluded, allowed, self.vectors, kept)
             except ValueError:  # vectors FAISS cannot give back: probe the lists
                 pass
+        entry.searches += 1  # a filter searched again gets its sub-index: a one-off filter never pays for one
+        subindex = self._ivf_subindex(entry, ivf) if ivf is not None and entry.searches > 1 else None
+        searched = index if subindex is None else subindex
         depth = int(min(k + max(len(rows) for rows in excluded), len(allowed))) if excluding else min(k, len(allowed))
         result: TopK | None = None
         pending: np.ndarray | None = None  # the queries searched again, None: all of them
         while True:
             breadth = min(breadth, widest)
-            params = entry.params.get(breadth)
-            if params is None:
-                params = _skipping_params(self.index, selector, breadth, nprobe=breadth if ivf is not None else None)[0]
-                entry.params[breadth] = params
+            params = self._filtered_params(entry, subindex, breadth, ivf is not None)
             try:
                 asked = queries if pending is None else queries[pending]
-                found_scores, found_rows = self.index.search(asked, depth, params=params)
+                found_scores, found_rows = searched.search(asked, depth, params=params)
             except RuntimeError:  # an index type FAISS cannot filter while searching: score the allowed rows
                 return self._exact_within(queries, k, excluded, allowed, self.vectors)
             if excluding:
                 owners = range(num) if pending is None else pending
                 found_rows, found_scores = drop_members(found_rows, found_scores, [excluded[int(i)] for i in owners])
-            missing = found_rows.shape[1] < k or bool((found_rows[:, :k] < 0).any())
+            # FAISS and drop_members leave the missing results (-1) at the end of each row.
+            missing = found_rows.shape[1] < k or bool((found_rows[:, k - 1] < 0).any())
+            if not missing and result is None and found_rows.shape[1] == k:  # the common case: k for every query
+                return TopK(scores=found_scores, rows=found_rows)
             top = _pad(found_scores[:, :k], found_rows[:, :k], k) if missing else TopK(found_scores[:, :k],
                                                                                         found_rows[:, :k])
             if result is None:
@@ -551,6 +596,37 @@ class ItemIndex:
         assert result is not None  # num >= 1: the loop ran
         return result
 
+    def _plan(self, entry: _Allowed, k: int, ivf: faiss.IndexIVF | None, hnsw: Any) -> tuple[int, int, bool]:
+        """(the first breadth a filtered search of ``entry``'s rows probes, the widest, whether to score its rows
+        exactly instead): ``_search_within``'s rules, worked out once per filter and setting."""
+        share = len(entry.rows) / entry.ntotal
+        if ivf is not None:
+            lists_for_candidates = self.filter_candidates * k / (share * entry.ntotal / ivf.nlist)
+            breadth, widest = max(ivf.nprobe, math.ceil(lists_for_candidates)), ivf.nlist
+        elif hnsw is not None:
+            breadth, widest = math.ceil(max(hnsw.hnsw.efSearch, k) / math.sqrt(share)), entry.ntotal
+        else:
+            breadth, widest = 0, 0
+        exact = (isinstance(self.index, faiss.IndexIVF) and ivf is not None
+                 and len(entry.rows) <= min(breadth, widest) / ivf.nlist * entry.ntotal)
+        return breadth, widest, exact
+
+    def _filtered_params(self, entry: _Allowed, subindex: Any, breadth: int, is_ivf: bool) -> Any:
+        """The FAISS search parameters of a search ``breadth`` wide among ``entry``'s rows, made once each: the
+        sub-index's nprobe, or the index's own parameters with a selector skipping every other row."""
+        if subindex is not None:  # every entry of its lists passes: no selector
+            params = entry.subindex_params.get(breadth)
+            if params is None:
+                params = entry.subindex_params[breadth] = faiss.SearchParametersIVF(nprobe=breadth)  # type: ignore[call-arg]
+            return params
+        params = entry.params.get(breadth)
+        if params is None:
+            if entry.selector is None:  # ``bitmap`` lives as long as the entry
+                entry.selector = faiss.IDSelectorBitmap(len(entry.bitmap), faiss.swig_ptr(entry.bitmap))
+            params = entry.params[breadth] = _skipping_params(self.index, entry.selector, breadth,
+                                                              nprobe=breadth if is_ivf else None)[0]
+        return params
+
     def _exact_within(
         self,
         queries: np.ndarray,
@@ -566,6 +642,10 @@ class ItemIndex:
         by FAISS's brute force over the block otherwise (over-fetching the exclusions); the blocks'
         best merged. ``kept``: the allowed rows' vectors [allowed, dim] already gathered (one block)."""
         num = len(queries)
+        if kept is not None and not self.routing.uses_exact_top_k(num, len(allowed)) and not any(map(len, excluded)):
+            # One block, nothing to drop: FAISS's brute force over the kept vectors alone (a filter's usual case).
+            found_scores, found_rows = faiss.knn(queries, kept, min(k, len(allowed)), metric=faiss.METRIC_INNER_PRODUCT)
+            return _pad(found_scores, np.where(found_rows >= 0, allowed[np.maximum(found_rows, 0)], -1), k)
         scores = np.full((num, k), -np.inf, dtype=np.float32)
         rows = np.full((num, k), -1, dtype=np.int64)
         step = len(allowed) if kept is not None else ALLOWED_BLOCK
@@ -937,9 +1017,20 @@ class _Allowed:
     bitmap: np.ndarray
     ntotal: int
     vectors: np.ndarray | None = None
+    # An IVF's per-filter sub-index: the index's own coarse quantizer over lists holding only these rows
+    # (``ItemIndex._ivf_subindex``), its bytes, whether one can be made (None: not tried yet).
+    subindex: Any = None
+    subindex_bytes: int = 0
+    has_subindex: bool | None = None
+    searches: int = 0  # IVF searches with these rows that reached the lists (the sub-index comes on the second)
     selector: Any = None  # faiss.IDSelectorBitmap over ``bitmap``, made on the first search that needs it
     params: dict[int, Any] = field(default_factory=dict)  # breadth -> faiss SearchParameters with ``selector``
+    subindex_params: dict[int, Any] = field(default_factory=dict)  # nprobe -> the sub-index's SearchParametersIVF
     plans: dict[tuple, tuple[int, int, bool]] = field(default_factory=dict)  # ``_search_within``'s first breadth
+
+    def kept_bytes(self) -> int:
+        """Bytes of the gathered vectors and the IVF sub-index this entry keeps."""
+        return (self.vectors.nbytes if self.vectors is not None else 0) + self.subindex_bytes
 
 
 def _hnsw_of(index: faiss.Index) -> faiss.IndexHNSW | None:

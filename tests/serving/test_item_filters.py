@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import faiss
 import numpy as np
 import pandas as pd
 import pytest
@@ -237,6 +238,46 @@ def test_an_ivf_index_probes_lists_with_a_selector_when_many_items_pass(candidat
         unfiltered = np.mean([len(np.intersect1d(found, best)) / 10
                               for found, best in zip(index.search(queries, 10).rows, everything)])
         assert recall >= unfiltered - 0.1, (recall, unfiltered)
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["sub_index", "too_large_to_keep"])
+def test_an_ivf_index_returns_the_best_passing_items_of_the_lists_it_probes(kept, monkeypatch):
+    """Brute force over the rows a pandas filter passes, within the lists the IVF probes: what the first
+    search (skipping every other row) and every later one (the filter's own sub-index, or skipping again
+    when it is too large to keep) return, one query or a batch, with exclusions."""
+    if not kept:
+        monkeypatch.setattr(item_index, "SUBINDEX_BYTES", 0)
+    ids, items, queries, rng = _vectors(6, 20_000, num_queries=30)
+    frame = pd.DataFrame({"item_id": ids, "bucket": rng.integers(0, 100, len(ids)).astype(np.int64)})
+    table = FilterTable(DisplayFeatures.from_frame(frame, ids), ids)
+    index = ItemIndex.build(ids, items, "IVF64,Flat")
+    index.set_search_params("nprobe=2")
+    allowed = table.allowed_rows({"bucket": {"max": 9}})
+    passing = np.flatnonzero((frame["bucket"] <= 9).to_numpy())  # frame row n is index row n
+    k, lists = 10, index.index.invlists
+    # Where the index keeps each item, and the lists a query probes: the nearest that hold 10 x k passing items.
+    item_list = np.empty(len(ids), np.int64)
+    for number in range(64):
+        item_list[faiss.rev_swig_ptr(lists.get_ids(number), lists.list_size(number))] = number
+    probes = math.ceil(index.filter_candidates * k / (len(passing) / 64))
+    assert 2 < probes < 64, "more lists than the tuned nprobe, fewer than the allowed rows' whole"
+    probed = index.index.quantizer.search(queries, probes)[1]
+    exclude = [passing[np.isin(item_list[passing], own)][: i % 3] for i, own in enumerate(probed)]
+    expected = np.vstack([_exact_allowed(items, queries[i : i + 1], k, passing[np.isin(item_list[passing], own)],
+                                         [exclude[i]]) for i, own in enumerate(probed)])
+    assert (expected >= 0).all()
+    for _ in range(3):  # the first skips the other rows; from the second on, the sub-index (when kept)
+        top = index.search(queries, k, exclude=exclude, allow=[allowed] * len(queries))
+        np.testing.assert_array_equal(top.rows, expected)
+        np.testing.assert_allclose(top.scores, np.take_along_axis(queries @ items.T, expected, 1), rtol=1e-5,
+                                   atol=1e-5)
+        for i in (0, 7):
+            alone = index.search(queries[i : i + 1], k, exclude=[exclude[i]], allow=[allowed])
+            np.testing.assert_array_equal(alone.rows[0], expected[i])
+    (entry,) = index._allow_cache.values()
+    assert (entry.subindex is not None) == kept
+    if kept:
+        assert entry.subindex.ntotal == len(passing)
 
 
 def test_an_hnsw_index_never_returns_fewer_than_the_allowed_rows_left():
