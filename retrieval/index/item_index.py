@@ -25,7 +25,6 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-import retrieval.index
 from retrieval.common.arrays import drop_members, write_faiss_index, write_parquet
 from retrieval.config import ConfigError, IndexConfig
 from retrieval.index.exact_topk import ExactTopK, checked_search_args
@@ -260,7 +259,7 @@ class ItemIndex:
             index.add(block)
             if on_block is not None:
                 on_block(first, block)
-            if num_items > retrieval.index.ADD_BATCH_SIZE:  # more than one block
+            if num_items > _add_batch_size():  # more than one block
                 done = first + len(block)
                 log.info("index add: %d / %d vectors (%.0f%%), %.1f s", done, num_items, 100 * done / num_items,
                          time.perf_counter() - started)
@@ -966,11 +965,19 @@ def _item_matrix(item_ids: Sequence[str], embeddings: np.ndarray) -> np.ndarray:
     return embeddings
 
 
+def _add_batch_size() -> int:
+    """``retrieval.index.ADD_BATCH_SIZE``, read through the package where tests set it; imported on the call,
+    since the package imports this module."""
+    import retrieval.index
+
+    return retrieval.index.ADD_BATCH_SIZE
+
+
 def _row_blocks(num_items: int) -> Iterator[np.ndarray]:
     """Rows ``0 .. num_items - 1`` in order, ``retrieval.index.ADD_BATCH_SIZE`` at a time (int64 arrays).
 
     Read through the package (retrieval/index/__init__.py), where tests set it."""
-    block_size = retrieval.index.ADD_BATCH_SIZE
+    block_size = _add_batch_size()
     for first in range(0, num_items, block_size):
         yield np.arange(first, min(first + block_size, num_items))
 

@@ -230,10 +230,8 @@ def test_the_cycle_search_finds_a_cycle_and_only_a_cycle():
     assert "retrieval.config.run" in graph["retrieval.config.loading"]
 
 
-# Known cycles, each as the edge that closes it, to be removed: index/item_index.py imports its own package
-# at the top to read ``retrieval.index.ADD_BATCH_SIZE`` when it adds vectors (tests set it there). The fix is
-# tuning/study.py's: import the package inside the function that reads it.
-KNOWN_CYCLE_EDGES = {("retrieval.index.item_index", "retrieval.index")}
+# Known cycles, each as the edge that closes it, to be removed (none today).
+KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 
 
 def test_no_import_cycle_among_the_modules():
