@@ -142,7 +142,9 @@ def test_warm_variants_are_a_name_and_overrides():
             parse_warm(bad)
 
 
-@pytest.mark.parametrize("name", ["bench_freshness_ml100k", "bench_freshness_synthetic"])
+@pytest.mark.parametrize(
+    "name", ["bench_freshness_ml100k", "bench_freshness_synthetic", "bench_freshness_ml100k_update_recipes"]
+)
 def test_the_stored_results_agree_with_their_rows(name):
     import json
     from pathlib import Path
