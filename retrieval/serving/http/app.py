@@ -6,6 +6,11 @@
 whose ``reload`` swaps a new bundle in with one reference assignment; large batches run in
 the bulk lane (``_bulk_executor``) in chunks, apart from small requests; the
 exception handlers turn errors into ``{"error": ...}`` replies.
+
+Each route's work is a module-level ``answer_*`` function over a loaded Bundle (or the holder) and plain
+values, callable without HTTP; the routes only parse the request, read what is served from
+``request.app.state`` (``holder``, ``limits``, ``search_threads``, ``bulk_lane``, the admin address and
+token) and write the reply.
 """
 
 from __future__ import annotations
@@ -235,17 +240,320 @@ def _count_parameter(request: Request, name: str, default: int, bound: int) -> i
     return count
 
 
-def _body_handler(holder: BundleHolder, answer: Callable[[Bundle, bytes], bytes],
-                  max_body_bytes: int) -> Callable[[Request], Awaitable[Response]]:
-    """A POST route that reads the body (at most ``max_body_bytes``) and answers it with
-    ``answer(bundle, body)`` in the thread pool, against the bundle served when the request arrived."""
+def _limit_search_threads(search_threads: int | None) -> None:
+    if search_threads:
+        # OpenMP thread counts are per calling thread: set it in the worker thread itself.
+        faiss.omp_set_num_threads(search_threads)
+
+
+# The answers: each route's work with no HTTP in it, callable on a loaded Bundle (or the holder) directly.
+# A bad request raises HTTPException (the status and the reason), which the app's handler turns into
+# ``{"error": reason}``; the body answers return the reply's JSON bytes, the others its status and object.
+
+
+def answer_recommend(current: Bundle, payload: dict[str, Any] | bytes, chunk: int | None = None,
+                     search_threads: int | None = 1) -> bytes:
+    """The JSON reply to one /recommend body (bytes, or already parsed), computed in a worker thread;
+    ``chunk`` queries are searched and written at a time (None: all at once)."""
+    parsed = _validated(_parse_object(payload) if isinstance(payload, bytes) else payload, RecommendRequest)
+    queries, excluded = parsed.batch()
+    _limit_search_threads(search_threads)
+    step = chunk or len(queries)
+    pieces = []
+    if parsed.history_order is None and current.sends_history(queries):
+        raise HTTPException(422, f"a query sends a click history ({current.metadata()['history_input']!r}): "
+                            f"say its order, history_order 'newest_first' (the most recent click first) "
+                            f"or 'oldest_first' (time order, as a sequences file lists it)")
+    try:
+        for position, query in enumerate(queries):
+            current.check_query(query, position)
+        # One query-tower call for the whole batch (mostly outside the interpreter lock), then the
+        # search and the JSON in slices, yielding the interpreter between them.
+        allowed = current.allowed_rows(parsed.filters)  # RequestError naming a column the bundle lacks: 422
+        embeddings, known = current.embed_with_known(queries, history_order=parsed.history_order or "newest_first")
+        for start in range(0, len(queries), step):
+            if start:
+                time.sleep(0)  # let the small requests' threads take the interpreter between chunks
+            window = slice(start, start + step)
+            results = current.recommend_embedded(
+                embeddings[window], known[window], parsed.k, excluded[window],
+                queries=queries[window], exclude_seen=parsed.exclude_seen, allowed=allowed,
+            )
+            pieces.append(_dumps([_result(r) for r in results])[1:-1])
+    except ValueError as error:
+        raise HTTPException(422, str(error)) from None
+    if parsed.query is not None:
+        return _dumps({"bundle": current.version})[:-1] + b"," + pieces[0][1:-1] + b"}"
+    return _dumps({"bundle": current.version})[:-1] + b',"results":[' + b",".join(pieces) + b"]}"
+
+
+def answer_similar(current: Bundle, body: bytes, search_threads: int | None = 1) -> bytes:
+    """The JSON reply to one /similar body, parsed and computed in a worker thread (an exclusion
+    list of 10,000 ids is too large a body to parse on the event loop)."""
+    parsed = _validated(_parse_object(body), SimilarRequest)
+    _limit_search_threads(search_threads)
+    try:
+        result = current.similar_items(parsed.item_id, parsed.k, exclude_item_ids=parsed.exclude_item_ids,
+                                       filters=parsed.filters)
+    except ValueError as error:  # RequestError: an item id not in the catalogue
+        raise HTTPException(422, str(error)) from None
+    return _dumps({"bundle": current.version, "item_id": parsed.item_id, **_result(result)})
+
+
+async def answer_healthz(current: Bundle) -> tuple[int, dict[str, Any]]:
+    """(status, reply) of the health check of ``current``: 200 when it is healthy, 503 naming why not."""
+    # The files on disk are still those loaded (the loaded copy keeps serving either way: a restart or a
+    # reload would read the changed ones), then the probe query through the live query model and index:
+    # a bundle that cannot answer it is not healthy.
+    changed = await run_in_threadpool(current.changed_files)
+    if changed:
+        names = ", ".join(name.encode("utf-8", "backslashreplace").decode() for name in changed[:10])
+        reason = (f"bundle files changed on disk since they were loaded: {names}"
+                  f"{f' and {len(changed) - 10} more' if len(changed) > 10 else ''}; the loaded copy keeps "
+                  "serving, a reload or restart would read the changed files")
+        log.error("health check failed on %s: %s", current.version, reason)
+        return 503, {"status": "failing", "bundle": current.version, "error": reason}
+    problem = await run_in_threadpool(current.probe_problem)
+    if problem:
+        log.error("health check failed on %s: %s", current.version, problem)
+        return 503, {"status": "failing", "bundle": current.version, "error": problem}
+    return 200, {"status": "ok", "bundle": current.version, "num_items": len(current.index)}
+
+
+def answer_metadata(current: Bundle) -> dict[str, Any]:
+    return current.metadata()
+
+
+def answer_users(current: Bundle, limit: int) -> dict[str, Any]:
+    """The reply to GET /users: how many training users ``current`` knows and the first ``limit`` ids."""
+    known = current.seen_items
+    return {"bundle": current.version, "num_users": 0 if known is None else len(known),
+            "user_ids": current.known_user_ids(limit)}
+
+
+def answer_training_items(current: Bundle, user_id: str) -> bytes:
+    """The JSON reply to GET /users/{user_id}/items; a 404 HTTPException for a user without any."""
+    items, recent = current.training_items(user_id), current.recent_items(user_id)
+    if items is None and recent is None:
+        why = ("it was exported without training items (seen_items/)" if current.seen_items is None
+               else f"it is not one of its {len(current.seen_items)} training users")
+        # A long id is cut in the reply: the client sent it, so it need not come back whole.
+        who = f"user {user_id[:80]!r}"
+        raise HTTPException(404, f"{who} has no training items in bundle {current.version!r}: {why}")
+    # The stored recent clicks, newest first, where the bundle keeps them (towers reading a history).
+    return _dumps({"bundle": current.version, "user_id": user_id, "item_ids": items,
+                   "recent_item_ids": recent})
+
+
+def answer_items(current: Bundle, body: bytes) -> bytes:
+    """The JSON reply to one /items body: the display features of the ids asked for."""
+    parsed = _validated(_parse_object(body), ItemsRequest)
+    features = current.item_features(parsed.item_ids)
+    names = None if current.item_display is None else current.item_display.features
+    return _dumps({"bundle": current.version, "features": names,
+                   "items": [{"item_id": item, "features": values}
+                             for item, values in zip(parsed.item_ids, features)]})
+
+
+def answer_search(current: Bundle, text: str, limit: int) -> bytes:
+    """The JSON reply to GET /items/search: at most ``limit`` items whose display text matches ``text``."""
+    found = current.search_items(text, limit)
+    return _dumps({"bundle": current.version, "q": text, "item_ids": found,
+                   "items": [{"item_id": item, "features": values}
+                             for item, values in zip(found, current.item_features(found))]})
+
+
+def answer_explain(current: Bundle, body: bytes, search_threads: int | None = 1) -> bytes:
+    """The JSON reply to one /explain body: for each item, the history items that brought it."""
+    parsed = _validated(_parse_object(body), ExplainRequest)
+    _limit_search_threads(search_threads)
+    because = current.explain(parsed.item_ids, parsed.history)
+    return _dumps({"bundle": current.version,
+                   "explanations": [{"item_id": item, "because": reason}
+                                    for item, reason in zip(parsed.item_ids, because)]})
+
+
+async def answer_reload(holder: BundleHolder, parsed: ReloadRequest) -> tuple[int, dict[str, Any]]:
+    """(status, reply) of a reload of ``parsed.bundle`` into ``holder``: a 422 naming why it was not
+    loaded (the old bundle keeps serving)."""
+    from retrieval.serving.bundle import BundleError
+
+    started = time.perf_counter()
+    try:
+        old, new = await holder.reload(parsed.bundle)
+    except Exception as error:  # whatever failed, the old bundle keeps serving
+        log.warning("reload of %r failed: %r", parsed.bundle, error)
+        # BundleError messages name the part and never quote its bytes; other errors by type only.
+        reason = str(error) if isinstance(error, BundleError) else type(error).__name__
+        still = holder.current.version
+        return 422, {"error": f"bundle {parsed.bundle!r} not loaded, still serving {still!r}: {reason}"}
+    log.info("reloaded: %s -> %s", old.version, new.version)
+    return 200, {"bundle": new.version, "previous": old.version, "seconds": round(time.perf_counter() - started, 3)}
+
+
+async def answer_catalogue(holder: BundleHolder, change: str, records: list[Any]) -> tuple[int, dict[str, Any]]:
+    """(status, reply) of a catalogue edit (``BundleHolder.edit``). The reply comes once the edit is served
+    AND persisted (a restart serves it): the new version, ``served_seconds`` (from the call to the swap:
+    requests get the edit from then on) and ``seconds`` (to the version written, checked and made
+    current). A refused edit is a 422 naming the problem; an edit served but not written (e.g. a
+    full disk) a 500 saying so, with the bundle before it served again."""
+    started = time.perf_counter()
+    try:
+        done = await holder.edit(change, records)
+    except EditNotPersisted as error:
+        return 500, {"error": f"catalogue {change} not persisted: {error}"}
+    except Exception as error:  # whatever failed, the old bundle keeps serving
+        log.warning("catalogue %s failed: %r", change, error)
+        # Catalogue, run-directory and bundle errors name the items or the part, never file bytes.
+        reason = str(error) if isinstance(error, ValueError | UserError) else type(error).__name__
+        return 422, {"error": f"catalogue {change} not applied, still serving {holder.current.version!r}: "
+                              f"{reason}"}
+    old, new = done.old, done.new
+    log.info("catalogue %s of %d items: %s -> %s (served after %.3f s, persisted after %.3f s)", change,
+             len(records), old.version, new.version, done.served_seconds, done.persisted_seconds)
+    return 200, {
+        "bundle": new.version, "previous": old.version, "change": change, "items": len(records),
+        "num_items": len(new.index) - new.metadata()["disabled_items"],
+        "served_seconds": round(done.served_seconds, 3),
+        "persisted_seconds": round(done.persisted_seconds, 3),
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def admin_refusal(request: Request) -> JSONResponse | None:
+    """Why an admin request is refused (403 Host or Origin, 401 token, 415 Content-Type), or None; the
+    server's address and the expected ``Authorization`` value are read from ``request.app.state``."""
+    host, expected_authorization = request.app.state.admin_host, request.app.state.admin_authorization
+    host_header, origin = request.headers.get("host"), request.headers.get("origin")
+    if not admin_host_allowed(host, host_header):
+        return _error(403, f"admin requests must name the server's address ({host}) in their Host header, "
+                           f"got {ascii((host_header or '')[:80])}")
+    if not same_origin(origin, host_header):
+        return _error(403, "admin requests from another origin are refused, "
+                           f"got Origin {ascii((origin or '')[:80])}")
+    if expected_authorization is not None and not hmac.compare_digest(
+        request.headers.get("authorization", "").encode(), expected_authorization
+    ):
+        return JSONResponse(
+            {"error": "admin token missing or wrong: send 'Authorization: Bearer <token>'"},
+            status_code=401,
+            headers={"www-authenticate": "Bearer"},
+        )
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        return _error(415, f"admin requests must be sent as Content-Type: application/json, "
+                           f"got {ascii(media_type[:80]) if media_type else 'none'}")
+    return None
+
+
+# The routes: each parses its request, reads what it serves from ``request.app.state`` (the holder, limits,
+# search threads, bulk lane), calls its answer and writes the reply.
+
+
+def _body_route(answer: Callable[..., bytes], *, searches: bool) -> Callable[[Request], Awaitable[Response]]:
+    """A POST route that reads the body (at most ``limits.max_body_bytes``) and answers it with
+    ``answer(bundle, body)`` in the thread pool (``search_threads`` passed on when ``searches``),
+    against the bundle served when the request arrived."""
 
     async def handler(request: Request) -> Response:
-        current = holder.current  # read once: a reload mid-request does not affect this request
-        body = await _read_body(request, max_body_bytes)
-        return Response(await run_in_threadpool(answer, current, body), media_type="application/json")
+        state = request.app.state
+        current = state.holder.current  # read once: a reload mid-request does not affect this request
+        body = await _read_body(request, state.limits.max_body_bytes)
+        work = functools.partial(answer, search_threads=state.search_threads) if searches else answer
+        return Response(await run_in_threadpool(work, current, body), media_type="application/json")
 
     return handler
+
+
+similar = _body_route(answer_similar, searches=True)
+items = _body_route(answer_items, searches=False)
+explain = _body_route(answer_explain, searches=True)
+
+
+async def recommend(request: Request) -> Response:
+    state = request.app.state
+    limits: ServiceLimits = state.limits
+    current = state.holder.current  # read once: a reload mid-request does not affect this request
+    body = await _read_body(request, limits.max_body_bytes)
+    payload = _parse_object(body) if len(body) <= INLINE_PARSE_BYTES else None
+    if payload is not None and _query_count(payload) <= limits.bulk_queries:
+        content = await run_in_threadpool(answer_recommend, current, payload, None, state.search_threads)
+    else:  # a large batch: its own bounded lane, in chunks, so small requests never wait behind it
+        work = functools.partial(answer_recommend, current, body if payload is None else payload,
+                                 limits.bulk_chunk, state.search_threads)
+        content = await asyncio.get_running_loop().run_in_executor(state.bulk_lane, work)
+    return Response(content, media_type="application/json")
+
+
+async def healthz(request: Request) -> JSONResponse:
+    status, reply = await answer_healthz(request.app.state.holder.current)
+    return JSONResponse(reply, status_code=status)
+
+
+async def metadata(request: Request) -> JSONResponse:
+    return JSONResponse(answer_metadata(request.app.state.holder.current))
+
+
+async def users(request: Request) -> JSONResponse:
+    current = request.app.state.holder.current
+    limit = _count_parameter(request, "limit", DEFAULT_USER_LIST, MAX_USER_LIST)
+    if isinstance(limit, JSONResponse):
+        return limit
+    return JSONResponse(answer_users(current, limit))
+
+
+async def training_items(request: Request) -> Response:
+    current = request.app.state.holder.current  # read once: a reload mid-request does not affect this request
+    user_id = request.path_params["user_id"]
+    return Response(await run_in_threadpool(answer_training_items, current, user_id),
+                    media_type="application/json")
+
+
+async def search_items(request: Request) -> Response:
+    current = request.app.state.holder.current
+    text = request.query_params.get("q", "")
+    limit = _count_parameter(request, "limit", DEFAULT_SEARCH_RESULTS, MAX_SEARCH_RESULTS)
+    if isinstance(limit, JSONResponse):
+        return limit
+    if len(text) > MAX_SEARCH_TEXT:
+        return _error(422, f"q must be at most {MAX_SEARCH_TEXT} characters, got {len(text)}")
+    return Response(await run_in_threadpool(answer_search, current, text, limit),
+                    media_type="application/json")
+
+
+async def page(request: Request) -> HTMLResponse:
+    text, headers = request.app.state.page
+    return HTMLResponse(text, headers=headers)
+
+
+async def reload(request: Request) -> JSONResponse:
+    refusal = admin_refusal(request)
+    if refusal is not None:
+        return refusal
+    state = request.app.state
+    body = _parse_object(await _read_body(request, state.limits.max_body_bytes))
+    try:
+        parsed = ReloadRequest.model_validate(body)
+    except ValidationError as error:
+        return _error(422, _describe(error))
+    status, reply = await answer_reload(state.holder, parsed)
+    return JSONResponse(reply, status_code=status)
+
+
+async def catalogue(request: Request) -> JSONResponse:
+    """Apply a catalogue edit (``answer_catalogue``)."""
+    refusal = admin_refusal(request)
+    if refusal is not None:
+        return refusal
+    state = request.app.state
+    body = _parse_object(await _read_body(request, state.limits.max_body_bytes))
+    try:
+        parsed = CatalogueRequest.model_validate(body)
+        records = parsed.records()
+    except (ValidationError, ValueError) as error:
+        return _error(422, _describe(error) if isinstance(error, ValidationError) else str(error))
+    status, reply = await answer_catalogue(state.holder, parsed.change, records)
+    return JSONResponse(reply, status_code=status)
 
 
 def create_app(
@@ -286,7 +594,7 @@ def create_app(
         reload against the manifest's fingerprints: "quick" (files over 64 MiB
         by size and both ends) or "full" (every file hashed whole).
     """
-    from retrieval.serving.bundle import Bundle, BundleError
+    from retrieval.serving.bundle import Bundle
 
     limits = limits or ServiceLimits()
     if isinstance(bundle, Bundle):
@@ -295,246 +603,7 @@ def create_app(
         loaded, seconds = _timed_load(bundle, verify)
         holder = BundleHolder(loaded, verify, load_seconds=seconds, root=bundle)
     metrics = ServiceMetrics(holder)
-    bulk_lane = _bulk_executor(limits)
-    expected_authorization = None if admin_token is None else f"Bearer {admin_token}".encode()
-
-    def limit_search_threads() -> None:
-        if search_threads:
-            # OpenMP thread counts are per calling thread: set it in the worker thread itself.
-            faiss.omp_set_num_threads(search_threads)
-
-    def answer(current: Bundle, payload: dict[str, Any] | bytes, chunk: int | None) -> bytes:
-        """The JSON reply to one /recommend body, computed in a worker thread."""
-        parsed = _validated(_parse_object(payload) if isinstance(payload, bytes) else payload, RecommendRequest)
-        queries, excluded = parsed.batch()
-        limit_search_threads()
-        step = chunk or len(queries)
-        pieces = []
-        if parsed.history_order is None and current.sends_history(queries):
-            raise HTTPException(422, f"a query sends a click history ({current.metadata()['history_input']!r}): "
-                                f"say its order, history_order 'newest_first' (the most recent click first) "
-                                f"or 'oldest_first' (time order, as a sequences file lists it)")
-        try:
-            for position, query in enumerate(queries):
-                current.check_query(query, position)
-            # One query-tower call for the whole batch (mostly outside the interpreter lock), then the
-            # search and the JSON in slices, yielding the interpreter between them.
-            allowed = current.allowed_rows(parsed.filters)  # RequestError naming a column the bundle lacks: 422
-            embeddings, known = current.embed_with_known(queries, history_order=parsed.history_order or "newest_first")
-            for start in range(0, len(queries), step):
-                if start:
-                    time.sleep(0)  # let the small requests' threads take the interpreter between chunks
-                window = slice(start, start + step)
-                results = current.recommend_embedded(
-                    embeddings[window], known[window], parsed.k, excluded[window],
-                    queries=queries[window], exclude_seen=parsed.exclude_seen, allowed=allowed,
-                )
-                pieces.append(_dumps([_result(r) for r in results])[1:-1])
-        except ValueError as error:
-            raise HTTPException(422, str(error)) from None
-        if parsed.query is not None:
-            return _dumps({"bundle": current.version})[:-1] + b"," + pieces[0][1:-1] + b"}"
-        return _dumps({"bundle": current.version})[:-1] + b',"results":[' + b",".join(pieces) + b"]}"
-
-    async def recommend(request: Request) -> Response:
-        current = holder.current  # read once: a reload mid-request does not affect this request
-        body = await _read_body(request, limits.max_body_bytes)
-        payload = _parse_object(body) if len(body) <= INLINE_PARSE_BYTES else None
-        if payload is not None and _query_count(payload) <= limits.bulk_queries:
-            content = await run_in_threadpool(answer, current, payload, None)
-        else:  # a large batch: its own bounded lane, in chunks, so small requests never wait behind it
-            work = functools.partial(answer, current, body if payload is None else payload, limits.bulk_chunk)
-            content = await asyncio.get_running_loop().run_in_executor(bulk_lane, work)
-        return Response(content, media_type="application/json")
-
-    def answer_similar(current: Bundle, body: bytes) -> bytes:
-        """The JSON reply to one /similar body, parsed and computed in a worker thread (an exclusion
-        list of 10,000 ids is too large a body to parse on the event loop)."""
-        parsed = _validated(_parse_object(body), SimilarRequest)
-        limit_search_threads()
-        try:
-            result = current.similar_items(parsed.item_id, parsed.k, exclude_item_ids=parsed.exclude_item_ids,
-                                           filters=parsed.filters)
-        except ValueError as error:  # RequestError: an item id not in the catalogue
-            raise HTTPException(422, str(error)) from None
-        return _dumps({"bundle": current.version, "item_id": parsed.item_id, **_result(result)})
-
-    similar = _body_handler(holder, answer_similar, limits.max_body_bytes)
-
-    async def healthz(request: Request) -> JSONResponse:
-        current = holder.current
-        # The files on disk are still those loaded (the loaded copy keeps serving either way: a restart or a
-        # reload would read the changed ones), then the probe query through the live query model and index:
-        # a bundle that cannot answer it is not healthy.
-        changed = await run_in_threadpool(current.changed_files)
-        if changed:
-            names = ", ".join(name.encode("utf-8", "backslashreplace").decode() for name in changed[:10])
-            reason = (f"bundle files changed on disk since they were loaded: {names}"
-                      f"{f' and {len(changed) - 10} more' if len(changed) > 10 else ''}; the loaded copy keeps "
-                      "serving, a reload or restart would read the changed files")
-            log.error("health check failed on %s: %s", current.version, reason)
-            return JSONResponse({"status": "failing", "bundle": current.version, "error": reason}, status_code=503)
-        problem = await run_in_threadpool(current.probe_problem)
-        if problem:
-            log.error("health check failed on %s: %s", current.version, problem)
-            return JSONResponse({"status": "failing", "bundle": current.version, "error": problem}, status_code=503)
-        return JSONResponse({"status": "ok", "bundle": current.version, "num_items": len(current.index)})
-
-    async def metadata(request: Request) -> JSONResponse:
-        return JSONResponse(holder.current.metadata())
-
-    async def users(request: Request) -> JSONResponse:
-        current = holder.current
-        limit = _count_parameter(request, "limit", DEFAULT_USER_LIST, MAX_USER_LIST)
-        if isinstance(limit, JSONResponse):
-            return limit
-        known = current.seen_items
-        return JSONResponse({"bundle": current.version, "num_users": 0 if known is None else len(known),
-                             "user_ids": current.known_user_ids(limit)})
-
-    def answer_training_items(current: Bundle, user_id: str) -> bytes:
-        items, recent = current.training_items(user_id), current.recent_items(user_id)
-        if items is None and recent is None:
-            why = ("it was exported without training items (seen_items/)" if current.seen_items is None
-                   else f"it is not one of its {len(current.seen_items)} training users")
-            # A long id is cut in the reply: the client sent it, so it need not come back whole.
-            who = f"user {user_id[:80]!r}"
-            raise HTTPException(404, f"{who} has no training items in bundle {current.version!r}: {why}")
-        # The stored recent clicks, newest first, where the bundle keeps them (towers reading a history).
-        return _dumps({"bundle": current.version, "user_id": user_id, "item_ids": items,
-                       "recent_item_ids": recent})
-
-    async def training_items(request: Request) -> Response:
-        current = holder.current  # read once: a reload mid-request does not affect this request
-        user_id = request.path_params["user_id"]
-        return Response(await run_in_threadpool(answer_training_items, current, user_id),
-                        media_type="application/json")
-
-    def answer_items(current: Bundle, body: bytes) -> bytes:
-        parsed = _validated(_parse_object(body), ItemsRequest)
-        features = current.item_features(parsed.item_ids)
-        names = None if current.item_display is None else current.item_display.features
-        return _dumps({"bundle": current.version, "features": names,
-                       "items": [{"item_id": item, "features": values}
-                                 for item, values in zip(parsed.item_ids, features)]})
-
-    items = _body_handler(holder, answer_items, limits.max_body_bytes)
-
-    def answer_search(current: Bundle, text: str, limit: int) -> bytes:
-        found = current.search_items(text, limit)
-        return _dumps({"bundle": current.version, "q": text, "item_ids": found,
-                       "items": [{"item_id": item, "features": values}
-                                 for item, values in zip(found, current.item_features(found))]})
-
-    async def search_items(request: Request) -> Response:
-        current = holder.current
-        text = request.query_params.get("q", "")
-        limit = _count_parameter(request, "limit", DEFAULT_SEARCH_RESULTS, MAX_SEARCH_RESULTS)
-        if isinstance(limit, JSONResponse):
-            return limit
-        if len(text) > MAX_SEARCH_TEXT:
-            return _error(422, f"q must be at most {MAX_SEARCH_TEXT} characters, got {len(text)}")
-        return Response(await run_in_threadpool(answer_search, current, text, limit),
-                        media_type="application/json")
-
-    def answer_explain(current: Bundle, body: bytes) -> bytes:
-        parsed = _validated(_parse_object(body), ExplainRequest)
-        limit_search_threads()
-        because = current.explain(parsed.item_ids, parsed.history)
-        return _dumps({"bundle": current.version,
-                       "explanations": [{"item_id": item, "because": reason}
-                                        for item, reason in zip(parsed.item_ids, because)]})
-
-    explain = _body_handler(holder, answer_explain, limits.max_body_bytes)
-
-    async def page(request: Request) -> HTMLResponse:
-        return HTMLResponse(page_text, headers=page_header_values)
-
-    def admin_refusal(request: Request) -> JSONResponse | None:
-        """Why an admin request is refused (403 Host or Origin, 401 token, 415 Content-Type), or None."""
-        host_header, origin = request.headers.get("host"), request.headers.get("origin")
-        if not admin_host_allowed(host, host_header):
-            return _error(403, f"admin requests must name the server's address ({host}) in their Host header, "
-                               f"got {ascii((host_header or '')[:80])}")
-        if not same_origin(origin, host_header):
-            return _error(403, "admin requests from another origin are refused, "
-                               f"got Origin {ascii((origin or '')[:80])}")
-        if expected_authorization is not None and not hmac.compare_digest(
-            request.headers.get("authorization", "").encode(), expected_authorization
-        ):
-            return JSONResponse(
-                {"error": "admin token missing or wrong: send 'Authorization: Bearer <token>'"},
-                status_code=401,
-                headers={"www-authenticate": "Bearer"},
-            )
-        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if media_type != "application/json":
-            return _error(415, f"admin requests must be sent as Content-Type: application/json, "
-                               f"got {ascii(media_type[:80]) if media_type else 'none'}")
-        return None
-
-    async def reload(request: Request) -> JSONResponse:
-        refusal = admin_refusal(request)
-        if refusal is not None:
-            return refusal
-        body = _parse_object(await _read_body(request, limits.max_body_bytes))
-        try:
-            parsed = ReloadRequest.model_validate(body)
-        except ValidationError as error:
-            return _error(422, _describe(error))
-        started = time.perf_counter()
-        try:
-            old, new = await holder.reload(parsed.bundle)
-        except Exception as error:  # whatever failed, the old bundle keeps serving
-            log.warning("reload of %r failed: %r", parsed.bundle, error)
-            # BundleError messages name the part and never quote its bytes; other errors by type only.
-            reason = str(error) if isinstance(error, BundleError) else type(error).__name__
-            still = holder.current.version
-            return _error(422, f"bundle {parsed.bundle!r} not loaded, still serving {still!r}: {reason}")
-        log.info("reloaded: %s -> %s", old.version, new.version)
-        return JSONResponse(
-            {"bundle": new.version, "previous": old.version, "seconds": round(time.perf_counter() - started, 3)}
-        )
-
-    async def catalogue(request: Request) -> JSONResponse:
-        """Apply a catalogue edit (``BundleHolder.edit``). The reply comes once the edit is served AND
-        persisted (a restart serves it): the new version, ``served_seconds`` (from the call to the swap:
-        requests get the edit from then on) and ``seconds`` (to the version written, checked and made
-        current). A refused edit is a 422 naming the problem; an edit served but not written (e.g. a
-        full disk) a 500 saying so, with the bundle before it served again."""
-        refusal = admin_refusal(request)
-        if refusal is not None:
-            return refusal
-        body = _parse_object(await _read_body(request, limits.max_body_bytes))
-        try:
-            parsed = CatalogueRequest.model_validate(body)
-            records = parsed.records()
-        except (ValidationError, ValueError) as error:
-            return _error(422, _describe(error) if isinstance(error, ValidationError) else str(error))
-        started = time.perf_counter()
-        try:
-            done = await holder.edit(parsed.change, records)
-        except EditNotPersisted as error:
-            return _error(500, f"catalogue {parsed.change} not persisted: {error}")
-        except Exception as error:  # whatever failed, the old bundle keeps serving
-            log.warning("catalogue %s failed: %r", parsed.change, error)
-            # Catalogue, run-directory and bundle errors name the items or the part, never file bytes.
-            reason = str(error) if isinstance(error, ValueError | UserError) else type(error).__name__
-            return _error(422, f"catalogue {parsed.change} not applied, still serving {holder.current.version!r}: "
-                               f"{reason}")
-        old, new = done.old, done.new
-        log.info("catalogue %s of %d items: %s -> %s (served after %.3f s, persisted after %.3f s)", parsed.change,
-                 len(records), old.version, new.version, done.served_seconds, done.persisted_seconds)
-        return JSONResponse({
-            "bundle": new.version, "previous": old.version, "change": parsed.change, "items": len(records),
-            "num_items": len(new.index) - new.metadata()["disabled_items"],
-            "served_seconds": round(done.served_seconds, 3),
-            "persisted_seconds": round(done.persisted_seconds, 3),
-            "seconds": round(time.perf_counter() - started, 3),
-        })
-
     page_text = page_html()
-    page_header_values = page_headers(page_text)
     routes = [
         Route(PAGE_PATH, page, methods=["GET"]),
         Route("/recommend", recommend, methods=["POST"]),
@@ -563,10 +632,15 @@ def create_app(
     )
     app.add_middleware(_HeaderCount, max_headers=limits.max_headers)
     app.add_middleware(RequestMetrics, metrics=metrics, routes=routes)  # added last, so outermost: counts the 431s
+    # What the routes read (``request.app.state``): nothing of a request's answer lives in a closure.
     app.state.holder = holder
     app.state.metrics = metrics
     app.state.limits = limits
     app.state.admin_host = host
+    app.state.admin_authorization = None if admin_token is None else f"Bearer {admin_token}".encode()
+    app.state.search_threads = search_threads
+    app.state.bulk_lane = _bulk_executor(limits)
+    app.state.page = (page_text, page_headers(page_text))
     return app
 
 
