@@ -29,15 +29,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import json
 import logging
 import math
-import os
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -48,15 +45,25 @@ import tensorflow as tf
 
 from retrieval.bundle.catalogue import current_version
 from retrieval.bundle.display_features import DisplayFeatures
-from retrieval.bundle.fingerprints import check_fingerprints, served_files
-from retrieval.bundle.manifest import MANIFEST_FILE, Manifest, ManifestError, read_manifest
-from retrieval.bundle.parts import DisplayFeaturesPart, SeenItemsPart, UserFeaturesPart, UserHistoriesPart
-from retrieval.bundle.seen_items import SeenItems, find_sorted
-from retrieval.bundle.user_features import UserFeatures
-from retrieval.bundle.user_histories import UserHistories
+from retrieval.bundle.manifest import Manifest, read_manifest
+from retrieval.bundle.seen_items import find_sorted
 from retrieval.common.errors import UserError, entry_point
 from retrieval.data.values import finite_feature_value
-from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFilesError, ItemIndex
+from retrieval.index import ItemIndex
+from retrieval.serving.integrity import (
+    BundleError,
+    Verify,
+    changed_files,
+    check_files,
+    load_display_features,
+    load_seen_items,
+    load_user_features,
+    load_user_histories,
+    part,
+    probe_problem,
+    same_files,
+    served_states,
+)
 from retrieval.serving.item_filters import FilterTable, ItemFilters, parse_filters
 from retrieval.serving.request_checks import (
     RequestError,
@@ -70,9 +77,6 @@ from retrieval.serving.request_checks import short as _short
 
 log = logging.getLogger("retrieval.serving")
 
-Verify = Literal["quick", "full"]
-# Scores of the probe query equal those at export within this (absolute and relative); ids may reorder in ties.
-PROBE_TOLERANCE = 1e-5
 # How a sent click history is ordered: the most recent click first (what the query tower reads, and the
 # order of a bundle's stored histories), or time order (oldest first, as a sequences file lists a user's items).
 HistoryOrder = Literal["newest_first", "oldest_first"]
@@ -80,18 +84,6 @@ HISTORY_ORDERS: tuple[HistoryOrder, ...] = ("newest_first", "oldest_first")
 # A query embedding's norm may be this factor below the smallest or above the largest the training users'
 # queries had at export (the manifest's query_norms): users unseen in training embed a little apart.
 QUERY_NORM_MARGIN = 10.0
-# Bytes hashed at each end of every bundle file when /healthz checks that the files are those loaded.
-WATCH_BYTES = 64 * 1024
-
-
-class BundleError(UserError, ValueError):
-    """A bundle that cannot be served: one line naming the directory, the part and why.
-
-    The message never quotes file contents (FAISS and TensorFlow errors echo
-    bytes of the file they failed on), so it is safe to print or send back.
-    """
-
-
 
 
 @dataclass(frozen=True)
@@ -138,7 +130,7 @@ class Bundle:
             raise ValueError(f"verify must be 'quick' or 'full', got {verify!r}")
         self.directory = Path(directory)
         self.loaded_at = time.time()
-        with _part(self.directory, "manifest.json"):
+        with part(self.directory, "manifest.json"):
             # Typed and migrated to the current shape (``retrieval.bundle.manifest``); ``manifest`` is its JSON.
             self.manifest_model = read_manifest(self.directory)
             self.manifest: dict[str, Any] = self.manifest_model.to_dict()
@@ -147,10 +139,10 @@ class Bundle:
         # Taken before the fingerprint check, compared again after the last part is read: the parts
         # in memory are then the files that were checked (``changed_files``).
         self._watch_root, self._watch_files = self.directory, self.manifest["files"]
-        self._watched = self._served_states(missing_ok=True)
-        self._check_files(verify)
-        with _part(self.directory, f"query SavedModel {query_model!r}"):
-            lent = models_from is not None and _same_files(models_from.manifest, self.manifest, query_model)
+        self._watched = served_states(self._watch_root, self._watch_files, missing_ok=True)
+        check_files(self.directory, self.manifest_model, self.manifest, verify)
+        with part(self.directory, f"query SavedModel {query_model!r}"):
+            lent = models_from is not None and same_files(models_from.manifest, self.manifest, query_model)
             self._query_model: Any = models_from._query_model if models_from is not None and lent \
                 else tf.saved_model.load(str(self.directory / query_model))
             self._embed = self._query_model.signatures["serving_default"]
@@ -164,7 +156,7 @@ class Bundle:
                 f"{self.directory}: the query SavedModel does not take the manifest's query features {missing} "
                 f"(it takes {sorted(self._input_specs)})"
             )
-        with _part(self.directory, "index (index.faiss, index.json, item_ids.parquet)"):
+        with part(self.directory, "index (index.faiss, index.json, item_ids.parquet)"):
             self.index = ItemIndex.load(self.directory)
         if len(self.index.item_ids) != self.index.index.ntotal:
             raise BundleError(
@@ -197,7 +189,7 @@ class Bundle:
         self._disabled_rows = np.unique(np.array(
             [self._row_of[item] for item in self.manifest_model.disabled_item_ids or ()], dtype=np.int64))
         self._disabled_set = set(self._disabled_rows.tolist())
-        self.seen_items = self._load_seen_items()
+        self.seen_items = load_seen_items(self.directory, self.manifest_model, len(self.index))
         self._user_input, self._history_input = self.manifest_model.user_input, self.manifest_model.history_input
         # What a query may hold: the tower's inputs and the user id (its training items are excluded).
         self._query_keys = list(dict.fromkeys([*self.query_features, self._user_input]))
@@ -205,9 +197,9 @@ class Bundle:
             "history": "its query tower reads no click history, so a history would neither shape nor filter "
                        "the answer; send items to keep out in exclude_item_ids",
         }
-        self.user_features = self._load_user_features()
-        self.user_histories = self._load_user_histories()
-        self.item_display = self._load_item_features()
+        self.user_features = load_user_features(self.directory, self.manifest_model, self.query_features)
+        self.user_histories = load_user_histories(self.directory, self.manifest_model, len(self.index))
+        self.item_display = load_display_features(self.directory, self.manifest_model)
         # What a request's filters are evaluated against: the item table in index-row order.
         self.filter_table = FilterTable(self.item_display, self._id_array)
         self._norm_range = _norm_range(self.manifest.get("query_norms"))
@@ -217,102 +209,16 @@ class Bundle:
                               "load it again once it is written")
         self.check_probe()
 
-    def _served_states(self, missing_ok: bool = False) -> dict[str, tuple[int, int, int, str] | None]:
-        """manifest.json and every served file (``served_files``) -> ``_file_state``; None for a file that
-        cannot be read, and {} when the manifest's files cannot be listed with ``missing_ok`` (the
-        fingerprint check then says why)."""
-        try:
-            found = served_files(self._watch_root, self._watch_files)
-        except Exception:
-            if missing_ok:
-                return {}
-            raise
-        found[MANIFEST_FILE] = self._watch_root / MANIFEST_FILE
-        states: dict[str, tuple[int, int, int, str] | None] = {}
-        for name, path in found.items():
-            try:
-                states[name] = _file_state(path)
-            except OSError:
-                states[name] = None
-        return states
-
     def changed_files(self) -> list[str]:
         """The bundle's files that differ on disk from what this Bundle loaded (sorted; empty when none).
 
         Each of manifest.json and the served files was stat-ed and hashed at both ends
-        (``_file_state``: size, modification time, inode, blake2b of the first and last
+        (``retrieval.serving.integrity.file_state``: size, modification time, inode, blake2b of the first and last
         ``WATCH_BYTES``) before the fingerprint check; this does it again. Every part is held in
         memory, so a changed file never changes an answer: ``/healthz`` reports it (503) while
         the loaded parts keep serving, and a reload reads the files as they are now.
         """
-        try:
-            now = self._served_states()
-        except Exception:  # the manifest's files can no longer be listed (a part deleted or replaced)
-            return sorted(self._watched) or [MANIFEST_FILE]
-        names = set(self._watched) | set(now)
-        return sorted(name for name in names
-                      if self._watched.get(name) is None or self._watched.get(name) != now.get(name))
-
-    def _load_seen_items(self) -> SeenItems | None:
-        """The training users' items (``seen_items/``); None for a bundle exported without them."""
-        folder = self.manifest_model.files.get(SeenItemsPart.KEY)
-        with _part(self.directory, f"seen items {str(folder)!r}"):
-            seen = SeenItemsPart.read(self.directory, self.manifest_model)
-        if seen is None:
-            return None
-        recorded = self.manifest.get("seen_items")
-        if recorded is not None and recorded != seen.info():
-            raise BundleError(f"{self.directory}: seen items hold {seen.info()}, the manifest says {recorded}")
-        if seen.num_pairs and not 0 <= int(seen.item_rows.min()) <= int(seen.item_rows.max()) < len(self.index):
-            raise BundleError(f"{self.directory}: seen items name index rows outside the {len(self.index)} rows of "
-                              "index.faiss: the bundle's parts do not belong together")
-        return seen
-
-    def _load_user_features(self) -> UserFeatures | None:
-        """The known users' raw query features (``user_features.parquet``); None for a bundle without them."""
-        name = self.manifest_model.files.get(UserFeaturesPart.KEY)
-        with _part(self.directory, f"user features {str(name)!r}"):
-            table = UserFeaturesPart.read(self.directory, self.manifest_model)
-        if table is None:
-            return None
-        strangers = [feature for feature in table.features if feature not in self.query_features]
-        if strangers:
-            raise BundleError(f"{self.directory}: {name} holds {strangers}, which are not query features "
-                              f"of this bundle ({self.query_features})")
-        recorded = self.manifest.get("user_features")
-        if recorded is not None and recorded != table.info():
-            raise BundleError(f"{self.directory}: {name} holds {table.info()}, the manifest says {_short(recorded)}")
-        return table
-
-    def _load_user_histories(self) -> UserHistories | None:
-        """The training users' recent clicks, newest first (``user_histories/``); None for a bundle
-        without them (one whose query tower reads no history, or exported before they were stored)."""
-        folder = self.manifest_model.files.get(UserHistoriesPart.KEY)
-        recorded = self.manifest.get("user_histories")
-        with _part(self.directory, f"user histories {str(folder)!r}"):
-            histories = UserHistoriesPart.read(self.directory, self.manifest_model)
-        if histories is None:
-            return None
-        if recorded != histories.info():
-            raise BundleError(f"{self.directory}: user histories hold {histories.info()}, the manifest says "
-                              f"{_short(recorded)}")
-        if self._history_input is None:
-            raise BundleError(f"{self.directory}: it stores user histories but its query tower reads no history")
-        if histories.num_clicks and int(histories.item_rows.max()) >= len(self.index):
-            raise BundleError(f"{self.directory}: user histories name index rows past its {len(self.index)} items")
-        return histories
-
-    def _load_item_features(self) -> DisplayFeatures | None:
-        """The catalogue's display features (``item_features.parquet``); None for a bundle without them."""
-        name = self.manifest_model.files.get(DisplayFeaturesPart.KEY)
-        with _part(self.directory, f"item features {str(name)!r}"):
-            table = DisplayFeaturesPart.read(self.directory, self.manifest_model)
-        if table is None:
-            return None
-        recorded = self.manifest.get("item_features")
-        if recorded is not None and recorded != table.info():
-            raise BundleError(f"{self.directory}: {name} holds {table.info()}, the manifest says {_short(recorded)}")
-        return table
+        return changed_files(self._watched, self._watch_root, self._watch_files)
 
     def edited(self, manifest: Manifest, index: ItemIndex, item_display: DisplayFeatures | None) -> Bundle:
         """This bundle with a catalogue edit applied in memory (``retrieval.bundle.catalogue.prepare_edit``):
@@ -355,38 +261,13 @@ class Bundle:
         new.directory = Path(directory)
         new.manifest_model, new.manifest = manifest, manifest.to_dict()
         new._watch_root, new._watch_files = new.directory, new.manifest["files"]
-        new._watched = new._served_states()
+        new._watched = served_states(new._watch_root, new._watch_files)
         return new
 
     @classmethod
     def load(cls, directory: str | Path, *, verify: Verify = "quick", models_from: Bundle | None = None) -> Bundle:
         """Load and check a bundle (see the class docstring); ``verify="full"`` hashes every file whole."""
         return cls(directory, verify=verify, models_from=models_from)
-
-    def _check_files(self, verify: Verify) -> None:
-        """Paths inside the bundle, and (format 2) every served file equal to its fingerprint."""
-        files = self.manifest_model.files
-        try:
-            if self.manifest_model.format_version == 1:
-                served_files(self.directory, files)
-                log.warning(
-                    "%s: bundle format 1 has no fingerprints or probe query, so its parts cannot be checked "
-                    "against the export; re-export it (python -m pipelines.export) to get these checks",
-                    self.directory,
-                )
-                return
-            check_fingerprints(self.directory, self.manifest, full=verify == "full")
-        except ValueError as error:  # names the file and what is wrong with it
-            raise BundleError(f"{self.directory}: {error}") from None
-        except Exception as error:  # an unreadable file, or a fingerprint record of the wrong shape
-            raise BundleError(f"{self.directory}: the files cannot be checked: {_reason(error)}") from None
-        unlisted = [name for name in (INDEX_FILE, ITEM_IDS_FILE, INDEX_INFO_FILE)
-                    if name not in self.manifest["fingerprints"]["files"]]
-        if unlisted:
-            raise BundleError(
-                f"{self.directory}: manifest.json files does not list {unlisted}, which the index is loaded from, "
-                "so they are not checked: re-export the bundle"
-            )
 
     def check_probe(self) -> None:
         """Raise BundleError unless the manifest's probe query gives the items it gave at export.
@@ -400,23 +281,7 @@ class Bundle:
 
     def probe_problem(self) -> str | None:
         """Why the probe query fails (no server paths: /healthz sends it), or None when it passes."""
-        probe = self.manifest.get("probe")
-        if not probe:
-            return None
-        who = "query"
-        try:
-            query = probe["query"]
-            who = f"user {_short(query.get('user_id'))}" if "user_id" in query else f"query {_short(query)}"
-            top = self.index.search(self.embed([query]), int(probe["k"]))
-            rows = top.rows[0][top.rows[0] >= 0]
-            same = _same_top_k(list(probe["item_ids"]), list(probe["scores"]), self._ids(rows),
-                               top.scores[0][: len(rows)])
-        except Exception as error:
-            return f"probe query for {who} cannot be run: {error if isinstance(error, ValueError) else _reason(error)}"
-        if not same:
-            return (f"probe query for {who} returned other items than at export: "
-                    "the bundle's parts do not belong together")
-        return None
+        return probe_problem(self.manifest, self.embed, self.index, self._ids)
 
     @property
     def version(self) -> str:
@@ -1030,36 +895,6 @@ class Bundle:
         return self._id_array[np.asarray(rows, dtype=np.int64)].tolist()
 
 
-def _same_top_k(expected_ids: Sequence[str], expected_scores: Sequence[float], ids: Sequence[str],
-                scores: Sequence[float]) -> bool:
-    """True when a top-k list equals the recorded one: scores within ``PROBE_TOLERANCE`` position by
-    position, and ids equal up to the order of tied scores (the last tie group may be cut by k, so
-    another item of the same score may stand in there)."""
-    expected, got = np.asarray(expected_scores, dtype=np.float64), np.asarray(scores, dtype=np.float64)
-    if len(ids) != len(expected_ids) or len(expected) != len(expected_ids) or len(got) != len(ids):
-        return False
-    if not np.allclose(got, expected, rtol=PROBE_TOLERANCE, atol=PROBE_TOLERANCE):
-        return False
-    start = 0
-    for end in range(1, len(ids) + 1):
-        if end == len(ids) or not np.isclose(expected[end], expected[end - 1], rtol=PROBE_TOLERANCE,
-                                             atol=PROBE_TOLERANCE):
-            if end < len(ids) and set(ids[start:end]) != set(expected_ids[start:end]):
-                return False
-            start = end
-    return True
-
-
-def _same_files(old: Mapping[str, Any], new: Mapping[str, Any], folder: str) -> bool:
-    """Whether two manifests fingerprint the same files, all alike, under ``folder`` (a SavedModel's)."""
-    def under(manifest: Mapping[str, Any]) -> dict[str, Any]:
-        files = (manifest.get("fingerprints") or {}).get("files") or {}
-        return {name: record for name, record in files.items() if name.startswith(f"{folder}/")}
-
-    found = under(new)
-    return bool(found) and found == under(old)
-
-
 def _not_unicode(value: Any) -> bool:
     """Whether ``value`` (a string or a list of them) holds a string UTF-8 cannot encode (a lone surrogate)."""
     values = value if isinstance(value, list) else [value]
@@ -1070,47 +905,6 @@ def _not_unicode(value: Any) -> bool:
             except UnicodeEncodeError:
                 return True
     return False
-
-
-def _file_state(path: Path) -> tuple[int, int, int, str]:
-    """(size, mtime in ns, inode, blake2b-128 of the first and last ``WATCH_BYTES``) of ``path``: cheap
-    enough for every ``/healthz``, and it changes with an edit in place, a copy or a move over the file."""
-    with open(path, "rb") as handle:
-        stat = os.fstat(handle.fileno())
-        digest = hashlib.blake2b(handle.read(WATCH_BYTES), digest_size=16)
-        if stat.st_size > WATCH_BYTES:
-            handle.seek(max(stat.st_size - WATCH_BYTES, WATCH_BYTES))
-            digest.update(handle.read(WATCH_BYTES))
-    return stat.st_size, stat.st_mtime_ns, stat.st_ino, digest.hexdigest()
-
-
-@contextmanager
-def _part(directory: Path, what: str) -> Iterator[None]:
-    """Any failure while loading one part of a bundle -> BundleError naming the directory and the part."""
-    try:
-        yield
-    except BundleError:
-        raise
-    except Exception as error:
-        raise BundleError(f"{directory}: {what} cannot be loaded: {_reason(error)}") from error
-
-
-def _reason(error: Exception) -> str:
-    """Why a part failed, without quoting the file (library messages echo its bytes)."""
-    if isinstance(error, FileNotFoundError) and "is not a bundle" in str(error):
-        return "manifest.json is missing"  # read_manifest's own message
-    if isinstance(error, FileNotFoundError | IsADirectoryError | NotADirectoryError | PermissionError):
-        name = Path(error.filename).name if getattr(error, "filename", None) else "a file"
-        return f"{type(error).__name__} on {name}"
-    if isinstance(error, json.JSONDecodeError):
-        return f"not valid JSON (line {error.lineno}, column {error.colno})"
-    if isinstance(error, KeyError):
-        return f"the key {_short(error.args[0] if error.args else None)} is missing"
-    if isinstance(error, ManifestError):
-        return str(error).split(": ", 1)[-1]  # read_manifest's message names the key (or the format version)
-    if isinstance(error, IndexFilesError):
-        return str(error)  # names the file and the rows, never its bytes
-    return f"missing, truncated or corrupt ({type(error).__name__})"
 
 
 def _check_finite(embeddings: np.ndarray, what: str) -> None:
