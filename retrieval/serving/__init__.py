@@ -1,8 +1,10 @@
 """Serving: top-k from an exported bundle, by query, in batch and over HTTP.
 
 ``bundle``: ``Bundle`` loads a bundle (checking it against its manifest) and answers
-``recommend`` / ``similar_items`` for raw queries; its command line is ``python -m retrieval.serving``
-(``retrieval recommend``). ``batch``: many users' top-k (or similar items) into one Parquet file,
+``recommend`` / ``similar_items`` for raw queries (it ranks, and composes ``integrity``: the load-time
+checks of files, parts and probe query, and ``queries``: what a query may hold, its completion from the
+user tables and its checks); its command line is ``python -m retrieval.serving`` (``retrieval recommend``).
+``batch``: many users' top-k (or similar items) into one Parquet file,
 block by block (``--out``). ``request_checks``: the rules of a request (ids, id lists, k, query keys)
 that every entry point applies. ``http``: the HTTP JSON service and its web page (``retrieval serve``).
 

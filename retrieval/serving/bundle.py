@@ -23,44 +23,62 @@ of the query's click history; ``exclude_seen=False`` (``--include-seen``)
 serves them too.
 
 Over HTTP, ``retrieval serve --bundle artifacts/my-run`` (``retrieval/serving/http/``).
+
+``Bundle`` ranks (the FAISS search, exclusions, filters, the popular fallback) and composes the two
+other seams: the load-time checks of its files, parts and probe query (``retrieval/serving/integrity.py``)
+and what a query may hold, how it is completed and checked (``retrieval/serving/queries.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import json
 import logging
-import math
-import os
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from retrieval.bundle.catalogue import current_version
 from retrieval.bundle.display_features import DisplayFeatures
-from retrieval.bundle.fingerprints import check_fingerprints, served_files
-from retrieval.bundle.manifest import MANIFEST_FILE, Manifest, ManifestError, read_manifest
-from retrieval.bundle.parts import DisplayFeaturesPart, SeenItemsPart, UserFeaturesPart, UserHistoriesPart
-from retrieval.bundle.seen_items import SeenItems, find_sorted
-from retrieval.bundle.user_features import UserFeatures
-from retrieval.bundle.user_histories import UserHistories
+from retrieval.bundle.manifest import Manifest, read_manifest
+from retrieval.bundle.seen_items import find_sorted
 from retrieval.common.errors import UserError, entry_point
-from retrieval.data.values import finite_feature_value
-from retrieval.index import INDEX_FILE, INDEX_INFO_FILE, ITEM_IDS_FILE, IndexFilesError, ItemIndex
+from retrieval.index import ItemIndex
+from retrieval.serving.integrity import (
+    BundleError,
+    Verify,
+    changed_files,
+    check_files,
+    load_display_features,
+    load_seen_items,
+    load_user_features,
+    load_user_histories,
+    part,
+    probe_problem,
+    same_files,
+    served_states,
+)
 from retrieval.serving.item_filters import FilterTable, ItemFilters, parse_filters
+from retrieval.serving.queries import (
+    HISTORY_ORDERS,
+    NON_FINITE_CAUSE,
+    HistoryOrder,
+    QueryRules,
+    check_finite,
+    input_tensor,
+    query_value,
+    user_key,
+)
 from retrieval.serving.request_checks import (
     RequestError,
-    check_query_keys,
     checked_id,
     checked_id_lists,
     checked_ids,
@@ -69,28 +87,6 @@ from retrieval.serving.request_checks import (
 from retrieval.serving.request_checks import short as _short
 
 log = logging.getLogger("retrieval.serving")
-
-Verify = Literal["quick", "full"]
-# Scores of the probe query equal those at export within this (absolute and relative); ids may reorder in ties.
-PROBE_TOLERANCE = 1e-5
-# How a sent click history is ordered: the most recent click first (what the query tower reads, and the
-# order of a bundle's stored histories), or time order (oldest first, as a sequences file lists a user's items).
-HistoryOrder = Literal["newest_first", "oldest_first"]
-HISTORY_ORDERS: tuple[HistoryOrder, ...] = ("newest_first", "oldest_first")
-# A query embedding's norm may be this factor below the smallest or above the largest the training users'
-# queries had at export (the manifest's query_norms): users unseen in training embed a little apart.
-QUERY_NORM_MARGIN = 10.0
-# Bytes hashed at each end of every bundle file when /healthz checks that the files are those loaded.
-WATCH_BYTES = 64 * 1024
-
-
-class BundleError(UserError, ValueError):
-    """A bundle that cannot be served: one line naming the directory, the part and why.
-
-    The message never quotes file contents (FAISS and TensorFlow errors echo
-    bytes of the file they failed on), so it is safe to print or send back.
-    """
-
 
 
 
@@ -138,7 +134,7 @@ class Bundle:
             raise ValueError(f"verify must be 'quick' or 'full', got {verify!r}")
         self.directory = Path(directory)
         self.loaded_at = time.time()
-        with _part(self.directory, "manifest.json"):
+        with part(self.directory, "manifest.json"):
             # Typed and migrated to the current shape (``retrieval.bundle.manifest``); ``manifest`` is its JSON.
             self.manifest_model = read_manifest(self.directory)
             self.manifest: dict[str, Any] = self.manifest_model.to_dict()
@@ -147,10 +143,10 @@ class Bundle:
         # Taken before the fingerprint check, compared again after the last part is read: the parts
         # in memory are then the files that were checked (``changed_files``).
         self._watch_root, self._watch_files = self.directory, self.manifest["files"]
-        self._watched = self._served_states(missing_ok=True)
-        self._check_files(verify)
-        with _part(self.directory, f"query SavedModel {query_model!r}"):
-            lent = models_from is not None and _same_files(models_from.manifest, self.manifest, query_model)
+        self._watched = served_states(self._watch_root, self._watch_files, missing_ok=True)
+        check_files(self.directory, self.manifest_model, self.manifest, verify)
+        with part(self.directory, f"query SavedModel {query_model!r}"):
+            lent = models_from is not None and same_files(models_from.manifest, self.manifest, query_model)
             self._query_model: Any = models_from._query_model if models_from is not None and lent \
                 else tf.saved_model.load(str(self.directory / query_model))
             self._embed = self._query_model.signatures["serving_default"]
@@ -164,7 +160,7 @@ class Bundle:
                 f"{self.directory}: the query SavedModel does not take the manifest's query features {missing} "
                 f"(it takes {sorted(self._input_specs)})"
             )
-        with _part(self.directory, "index (index.faiss, index.json, item_ids.parquet)"):
+        with part(self.directory, "index (index.faiss, index.json, item_ids.parquet)"):
             self.index = ItemIndex.load(self.directory)
         if len(self.index.item_ids) != self.index.index.ntotal:
             raise BundleError(
@@ -197,122 +193,32 @@ class Bundle:
         self._disabled_rows = np.unique(np.array(
             [self._row_of[item] for item in self.manifest_model.disabled_item_ids or ()], dtype=np.int64))
         self._disabled_set = set(self._disabled_rows.tolist())
-        self.seen_items = self._load_seen_items()
+        self.seen_items = load_seen_items(self.directory, self.manifest_model, len(self.index))
         self._user_input, self._history_input = self.manifest_model.user_input, self.manifest_model.history_input
-        # What a query may hold: the tower's inputs and the user id (its training items are excluded).
-        self._query_keys = list(dict.fromkeys([*self.query_features, self._user_input]))
-        self._unread_key_notes = {} if self._history_input is not None else {
-            "history": "its query tower reads no click history, so a history would neither shape nor filter "
-                       "the answer; send items to keep out in exclude_item_ids",
-        }
-        self.user_features = self._load_user_features()
-        self.user_histories = self._load_user_histories()
-        self.item_display = self._load_item_features()
+        self.user_features = load_user_features(self.directory, self.manifest_model, self.query_features)
+        self.user_histories = load_user_histories(self.directory, self.manifest_model, len(self.index))
+        self.item_display = load_display_features(self.directory, self.manifest_model)
         # What a request's filters are evaluated against: the item table in index-row order.
         self.filter_table = FilterTable(self.item_display, self._id_array)
-        self._norm_range = _norm_range(self.manifest.get("query_norms"))
+        # What a query may hold, how it is completed and checked (``retrieval.serving.queries``).
+        self._rules = QueryRules(self.query_features, self._input_specs, self._user_input, self._history_input,
+                                 self.manifest, self._embed)
         changed = self.changed_files()
         if changed:
             raise BundleError(f"{self.directory}: {', '.join(changed)} changed while the bundle was being loaded: "
                               "load it again once it is written")
         self.check_probe()
 
-    def _served_states(self, missing_ok: bool = False) -> dict[str, tuple[int, int, int, str] | None]:
-        """manifest.json and every served file (``served_files``) -> ``_file_state``; None for a file that
-        cannot be read, and {} when the manifest's files cannot be listed with ``missing_ok`` (the
-        fingerprint check then says why)."""
-        try:
-            found = served_files(self._watch_root, self._watch_files)
-        except Exception:
-            if missing_ok:
-                return {}
-            raise
-        found[MANIFEST_FILE] = self._watch_root / MANIFEST_FILE
-        states: dict[str, tuple[int, int, int, str] | None] = {}
-        for name, path in found.items():
-            try:
-                states[name] = _file_state(path)
-            except OSError:
-                states[name] = None
-        return states
-
     def changed_files(self) -> list[str]:
         """The bundle's files that differ on disk from what this Bundle loaded (sorted; empty when none).
 
         Each of manifest.json and the served files was stat-ed and hashed at both ends
-        (``_file_state``: size, modification time, inode, blake2b of the first and last
+        (``retrieval.serving.integrity.file_state``: size, modification time, inode, blake2b of the first and last
         ``WATCH_BYTES``) before the fingerprint check; this does it again. Every part is held in
         memory, so a changed file never changes an answer: ``/healthz`` reports it (503) while
         the loaded parts keep serving, and a reload reads the files as they are now.
         """
-        try:
-            now = self._served_states()
-        except Exception:  # the manifest's files can no longer be listed (a part deleted or replaced)
-            return sorted(self._watched) or [MANIFEST_FILE]
-        names = set(self._watched) | set(now)
-        return sorted(name for name in names
-                      if self._watched.get(name) is None or self._watched.get(name) != now.get(name))
-
-    def _load_seen_items(self) -> SeenItems | None:
-        """The training users' items (``seen_items/``); None for a bundle exported without them."""
-        folder = self.manifest_model.files.get(SeenItemsPart.KEY)
-        with _part(self.directory, f"seen items {str(folder)!r}"):
-            seen = SeenItemsPart.read(self.directory, self.manifest_model)
-        if seen is None:
-            return None
-        recorded = self.manifest.get("seen_items")
-        if recorded is not None and recorded != seen.info():
-            raise BundleError(f"{self.directory}: seen items hold {seen.info()}, the manifest says {recorded}")
-        if seen.num_pairs and not 0 <= int(seen.item_rows.min()) <= int(seen.item_rows.max()) < len(self.index):
-            raise BundleError(f"{self.directory}: seen items name index rows outside the {len(self.index)} rows of "
-                              "index.faiss: the bundle's parts do not belong together")
-        return seen
-
-    def _load_user_features(self) -> UserFeatures | None:
-        """The known users' raw query features (``user_features.parquet``); None for a bundle without them."""
-        name = self.manifest_model.files.get(UserFeaturesPart.KEY)
-        with _part(self.directory, f"user features {str(name)!r}"):
-            table = UserFeaturesPart.read(self.directory, self.manifest_model)
-        if table is None:
-            return None
-        strangers = [feature for feature in table.features if feature not in self.query_features]
-        if strangers:
-            raise BundleError(f"{self.directory}: {name} holds {strangers}, which are not query features "
-                              f"of this bundle ({self.query_features})")
-        recorded = self.manifest.get("user_features")
-        if recorded is not None and recorded != table.info():
-            raise BundleError(f"{self.directory}: {name} holds {table.info()}, the manifest says {_short(recorded)}")
-        return table
-
-    def _load_user_histories(self) -> UserHistories | None:
-        """The training users' recent clicks, newest first (``user_histories/``); None for a bundle
-        without them (one whose query tower reads no history, or exported before they were stored)."""
-        folder = self.manifest_model.files.get(UserHistoriesPart.KEY)
-        recorded = self.manifest.get("user_histories")
-        with _part(self.directory, f"user histories {str(folder)!r}"):
-            histories = UserHistoriesPart.read(self.directory, self.manifest_model)
-        if histories is None:
-            return None
-        if recorded != histories.info():
-            raise BundleError(f"{self.directory}: user histories hold {histories.info()}, the manifest says "
-                              f"{_short(recorded)}")
-        if self._history_input is None:
-            raise BundleError(f"{self.directory}: it stores user histories but its query tower reads no history")
-        if histories.num_clicks and int(histories.item_rows.max()) >= len(self.index):
-            raise BundleError(f"{self.directory}: user histories name index rows past its {len(self.index)} items")
-        return histories
-
-    def _load_item_features(self) -> DisplayFeatures | None:
-        """The catalogue's display features (``item_features.parquet``); None for a bundle without them."""
-        name = self.manifest_model.files.get(DisplayFeaturesPart.KEY)
-        with _part(self.directory, f"item features {str(name)!r}"):
-            table = DisplayFeaturesPart.read(self.directory, self.manifest_model)
-        if table is None:
-            return None
-        recorded = self.manifest.get("item_features")
-        if recorded is not None and recorded != table.info():
-            raise BundleError(f"{self.directory}: {name} holds {table.info()}, the manifest says {_short(recorded)}")
-        return table
+        return changed_files(self._watched, self._watch_root, self._watch_files)
 
     def edited(self, manifest: Manifest, index: ItemIndex, item_display: DisplayFeatures | None) -> Bundle:
         """This bundle with a catalogue edit applied in memory (``retrieval.bundle.catalogue.prepare_edit``):
@@ -355,38 +261,13 @@ class Bundle:
         new.directory = Path(directory)
         new.manifest_model, new.manifest = manifest, manifest.to_dict()
         new._watch_root, new._watch_files = new.directory, new.manifest["files"]
-        new._watched = new._served_states()
+        new._watched = served_states(new._watch_root, new._watch_files)
         return new
 
     @classmethod
     def load(cls, directory: str | Path, *, verify: Verify = "quick", models_from: Bundle | None = None) -> Bundle:
         """Load and check a bundle (see the class docstring); ``verify="full"`` hashes every file whole."""
         return cls(directory, verify=verify, models_from=models_from)
-
-    def _check_files(self, verify: Verify) -> None:
-        """Paths inside the bundle, and (format 2) every served file equal to its fingerprint."""
-        files = self.manifest_model.files
-        try:
-            if self.manifest_model.format_version == 1:
-                served_files(self.directory, files)
-                log.warning(
-                    "%s: bundle format 1 has no fingerprints or probe query, so its parts cannot be checked "
-                    "against the export; re-export it (python -m pipelines.export) to get these checks",
-                    self.directory,
-                )
-                return
-            check_fingerprints(self.directory, self.manifest, full=verify == "full")
-        except ValueError as error:  # names the file and what is wrong with it
-            raise BundleError(f"{self.directory}: {error}") from None
-        except Exception as error:  # an unreadable file, or a fingerprint record of the wrong shape
-            raise BundleError(f"{self.directory}: the files cannot be checked: {_reason(error)}") from None
-        unlisted = [name for name in (INDEX_FILE, ITEM_IDS_FILE, INDEX_INFO_FILE)
-                    if name not in self.manifest["fingerprints"]["files"]]
-        if unlisted:
-            raise BundleError(
-                f"{self.directory}: manifest.json files does not list {unlisted}, which the index is loaded from, "
-                "so they are not checked: re-export the bundle"
-            )
 
     def check_probe(self) -> None:
         """Raise BundleError unless the manifest's probe query gives the items it gave at export.
@@ -400,23 +281,7 @@ class Bundle:
 
     def probe_problem(self) -> str | None:
         """Why the probe query fails (no server paths: /healthz sends it), or None when it passes."""
-        probe = self.manifest.get("probe")
-        if not probe:
-            return None
-        who = "query"
-        try:
-            query = probe["query"]
-            who = f"user {_short(query.get('user_id'))}" if "user_id" in query else f"query {_short(query)}"
-            top = self.index.search(self.embed([query]), int(probe["k"]))
-            rows = top.rows[0][top.rows[0] >= 0]
-            same = _same_top_k(list(probe["item_ids"]), list(probe["scores"]), self._ids(rows),
-                               top.scores[0][: len(rows)])
-        except Exception as error:
-            return f"probe query for {who} cannot be run: {error if isinstance(error, ValueError) else _reason(error)}"
-        if not same:
-            return (f"probe query for {who} returned other items than at export: "
-                    "the bundle's parts do not belong together")
-        return None
+        return probe_problem(self.manifest, self.embed, self.index, self._ids)
 
     @property
     def version(self) -> str:
@@ -485,50 +350,7 @@ class Bundle:
         itself is refused, as are infinities); list inputs (e.g. a click history) a list of strings
         or ints, truncated or padded to the signature's width.
         """
-        self._check_completed(self.complete_queries([query])[0], position)
-
-    def _check_completed(self, query: Any, position: int) -> Mapping[str, Any]:
-        """``query``, already completed from the user tables (``complete_queries``), checked
-        (``check_query``), with every input it leaves out as a missing value."""
-        if not isinstance(query, Mapping):
-            raise RequestError(f"query {position} must be an object of features, got {type(query).__name__}")
-        check_query_keys(query, self._query_keys, position, self._unread_key_notes)
-        every_input_needed = self.query_features == [self._user_input]  # an ID-only tower
-        if not every_input_needed and not any(key in query for key in (*self.query_features, self._user_input)):
-            raise RequestError(f"query {position} sends none of this bundle's inputs: send the user id "
-                               f"({self._user_input!r}) or any of {self.query_features}")
-        filled = None
-        for feature in self.query_features:
-            spec = self._input_specs[feature]
-            if feature not in query:
-                if every_input_needed:
-                    raise RequestError(self._missing_feature(query, feature, position))
-                filled = dict(query) if filled is None else filled
-                filled[feature] = [] if spec.shape.rank == 2 else None  # a missing value, as the tower embeds it
-                continue
-            value = query[feature]
-            if _not_unicode(value):
-                raise RequestError(f"query {position} feature {feature!r} is not valid Unicode text (a lone "
-                                   "surrogate, e.g. from a non-UTF-8 command-line argument or a \\ud800 escape)")
-            if spec.dtype != tf.string:
-                problem = finite_feature_value(value, spec.dtype.name)
-                if problem is not None:
-                    raise RequestError(f"query {position} feature {feature!r} {problem}, got {_short(value)}")
-            elif spec.shape.rank == 2:
-                if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or any(
-                    isinstance(v, bool) or not isinstance(v, (str, int)) for v in value
-                ):
-                    raise RequestError(
-                        f"query {position} feature {feature!r} must be a list of strings or integers, "
-                        f"got {_short(value)}"
-                    )
-            elif value is None and len(self.query_features) > 1:
-                continue  # a missing feature of a feature tower; an ID tower's only id must be given
-            elif isinstance(value, bool) or not isinstance(value, (str, int)):
-                raise RequestError(
-                    f"query {position} feature {feature!r} must be a string or integer, got {_short(value)}"
-                )
-        return query if filled is None else filled
+        self._rules.check_completed(self.complete_queries([query])[0], position)
 
     def complete_query(self, query: Mapping[str, Any]) -> Mapping[str, Any]:
         """``query`` with what it lacks filled from its user's stored rows (``complete_queries``)."""
@@ -545,41 +367,11 @@ class Bundle:
         lacking nothing or one that is no object comes back as it is (``check_query`` then treats
         what it lacks as missing, or names its problem).
         """
-        completed = list(queries)
-        table = self.user_features
-        if table is not None:
-            lacking = [position for position, query in enumerate(queries)
-                       if isinstance(query, Mapping) and any(feature not in query for feature in table.features)]
-            rows = table.rows_of([_user_key(queries[position].get(self._user_input)) for position in lacking])
-            for position, row in zip(lacking, rows.tolist()):
-                if row >= 0:
-                    query = queries[position]
-                    completed[position] = {**table.values(row, [f for f in table.features if f not in query]),
-                                           **query}
-        histories, name = self.user_histories, self._history_input
-        if histories is not None and name is not None:
-            lacking = [position for position, query in enumerate(completed)
-                       if isinstance(query, Mapping) and name not in query]
-            found = histories.rows_of_many([_user_key(completed[position].get(self._user_input))
-                                            for position in lacking])
-            for position, history_rows in zip(lacking, found):
-                if history_rows is not None:
-                    completed[position] = {**completed[position], name: self._ids(history_rows)}
-        return completed
+        return self._rules.complete_queries(queries, self.user_features, self.user_histories, self._ids)
 
     def sends_history(self, queries: Sequence[Any]) -> bool:
         """Whether any of ``queries`` sends a non-empty click history (whose order then matters)."""
-        return any(self._sent_history(query) for query in queries)
-
-    def _sent_history(self, query: Any) -> list[Any] | None:
-        """The click history ``query`` sends as a list (None when it sends none, or no list)."""
-        name = self._history_input
-        if name is None or not isinstance(query, Mapping):
-            return None
-        history = query.get(name)
-        if not isinstance(history, Sequence) or isinstance(history, str | bytes):
-            return None
-        return list(history)
+        return any(self._rules.sent_history(query) for query in queries)
 
     def in_served_order(self, queries: Sequence[Any], history_order: HistoryOrder) -> list[Any]:
         """``queries`` with the histories they send newest first, the order the tower reads: reversed
@@ -588,17 +380,7 @@ class Bundle:
         Raises:
           RequestError: ``history_order`` is neither ``"newest_first"`` nor ``"oldest_first"``.
         """
-        if history_order not in HISTORY_ORDERS:
-            raise RequestError(f"history_order must be one of {list(HISTORY_ORDERS)}, got {_short(history_order)}")
-        name = self._history_input
-        if history_order == "newest_first" or name is None:
-            return list(queries)
-        sent = [self._sent_history(query) for query in queries]
-        return [query if history is None else {**query, name: history[::-1]} for query, history in zip(queries, sent)]
-
-    def _missing_feature(self, query: Mapping[str, Any], feature: str, position: int) -> str:
-        """Why ``query`` (already completed) lacks ``feature``: one line that says what to send."""
-        return f"query {position} lacks the feature {feature!r} (this bundle reads {self.query_features})"
+        return self._rules.in_served_order(queries, history_order)
 
     def embed(self, queries: Sequence[Mapping[str, Any]], *,
               history_order: HistoryOrder = "newest_first") -> np.ndarray:
@@ -617,89 +399,25 @@ class Bundle:
         """(embeddings [n, dim], known_ids bool [n]: every id feature in the training vocabulary)."""
         # One search of the user tables for the whole batch, after the sent histories are put newest first.
         completed = self.complete_queries(self.in_served_order(queries, history_order))
-        queries = [self._check_completed(query, position) for position, query in enumerate(completed)]
+        queries = [self._rules.check_completed(query, position) for position, query in enumerate(completed)]
         inputs = {
-            feature: _input_tensor([query[feature] for query in queries], self._input_specs[feature])
+            feature: input_tensor([query[feature] for query in queries], self._input_specs[feature])
             for feature in self.query_features
         }
         outputs = self._embed(**inputs)
         known = outputs["known_ids"].numpy() if self._reports_known_ids else np.ones(len(queries), dtype=bool)
         embeddings = outputs["embedding"].numpy()
-        _check_finite(embeddings, "query")
+        check_finite(embeddings, "query")
         # Nothing to go on: the tower's embedding of all-missing inputs (its biases) would rank items by
         # whatever those give; popularity is the honest answer, as for an unknown id of an ID tower.
         user_known = known if self._user_input in self.query_features else np.zeros(len(queries), dtype=bool)
-        empty = np.array([not user_known[i] and not self._carries_a_value(query)
+        empty = np.array([not user_known[i] and not self._rules.carries_a_value(query)
                           for i, query in enumerate(queries)], dtype=bool)
         if empty.any():
             embeddings = embeddings.copy()
             embeddings[empty] = 0.0
-        self._check_norms(queries, embeddings, skip=empty)
+        self._rules.check_norms(queries, embeddings, skip=empty)
         return embeddings, known
-
-    def _carries_a_value(self, query: Mapping[str, Any]) -> bool:
-        """Whether any input but the user id holds a value (not None, "", NaN, nor an empty history)."""
-        for feature in self.query_features:
-            if feature == self._user_input:
-                continue
-            value = query.get(feature)
-            if isinstance(value, Sequence) and not isinstance(value, str | bytes):
-                if any(str(v) != "" for v in value):
-                    return True
-            elif value is not None and value != "" and not (isinstance(value, float) and math.isnan(value)):
-                return True
-        return False
-
-    def _check_norms(self, queries: Sequence[Mapping[str, Any]], embeddings: np.ndarray, *,
-                     skip: np.ndarray | None = None) -> None:
-        """Raise RequestError for a query whose embedding [dim] is all zero, or whose norm lies outside
-        the training range (``_norm_range``), when one feature of the query explains it.
-
-        The feature is found by leaving out each feature the query gives (a missing value, as the
-        tower embeds it) in one more query-tower call: the one whose absence brings the norm into
-        range is named (else the one that brings it closest). An all-zero embedding that no feature
-        explains is a query the towers know nothing of (an unknown id, an empty history): it stays,
-        and ``recommend_embedded`` answers it with the popular items; so do the rows ``skip`` [n]
-        marks (queries with nothing to go on, zeroed on purpose by ``_embed_checked``).
-        """
-        low, high = self._norm_range
-        norms = np.linalg.norm(embeddings.astype(np.float64), axis=1)
-        zero = ~np.any(embeddings != 0, axis=1)
-        suspects = np.flatnonzero((zero | (norms < low) | (norms > high)) & ~(skip if skip is not None else False))
-        if not len(suspects):
-            return
-        variants, owners = [], []
-        for position in suspects.tolist():
-            for feature in self.query_features:
-                if _given(queries[position][feature]):
-                    left_out: list[str] | None = [] if self._input_specs[feature].shape.rank == 2 else None
-                    variants.append({**queries[position], feature: left_out})
-                    owners.append((position, feature))
-        left_out_norms = np.zeros(0)
-        if variants:
-            inputs = {feature: _input_tensor([query[feature] for query in variants], self._input_specs[feature])
-                      for feature in self.query_features}
-            left_out_norms = np.linalg.norm(self._embed(**inputs)["embedding"].numpy().astype(np.float64), axis=1)
-        for position in suspects.tolist():
-            tried = [(feature, norm) for (owner, feature), norm in zip(owners, left_out_norms.tolist())
-                     if owner == position and np.isfinite(norm)]
-            explains = [feature for feature, norm in tried if norm > 0 and low <= norm <= high]
-            if zero[position] and not explains:
-                continue  # nothing the towers know: the popular fallback
-            culprit: str | None = None
-            if explains:
-                culprit = explains[0]
-            elif tried:  # no single feature brings it into range: the one that brings it closest
-                culprit = min(tried, key=lambda pair: _log_distance(pair[1], low, high))[0]
-            value = _short(queries[position][culprit]) if culprit is not None else None
-            cause = (f"the feature {culprit!r} ({value}) causes it: without it the norm is in range; a value "
-                     "far outside what the towers were trained on" if culprit in explains else
-                     f"the feature {culprit!r} ({value}) comes closest to explaining it"
-                     if culprit is not None else "no feature of the query explains it")
-            bounds = (f"outside [{low:.3g}, {high:.3g}] (the training users' query norms at export, widened "
-                      f"{QUERY_NORM_MARGIN:g}-fold)" if "query_norms" in self.manifest else "all zero")
-            raise RequestError(f"query {position}: its embedding's norm is {norms[position]:.3g}, {bounds}, so its "
-                               f"nearest items mean nothing; {cause}")
 
     def recommend(
         self,
@@ -792,7 +510,7 @@ class Bundle:
         exclude_item_ids = checked_id_lists(exclude_item_ids, len(embeddings), "exclude_item_ids")
         if allowed is None:
             allowed = self.allowed_rows(filters)
-        _check_finite(embeddings, "embedding")  # FAISS drops NaN rows: an empty answer that looks like success
+        check_finite(embeddings, "embedding")  # FAISS drops NaN rows: an empty answer that looks like success
         if queries is not None and len(queries) != len(embeddings):
             raise ValueError(f"queries has {len(queries)} entries for {len(embeddings)} embeddings")
         exclude = self.excluded_rows(len(embeddings), exclude_item_ids, queries, exclude_seen=exclude_seen)
@@ -819,13 +537,13 @@ class Bundle:
                 if not np.isfinite(scores).all():
                     raise ValueError(
                         f"embedding {i}: its scores overflow float32 (the embedding is finite but huge); "
-                        + _NON_FINITE_CAUSE
+                        + NON_FINITE_CAUSE
                     )
                 if len(rows) < available:  # never an answer shorter than the catalogue allows
                     raise ValueError(
                         f"embedding {i}: its scores overflow float32 (NaN scores are dropped), or the index cannot "
                         f"skip the excluded items: the search found {len(rows)} of the {available} items it should; "
-                        + _NON_FINITE_CAUSE
+                        + NON_FINITE_CAUSE
                     )
                 fallback = None if known_ids[i] else "features"
                 results.append(Recommendations(self._ids(rows), scores.tolist(), fallback))
@@ -1011,14 +729,14 @@ class Bundle:
                     "pass them, or exclude_seen=False"
                 )
             if self.seen_items is not None:
-                ids = [_user_key(_query_value(query, self._user_input)) for query in queries]
+                ids = [user_key(query_value(query, self._user_input)) for query in queries]
                 for own, rows in zip(lists, self.seen_items.rows_of_many(ids)):
                     own.append(rows.astype(np.int64))
             if self._history_input is not None:
                 if self.user_histories is not None:  # a history filled from the bundle is the user's too
                     queries = self.complete_queries(queries)
                 for own, query in zip(lists, queries):
-                    history = _query_value(query, self._history_input)
+                    history = query_value(query, self._history_input)
                     if isinstance(history, Sequence) and not isinstance(history, str | bytes):
                         own.append(self._rows_of_ids([str(item) for item in history]))
         return [np.unique(np.concatenate(own)) if own else np.zeros(0, np.int64) for own in lists]
@@ -1028,155 +746,6 @@ class Bundle:
 
     def _ids(self, rows) -> list[str]:
         return self._id_array[np.asarray(rows, dtype=np.int64)].tolist()
-
-
-def _same_top_k(expected_ids: Sequence[str], expected_scores: Sequence[float], ids: Sequence[str],
-                scores: Sequence[float]) -> bool:
-    """True when a top-k list equals the recorded one: scores within ``PROBE_TOLERANCE`` position by
-    position, and ids equal up to the order of tied scores (the last tie group may be cut by k, so
-    another item of the same score may stand in there)."""
-    expected, got = np.asarray(expected_scores, dtype=np.float64), np.asarray(scores, dtype=np.float64)
-    if len(ids) != len(expected_ids) or len(expected) != len(expected_ids) or len(got) != len(ids):
-        return False
-    if not np.allclose(got, expected, rtol=PROBE_TOLERANCE, atol=PROBE_TOLERANCE):
-        return False
-    start = 0
-    for end in range(1, len(ids) + 1):
-        if end == len(ids) or not np.isclose(expected[end], expected[end - 1], rtol=PROBE_TOLERANCE,
-                                             atol=PROBE_TOLERANCE):
-            if end < len(ids) and set(ids[start:end]) != set(expected_ids[start:end]):
-                return False
-            start = end
-    return True
-
-
-def _same_files(old: Mapping[str, Any], new: Mapping[str, Any], folder: str) -> bool:
-    """Whether two manifests fingerprint the same files, all alike, under ``folder`` (a SavedModel's)."""
-    def under(manifest: Mapping[str, Any]) -> dict[str, Any]:
-        files = (manifest.get("fingerprints") or {}).get("files") or {}
-        return {name: record for name, record in files.items() if name.startswith(f"{folder}/")}
-
-    found = under(new)
-    return bool(found) and found == under(old)
-
-
-def _not_unicode(value: Any) -> bool:
-    """Whether ``value`` (a string or a list of them) holds a string UTF-8 cannot encode (a lone surrogate)."""
-    values = value if isinstance(value, list) else [value]
-    for text in values:
-        if isinstance(text, str) and not text.isascii():
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                return True
-    return False
-
-
-def _file_state(path: Path) -> tuple[int, int, int, str]:
-    """(size, mtime in ns, inode, blake2b-128 of the first and last ``WATCH_BYTES``) of ``path``: cheap
-    enough for every ``/healthz``, and it changes with an edit in place, a copy or a move over the file."""
-    with open(path, "rb") as handle:
-        stat = os.fstat(handle.fileno())
-        digest = hashlib.blake2b(handle.read(WATCH_BYTES), digest_size=16)
-        if stat.st_size > WATCH_BYTES:
-            handle.seek(max(stat.st_size - WATCH_BYTES, WATCH_BYTES))
-            digest.update(handle.read(WATCH_BYTES))
-    return stat.st_size, stat.st_mtime_ns, stat.st_ino, digest.hexdigest()
-
-
-@contextmanager
-def _part(directory: Path, what: str) -> Iterator[None]:
-    """Any failure while loading one part of a bundle -> BundleError naming the directory and the part."""
-    try:
-        yield
-    except BundleError:
-        raise
-    except Exception as error:
-        raise BundleError(f"{directory}: {what} cannot be loaded: {_reason(error)}") from error
-
-
-def _reason(error: Exception) -> str:
-    """Why a part failed, without quoting the file (library messages echo its bytes)."""
-    if isinstance(error, FileNotFoundError) and "is not a bundle" in str(error):
-        return "manifest.json is missing"  # read_manifest's own message
-    if isinstance(error, FileNotFoundError | IsADirectoryError | NotADirectoryError | PermissionError):
-        name = Path(error.filename).name if getattr(error, "filename", None) else "a file"
-        return f"{type(error).__name__} on {name}"
-    if isinstance(error, json.JSONDecodeError):
-        return f"not valid JSON (line {error.lineno}, column {error.colno})"
-    if isinstance(error, KeyError):
-        return f"the key {_short(error.args[0] if error.args else None)} is missing"
-    if isinstance(error, ManifestError):
-        return str(error).split(": ", 1)[-1]  # read_manifest's message names the key (or the format version)
-    if isinstance(error, IndexFilesError):
-        return str(error)  # names the file and the rows, never its bytes
-    return f"missing, truncated or corrupt ({type(error).__name__})"
-
-
-def _check_finite(embeddings: np.ndarray, what: str) -> None:
-    """Raise ValueError naming the first row of ``embeddings`` [n, dim] holding a NaN or an infinity."""
-    finite = np.isfinite(embeddings).all(axis=1)
-    if not finite.all():
-        position = int(np.argmin(finite))
-        raise ValueError(
-            f"{what} {position}: the query tower's embedding is not finite (NaN or inf), so it has no "
-            f"nearest items; {_NON_FINITE_CAUSE}"
-        )
-
-
-_NON_FINITE_CAUSE = (
-    "a numeric feature value far outside the training range overflows the tower, or the model was trained to NaN"
-)
-
-
-def _norm_range(record: Any) -> tuple[float, float]:
-    """(lowest, highest) norm a query embedding may have: the manifest's ``query_norms`` widened by
-    ``QUERY_NORM_MARGIN``; for a bundle without the record, any norm above 0 (only zero is suspect)."""
-    if not isinstance(record, Mapping):
-        return float(np.finfo(np.float64).tiny), float("inf")
-    try:
-        low, high = float(record["min"]), float(record["max"])
-    except (KeyError, TypeError, ValueError):
-        raise BundleError(f"manifest.json query_norms must hold numbers min and max, got {_short(record)}") from None
-    if not (np.isfinite(low) and np.isfinite(high) and 0 <= low <= high):
-        raise BundleError(f"manifest.json query_norms must hold 0 <= min <= max, got {_short(record)}")
-    return max(low / QUERY_NORM_MARGIN, float(np.finfo(np.float64).tiny)), high * QUERY_NORM_MARGIN
-
-
-def _given(value: Any) -> bool:
-    """True for a query value that says something (not None, NaN, "" or an empty list)."""
-    if value is None or (isinstance(value, str) and not value):
-        return False
-    if isinstance(value, float) and np.isnan(value):
-        return False
-    return not (isinstance(value, Sequence) and not isinstance(value, str) and not len(value))
-
-
-def _log_distance(norm: float, low: float, high: float) -> float:
-    """How far (in log scale) ``norm`` lies outside [low, high]; 0 inside."""
-    if norm <= 0:
-        return float("inf")
-    return max(np.log(low) - np.log(norm), np.log(norm) - np.log(high), 0.0)
-
-
-def _user_key(user: Any) -> str | None:
-    """A user-id value as the id it names (a string or an int), else None (no user)."""
-    return str(user) if isinstance(user, str | int) and not isinstance(user, bool) else None
-
-
-def _query_value(query: Any, key: str) -> Any:
-    return query.get(key) if isinstance(query, Mapping) else None
-
-
-def _input_tensor(values: Sequence[Any], spec: tf.TensorSpec) -> tf.Tensor:
-    """Checked raw values of one input (``Bundle.check_query``) -> a tensor matching ``spec``."""
-    if spec.dtype != tf.string:
-        return tf.constant([np.nan if v is None else float(v) for v in values], dtype=spec.dtype)
-    if spec.shape.rank == 2:
-        width = spec.shape[1]
-        rows = [[str(v) for v in value][:width] for value in values]
-        return tf.constant([row + [""] * (width - len(row)) for row in rows], dtype=tf.string, shape=[len(rows), width])
-    return tf.constant(["" if v is None else str(v) for v in values], dtype=tf.string)
 
 
 def recommend_parser(prog: str | None = None) -> argparse.ArgumentParser:

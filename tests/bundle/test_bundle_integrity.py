@@ -28,8 +28,9 @@ from retrieval.bundle.writer import write_bundle
 from retrieval.config import IndexConfig
 from retrieval.index import ItemIndex, build_index
 from retrieval.jobs import reindex_bundle
-from retrieval.serving.bundle import Bundle, BundleError, _same_top_k
+from retrieval.serving.bundle import Bundle, BundleError
 from retrieval.serving.http import create_app
+from retrieval.serving.integrity import same_top_k as _same_top_k
 
 NUM_ITEMS, NUM_USERS, PROBE_USER = 200, 40, "user00"
 PARTS = ["query_model", "doc_model", "index.faiss", "item_ids.parquet", "index.json"]

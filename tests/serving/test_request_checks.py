@@ -22,6 +22,7 @@ from retrieval.serving import Bundle
 from retrieval.serving import bundle as serving
 from retrieval.serving.batch import IdList, recommend_to_file
 from retrieval.serving.http import create_app
+from retrieval.serving.queries import input_tensor
 from retrieval.serving.request_checks import RequestError, check_query_keys, checked_id, checked_ids, checked_k
 
 NUM_ITEMS, DIM = 40, 8
@@ -213,8 +214,8 @@ def test_a_feature_value_that_zeroes_the_embedding_is_named(features):
     # Finite, so the float32 check passes; the tower's L2 normalisation of its overflowing output gives 0
     # (a trained tower does so from about 1e20, these untrained seeded weights from about 1e30).
     huge = {**known, "age": 1e30}
-    assert not np.any(features._embed(**{feature: serving._input_tensor([features.complete_query(huge)[feature]],
-                                                                         features._input_specs[feature])
+    assert not np.any(features._embed(**{feature: input_tensor([features.complete_query(huge)[feature]],
+                                                               features._input_specs[feature])
                                          for feature in features.query_features})["embedding"].numpy())
     with pytest.raises(RequestError, match=r"query 0: its embedding's norm is 0, all zero, .* the "
                                            r"feature 'age' \(1e\+30\) causes it"):

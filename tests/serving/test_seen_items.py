@@ -417,7 +417,7 @@ def test_a_bundle_changed_while_it_loads_is_refused(world, tmp_path, monkeypatch
         index.write_text(index.read_text() + " ")
         return loaded
 
-    monkeypatch.setattr(serving.SeenItems, "load", rewritten_meanwhile)
+    monkeypatch.setattr(SeenItems, "load", rewritten_meanwhile)
     with pytest.raises(BundleError, match="index.json changed while the bundle was being loaded"):
         Bundle.load(copy)
 

@@ -16,8 +16,9 @@ from retrieval import serving
 from retrieval.bundle.writer import write_bundle
 from retrieval.config import IndexConfig
 from retrieval.index import ItemIndex, build_index
-from retrieval.serving.bundle import Bundle, RequestError, _same_top_k
+from retrieval.serving.bundle import Bundle, RequestError
 from retrieval.serving.http import MAX_K, create_app
+from retrieval.serving.integrity import same_top_k as _same_top_k
 
 EXAMPLES = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
