@@ -442,8 +442,9 @@ class _Terminated(BaseException):
 def _removing_partial_files_on_termination() -> Iterator[None]:
     """Within the block, SIGTERM and SIGHUP (a ``kill``, a closed terminal, a scheduler stopping the
     job) raise instead of ending the process at once, so ``_atomic_parquet`` removes its partial
-    file; then the process ends by the same signal, as it would have. Main thread only (elsewhere
-    Python cannot set handlers): the block then runs as it is."""
+    file; then the process ends by the same signal, as it would have. A signal the process ignores
+    stays ignored (``nohup`` ignores SIGHUP: a closed terminal must not stop the job). Main thread only
+    (elsewhere Python cannot set handlers): the block then runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -453,7 +454,8 @@ def _removing_partial_files_on_termination() -> Iterator[None]:
         caught.append(signum)
         raise _Terminated(signum)
 
-    previous = {number: signal.signal(number, terminate) for number in (signal.SIGTERM, signal.SIGHUP)}
+    watched = [number for number in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(number) is not signal.SIG_IGN]
+    previous = {number: signal.signal(number, terminate) for number in watched}
     try:
         yield
     except _Terminated:

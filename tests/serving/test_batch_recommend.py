@@ -368,6 +368,25 @@ def test_an_id_file_line_is_bounded_and_never_read_whole(tmp_path):
 def test_sigterm_during_recommend_out_removes_the_partial_file(world, tmp_path):  # noqa: F811
     """``retrieval recommend --out`` stopped by SIGTERM (and SIGHUP) mid-file: the hidden partial file is
     removed, nothing is left under the final name, and the process ends by that signal."""
+    import signal
+
+    users = tmp_path / "users.txt"
+    users.write_text("".join(f"user{u % 39:02d}\n" for u in range(200_000)))
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        out = tmp_path / "out" / "recs.parquet"
+        # SIGHUP at its default in the child even where this runner ignores it (under nohup, say).
+        process = _recommend_until_a_partial_file(world, users, out, hangup=signal.SIG_DFL)
+        try:
+            process.send_signal(number)
+            process.communicate(timeout=60)
+        finally:
+            process.kill()
+        assert process.returncode == -number
+        assert list(out.parent.iterdir()) == []
+
+
+def _recommend_until_a_partial_file(bundles, users, out, *, hangup):
+    """``retrieval recommend --out`` started with SIGHUP set to ``hangup``, once some blocks are written."""
     import os
     import signal
     import subprocess
@@ -376,29 +395,42 @@ def test_sigterm_during_recommend_out_removes_the_partial_file(world, tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "retrieval.serving", "--bundle", str(bundles["seen"]), "--users", str(users),
+         "-k", "5", "--block-size", "1", "--out", str(out)],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root), "TF_CPP_MIN_LOG_LEVEL": "3"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=lambda: signal.signal(signal.SIGHUP, hangup),
+    )
+    deadline = time.monotonic() + 120
+    while not list(out.parent.glob(".recs.parquet.partial-*")):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError(f"no partial file appeared: {process.communicate()[1][-3000:]!r}")
+        time.sleep(0.05)
+    time.sleep(0.3)  # some blocks written
+    return process
+
+
+def test_a_hangup_the_process_ignores_does_not_stop_recommend_out(world, tmp_path):  # noqa: F811
+    """Under ``nohup`` (SIGHUP ignored) a closed terminal does not stop ``retrieval recommend --out``; a
+    SIGTERM still does, removing the partial file."""
+    import signal
+    import time
+
     users = tmp_path / "users.txt"
     users.write_text("".join(f"user{u % 39:02d}\n" for u in range(200_000)))
-    for number in (signal.SIGTERM, signal.SIGHUP):
-        out = tmp_path / "out" / "recs.parquet"
-        process = subprocess.Popen(
-            [sys.executable, "-m", "retrieval.serving", "--bundle", str(world["seen"]), "--users", str(users),
-             "-k", "5", "--block-size", "1", "--out", str(out)],
-            cwd=root, env={**os.environ, "PYTHONPATH": str(root), "TF_CPP_MIN_LOG_LEVEL": "3"},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        )
-        try:
-            deadline = time.monotonic() + 120
-            while not list(out.parent.glob(".recs.parquet.partial-*")):
-                assert process.poll() is None, process.communicate()[1][-3000:]
-                assert time.monotonic() < deadline, "no partial file appeared"
-                time.sleep(0.05)
-            time.sleep(0.3)  # some blocks written
-            process.send_signal(number)
-            process.communicate(timeout=60)
-        finally:
-            process.kill()
-        assert process.returncode == -number
-        assert list(out.parent.iterdir()) == []
+    out = tmp_path / "out" / "recs.parquet"
+    process = _recommend_until_a_partial_file(world, users, out, hangup=signal.SIG_IGN)
+    try:
+        process.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert process.poll() is None, "SIGHUP stopped a process that ignores it"
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == -signal.SIGTERM
+    assert list(out.parent.iterdir()) == []
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full") or not stat.S_ISCHR(os.stat("/dev/full").st_mode),
