@@ -211,13 +211,6 @@ def score(bundle, history: pd.DataFrame, test: pd.DataFrame, fresh: np.ndarray, 
     }
 
 
-def warm_start_supported() -> bool:
-    """Whether the job's config has ``train.warm_start`` (the warm arm's update)."""
-    from retrieval.config import TrainConfig
-
-    return "warm_start" in TrainConfig.model_fields
-
-
 class Replay:
     """Runs the arms over one log: period files, jobs and their scores, in ``work``."""
 
@@ -457,8 +450,6 @@ def markdown(report: dict[str, Any]) -> str:
     if "retrain_score_less_job_recall@20_max_abs" in summary:
         lines += [f"Cross-check: each retrain's own job, scoring period t + 1 by its evaluation, gives the retrain "
                   f"recall@20 above to within {summary['retrain_score_less_job_recall@20_max_abs']:.1e}."]
-    if report.get("warm_missing"):
-        lines += ["", f"**Warm arm not run**: {report['warm_missing']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -525,15 +516,6 @@ def main(argv: list[str] | None = None) -> int:
     if set(arms) - set(ARMS):
         raise SystemExit(f"--arms {args.arms!r}: each of {', '.join(ARMS)}")
     warm = parse_warm(args.warm or WARM) if "warm" in arms else {}
-    warm_missing = None
-    if "warm" in arms and not warm_start_supported():
-        warm_missing = ("not yet: needs train.warm_start, the job's warm start from a previous run, which this "
-                        "version of retrieval/config/ does not have")
-        if "--arms" in (argv if argv is not None else sys.argv):
-            raise SystemExit(f"--arms warm: {warm_missing}")
-        print(f"[bench_freshness] warm arm skipped: {warm_missing}", file=sys.stderr)
-        arms.remove("warm")
-        warm = {}
     synthetic = _parse_synthetic(args.synthetic)
     log = load_log(args.dataset, synthetic)
     updates = update_periods(log.periods, args.periods or PERIODS[args.dataset])
@@ -547,8 +529,6 @@ def main(argv: list[str] | None = None) -> int:
         "warm": warm,
         "updates": updates, "new_items_definition": "items first clicked in period t (no click before it)",
     }
-    if warm_missing:
-        report["warm_missing"] = warm_missing
     out = Path(args.out) if args.out else RESULTS / f"bench_freshness_{args.dataset.replace('-', '')}"
 
     def write(rows: list[dict[str, Any]], partial: bool = True) -> None:
