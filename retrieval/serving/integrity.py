@@ -139,7 +139,7 @@ def load_seen_items(directory: Path, manifest_model: Manifest, num_rows: int) ->
         seen = SeenItemsPart.read(directory, manifest_model)
     if seen is None:
         return None
-    recorded = manifest_model.to_dict().get("seen_items")
+    recorded = manifest_model.seen_items
     if recorded is not None and recorded != seen.info():
         raise BundleError(f"{directory}: seen items hold {seen.info()}, the manifest says {recorded}")
     if seen.num_pairs and not 0 <= int(seen.item_rows.min()) <= int(seen.item_rows.max()) < num_rows:
@@ -159,7 +159,7 @@ def load_user_features(directory: Path, manifest_model: Manifest, query_features
     if strangers:
         raise BundleError(f"{directory}: {name} holds {strangers}, which are not query features "
                           f"of this bundle ({list(query_features)})")
-    recorded = manifest_model.to_dict().get("user_features")
+    recorded = manifest_model.user_features
     if recorded is not None and recorded != table.info():
         raise BundleError(f"{directory}: {name} holds {table.info()}, the manifest says {_short(recorded)}")
     return table
@@ -169,7 +169,7 @@ def load_user_histories(directory: Path, manifest_model: Manifest, num_rows: int
     """The training users' recent clicks, newest first (``user_histories/``); None for a bundle
     without them (one whose query tower reads no history, or exported before they were stored)."""
     folder = manifest_model.files.get(UserHistoriesPart.KEY)
-    recorded = manifest_model.to_dict().get("user_histories")
+    recorded = manifest_model.user_histories
     with part(directory, f"user histories {str(folder)!r}"):
         histories = UserHistoriesPart.read(directory, manifest_model)
     if histories is None:
@@ -191,7 +191,7 @@ def load_display_features(directory: Path, manifest_model: Manifest) -> DisplayF
         table = DisplayFeaturesPart.read(directory, manifest_model)
     if table is None:
         return None
-    recorded = manifest_model.to_dict().get("item_features")
+    recorded = manifest_model.item_features
     if recorded is not None and recorded != table.info():
         raise BundleError(f"{directory}: {name} holds {table.info()}, the manifest says {_short(recorded)}")
     return table
