@@ -178,6 +178,7 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
             remove_accidental_hits=config.remove_accidental_hits,
             num_hard_negatives=hard_k,
             reduction=loss.reduction,
+            score_dtype=loss.score_dtype,
             name=loss.kind,
         )
     if cls is BilateralSoftmax:
@@ -188,6 +189,7 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
             remove_accidental_hits=config.remove_accidental_hits,
             num_hard_negatives=hard_k,
             reduction=loss.reduction,
+            score_dtype=loss.score_dtype,
             name=loss.kind,
         )
     exact = loss.kind == "full_softmax"
@@ -203,6 +205,7 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
         remove_accidental_hits=remove_hits,
         num_hard_negatives=hard_k,
         reduction=loss.reduction,
+        score_dtype=loss.score_dtype,
         name=loss.kind,
         **variant,
     )
