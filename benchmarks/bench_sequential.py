@@ -402,6 +402,7 @@ def _serve_histories(bundles: list[Path], histories: list[list[str]],
         for bundle in bundles:
             servers.append(Server(bundle))
         load_at_start = load_average()
+        cpu_at_start = [_cpu_seconds(server.process.pid) for server in servers]
         latencies: list[list[float]] = [[] for _ in bundles]
         served: list[list[list[str]]] = [[] for _ in bundles]
         clients = [httpx.Client(base_url=server.url, timeout=60) for server in servers]
@@ -421,18 +422,27 @@ def _serve_histories(bundles: list[Path], histories: list[list[str]],
             for client in clients:
                 client.close()
         load_at_end = load_average()
+        cpu = [_cpu_seconds(server.process.pid) - start for server, start in zip(servers, cpu_at_start, strict=True)]
     finally:
         for server in servers:
             server.stop()
     measured = []
-    for bundle, times, answers in zip(bundles, latencies, served, strict=True):
+    for bundle, times, answers, seconds in zip(bundles, latencies, served, cpu, strict=True):
         overlap = sum(len(set(items) & set(history)) for items, history in zip(answers, histories[20:], strict=True))
         index = read_manifest(bundle).index or {}
         measured.append(({"index": index.get("factory"), "search_params": index.get("search_params"),
                           "requests": len(times), "history_items_served": overlap,
                           "load_average": {"start": load_at_start, "end": load_at_end},
+                          # the server's CPU time a request (warm-up included): its work, whatever the load
+                          "server_cpu_ms_per_request": 1e3 * seconds / len(histories),
                           **percentiles(times, "sequential")}, answers))
     return measured
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` (all its threads) has used so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _serving_lines() -> list[str]:
@@ -452,17 +462,23 @@ def _serving_lines() -> list[str]:
              "nlist, nprobe tuned to index.target_recall on the training users' queries) and, the same model, with "
              "the exact index (Flat, `retrieval.jobs.reevaluate_reindex`), the two "
              "served at once and each request sent to both in turn; the IVF row's "
-             f"recall@{r['k']} is against the exact row's answers to the same requests.", "",
+             f"recall@{r['k']} is against the exact row's answers to the same requests. Server CPU ms a request: "
+             "the server process's CPU time (all threads) over the requests, warm-up included, divided by their "
+             "number: its work, which the other processes on the machine do not inflate as they do the wall "
+             "time.", "",
              *markdown_table(
                  ["tower", "history length", "members × dim", "index", "recall vs exact", "requests", "p50 ms",
-                  "p99 ms", "mean ms", "history items served", "load average at the first / last request"],
+                  "p99 ms", "mean ms", "server CPU ms a request", "history items served",
+                  "load average at the first / last request"],
                  [[row.get("config", "configs/beauty.yaml"), row["length"],
                    f"{row.get('ensemble_members', r.get('ensemble_members'))} × "
                    f"{row.get('embedding_dim', r.get('embedding_dim'))}",
                    " ".join(filter(None, [row.get("index", "Flat"), row.get("search_params")])),
                    f"{row['recall_vs_exact']:.3f}" if "recall_vs_exact" in row else "",
                    row["requests"], f"{row['sequential_p50_ms']:.2f}", f"{row['sequential_p99_ms']:.2f}",
-                   f"{row['sequential_mean_ms']:.2f}", row["history_items_served"],
+                   f"{row['sequential_mean_ms']:.2f}",
+                   f"{row['server_cpu_ms_per_request']:.2f}" if "server_cpu_ms_per_request" in row else "",
+                   row["history_items_served"],
                    f"{row['load_average']['start'][0]} / {row['load_average']['end'][0]}"] for row in r["rows"]],
              )]
     return lines + ["", f"Machine: {describe_machine(r['machine'])}; commit {r['machine']['commit']}, {r['date']}."]
