@@ -138,7 +138,7 @@ MOVIELENS = ["data.source=movielens-100k", "data.clicks=null", "data.item_featur
              "towers.query.history.length=50", "train.batch_size=128", "train.validation_users=null",
              "train.refit=false"]
 MOVIELENS_VARIANTS = ["transformer-in-batch", "transformer-in-batch-batch16", "transformer-in-batch-batch16-user-id",
-                      "transformer-in-batch-batch16-user-id-patience10", "pooled-attention"]
+                      "transformer-in-batch-batch16-user-id-patience10", "pooled-attention", "sasrec-plus"]
 
 
 def run_variant(name: str, overrides: list[str], data_dir: Path, extra: list[str],
@@ -272,9 +272,12 @@ def _movielens_lines() -> list[str]:
 
     runs = json.loads(path.read_text())
     lines = ["", "## MovieLens-100K: long sequences", "",
-             "`python -m benchmarks.bench_sequential --movielens-seeds 0,1,2`: the same recipe on u.data "
+             "`python -m benchmarks.bench_sequential --movielens-seeds 0,1,2`: each row's recipe (configs/beauty.yaml "
+             "with the row's overrides, or the config named beside the row) on u.data "
              f"(`{' '.join(MOVIELENS)}`), leave-one-out by timestamp, each row at every train.seed; mean ± "
-             "standard deviation over the seeds (943 users: the spread matters).", "",
+             "standard deviation over the seeds (943 users: the spread matters). Of these keys, the SASRec+ "
+             "config (sasrec-plus) differs only in the data's and in validation_users (10,000 there; null, "
+             "every user, here: 943 users are fewer).", "",
              "| row | seeds | HR@10 | NDCG@10 | HR@20 | seconds |", "|---|---|---|---|---|---|"]
     for name in MOVIELENS_VARIANTS:
         mine = [r for r in runs if r["variant"] == name]
@@ -287,7 +290,8 @@ def _movielens_lines() -> list[str]:
             return f"{statistics.mean(values):.4f} ± {deviation:.4f}"
 
         seconds = statistics.mean(r["seconds"] for r in mine)
-        lines.append(f"| {name} | {len(mine)} | {spread('recall@10')} | {spread('ndcg@10')} | {spread('recall@20')} "
+        label = f"{name} ({mine[0]['config']})" if mine[0].get("config") else name
+        lines.append(f"| {label} | {len(mine)} | {spread('recall@10')} | {spread('ndcg@10')} | {spread('recall@20')} "
                      f"| {seconds:.0f} |")
     baselines = runs[0].get("baselines", {}) if runs else {}
     for ranker, values in baselines.items():
@@ -316,64 +320,129 @@ def _throughput_lines() -> list[str]:
     return lines
 
 
+# The towers the serving rows measure: (config, its history length; None: the length it ships with).
+SERVING_TOWERS: list[tuple[Path, int | None]] = [
+    (CONFIG, None), (CONFIG, 200), (OTHER_CONFIGS["sasrec-plus"], None), (OTHER_CONFIGS["sasrec-plus"], 200),
+]
+
+
 def serving_latency(data_dir: Path, history_items: int = 200, users: int = 2000, requests: int = 1000,
                     k: int = 10) -> dict[str, Any]:
     """Single-query latency of ``retrieval serve`` over HTTP answering raw ``history_items``-item histories.
 
-    Two bundles, one after the other: configs/beauty.yaml's transformer as it ships (it reads the
-    newest ``towers.query.history.length`` items of a longer history) and the same at
-    ``length = history_items``, where the tower reads all of them. Each is trained one epoch on the
-    first ``users`` users' sequences (latency does not depend on how well it ranks) with the whole
-    54,542-item catalogue indexed. Each request is a history of ``history_items`` distinct trained
-    items drawn at random (seed 0), the history's items excluded (the default); sequential
-    requests, one client, after 20 warm-up requests; the server's default flags.
+    One bundle per tower of ``SERVING_TOWERS`` (configs/beauty.yaml and configs/beauty-sasrec.yaml as
+    they ship, each reading the newest ``towers.query.history.length`` items of a longer history, and
+    each at ``length = history_items``, reading all of them), one after the other. Each is trained one
+    epoch on the first ``users`` users' sequences with the whole 54,542-item catalogue in an IVF index
+    (the nlist of ``index.factory: auto``, its nprobe tuned to ``index.target_recall`` on the training
+    users' queries: the nprobe, and so the IVF row's latency, depends on this short-trained model),
+    then copied with the exact index (``reindex_bundle``, ``Flat``); both are served at once, each
+    request sent to both in turn (so the two rows share the machine's load), and as the model is the
+    same, the IVF row's recall@k is measured against the exact row's answers to the same requests.
+    Each request is a history of ``history_items`` distinct trained items drawn at random (seed 0),
+    newest first, the history's items excluded (the default); sequential requests, one client, after
+    20 warm-up requests; the server's default flags.
     """
     beauty = data_dir / "beauty"
-    shipped = load_config(CONFIG)
-    rows = [_serving_row(beauty, length, history_items, users, requests, k)
-            for length in dict.fromkeys([shipped.towers.query.history.length, history_items])]
+    rows = []
+    for config_path, length in SERVING_TOWERS:
+        rows += _serving_rows(beauty, config_path, length, history_items, users, requests, k)
+        for row in rows[-2:]:
+            print(json.dumps({key: row.get(key) for key in ("config", "length", "index", "recall_vs_exact",
+                                                             "sequential_p50_ms", "sequential_p99_ms")}), flush=True)
     return {"history_items": history_items, "k": k, "catalogue_items": len((beauty / "items.txt").read_text().split()),
-            "ensemble_members": shipped.model.ensemble_members, "embedding_dim": shipped.model.embedding_dim,
-            "rows": rows, "machine": _machine(), "date": datetime.date.today().isoformat()}
+            "training_users": users, "rows": rows, "machine": _machine(), "date": datetime.date.today().isoformat()}
 
 
-def _serving_row(beauty: Path, length: int, history_items: int, users: int, requests: int, k: int) -> dict[str, Any]:
-    import httpx
-
-    from benchmarks._serving_http import Server
-    from benchmarks._serving_index import percentiles
+def _serving_rows(beauty: Path, config_path: Path, length: int | None, history_items: int, users: int, requests: int,
+                  k: int) -> list[dict[str, Any]]:
+    """The exact row and the IVF row of one tower (``serving_latency``)."""
+    from retrieval.config import IndexConfig
+    from retrieval.jobs.reevaluate_reindex import reindex_bundle
 
     with tempfile.TemporaryDirectory() as work:
         lines = (beauty / "sequences.txt").read_text().splitlines()[:users]
         (Path(work) / "sequences.txt").write_text("\n".join(lines) + "\n")
-        config = load_config(CONFIG, [
+        config = load_config(config_path, [
             f"data.clicks.path={Path(work) / 'sequences.txt'}", f"data.item_features.path={beauty / 'items.txt'}",
-            f"towers.query.history.length={length}", "train.epochs=1", "train.validation_fraction=0",
-            "evaluation.baselines.rankers=[popularity]", "evaluation.plots=false", f"run.output_dir={work}",
-            "run.name=serving", "export.topk_model=false",
+            *([f"towers.query.history.length={length}"] if length else []), "train.epochs=1",
+            "train.validation_fraction=0", "evaluation.baselines.rankers=[popularity]", "evaluation.plots=false",
+            # index.factory auto's IVF (nlist the power of 2 nearest 4 sqrt(items)) below its exact threshold,
+            # nprobe tuned on the training users' queries; the same model's exact index is the copy below.
+            f"run.output_dir={work}", "run.name=serving", "export.topk_model=false", "index.exact_max_items=1",
         ])
-        run = train_evaluate_export(config, config_name="serving").directory
+        ivf = train_evaluate_export(config, config_name="serving").directory
+        exact = reindex_bundle(ivf, Path(work) / "serving-exact", IndexConfig(factory="Flat"))
         trained = sorted({item for line in lines for item in line.split()[1:]})
         rng = np.random.default_rng(0)
         histories = [list(rng.choice(trained, size=history_items, replace=False)) for _ in range(requests + 20)]
-        server = Server(run)
+        history = config.towers.query.history
+        assert history is not None, f"{config_path} has no history tower"
+        tower = {"config": str(config_path.relative_to(ROOT)), "length": history.length,
+                 "ensemble_members": config.model.ensemble_members, "embedding_dim": config.model.embedding_dim}
+        (exact_row, exact_answers), (ivf_row, ivf_answers) = _serve_histories([exact, ivf], histories, k)
+    ivf_row["recall_vs_exact"] = float(np.mean([len(set(a) & set(b)) / len(b) for a, b in
+                                                zip(ivf_answers, exact_answers, strict=True)]))
+    return [{**tower, **exact_row}, {**tower, **ivf_row}]
+
+
+def _serve_histories(bundles: list[Path], histories: list[list[str]],
+                     k: int) -> list[tuple[dict[str, Any], list[list[str]]]]:
+    """Each bundle served over HTTP at once, each request sent to every server in turn (the first
+    server first on even requests, last on odd ones), so the rows share the machine's load: per
+    bundle, its latency row and its answers to ``histories`` (the first 20 warm the servers up)."""
+    import httpx
+
+    from benchmarks._serving_http import Server
+    from benchmarks._serving_index import percentiles
+    from retrieval.bundle.manifest import read_manifest
+
+    servers: list[Server] = []
+    try:
+        for bundle in bundles:
+            servers.append(Server(bundle))
         load_at_start = load_average()
+        cpu_at_start = [_cpu_seconds(server.process.pid) for server in servers]
+        latencies: list[list[float]] = [[] for _ in bundles]
+        served: list[list[list[str]]] = [[] for _ in bundles]
+        clients = [httpx.Client(base_url=server.url, timeout=60) for server in servers]
         try:
-            latencies, served = [], []
-            with httpx.Client(base_url=server.url, timeout=60) as client:
-                for i, history in enumerate(histories):
+            for i, history in enumerate(histories):
+                order = range(len(bundles)) if i % 2 == 0 else reversed(range(len(bundles)))
+                for b in order:
                     with timed() as clock:
-                        reply = client.post("/recommend", json={"query": {"history": history}, "k": k})
+                        reply = clients[b].post("/recommend", json={"query": {"history": history}, "k": k,
+                                                                     "history_order": "newest_first"})
                     seconds = clock.seconds
                     reply.raise_for_status()
                     if i >= 20:
-                        latencies.append(seconds)
-                        served.append(reply.json()["item_ids"])
+                        latencies[b].append(seconds)
+                        served[b].append(reply.json()["item_ids"])
         finally:
+            for client in clients:
+                client.close()
+        load_at_end = load_average()
+        cpu = [_cpu_seconds(server.process.pid) - start for server, start in zip(servers, cpu_at_start, strict=True)]
+    finally:
+        for server in servers:
             server.stop()
-    overlap = sum(len(set(items) & set(history)) for items, history in zip(served, histories[20:], strict=True))
-    return {"length": length, "requests": len(latencies), "history_items_served": overlap,
-            "load_average": {"start": load_at_start, "end": load_average()}, **percentiles(latencies, "sequential")}
+    measured = []
+    for bundle, times, answers, seconds in zip(bundles, latencies, served, cpu, strict=True):
+        overlap = sum(len(set(items) & set(history)) for items, history in zip(answers, histories[20:], strict=True))
+        index = read_manifest(bundle).index or {}
+        measured.append(({"index": index.get("factory"), "search_params": index.get("search_params"),
+                          "requests": len(times), "history_items_served": overlap,
+                          "load_average": {"start": load_at_start, "end": load_at_end},
+                          # the server's CPU time a request (warm-up included): its work, whatever the load
+                          "server_cpu_ms_per_request": 1e3 * seconds / len(histories),
+                          **percentiles(times, "sequential")}, answers))
+    return measured
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` (all its threads) has used so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _serving_lines() -> list[str]:
@@ -384,16 +453,32 @@ def _serving_lines() -> list[str]:
     lines = ["", "## Serving a history", "",
              "`python -m benchmarks.bench_sequential --serving`: `retrieval serve` (default flags) over HTTP on "
              f"loopback, one client, sequential `POST /recommend` with a raw {r['history_items']}-item history "
-             f"(distinct trained items, its items excluded), k = {r['k']}, over the {r['catalogue_items']:,}-item "
-             f"catalogue (its default exact index): the transformer of configs/beauty.yaml "
-             f"({r['ensemble_members']} members of dimension {r['embedding_dim']}) as it ships, reading the "
-             f"newest items of the history up to its length, and the same at length {r['history_items']}, "
-             "reading all of them.", "",
+             f"(distinct trained items, newest first, its items excluded), k = {r['k']}, over the "
+             f"{r['catalogue_items']:,}-item catalogue. Each tower (configs/beauty.yaml and configs/beauty-sasrec.yaml "
+             "as they ship, reading the newest items of the history up to their length, and each at length "
+             f"{r['history_items']}, reading all of them) is trained one epoch on the first "
+             f"{r.get('training_users', 2000):,} users (a short training: the exact rows' latency does not depend on "
+             "how well the model ranks, the IVF rows' nprobe does), served with an IVF index (index.factory auto's "
+             "nlist, nprobe tuned to index.target_recall on the training users' queries) and, the same model, with "
+             "the exact index (Flat, `retrieval.jobs.reevaluate_reindex`), the two "
+             "served at once and each request sent to both in turn; the IVF row's "
+             f"recall@{r['k']} is against the exact row's answers to the same requests. Server CPU ms a request: "
+             "the server process's CPU time (all threads) over the requests, warm-up included, divided by their "
+             "number: its work, which the other processes on the machine do not inflate as they do the wall "
+             "time.", "",
              *markdown_table(
-                 ["tower's history length", "requests", "p50 ms", "p99 ms", "mean ms", "history items served",
+                 ["tower", "history length", "members × dim", "index", "recall vs exact", "requests", "p50 ms",
+                  "p99 ms", "mean ms", "server CPU ms a request", "history items served",
                   "load average at the first / last request"],
-                 [[row["length"], row["requests"], f"{row['sequential_p50_ms']:.2f}", f"{row['sequential_p99_ms']:.2f}",
-                   f"{row['sequential_mean_ms']:.2f}", row["history_items_served"],
+                 [[row.get("config", "configs/beauty.yaml"), row["length"],
+                   f"{row.get('ensemble_members', r.get('ensemble_members'))} × "
+                   f"{row.get('embedding_dim', r.get('embedding_dim'))}",
+                   " ".join(filter(None, [row.get("index", "Flat"), row.get("search_params")])),
+                   f"{row['recall_vs_exact']:.3f}" if "recall_vs_exact" in row else "",
+                   row["requests"], f"{row['sequential_p50_ms']:.2f}", f"{row['sequential_p99_ms']:.2f}",
+                   f"{row['sequential_mean_ms']:.2f}",
+                   f"{row['server_cpu_ms_per_request']:.2f}" if "server_cpu_ms_per_request" in row else "",
+                   row["history_items_served"],
                    f"{row['load_average']['start'][0]} / {row['load_average']['end'][0]}"] for row in r["rows"]],
              )]
     return lines + ["", f"Machine: {describe_machine(r['machine'])}; commit {r['machine']['commit']}, {r['date']}."]
