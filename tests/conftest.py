@@ -2,15 +2,52 @@
 
 Importing ``retrieval`` first sets ``TF_USE_LEGACY_KERAS`` before any test module
 imports TensorFlow or TFRS (``tests/reference_losses.py`` imports TFRS directly).
+
+Trained bundles: a module that only reads what the job writes takes ``trained_bundle`` (one small
+synthetic run, trained once per test process and shared by every such module); a test that changes
+the bundle or its run directory takes ``trained_bundle_copy`` (its own copy). A module whose point is
+the job under a config of its own (warm starts, resuming, determinism, a cluster, tuning, bad input,
+streamed or changing inputs, a tower or loss under test) trains with ``train_run``.
 """
 
+from __future__ import annotations
+
+import hashlib
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 import retrieval  # noqa: F401
 
+if TYPE_CHECKING:
+    from retrieval.config import Config
+    from retrieval.jobs import RunResult
+
 ROOT = Path(__file__).resolve().parents[1]
+
+# The small synthetic job: ``configs/default.yaml`` (temporal split, every default of the recipe) on a log of
+# 600 users, 300 items and about 18,000 clicks, 8 epochs; seeded, so every test process trains the same model.
+SMALL_JOB = (
+    "data.synthetic.n_users=600",
+    "data.synthetic.n_items=300",
+    "data.synthetic.mean_clicks_per_user=30",
+    "train.epochs=8",
+    "train.batch_size=512",
+)
+
+
+def _load(config_file: str, overrides: list[str] | tuple[str, ...], name: str, out: Path) -> Config:
+    from retrieval.config import load_config
+
+    return load_config(
+        ROOT / "configs" / config_file,
+        [*overrides, "train.verbose=0", f"run.name={name}", f"run.output_dir={out}"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -19,19 +56,93 @@ def train_run(tmp_path_factory):
 
     ``train_run(config_file, overrides, name)`` loads ``configs/<config_file>`` with the
     ``--set``-style ``overrides`` (quiet training, run ``name``, a temporary
-    ``run.output_dir`` added) and returns ``(config, RunResult)``. Module-scoped: each
-    integration module trains its own small model once and shares it between its tests.
+    ``run.output_dir`` added) and returns ``(config, RunResult)``. Each call trains: for a
+    module whose point is the job under its own config; a module that only reads a
+    trained bundle takes ``trained_bundle``.
     """
 
     def run(config_file: str, overrides: list[str], name: str):
-        from retrieval.config import load_config
         from retrieval.jobs import train_evaluate_export
 
-        out = tmp_path_factory.mktemp("artifacts")
-        config = load_config(
-            ROOT / "configs" / config_file,
-            [*overrides, "train.verbose=0", f"run.name={name}", f"run.output_dir={out}"],
-        )
+        config = _load(config_file, overrides, name, tmp_path_factory.mktemp("artifacts"))
         return config, train_evaluate_export(config)
 
     return run
+
+
+@dataclass(frozen=True)
+class TrainedBundle:
+    """One finished run of the job: its config and what ``train_evaluate_export`` returned.
+
+    ``directory`` is the run directory (the bundle: manifest, SavedModels, FAISS index, seen items,
+    display features, and the run outputs: ``metrics.json``, ``report.md``, plots, TensorBoard logs,
+    ``train_log.csv``, ``config.yaml``); it is the only entry of ``config.run.output_dir``.
+    ``overrides`` are the ``--set`` values the run was loaded with, on top of ``configs/default.yaml``.
+    """
+
+    config: Config
+    result: RunResult
+    overrides: tuple[str, ...]
+
+    @property
+    def directory(self) -> Path:
+        return self.result.directory
+
+    @property
+    def metrics(self) -> dict:
+        return self.result.metrics
+
+
+def _contents(folder: Path) -> dict[str, str]:
+    """Every path under ``folder`` with its SHA-256 (a folder maps to "")."""
+    return {
+        str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
+        for path in sorted(folder.rglob("*"))
+    }
+
+
+@contextmanager
+def _left_unchanged(folder: Path, fixture: str, instead: str) -> Iterator[None]:
+    """Fails, once the block is over, naming every file under ``folder`` added, removed or changed in it.
+
+    Tests run as root here, so file modes cannot keep a shared fixture's files read-only: this check
+    at the end of the session does, naming the files and the fixture to use ``instead``.
+    """
+    before = _contents(folder)
+    yield
+    after = _contents(folder)
+    changed = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+    assert not changed, f"a test changed the shared {fixture} in {folder}: {changed}; {instead}"
+
+
+@pytest.fixture(scope="session")
+def trained_bundle(tmp_path_factory) -> Iterator[TrainedBundle]:
+    """The small synthetic job (``SMALL_JOB`` on ``configs/default.yaml``, run ``small``), trained once.
+
+    Shared by every module in this test process (each pytest-xdist worker trains its own): read it,
+    never change it. At the end of the session the fixture fails naming any file under
+    ``config.run.output_dir`` that was added, removed or changed (``_left_unchanged``). A test that
+    writes into the bundle or its output directory takes ``trained_bundle_copy``.
+    """
+    from retrieval.jobs import train_evaluate_export
+
+    config = _load("default.yaml", SMALL_JOB, "small", tmp_path_factory.mktemp("trained-bundle"))
+    bundle = TrainedBundle(config, train_evaluate_export(config), SMALL_JOB)
+    with _left_unchanged(Path(config.run.output_dir), "trained_bundle", "take trained_bundle_copy to change it"):
+        yield bundle
+
+
+@pytest.fixture
+def trained_bundle_copy(trained_bundle: TrainedBundle, tmp_path: Path) -> TrainedBundle:
+    """A copy of ``trained_bundle`` of this test's own, in ``tmp_path / "runs"``, to change at will.
+
+    Its config names the copy's output directory (``run.output_dir``); its ``result`` the copied
+    directory, with the same metrics.
+    """
+    output_dir = tmp_path / "runs"
+    directory = output_dir / trained_bundle.directory.name
+    shutil.copytree(trained_bundle.directory, directory)
+    run = trained_bundle.config.run.model_copy(update={"output_dir": str(output_dir)})
+    config = trained_bundle.config.model_copy(update={"run": run})
+    return TrainedBundle(config, replace(trained_bundle.result, directory=directory), trained_bundle.overrides)
+

@@ -463,10 +463,9 @@ def _training_items(config) -> dict[str, set[str]]:
 
 
 @pytest.fixture(scope="module")
-def trained(train_run):
-    from test_end_to_end import SMALL
-
-    return train_run("default.yaml", [*SMALL, "train.epochs=3"], "seen")
+def trained(trained_bundle):
+    """The shared small synthetic run (tests/conftest.py): read here, and re-indexed into copies."""
+    return trained_bundle.config, trained_bundle.result
 
 
 @pytest.mark.slow
