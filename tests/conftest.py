@@ -146,3 +146,24 @@ def trained_bundle_copy(trained_bundle: TrainedBundle, tmp_path: Path) -> Traine
     config = trained_bundle.config.model_copy(update={"run": run})
     return TrainedBundle(config, replace(trained_bundle.result, directory=directory), trained_bundle.overrides)
 
+
+@pytest.fixture(scope="session")
+def fixed_tower_bundles(tmp_path_factory) -> Iterator[dict]:
+    """Two bundles written from fixed ID towers (no training), shared by the serving and HTTP modules.
+
+    ``tests/serving/test_service.py``'s ``write_fixed_tower_bundles``: 300 items and 60 users as unit
+    vectors of dimension 16 around 8 centres (seed 0), one query and one doc tower returning exactly
+    those vectors, written twice: ``"bundle-a"`` (exact ``Flat`` index) and ``"bundle-b"`` (``HNSW16``
+    tuned for k=10), each with the top-k SavedModel; and ``"items"``, ``"users"`` (the vectors, read-only
+    arrays), ``"item_ids"``, ``"user_ids"``, ``"popular"`` (50 items, the bundles' fallback). Modules take
+    it as ``world`` (``from test_service import world``). Read it, never change it: a test that breaks a
+    bundle copies it into its ``tmp_path``; the session fails naming any file that changed.
+    """
+    from test_service import write_fixed_tower_bundles
+
+    root = tmp_path_factory.mktemp("fixed-tower-bundles")
+    world = write_fixed_tower_bundles(root)
+    for vectors in (world["items"], world["users"]):
+        vectors.flags.writeable = False
+    with _left_unchanged(root, "fixed_tower_bundles", "copy a bundle into tmp_path to change it"):
+        yield world
