@@ -8,6 +8,13 @@ synthetic run, trained once per test process and shared by every such module); a
 the bundle or its run directory takes ``trained_bundle_copy`` (its own copy). A module whose point is
 the job under a config of its own (warm starts, resuming, determinism, a cluster, tuning, bad input,
 streamed or changing inputs, a tower or loss under test) trains with ``train_run``.
+
+Written bundles: bundles over fixed ID towers (known vectors, the reference the serving tests compute
+their answers from), written once per test process and shared by the modules that import them as
+``world``: ``fixed_tower_bundles``, ``seen_item_bundles``, ``web_page_bundles``.
+
+Every shared fixture is read-only by contract: tests run as root, so file modes cannot enforce it;
+at the end of the session each one fails naming any file a test added, removed or changed in it.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pytest
 
 import retrieval  # noqa: F401
@@ -31,7 +39,8 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 
 # The small synthetic job: ``configs/default.yaml`` (temporal split, every default of the recipe) on a log of
-# 600 users, 300 items and about 18,000 clicks, 8 epochs; seeded, so every test process trains the same model.
+# 600 users, 300 items and about 18,000 clicks, 8 epochs. The log (data.synthetic.seed) and the training
+# (train.seed, op determinism) are seeded, so every test process trains the same model.
 SMALL_JOB = (
     "data.synthetic.n_users=600",
     "data.synthetic.n_items=300",
@@ -147,6 +156,17 @@ def trained_bundle_copy(trained_bundle: TrainedBundle, tmp_path: Path) -> Traine
     return TrainedBundle(config, replace(trained_bundle.result, directory=directory), trained_bundle.overrides)
 
 
+def _shared_bundles(tmp_path_factory, name: str, write) -> Iterator[dict]:
+    """``write(root)``'s bundles in a fresh folder, with the arrays it returns made read-only, kept unchanged."""
+    root = tmp_path_factory.mktemp(name)
+    written = write(root)
+    for value in written.values():
+        if isinstance(value, np.ndarray):
+            value.flags.writeable = False
+    with _left_unchanged(root, name, "copy a bundle into tmp_path to change it"):
+        yield written
+
+
 @pytest.fixture(scope="session")
 def fixed_tower_bundles(tmp_path_factory) -> Iterator[dict]:
     """Two bundles written from fixed ID towers (no training), shared by the serving and HTTP modules.
@@ -161,9 +181,34 @@ def fixed_tower_bundles(tmp_path_factory) -> Iterator[dict]:
     """
     from test_service import write_fixed_tower_bundles
 
-    root = tmp_path_factory.mktemp("fixed-tower-bundles")
-    world = write_fixed_tower_bundles(root)
-    for vectors in (world["items"], world["users"]):
-        vectors.flags.writeable = False
-    with _left_unchanged(root, "fixed_tower_bundles", "copy a bundle into tmp_path to change it"):
-        yield world
+    yield from _shared_bundles(tmp_path_factory, "fixed_tower_bundles", write_fixed_tower_bundles)
+
+
+@pytest.fixture(scope="session")
+def seen_item_bundles(tmp_path_factory) -> Iterator[dict]:
+    """Fixed-tower bundles that store the items each user has seen (no training).
+
+    ``tests/serving/test_seen_items.py``'s ``write_seen_item_bundles``: 300 items, 40 users (seed 0), each
+    user's seen items drawn among their highest-scored (user00 all but a few, user39 none); bundles
+    ``"seen"`` (Flat), ``"seen-hnsw"`` (HNSW16), ``"old"`` (no seen items stored) and ``"history"`` (a query
+    tower reading a click history), and ``"had"`` (each user's seen item ids). Modules take it as ``world``
+    (``from test_seen_items import world``); read it, never change it (checked as ``fixed_tower_bundles``).
+    """
+    from test_seen_items import write_seen_item_bundles
+
+    yield from _shared_bundles(tmp_path_factory, "seen_item_bundles", write_seen_item_bundles)
+
+
+@pytest.fixture(scope="session")
+def web_page_bundles(tmp_path_factory) -> Iterator[dict]:
+    """The web page's two fixed-tower bundles (no training).
+
+    ``tests/serving/test_web_page.py``'s ``write_web_page_bundles``: ``"shop"`` (a query tower reading a
+    click history, seen items, user histories and an item table: category, price, title) and ``"plain"``
+    (an ID tower, no seen items, no item table), with ``"seen"``, ``"recent"`` (each user's clicks, newest
+    first) and ``"table"``. Modules take it as ``world`` (``from test_web_page import world``); read it,
+    never change it (checked as ``fixed_tower_bundles``).
+    """
+    from test_web_page import write_web_page_bundles
+
+    yield from _shared_bundles(tmp_path_factory, "web_page_bundles", write_web_page_bundles)
