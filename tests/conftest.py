@@ -13,8 +13,9 @@ Written bundles: bundles over fixed ID towers (known vectors, the reference the 
 their answers from), written once per test process and shared by the modules that import them as
 ``world``: ``fixed_tower_bundles``, ``seen_item_bundles``, ``web_page_bundles``.
 
-Every shared fixture is read-only by contract: tests run as root, so file modes cannot enforce it;
-at the end of the session each one fails naming any file a test added, removed or changed in it.
+Every shared fixture is read-only by contract: file modes cannot enforce it where tests run as root
+(as in containers), so at the end of the session each one fails naming any file a test added,
+removed or changed in it.
 """
 
 from __future__ import annotations
@@ -114,8 +115,8 @@ def _contents(folder: Path) -> dict[str, str]:
 def _left_unchanged(folder: Path, fixture: str, instead: str) -> Iterator[None]:
     """Fails, once the block is over, naming every file under ``folder`` added, removed or changed in it.
 
-    Tests run as root here, so file modes cannot keep a shared fixture's files read-only: this check
-    at the end of the session does, naming the files and the fixture to use ``instead``.
+    File modes cannot keep a shared fixture's files read-only where tests run as root (as in
+    containers): this check at the end of the session does, naming the files and what to do ``instead``.
     """
     before = _contents(folder)
     yield
