@@ -1,4 +1,8 @@
-"""The whole path on a small synthetic log: train -> index -> evaluate -> export -> serve."""
+"""The whole path on a small synthetic log: train -> index -> evaluate -> export -> serve.
+
+The run is the shared ``trained_bundle`` (tests/conftest.py): the small synthetic job, trained once per
+test process.
+"""
 
 import json
 import subprocess
@@ -18,20 +22,13 @@ from retrieval.jobs import evaluate_bundle, train_evaluate_export
 from retrieval.serving import Bundle
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = [
-    "data.synthetic.n_users=600",
-    "data.synthetic.n_items=300",
-    "data.synthetic.mean_clicks_per_user=30",
-    "train.epochs=8",
-    "train.batch_size=512",
-]
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def run(train_run):
-    return train_run("default.yaml", SMALL, "e2e")
+def run(trained_bundle):
+    return trained_bundle.config, trained_bundle.result
 
 
 def test_model_clearly_beats_popularity_on_held_back_data(run):

@@ -10,22 +10,14 @@ import retrieval  # noqa: F401
 from pipelines import evaluate as evaluate_cli
 from retrieval.evaluation.report import PLOT_FILES
 
-TINY = [
-    "data.synthetic.n_users=300",
-    "data.synthetic.n_items=200",
-    "data.synthetic.mean_clicks_per_user=20",
-    "train.epochs=2",
-    "train.batch_size=512",
-    "evaluation.ks=[10, 20]",
-    "evaluation.baselines.als.iterations=5",
-]
-
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def run(train_run):
-    return train_run("default.yaml", TINY, "eval-job")[1]
+def run(trained_bundle):
+    """The shared small synthetic run (tests/conftest.py): every ranker of the default config (model,
+    popularity, ALS) at the default cut-offs, plots and TensorBoard logs on."""
+    return trained_bundle.result
 
 
 def _scalars(directory: Path) -> dict[str, float]:
@@ -58,7 +50,8 @@ def test_tensorboard_has_training_loss_and_final_metrics(run):
     assert final["als/ndcg@10"] == pytest.approx(run.metrics["als"]["ndcg@10"])
 
 
-def test_pipelines_evaluate_writes_a_separate_report(run, capsys):
+def test_pipelines_evaluate_writes_a_separate_report(trained_bundle_copy, capsys):
+    run = trained_bundle_copy.result  # the re-evaluation is written into the run directory
     assert evaluate_cli.main(["--run", str(run.directory), "--set", "evaluation.baselines.rankers=[popularity]"]) == 0
     out = run.directory / "reevaluated"
     again = json.loads((out / "metrics.json").read_text())

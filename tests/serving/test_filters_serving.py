@@ -1,10 +1,10 @@
 """Filters at every entry point: ``Bundle.recommend*`` / ``similar_items*``, ``Run``, HTTP, ``retrieval recommend``.
 
-Over the web page's bundles (``tests/test_web_page.py``'s ``world``: "shop" has an item table with
-string, number and list-of-strings columns; "plain" has none), each answer equals a brute-force
-top-k over the items a pandas filter of the raw item table passes, the user's training items left
-out; the popular fallback keeps only popular items that pass; bad filters are a RequestError, a 422
-and a one-line command error, each naming the column or operator.
+Over the web page's bundles (``tests/serving/test_web_page.py``'s ``world``, written once a session:
+"shop" has an item table with string, number and list-of-strings columns; "plain" has none), each
+answer equals a brute-force top-k over the items a pandas filter of the raw item table passes, the
+user's training items left out; the popular fallback keeps only popular items that pass; bad filters
+are a RequestError, a 422 and a one-line command error, each naming the column or operator.
 """
 
 from __future__ import annotations

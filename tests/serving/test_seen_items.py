@@ -139,10 +139,9 @@ def _history_tower(user_ids, users, item_ids, items):
     return model
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """Bundles over fixed towers: "seen" (Flat), "seen-hnsw", "old" (exported without seen items)
-    and "history" (a query tower reading a click history)."""
+def write_seen_item_bundles(root: Path) -> dict:
+    """Bundles over fixed towers in ``root``: "seen" (Flat), "seen-hnsw", "old" (exported without seen items)
+    and "history" (a query tower reading a click history); tests/conftest.py's ``seen_item_bundles``."""
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(8, DIM))
     item_ids = [f"item{i:03d}" for i in range(NUM_ITEMS)]
@@ -157,7 +156,6 @@ def world(tmp_path_factory):
     clicks = [(user, int(row)) for user, rows in seen.items() for row in rows]
     seen_items = SeenItems.from_pairs([u for u, _ in clicks], np.array([r for _, r in clicks]))
     popular = [item_ids[i] for i in rng.permutation(NUM_ITEMS)[:50]]
-    root = tmp_path_factory.mktemp("bundles")
     doc_tower = _fixed_id_tower("item_id", item_ids, items)
     id_tower = _fixed_id_tower("user_id", user_ids, users)
     history_config = {"towers": {"query": {"features": [{"name": "user_id", "kind": "id"}],
@@ -176,6 +174,13 @@ def world(tmp_path_factory):
     return {"items": items, "users": users, "item_ids": item_ids, "user_ids": user_ids, "popular": popular,
             "had": {user: {item_ids[r] for r in rows} for user, rows in seen.items()},
             **{name: root / name for name, *_ in bundles}}
+
+
+@pytest.fixture(scope="module")
+def world(seen_item_bundles):
+    """The session's fixed-tower bundles with seen items (tests/conftest.py), shared with the modules that
+    import this fixture."""
+    return seen_item_bundles
 
 
 def exact_top(world, user, k, exclude=()):
@@ -463,10 +468,9 @@ def _training_items(config) -> dict[str, set[str]]:
 
 
 @pytest.fixture(scope="module")
-def trained(train_run):
-    from test_end_to_end import SMALL
-
-    return train_run("default.yaml", [*SMALL, "train.epochs=3"], "seen")
+def trained(trained_bundle):
+    """The shared small synthetic run (tests/conftest.py): read here, and re-indexed into copies."""
+    return trained_bundle.config, trained_bundle.result
 
 
 @pytest.mark.slow

@@ -45,9 +45,9 @@ def _fixed_id_tower(feature, ids, vectors):
     return model
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """Two bundles over the same towers: "bundle-a" (exact Flat) and "bundle-b" (tuned HNSW)."""
+def write_fixed_tower_bundles(root: Path) -> dict:
+    """Two bundles over the same fixed ID towers in ``root``: "bundle-a" (exact Flat) and "bundle-b" (tuned
+    HNSW), with the vectors they were written from (tests/conftest.py's ``fixed_tower_bundles``)."""
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(8, DIM))
     item_ids = [f"item{i:03d}" for i in range(NUM_ITEMS)]
@@ -56,7 +56,6 @@ def world(tmp_path_factory):
     query_tower = _fixed_id_tower("user_id", user_ids, users)
     doc_tower = _fixed_id_tower("item_id", item_ids, items)
     popular = [item_ids[i] for i in rng.permutation(NUM_ITEMS)[:50]]
-    root = tmp_path_factory.mktemp("bundles")
     directories = {}
     for name, factory in [("bundle-a", "Flat"), ("bundle-b", "HNSW16")]:
         index = build_index(item_ids, items, IndexConfig(factory=factory, tune_k=K), users, "test users")
@@ -73,6 +72,13 @@ def world(tmp_path_factory):
         )
     return {"items": items, "users": users, "item_ids": item_ids, "user_ids": user_ids, "popular": popular,
             **directories}
+
+
+@pytest.fixture(scope="module")
+def world(fixed_tower_bundles):
+    """The session's two fixed-tower bundles (tests/conftest.py), shared with every module that imports this
+    fixture: "bundle-a" (exact Flat), "bundle-b" (tuned HNSW), and the ids and vectors they hold."""
+    return fixed_tower_bundles
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ import json
 import math
 import re
 import shutil
+from pathlib import Path
 from urllib.parse import quote
 
 import httpx
@@ -76,10 +77,10 @@ def _item_table(item_ids, rng) -> pd.DataFrame:
     return pd.concat([frame, strangers], ignore_index=True).sample(frac=1.0, random_state=0).reset_index(drop=True)
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """Two bundles over fixed towers: "shop" (a query tower reading a click history, seen items,
-    an item table) and "plain" (an ID tower, no seen items, no item table)."""
+def write_web_page_bundles(root: Path) -> dict:
+    """Two bundles over fixed towers in ``root``: "shop" (a query tower reading a click history, seen items,
+    an item table) and "plain" (an ID tower, no seen items, no item table); tests/conftest.py's
+    ``web_page_bundles``."""
     rng = np.random.default_rng(3)
     centres = rng.normal(size=(6, DIM))
     item_ids = [f"item{i:03d}" for i in range(NUM_ITEMS)]
@@ -95,7 +96,6 @@ def world(tmp_path_factory):
     histories = UserHistories.from_recent(list(recent), np.concatenate([[0], np.cumsum(lengths)]),
                                           np.concatenate([np.array(rows) for rows in recent.values()]), 20)
     table = _item_table(item_ids, rng)
-    root = tmp_path_factory.mktemp("web")
     doc_tower = _fixed_id_tower("item_id", item_ids, items)
     history_config = {"towers": {"query": {"features": [{"name": "user_id", "kind": "id"}],
                                            "history": {"name": "history", "length": HISTORY}}}}
@@ -115,6 +115,12 @@ def world(tmp_path_factory):
             "seen": {u: [item_ids[r] for r in rows] for u, rows in seen.items()},
             "recent": {u: [item_ids[r] for r in rows] for u, rows in recent.items()},
             "table": table, **{name: root / name for name in bundles}}
+
+
+@pytest.fixture(scope="module")
+def world(web_page_bundles):
+    """The session's web page bundles (tests/conftest.py), shared with the modules that import this fixture."""
+    return web_page_bundles
 
 
 @pytest.fixture(scope="module")

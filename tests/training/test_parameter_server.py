@@ -19,8 +19,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import tensorflow as tf
+from conftest import SMALL_JOB as SMALL  # the shared trained bundle's job: the one-process reference
 from pydantic import ValidationError
-from test_end_to_end import SMALL  # the small synthetic job both files run
 
 import retrieval  # noqa: F401
 from pipelines.local_cluster import CAPPED_STACK_BYTES, LocalCluster, _task_setup, free_port, peak_rss_bytes
@@ -315,13 +315,13 @@ def cluster_run(tmp_path_factory):
     return out / "ps", finished.stderr
 
 
-def test_the_job_trains_on_the_cluster_close_to_one_process(cluster_run, train_run):
+def test_the_job_trains_on_the_cluster_close_to_one_process(cluster_run, trained_bundle):
     directory, log = cluster_run
     metrics = json.loads((directory / "metrics.json").read_text())
     config = load_config(directory / "config.yaml")
     assert config.train.distribute == "parameter_server"
     assert "early stopping: best epoch" in log and "epoch 1/" in log
-    _, single = train_run("default.yaml", SMALL, "single")
+    single = trained_bundle.result  # the same job in one process
     model, popular, alone = metrics["model"], metrics["popularity"], single.metrics["model"]
     assert model["recall@20"] > 2 * popular["recall@20"], (model, popular)
     # Asynchronous steps (two workers) train other weights than one process does, and every run
@@ -363,7 +363,7 @@ def test_a_streamed_log_trains_on_the_cluster_as_one_process_streams_it(tmp_path
     assert metrics["model"]["recall@20"] > 2 * metrics["popularity"]["recall@20"]
 
 
-def test_the_job_trains_with_the_workers_reading_the_batches(tmp_path, train_run):
+def test_the_job_trains_with_the_workers_reading_the_batches(tmp_path, trained_bundle):
     """input: workers: the chief stages the batches, the workers read them through the tf.data service."""
     flags = [f"--set={kv}" for kv in [*SMALL, "train.verbose=2", f"run.output_dir={tmp_path}", "run.name=fed",
                                       "train.parameter_server.max_shards=2", "train.parameter_server.input=workers",
@@ -378,7 +378,7 @@ def test_the_job_trains_with_the_workers_reading_the_batches(tmp_path, train_run
     assert not list((tmp_path / "staging").iterdir())  # each run's staged files went with it
     assert finished.stderr.count("staging the training batches for the workers") == 2  # selection, refit
     metrics = json.loads((tmp_path / "fed" / "metrics.json").read_text())
-    _, single = train_run("default.yaml", SMALL, "single")
+    single = trained_bundle.result  # the same job in one process
     # Measured recall@20 0.683 and 0.692 in two runs, against 0.704 for one process (popularity 0.210).
     assert metrics["model"]["recall@20"] == pytest.approx(single.metrics["model"]["recall@20"], abs=0.12)
     assert metrics["model"]["recall@20"] > 2 * metrics["popularity"]["recall@20"]
