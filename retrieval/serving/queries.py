@@ -19,7 +19,7 @@ from retrieval.bundle.user_features import UserFeatures
 from retrieval.bundle.user_histories import UserHistories
 from retrieval.data.values import finite_feature_value
 from retrieval.serving.integrity import BundleError
-from retrieval.serving.request_checks import RequestError, check_query_keys
+from retrieval.serving.request_checks import RequestError, check_query_keys, encodes_as_utf8
 from retrieval.serving.request_checks import short as _short
 
 # How a sent click history is ordered: the most recent click first (what the query tower reads, and the
@@ -251,22 +251,8 @@ def _not_unicode(value: Any) -> bool:
     except TypeError:  # not all strings (an int id): each string on its own
         pass
     else:
-        return not joined.isascii() and not _encodes(joined)
-    for text in values:
-        if isinstance(text, str) and not text.isascii():
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                return True
-    return False
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+        return not joined.isascii() and not encodes_as_utf8(joined)
+    return any(isinstance(text, str) and not text.isascii() and not encodes_as_utf8(text) for text in values)
 
 
 def check_finite(embeddings: np.ndarray, what: str) -> None:

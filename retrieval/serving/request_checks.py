@@ -112,3 +112,12 @@ def check_query_keys(
         raise RequestError(f"query {position} has the key {short(key)}, which this bundle does not read "
                            f"(it reads {list(known)})" + (f": {note}" if note else "")
                            + (f"; did you mean {near!r}?" if near else ""))
+
+
+def encodes_as_utf8(text: str) -> bool:
+    """Whether UTF-8 can encode ``text`` (False for a lone surrogate, which JSON's ``\\ud800`` escape can carry)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -27,10 +27,10 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import faiss
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -526,36 +526,39 @@ async def page(request: Request) -> HTMLResponse:
     return HTMLResponse(text, headers=headers)
 
 
-async def _admin_body(request: Request) -> dict[str, Any] | JSONResponse:
-    """An admin request's JSON object body, or the JSONResponse refusing the request (``admin_refusal``)."""
+AdminBody = TypeVar("AdminBody", bound=BaseModel)
+
+
+async def _admin_request(request: Request, model: type[AdminBody]) -> AdminBody | JSONResponse:
+    """An admin request's body parsed as ``model``, or the JSONResponse refusing the request
+    (``admin_refusal``; 422 naming what the body gets wrong)."""
     refusal = admin_refusal(request)
     if refusal is not None:
         return refusal
-    return _parse_object(await _read_body(request, request.app.state.limits.max_body_bytes))
+    body = _parse_object(await _read_body(request, request.app.state.limits.max_body_bytes))
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        return _error(422, _describe(error))
 
 
 async def reload(request: Request) -> JSONResponse:
-    body = await _admin_body(request)
-    if isinstance(body, JSONResponse):
-        return body
-    try:
-        parsed = ReloadRequest.model_validate(body)
-    except ValidationError as error:
-        return _error(422, _describe(error))
+    parsed = await _admin_request(request, ReloadRequest)
+    if isinstance(parsed, JSONResponse):
+        return parsed
     status, reply = await answer_reload(request.app.state.holder, parsed)
     return JSONResponse(reply, status_code=status)
 
 
 async def catalogue(request: Request) -> JSONResponse:
     """Apply a catalogue edit (``answer_catalogue``)."""
-    body = await _admin_body(request)
-    if isinstance(body, JSONResponse):
-        return body
+    parsed = await _admin_request(request, CatalogueRequest)
+    if isinstance(parsed, JSONResponse):
+        return parsed
     try:
-        parsed = CatalogueRequest.model_validate(body)
         records = parsed.records()
-    except (ValidationError, ValueError) as error:
-        return _error(422, _describe(error) if isinstance(error, ValidationError) else str(error))
+    except ValueError as error:
+        return _error(422, str(error))
     status, reply = await answer_catalogue(request.app.state.holder, parsed.change, records)
     return JSONResponse(reply, status_code=status)
 

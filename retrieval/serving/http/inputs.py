@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from retrieval.serving.http.limits import MAX_BATCH, MAX_EXCLUDED, MAX_K
 from retrieval.serving.item_filters import parse_filters
-from retrieval.serving.request_checks import checked_id, checked_id_lists, checked_ids, checked_k
+from retrieval.serving.request_checks import checked_id, checked_id_lists, checked_ids, checked_k, encodes_as_utf8
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -267,26 +267,18 @@ def _not_text(value: Any, where: str) -> str | None:
     while stack:
         value, where = stack.pop()
         if isinstance(value, str):
-            if not value.isascii() and not _encodes(value):
+            if not value.isascii() and not encodes_as_utf8(value):
                 return where
         elif isinstance(value, dict):
             for key, item in value.items():
                 inner = f"{where}.{key}" if where else str(key)
-                if not key.isascii() and not _encodes(key):
+                if not key.isascii() and not encodes_as_utf8(key):
                     return (f"{where}." if where else "") + ascii(key)
                 stack.append((item, inner))
         elif isinstance(value, list):
             stack.extend((item, f"{where}.{position}" if where else str(position))
                          for position, item in reversed(list(enumerate(value))))
     return None
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _validated(payload: dict[str, Any], model: type[Body]) -> Body:
