@@ -122,6 +122,20 @@ OTHER_CONFIGS: dict[str, Path] = {
     "sasrec-plus": ROOT / "configs/beauty-sasrec.yaml",
 }
 VARIANTS |= {name: [] for name in OTHER_CONFIGS}
+# Beyond SASRec+: its settings with another loss (configs/beauty-sasrec.yaml and these overrides).
+BEYOND_SASREC_PLUS: dict[str, list[str]] = {
+    # gSASRec (Petrov & Macdonald, RecSys 2023): gBCE over 256 uniform negatives drawn for each position,
+    # calibration t = 0.75, the authors' recommended setting (asash/gsasrec, Readme.md).
+    "gsasrec": ["model.loss.kind=gbce", "model.loss.negatives=uniform", "model.loss.num_negatives=256",
+                "model.loss.negatives_per_row=true", "model.loss.calibration=0.75"],
+    # Many negatives with the corrected log-Q (Khrylchenko et al., RecSys 2025): the batch's positives and
+    # 2,048 uniform draws shared by the batch, the positive always in the denominator.
+    "sasrec-many-negatives-corrected": ["model.loss.kind=softmax", "model.loss.negatives=mixed",
+                                        "model.loss.mixed_corpus=uniform", "model.loss.num_negatives=2048",
+                                        "model.loss.log_q_variant=corrected"],
+}
+OTHER_CONFIGS |= {name: ROOT / "configs/beauty-sasrec.yaml" for name in BEYOND_SASREC_PLUS}
+VARIANTS |= BEYOND_SASREC_PLUS
 # Without the refit: the best epoch's weights as they are, the early-stopping item never a next-item target.
 VARIANTS |= {f"{name}-no-refit": [*VARIANTS[name], "train.refit=false"]
              for name in ("transformer-in-batch", "transformer-mixed-2048", "pooled-attention")}
@@ -138,7 +152,8 @@ MOVIELENS = ["data.source=movielens-100k", "data.clicks=null", "data.item_featur
              "towers.query.history.length=50", "train.batch_size=128", "train.validation_users=null",
              "train.refit=false"]
 MOVIELENS_VARIANTS = ["transformer-in-batch", "transformer-in-batch-batch16", "transformer-in-batch-batch16-user-id",
-                      "transformer-in-batch-batch16-user-id-patience10", "pooled-attention"]
+                      "transformer-in-batch-batch16-user-id-patience10", "pooled-attention", "sasrec-plus",
+                      *BEYOND_SASREC_PLUS]
 
 
 def run_variant(name: str, overrides: list[str], data_dir: Path, extra: list[str],
