@@ -309,6 +309,13 @@ def _movielens_lines() -> list[str]:
         cells = " | ".join(f"{values[key]:.4f}" for key in ("recall@10", "ndcg@10", "recall@20"))
         lines.append(f"| {ranker} | | {cells} | |")
     notes = {f"- {r['variant']}: {r['note']}" for r in runs if r.get("note") and r["variant"] in MOVIELENS_VARIANTS}
+    # Rows of another config than configs/beauty.yaml: which, with their own overrides under the MovieLens ones.
+    configs: dict[str, dict[str, None]] = {}
+    for r in runs:
+        if r.get("config") and r["variant"] in MOVIELENS_VARIANTS:
+            configs.setdefault(r["config"], {})[r["variant"]] = None
+    notes |= {f"- {', '.join(names)}: rows of {config}, each with its overrides (in the JSON), then the MovieLens "
+              "ones above" for config, names in configs.items()}
     return lines + (["", *sorted(notes)] if notes else [])
 
 
