@@ -128,6 +128,13 @@ BEYOND_SASREC_PLUS: dict[str, list[str]] = {
     # calibration t = 0.75, the authors' recommended setting (asash/gsasrec, Readme.md).
     "gsasrec": ["model.loss.kind=gbce", "model.loss.negatives=uniform", "model.loss.num_negatives=256",
                 "model.loss.negatives_per_row=true", "model.loss.calibration=0.75"],
+    # The same draws at t = 0 (beta = 1): plain binary cross-entropy, SASRec's loss with 256 negatives.
+    "gsasrec-t0": ["model.loss.kind=gbce", "model.loss.negatives=uniform", "model.loss.num_negatives=256",
+                   "model.loss.negatives_per_row=true", "model.loss.calibration=0.0"],
+    # gBCE can take a while to start learning (the authors' README): three times SASRec+'s patience.
+    "gsasrec-patience-30": ["model.loss.kind=gbce", "model.loss.negatives=uniform", "model.loss.num_negatives=256",
+                            "model.loss.negatives_per_row=true", "model.loss.calibration=0.75",
+                            "train.early_stopping_patience=30"],
     # Many negatives with the corrected log-Q (Khrylchenko et al., RecSys 2025): the batch's positives and
     # 2,048 uniform draws shared by the batch, the positive always in the denominator.
     "sasrec-many-negatives-corrected": ["model.loss.kind=softmax", "model.loss.negatives=mixed",
