@@ -255,14 +255,15 @@ def time_bare(users: int, items: int, dim: int, batch: int, shared: int, jit: bo
 
 
 def time_project(stats: FeatureStatistics, train: pd.DataFrame, dim: int, batch: int, negatives: str, shared: int,
-                 per_call: int) -> dict[str, float]:
+                 per_call: int, score_dtype: str = "float32") -> dict[str, float]:
     """ms of the project's step: ``fit`` for 2 epochs, the second epoch's seconds over its steps."""
     tf.keras.backend.clear_session()
     gc.collect()
     config = TrainConfig(epochs=2, batch_size=batch, verbose=0, checkpoint_every_seconds=0, validation_fraction=0,
                          steps_per_execution=per_call)
     seed_everything(config.seed)
-    loss = LossConfig() if negatives == "in_batch" else LossConfig(negatives="uniform", num_negatives=shared)
+    loss = (LossConfig(score_dtype=score_dtype) if negatives == "in_batch"
+            else LossConfig(negatives="uniform", num_negatives=shared, score_dtype=score_dtype))
     model = build_model(ModelConfig(embedding_dim=dim, loss=loss), stats)
     timing: dict[str, list[float]] = {}
     cpu = [time.process_time()]  # process CPU seconds at each epoch's end (after its timing)
@@ -289,7 +290,10 @@ def run_bound(args, log) -> dict[str, Any]:
         })
     shapes = [(kind, dim, batch) for kind in args.bound_negatives for dim in args.bound_dims
               for batch in args.bound_batches]
-    variants = [*(f"project/{k}" for k in args.steps_per_execution), "bare/graph", "bare/xla"]
+    # A project variant per (K, score dtype): "K=1", "K=1 bf16", ...
+    project_labels = {f"K={k}" + ("" if dtype == "float32" else " bf16"): (k, dtype)
+                      for k in args.steps_per_execution for dtype in args.score_dtypes}
+    variants = [*(f"project/{label}" for label in project_labels), "bare/graph", "bare/xla"]
     runs: dict[str, dict[str, list[float]]] = {f"{kind}/{dim}/{batch}": {v: [] for v in variants}
                                                for kind, dim, batch in shapes}
     cpu_runs: dict[str, dict[str, list[float]]] = {key: {v: [] for v in variants} for key in runs}
@@ -300,7 +304,8 @@ def run_bound(args, log) -> dict[str, Any]:
             key = f"{kind}/{dim}/{batch}"
             for variant in rotated(variants, round_):
                 if variant.startswith("project/"):
-                    timed = time_project(stats, frames[batch], dim, batch, kind, shared, int(variant.split("/")[1]))
+                    per_call, dtype = project_labels[variant.removeprefix("project/")]
+                    timed = time_project(stats, frames[batch], dim, batch, kind, shared, per_call, dtype)
                 else:
                     timed = time_bare(users, items, dim, batch, shared, variant == "bare/xla",
                                       max(args.bound_clicks // batch, 2))
@@ -315,18 +320,18 @@ def run_bound(args, log) -> dict[str, Any]:
         key = f"{kind}/{dim}/{batch}"
         medians = {v: statistics.median(runs[key][v]) for v in variants}
         bound = min(medians["bare/graph"], medians["bare/xla"])
-        project = {k: medians[f"project/{k}"] for k in args.steps_per_execution}
+        project = {label: medians[f"project/{label}"] for label in project_labels}
         cpu = {v: statistics.median(cpu_runs[key][v]) for v in variants}
         cpu_bound = min(cpu["bare/graph"], cpu["bare/xla"])
         summary.append({
             "cpu_ms": cpu,
-            "cpu_step_over_bound": {str(k): cpu[f"project/{k}"] / cpu_bound for k in args.steps_per_execution},
+            "cpu_step_over_bound": {label: cpu[f"project/{label}"] / cpu_bound for label in project_labels},
             "negatives": kind, "dim": dim, "batch": batch,
             "shared_negatives": args.shared_negatives if kind == "shared" else 0,
-            "project_ms": {str(k): ms for k, ms in project.items()},
+            "project_ms": dict(project),
             "bare_graph_ms": medians["bare/graph"], "bare_xla_ms": medians["bare/xla"], "bound_ms": bound,
-            "step_over_bound": {str(k): ms / bound for k, ms in project.items()},
-            "bound_over_step": {str(k): bound / ms for k, ms in project.items()},
+            "step_over_bound": {label: ms / bound for label, ms in project.items()},
+            "bound_over_step": {label: bound / ms for label, ms in project.items()},
         })
     return {"users": users, "items": items, "clicks_per_epoch": args.bound_clicks, "uptime": uptimes,
             "summary": summary, "runs": runs, "cpu_runs": cpu_runs}
@@ -424,7 +429,7 @@ def bound_markdown(bound: dict[str, Any]) -> list[str]:
         "",
         "Project: `fit` of the default model at that dimension (`shared`: `model.loss.negatives: uniform`, "
         "the draws shared by the batch), the second epoch's seconds over its steps, for each "
-        "`train.steps_per_execution` (K). Bare: the same shapes written directly (gathers, L2 normalise, "
+        "`train.steps_per_execution` (K; bf16: `model.loss.score_dtype: bfloat16`). Bare: the same shapes written directly (gathers, L2 normalise, "
         "logits matmul forward and backward, softmax cross-entropy, scatter of the touched rows), as a graph "
         "and compiled by XLA; bound = the faster. Medians over interleaved rounds.",
         "",
@@ -435,8 +440,8 @@ def bound_markdown(bound: dict[str, Any]) -> list[str]:
         return [kind, row["dim"], f"{row['batch']:,}"]
 
     lines += markdown_table(
-        ["negatives", "dim", "batch", *(f"project K={k} (ms)" for k in per_calls), "bare graph (ms)", "bare XLA (ms)",
-         *(f"step / bound K={k}" for k in per_calls), *(f"bound / step K={k}" for k in per_calls)],
+        ["negatives", "dim", "batch", *(f"project {k} (ms)" for k in per_calls), "bare graph (ms)", "bare XLA (ms)",
+         *(f"step / bound {k}" for k in per_calls), *(f"bound / step {k}" for k in per_calls)],
         [[*first_cells(row), *(f"{row['project_ms'][k]:.1f}" for k in per_calls), f"{row['bare_graph_ms']:.1f}",
           f"{row['bare_xla_ms']:.1f}", *(f"{row['step_over_bound'][k]:.2f}" for k in per_calls),
           *(f"{row['bound_over_step'][k]:.2f}" for k in per_calls)]
@@ -450,8 +455,8 @@ def bound_markdown(bound: dict[str, Any]) -> list[str]:
         "",
     ]
     lines += markdown_table(
-        ["negatives", "dim", "batch", *(f"project K={k} (CPU ms)" for k in per_calls), "bare graph (CPU ms)",
-         "bare XLA (CPU ms)", *(f"step / bound K={k}" for k in per_calls)],
+        ["negatives", "dim", "batch", *(f"project {k} (CPU ms)" for k in per_calls), "bare graph (CPU ms)",
+         "bare XLA (CPU ms)", *(f"step / bound {k}" for k in per_calls)],
         [[*first_cells(row), *(f"{row['cpu_ms'][f'project/{k}']:.1f}" for k in per_calls),
           f"{row['cpu_ms']['bare/graph']:.1f}", f"{row['cpu_ms']['bare/xla']:.1f}",
           *(f"{row['cpu_step_over_bound'][k]:.2f}" for k in per_calls)]
@@ -541,6 +546,8 @@ def main() -> None:
     parser.add_argument("--bound-batches", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--bound-negatives", nargs="+", default=["in_batch", "shared"], choices=["in_batch", "shared"])
     parser.add_argument("--shared-negatives", type=int, default=800, help="uniform negatives shared by a batch")
+    parser.add_argument("--score-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                        help="model.loss.score_dtype values of the project's step (bound part)")
     parser.add_argument("--steps-per-execution", type=int, nargs="+", default=[1, 8],
                         help="train.steps_per_execution values of the project's step")
     parser.add_argument("--bound-clicks", type=int, default=65_536,

@@ -163,6 +163,14 @@ class LossConfig(_Section):
         "is not the positive) and each row is weighted by the model's probability of misclassifying it (no "
         "gradient). Needs negatives in_batch, a corpus sampler with replacement, or mixed; no hard negatives.",
     )
+    score_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Precision of the training logits' matmuls (queries x candidates): bfloat16 rounds both "
+        "sides and the product to bfloat16 (cheaper where the CPU has bfloat16 instructions: lscpu's "
+        "avx512_bf16 or amx_bf16; a logit then carries about 3 significant digits) and hands float32 "
+        "logits to log-Q, the masks and the loss; evaluation, the index and serving stay float32. Not for "
+        "hierarchical_softmax (no candidates).",
+    )
     streaming: StreamingFrequencyConfig = StreamingFrequencyConfig()
     kernel: KernelSamplerConfig = Field(
         KernelSamplerConfig(), description="Kernel sampler settings (used when negatives=kernel)."
@@ -174,6 +182,11 @@ class LossConfig(_Section):
         if self.kind == "hierarchical_softmax" and self.hard_negatives != "none":
             raise ValueError(
                 f"model.loss.hard_negatives={self.hard_negatives!r} needs candidates; hierarchical_softmax has none"
+            )
+        if self.kind == "hierarchical_softmax" and self.score_dtype != "float32":
+            raise ValueError(
+                f"model.loss.score_dtype={self.score_dtype!r} sets the precision of candidate logits; "
+                "hierarchical_softmax has none: set model.loss.score_dtype=float32"
             )
         return self
 

@@ -97,18 +97,33 @@ def hard_negative_columns(logits: tf.Tensor, labels: tf.Tensor, k: int) -> tf.Te
     return columns
 
 
-def candidate_scores(queries: tf.Tensor, candidates: tf.Tensor) -> tf.Tensor:
-    """Dot products ``[batch_size, num_candidates]``.
+SCORE_DTYPES = ("float32", "bfloat16")
+
+
+def candidate_scores(queries: tf.Tensor, candidates: tf.Tensor, dtype: str = "float32") -> tf.Tensor:
+    """Dot products ``[batch_size, num_candidates]``, float32.
 
     Args:
       queries: ``[batch_size, dim]``.
       candidates: ``[num_candidates, dim]`` shared or ``[batch_size, num_candidates, dim]`` per query.
+      dtype: the precision of the product: "bfloat16" rounds both sides to bfloat16 (8 bits of
+        significand) before multiplying, where the CPU's bfloat16 instructions make the product
+        cheaper; the sums are accumulated in float32 but come back rounded to bfloat16 (TensorFlow's
+        CPU kernels have no float32 output for bfloat16 inputs), then cast to float32, which log-Q,
+        the masks and the softmax read.
     """
+    if dtype not in SCORE_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(SCORE_DTYPES)}, got {dtype!r}")
+    if candidates.shape.rank not in (2, 3):
+        raise ValueError(f"candidates must be [num, dim] or [batch, num, dim], got shape {candidates.shape}")
+    out_dtype = queries.dtype
+    if dtype != "float32":
+        queries, candidates = tf.cast(queries, dtype), tf.cast(candidates, dtype)
     if candidates.shape.rank == 2:
-        return tf.linalg.matmul(queries, candidates, transpose_b=True)
-    if candidates.shape.rank == 3:
-        return tf.einsum("bd,bcd->bc", queries, candidates)
-    raise ValueError(f"candidates must be [num, dim] or [batch, num, dim], got shape {candidates.shape}")
+        scores = tf.linalg.matmul(queries, candidates, transpose_b=True)
+    else:
+        scores = tf.einsum("bd,bcd->bc", queries, candidates)
+    return tf.cast(scores, out_dtype)
 
 
 def softmax_cross_entropy(logits: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from retrieval.losses.functions import (
     MIN_FLOAT,
+    SCORE_DTYPES,
     accidental_hits,
     candidate_scores,
     correct_log_q,
@@ -45,6 +46,8 @@ class RetrievalLoss(tf.keras.layers.Layer):
       reduction: "mean" divides the summed per-example losses by the batch
         size (the learning rate does not depend on it); "sum" does not, as
         ``tfrs.tasks.Retrieval`` (Keras ``SUM``): its gradients grow with the batch.
+      score_dtype: precision of the training logits' matmuls ("float32" or "bfloat16",
+        ``candidate_scores``); ranking (``item_scores``) stays float32.
     """
 
     scores_by_dot_product: bool = True
@@ -57,9 +60,13 @@ class RetrievalLoss(tf.keras.layers.Layer):
         remove_accidental_hits: bool = True,
         num_hard_negatives: int | None = None,
         reduction: str = "mean",
+        score_dtype: str = "float32",
         name: str | None = None,
     ):
         super().__init__(name=name)
+        if score_dtype not in SCORE_DTYPES:
+            raise ValueError(f"score_dtype must be one of {', '.join(SCORE_DTYPES)}, got {score_dtype!r}")
+        self.score_dtype = score_dtype
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
         if num_hard_negatives is not None and num_hard_negatives <= 0:
@@ -130,14 +137,14 @@ class RetrievalLoss(tf.keras.layers.Layer):
         batch_size = tf.shape(q)[0]
         if inputs.includes_batch_positives and inputs.batch_candidates is not None:
             batch = inputs.batch_candidates
-            head = candidate_scores(q, batch.embeddings) / self.temperature
+            head = candidate_scores(q, batch.embeddings, self.score_dtype) / self.temperature
             head = correct_log_q(head, weight * batch.log_q[tf.newaxis, :])
             head_labels = tf.one_hot(
                 batch.row_offset + tf.range(batch_size), tf.shape(batch.ids)[0], dtype=head.dtype
             )
             head_hits = accidental_hits(head_labels, batch.ids, positive_ids)
         elif inputs.includes_batch_positives:
-            head = candidate_scores(q, inputs.positives) / self.temperature
+            head = candidate_scores(q, inputs.positives, self.score_dtype) / self.temperature
             head = correct_log_q(head, weight * positive_log_q[tf.newaxis, :])
             head_labels = tf.eye(batch_size, dtype=head.dtype)
             head_hits = accidental_hits(head_labels, positive_ids, positive_ids)
@@ -155,7 +162,7 @@ class RetrievalLoss(tf.keras.layers.Layer):
         head_kept = tf.logical_not(head_hits) if self.remove_hits else tf.ones_like(head_hits)
         logits, labels, kept = [head], [head_labels], [head_kept]
         for negatives, embeddings in zip(inputs.negatives, inputs.negative_embeddings):
-            block = candidate_scores(q, embeddings) / self.temperature
+            block = candidate_scores(q, embeddings, self.score_dtype) / self.temperature
             # Masked columns (log_q = MASKED_LOG_Q, as the samplers write it in float32) stay masked
             # whatever the weight; no real log expected count comes near it.
             padding = negatives.log_q >= MASKED_LOG_Q
@@ -266,7 +273,7 @@ class FullSoftmax(SampledSoftmax):
         q, positive_ids = inputs.queries, tf.cast(inputs.positive_ids, tf.int64)
         negatives = inputs.negatives[0]
         head = tf.reduce_sum(q * inputs.positives, axis=1)
-        block = candidate_scores(q, inputs.negative_embeddings[0])
+        block = candidate_scores(q, inputs.negative_embeddings[0], self.score_dtype)
         if self.temperature != 1.0:
             head, block = head / self.temperature, block / self.temperature
         if self.remove_hits:  # the positive's own column, and with own_items a row's other items
@@ -328,6 +335,7 @@ class CosineContrastive(RetrievalLoss):
         remove_accidental_hits: bool = True,
         num_hard_negatives: int | None = None,
         reduction: str = "mean",
+        score_dtype: str = "float32",
         name: str | None = None,
     ):
         super().__init__(
@@ -336,6 +344,7 @@ class CosineContrastive(RetrievalLoss):
             remove_accidental_hits=remove_accidental_hits,
             num_hard_negatives=num_hard_negatives,
             reduction=reduction,
+            score_dtype=score_dtype,
             name=name,
         )
         if not -1.0 <= margin < 1.0:

@@ -180,6 +180,7 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
             remove_accidental_hits=config.remove_accidental_hits,
             num_hard_negatives=hard_k,
             reduction=loss.reduction,
+            score_dtype=loss.score_dtype,
             name=loss.kind,
         )
     if cls is BilateralSoftmax:
@@ -190,6 +191,7 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
             remove_accidental_hits=config.remove_accidental_hits,
             num_hard_negatives=hard_k,
             reduction=loss.reduction,
+            score_dtype=loss.score_dtype,
             name=loss.kind,
         )
     if cls is GeneralizedBinaryCrossEntropy:
@@ -217,6 +219,7 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
         remove_accidental_hits=remove_hits,
         num_hard_negatives=hard_k,
         reduction=loss.reduction,
+        score_dtype=loss.score_dtype,
         name=loss.kind,
         **variant,
     )

@@ -357,16 +357,9 @@ class Bundle:
         return self.complete_queries([query])[0]
 
     def complete_queries(self, queries: Sequence[Any]) -> list[Any]:
-        """Each query with what it lacks filled from its user's stored rows (one search of each table
-        for all of them): the user-table features (``user_features.parquet``) and the click history
-        (``user_histories/``: the user's recent training clicks, newest first).
-
-        The user is the query's user-id input (``metadata()["user_input"]``). What the query itself
-        sends wins, feature by feature (null included: a missing value, as the tower embeds it; an
-        empty history too). A query whose user is not stored, a bundle without the table, a query
-        lacking nothing or one that is no object comes back as it is (``check_query`` then treats
-        what it lacks as missing, or names its problem).
-        """
+        """Each query with what it lacks filled from its user's stored rows, the user-table features and
+        the click history, what the query sends winning (the rules: ``QueryRules.complete_queries`` in
+        ``retrieval/serving/queries.py``)."""
         return self._rules.complete_queries(queries, self.user_features, self.user_histories, self._ids)
 
     def sends_history(self, queries: Sequence[Any]) -> bool:

@@ -131,18 +131,25 @@ def probe_problem(manifest: Mapping[str, Any], embed: Callable[[list[Any]], np.n
     return None
 
 
+def _read_checked(directory: Path, manifest_model: Manifest, part_class: Any, what: str, recorded: Any,
+                  *, always_recorded: bool = False) -> Any:
+    """One optional bundle part read as ``part_class.read`` does (None where the bundle has none), any
+    failure a BundleError naming the part, and its info checked against what the manifest recorded
+    (skipped for an older manifest that recorded nothing, unless ``always_recorded``)."""
+    name = manifest_model.files.get(part_class.KEY)
+    with part(directory, f"{what} {str(name)!r}"):
+        value = part_class.read(directory, manifest_model)
+    if value is not None and (recorded is not None or always_recorded) and recorded != value.info():
+        raise BundleError(f"{directory}: {what} hold {value.info()} ({str(name)!r}), the manifest says "
+                          f"{_short(recorded)}")
+    return value
+
+
 def load_seen_items(directory: Path, manifest_model: Manifest, num_rows: int) -> SeenItems | None:
     """The training users' items (``seen_items/``); None for a bundle exported without them.
     ``num_rows``: the index's rows, which every seen item must name."""
-    folder = manifest_model.files.get(SeenItemsPart.KEY)
-    with part(directory, f"seen items {str(folder)!r}"):
-        seen = SeenItemsPart.read(directory, manifest_model)
-    if seen is None:
-        return None
-    recorded = manifest_model.seen_items
-    if recorded is not None and recorded != seen.info():
-        raise BundleError(f"{directory}: seen items hold {seen.info()}, the manifest says {recorded}")
-    if seen.num_pairs and not 0 <= int(seen.item_rows.min()) <= int(seen.item_rows.max()) < num_rows:
+    seen = _read_checked(directory, manifest_model, SeenItemsPart, "seen items", manifest_model.seen_items)
+    if seen is not None and seen.num_pairs and not 0 <= seen.item_rows.min() <= seen.item_rows.max() < num_rows:
         raise BundleError(f"{directory}: seen items name index rows outside the {num_rows} rows of "
                           "index.faiss: the bundle's parts do not belong together")
     return seen
@@ -150,33 +157,21 @@ def load_seen_items(directory: Path, manifest_model: Manifest, num_rows: int) ->
 
 def load_user_features(directory: Path, manifest_model: Manifest, query_features: Sequence[str]) -> UserFeatures | None:
     """The known users' raw query features (``user_features.parquet``); None for a bundle without them."""
-    name = manifest_model.files.get(UserFeaturesPart.KEY)
-    with part(directory, f"user features {str(name)!r}"):
-        table = UserFeaturesPart.read(directory, manifest_model)
-    if table is None:
-        return None
-    strangers = [feature for feature in table.features if feature not in query_features]
+    table = _read_checked(directory, manifest_model, UserFeaturesPart, "user features", manifest_model.user_features)
+    strangers = [] if table is None else [feature for feature in table.features if feature not in query_features]
     if strangers:
-        raise BundleError(f"{directory}: {name} holds {strangers}, which are not query features "
-                          f"of this bundle ({list(query_features)})")
-    recorded = manifest_model.user_features
-    if recorded is not None and recorded != table.info():
-        raise BundleError(f"{directory}: {name} holds {table.info()}, the manifest says {_short(recorded)}")
+        raise BundleError(f"{directory}: {manifest_model.files.get(UserFeaturesPart.KEY)} holds {strangers}, "
+                          f"which are not query features of this bundle ({list(query_features)})")
     return table
 
 
 def load_user_histories(directory: Path, manifest_model: Manifest, num_rows: int) -> UserHistories | None:
     """The training users' recent clicks, newest first (``user_histories/``); None for a bundle
     without them (one whose query tower reads no history, or exported before they were stored)."""
-    folder = manifest_model.files.get(UserHistoriesPart.KEY)
-    recorded = manifest_model.user_histories
-    with part(directory, f"user histories {str(folder)!r}"):
-        histories = UserHistoriesPart.read(directory, manifest_model)
+    histories = _read_checked(directory, manifest_model, UserHistoriesPart, "user histories",
+                              manifest_model.user_histories, always_recorded=True)
     if histories is None:
         return None
-    if recorded != histories.info():
-        raise BundleError(f"{directory}: user histories hold {histories.info()}, the manifest says "
-                          f"{_short(recorded)}")
     if manifest_model.history_input is None:
         raise BundleError(f"{directory}: it stores user histories but its query tower reads no history")
     if histories.num_clicks and int(histories.item_rows.max()) >= num_rows:
@@ -186,15 +181,7 @@ def load_user_histories(directory: Path, manifest_model: Manifest, num_rows: int
 
 def load_display_features(directory: Path, manifest_model: Manifest) -> DisplayFeatures | None:
     """The catalogue's display features (``item_features.parquet``); None for a bundle without them."""
-    name = manifest_model.files.get(DisplayFeaturesPart.KEY)
-    with part(directory, f"item features {str(name)!r}"):
-        table = DisplayFeaturesPart.read(directory, manifest_model)
-    if table is None:
-        return None
-    recorded = manifest_model.item_features
-    if recorded is not None and recorded != table.info():
-        raise BundleError(f"{directory}: {name} holds {table.info()}, the manifest says {_short(recorded)}")
-    return table
+    return _read_checked(directory, manifest_model, DisplayFeaturesPart, "item features", manifest_model.item_features)
 
 
 def same_top_k(expected_ids: Sequence[str], expected_scores: Sequence[float], ids: Sequence[str],

@@ -199,3 +199,86 @@ def test_unknown_ids_embed_to_zero():
     out = model.query_tower({"user_id": tf.constant(["never-seen", "u1"])}).numpy()
     np.testing.assert_array_equal(out[0], np.zeros(4))
     assert np.linalg.norm(out[1]) == pytest.approx(1.0, rel=1e-5)
+
+
+def _round_to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float32 -> the nearest bfloat16 (ties to even), as float32: the top 16 bits of the float32 pattern."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def test_bfloat16_rounding_reference_keeps_eight_significant_bits():
+    assert _round_to_bfloat16(np.float32([1.0, 1 + 2**-8, 1 + 2**-7, 1 + 3 * 2**-8])).tolist() == [
+        1.0, 1.0, 1 + 2**-7, 1 + 2**-6]  # ties go to the even significand
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bfloat16_scores_are_the_product_of_rounded_sides_rounded(seed):
+    from retrieval.losses.functions import candidate_scores
+
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(16, 32)).astype(np.float32)
+    c = rng.normal(size=(24, 32)).astype(np.float32)
+    per_query = rng.normal(size=(16, 5, 32)).astype(np.float32)
+    scores = candidate_scores(tf.constant(q), tf.constant(c), "bfloat16")
+    assert scores.dtype == tf.float32
+    expected = _round_to_bfloat16(_round_to_bfloat16(q).astype(np.float64) @ _round_to_bfloat16(c).T.astype(np.float64))
+    # float32 accumulation may end a sum a hair from float64's, then round to the neighbouring bfloat16.
+    np.testing.assert_allclose(scores.numpy(), expected, rtol=2**-7, atol=1e-6)
+    assert np.mean(scores.numpy() == expected) > 0.9
+    assert np.abs(scores.numpy() - q @ c.T).max() > 1e-4  # the precision did change
+    rows = candidate_scores(tf.constant(q), tf.constant(per_query), "bfloat16").numpy()
+    expected_rows = _round_to_bfloat16(np.einsum("bd,bcd->bc", _round_to_bfloat16(q).astype(np.float64),
+                                                 _round_to_bfloat16(per_query).astype(np.float64)))
+    np.testing.assert_allclose(rows, expected_rows, rtol=2**-7, atol=1e-6)
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, got 'float16'"):
+        candidate_scores(tf.constant(q), tf.constant(c), "float16")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_in_batch_softmax_in_bfloat16_equals_numpy_on_rounded_scores(seed):
+    q, d, prob, weights = _random_batch(seed)
+    temperature = 0.2
+    loss = SampledSoftmax(temperature=temperature, score_dtype="bfloat16")
+    inputs = _in_batch_inputs(q, d, np.log(prob), IDS, weights)
+    with tf.GradientTape() as tape:
+        tape.watch(inputs.queries)
+        ours = loss.compute(inputs)
+    gradient = tape.gradient(ours, inputs.queries)
+    assert gradient.dtype == tf.float32 and np.all(np.isfinite(gradient.numpy()))
+    scores = _round_to_bfloat16(_round_to_bfloat16(q).astype(np.float64) @ _round_to_bfloat16(d).T.astype(np.float64))
+    logits = scores / temperature - np.log(prob)[None, :]
+    logits = np.where((IDS[:, None] == IDS[None, :]) & ~np.eye(BATCH, dtype=bool), -np.inf, logits)
+    per_row = -np.diag(logits - np.logaddexp.reduce(logits, axis=1, keepdims=True))
+    assert float(ours) == pytest.approx(float(np.sum(per_row * weights) / BATCH), rel=1e-3)
+    exact = numpy_in_batch_loss(q, d, np.log(prob), IDS, temperature, weights)
+    assert float(ours) == pytest.approx(exact, rel=2e-2)
+
+
+def _in_batch_reference_on_rounded_scores(q, d, log_q, ids, temperature):
+    """numpy_in_batch_loss's value with q . d computed as model.loss.score_dtype=bfloat16 does."""
+    scores = _round_to_bfloat16(_round_to_bfloat16(q).astype(np.float64) @ _round_to_bfloat16(d).T.astype(np.float64))
+    logits = scores / temperature - log_q[None, :]
+    logits = np.where((ids[:, None] == ids[None, :]) & ~np.eye(len(ids), dtype=bool), -np.inf, logits)
+    return float(np.mean(-np.diag(logits - np.logaddexp.reduce(logits, axis=1, keepdims=True))))
+
+
+def test_score_dtype_reaches_the_models_loss_and_is_refused_where_there_are_no_candidate_logits():
+    train = pd.DataFrame({"user_id": ["u1", "u2", "u3", "u1", "u2", "u4"], "item_id": ["a", "a", "a", "b", "c", "b"],
+                          "weight": np.ones(6, np.float32)})
+    config = ModelConfig(embedding_dim=6, temperature=0.1,
+                         loss=LossConfig(log_q_source="static", score_dtype="bfloat16"))
+    tf.keras.utils.set_random_seed(0)
+    model = build_model(config, FeatureStatistics.from_training_clicks(train))
+    batch = {"user_id": tf.constant(["u1", "u2", "u3", "u4"]), "item_id": tf.constant(["a", "c", "b", "b"])}
+    loss = float(model.compute_loss(batch))
+    q = model.query_tower({"user_id": batch["user_id"]}).numpy()
+    d = model.doc_tower({"item_id": batch["item_id"]}).numpy()
+    log_q = np.log(np.array([3, 1, 2, 2]) / 6)
+    ids = np.array([0, 1, 2, 2])
+    assert loss == pytest.approx(_in_batch_reference_on_rounded_scores(q, d, log_q, ids, 0.1), rel=1e-3)
+    with pytest.raises(ValueError, match="model.loss.score_dtype='bfloat16' .* hierarchical_softmax has none"):
+        LossConfig(kind="hierarchical_softmax", score_dtype="bfloat16")
+    with pytest.raises(ValueError, match="score_dtype must be one of float32, bfloat16"):
+        SampledSoftmax(score_dtype="half")

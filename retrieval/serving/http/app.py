@@ -526,33 +526,37 @@ async def page(request: Request) -> HTMLResponse:
     return HTMLResponse(text, headers=headers)
 
 
-async def reload(request: Request) -> JSONResponse:
+async def _admin_body(request: Request) -> dict[str, Any] | JSONResponse:
+    """An admin request's JSON object body, or the JSONResponse refusing the request (``admin_refusal``)."""
     refusal = admin_refusal(request)
     if refusal is not None:
         return refusal
-    state = request.app.state
-    body = _parse_object(await _read_body(request, state.limits.max_body_bytes))
+    return _parse_object(await _read_body(request, request.app.state.limits.max_body_bytes))
+
+
+async def reload(request: Request) -> JSONResponse:
+    body = await _admin_body(request)
+    if isinstance(body, JSONResponse):
+        return body
     try:
         parsed = ReloadRequest.model_validate(body)
     except ValidationError as error:
         return _error(422, _describe(error))
-    status, reply = await answer_reload(state.holder, parsed)
+    status, reply = await answer_reload(request.app.state.holder, parsed)
     return JSONResponse(reply, status_code=status)
 
 
 async def catalogue(request: Request) -> JSONResponse:
     """Apply a catalogue edit (``answer_catalogue``)."""
-    refusal = admin_refusal(request)
-    if refusal is not None:
-        return refusal
-    state = request.app.state
-    body = _parse_object(await _read_body(request, state.limits.max_body_bytes))
+    body = await _admin_body(request)
+    if isinstance(body, JSONResponse):
+        return body
     try:
         parsed = CatalogueRequest.model_validate(body)
         records = parsed.records()
     except (ValidationError, ValueError) as error:
         return _error(422, _describe(error) if isinstance(error, ValidationError) else str(error))
-    status, reply = await answer_catalogue(state.holder, parsed.change, records)
+    status, reply = await answer_catalogue(request.app.state.holder, parsed.change, records)
     return JSONResponse(reply, status_code=status)
 
 
