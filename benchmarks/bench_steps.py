@@ -429,7 +429,8 @@ def bound_markdown(bound: dict[str, Any]) -> list[str]:
         "",
         "Project: `fit` of the default model at that dimension (`shared`: `model.loss.negatives: uniform`, "
         "the draws shared by the batch), the second epoch's seconds over its steps, for each "
-        "`train.steps_per_execution` (K; bf16: `model.loss.score_dtype: bfloat16`). Bare: the same shapes written directly (gathers, L2 normalise, "
+        "`train.steps_per_execution` (K; bf16: `model.loss.score_dtype: bfloat16`). Bare: the same shapes "
+        "written directly (gathers, L2 normalise, "
         "logits matmul forward and backward, softmax cross-entropy, scatter of the touched rows), as a graph "
         "and compiled by XLA; bound = the faster. Medians over interleaved rounds.",
         "",

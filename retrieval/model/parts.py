@@ -204,6 +204,7 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
             temperature=config.temperature,
             remove_accidental_hits=config.remove_accidental_hits,
             reduction=loss.reduction,
+            score_dtype=loss.score_dtype,
             name=loss.kind,
         )
     exact = loss.kind == "full_softmax"

@@ -23,7 +23,8 @@ def test_bench_steps_runs_at_toy_size(tmp_path):
         "--optimizers", "lazy_adam", "rowwise_adagrad", "--steps", "8", "--rounds", "1", "--warmup", "2",
         "--checkpoint-size", "300", "--every", "0", "4", "--checkpoint-steps", "12", "--checkpoint-rounds", "1",
         "--bound-dims", "8", "--bound-batches", "32", "--bound-clicks", "160", "--users", "50", "--items", "60",
-        "--bound-rounds", "1", "--steps-per-execution", "1", "4", "--shared-negatives", "7", "--score-dtypes", "float32", "bfloat16",
+        "--bound-rounds", "1", "--steps-per-execution", "1", "4", "--shared-negatives", "7",
+        "--score-dtypes", "float32", "bfloat16",
         "--out", str(tmp_path),
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -175,7 +175,9 @@ def test_config_builds_gbce_from_its_keys_without_log_q():
     assert (loss.num_items, loss.num_negatives, loss.calibration, loss.temperature, loss.log_q_weight) == \
         (NUM_ITEMS, K, 0.6, 0.5, 0.0)
     assert loss.beta == pytest.approx(1 - 0.6 * (1 - K / (NUM_ITEMS - 1)))
-    assert LossConfig().calibration == 0.75
+    assert LossConfig().calibration == 0.75 and loss.score_dtype == "float32"
+    bfloat16 = config.model_copy(update={"loss": config.loss.model_copy(update={"score_dtype": "bfloat16"})})
+    assert build_objective(bfloat16, counts, 8).score_dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("overrides, key", [
