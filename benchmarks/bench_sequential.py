@@ -122,6 +122,27 @@ OTHER_CONFIGS: dict[str, Path] = {
     "sasrec-plus": ROOT / "configs/beauty-sasrec.yaml",
 }
 VARIANTS |= {name: [] for name in OTHER_CONFIGS}
+# Beyond SASRec+: its settings with another loss (configs/beauty-sasrec.yaml and these overrides).
+BEYOND_SASREC_PLUS: dict[str, list[str]] = {
+    # gSASRec (Petrov & Macdonald, RecSys 2023): gBCE over 256 uniform negatives drawn for each position,
+    # calibration t = 0.75, the authors' recommended setting (asash/gsasrec, Readme.md).
+    "gsasrec": ["model.loss.kind=gbce", "model.loss.negatives=uniform", "model.loss.num_negatives=256",
+                "model.loss.negatives_per_row=true", "model.loss.calibration=0.75"],
+    # The same draws at t = 0 (beta = 1): plain binary cross-entropy, SASRec's loss with 256 negatives.
+    "gsasrec-t0": ["model.loss.kind=gbce", "model.loss.negatives=uniform", "model.loss.num_negatives=256",
+                   "model.loss.negatives_per_row=true", "model.loss.calibration=0.0"],
+    # gBCE can take a while to start learning (the authors' README): three times SASRec+'s patience.
+    "gsasrec-patience-30": ["model.loss.kind=gbce", "model.loss.negatives=uniform", "model.loss.num_negatives=256",
+                            "model.loss.negatives_per_row=true", "model.loss.calibration=0.75",
+                            "train.early_stopping_patience=30"],
+    # Many negatives with the corrected log-Q (Khrylchenko et al., RecSys 2025): the batch's positives and
+    # 2,048 uniform draws shared by the batch, the positive always in the denominator.
+    "sasrec-many-negatives-corrected": ["model.loss.kind=softmax", "model.loss.negatives=mixed",
+                                        "model.loss.mixed_corpus=uniform", "model.loss.num_negatives=2048",
+                                        "model.loss.log_q_variant=corrected"],
+}
+OTHER_CONFIGS |= {name: ROOT / "configs/beauty-sasrec.yaml" for name in BEYOND_SASREC_PLUS}
+VARIANTS |= BEYOND_SASREC_PLUS
 # Without the refit: the best epoch's weights as they are, the early-stopping item never a next-item target.
 VARIANTS |= {f"{name}-no-refit": [*VARIANTS[name], "train.refit=false"]
              for name in ("transformer-in-batch", "transformer-mixed-2048", "pooled-attention")}
@@ -138,7 +159,8 @@ MOVIELENS = ["data.source=movielens-100k", "data.clicks=null", "data.item_featur
              "towers.query.history.length=50", "train.batch_size=128", "train.validation_users=null",
              "train.refit=false"]
 MOVIELENS_VARIANTS = ["transformer-in-batch", "transformer-in-batch-batch16", "transformer-in-batch-batch16-user-id",
-                      "transformer-in-batch-batch16-user-id-patience10", "pooled-attention", "sasrec-plus"]
+                      "transformer-in-batch-batch16-user-id-patience10", "pooled-attention", "sasrec-plus",
+                      *BEYOND_SASREC_PLUS]
 
 
 def run_variant(name: str, overrides: list[str], data_dir: Path, extra: list[str],
@@ -298,6 +320,13 @@ def _movielens_lines() -> list[str]:
         cells = " | ".join(f"{values[key]:.4f}" for key in ("recall@10", "ndcg@10", "recall@20"))
         lines.append(f"| {ranker} | | {cells} | |")
     notes = {f"- {r['variant']}: {r['note']}" for r in runs if r.get("note") and r["variant"] in MOVIELENS_VARIANTS}
+    # Rows of another config than configs/beauty.yaml: which, with their own overrides under the MovieLens ones.
+    configs: dict[str, dict[str, None]] = {}
+    for r in runs:
+        if r.get("config") and r["variant"] in MOVIELENS_VARIANTS:
+            configs.setdefault(r["config"], {})[r["variant"]] = None
+    notes |= {f"- {', '.join(names)}: rows of {config}, each with its overrides (in the JSON), then the MovieLens "
+              "ones above" for config, names in configs.items()}
     return lines + (["", *sorted(notes)] if notes else [])
 
 

@@ -5,7 +5,8 @@
 - ``in_batch_softmax_task``: ``tfrs.tasks.Retrieval`` set up to compute the same mean loss;
 - ``relative_sampling_probability``: Q scaled so that TFRS's clip at 1e-6 does not bite;
 - ``row_candidates``: each row's positive and kept negatives, by loops; with it
-  ``numpy_cosine_contrastive`` (SimpleX's CCL) and ``numpy_bilateral_softmax`` (BSL).
+  ``numpy_cosine_contrastive`` (SimpleX's CCL), ``numpy_bilateral_softmax`` (BSL) and
+  ``numpy_gbce`` (gSASRec's gBCE).
 
 None of this is project code: the project's losses are ``retrieval.losses``. (``tests/conftest.py``
 imports ``retrieval`` first, which sets ``TF_USE_LEGACY_KERAS`` before TFRS is imported.)
@@ -130,5 +131,23 @@ def numpy_bilateral_softmax(rows, temperature, negative_temperature, log_q_weigh
         negative_logits = negatives / temperature - log_q_weight * negative_log_q
         ratio = np.exp(positive_logit) / np.sum(np.exp(negative_logits)) ** negative_temperature
         per_row.append(-np.log(ratio))
+    weights = np.ones(len(rows)) if weights is None else np.asarray(weights)
+    return float(np.sum(np.array(per_row) * weights) / len(rows))
+
+
+def numpy_gbce(rows, beta, temperature=1.0, weights=None):
+    """gBCE (Petrov & Macdonald 2023), from its equation, ``rows`` from ``row_candidates``:
+
+    ``-(1 / (|N| + 1)) * (log(sigmoid(s+) ** beta) + sum_{j in N} log(1 - sigmoid(s_j)))`` with
+    ``s = score / temperature``, averaged over the rows (weighted). Written with ``sigmoid`` and
+    ``log`` in float64, not softplus.
+    """
+    def sigmoid(x):
+        return 1.0 / (1.0 + np.exp(-np.asarray(x, dtype=np.float64)))
+
+    per_row = []
+    for positive, _, negatives, _ in rows:
+        total = np.log(sigmoid(positive / temperature) ** beta) + np.sum(np.log(1.0 - sigmoid(negatives / temperature)))
+        per_row.append(-total / (len(negatives) + 1))
     weights = np.ones(len(rows)) if weights is None else np.asarray(weights)
     return float(np.sum(np.array(per_row) * weights) / len(rows))

@@ -67,7 +67,9 @@ class LossConfig(_Section):
     when ``model.log_q_correction`` is on, Q being each candidate's expected count.
     """
 
-    kind: Literal["softmax", "full_softmax", "sgns", "hierarchical_softmax", "cosine_contrastive", "bsl"] = Field(
+    kind: Literal[
+        "softmax", "full_softmax", "sgns", "hierarchical_softmax", "cosine_contrastive", "bsl", "gbce"
+    ] = Field(
         "softmax",
         description="softmax: sampled softmax over `negatives`; full_softmax: exact, over every item "
         "(negatives ignored); sgns: word2vec binary logistic over `negatives` (NCE with log-Q "
@@ -75,7 +77,10 @@ class LossConfig(_Section):
         "comparison loss: not servable from an inner-product index); cosine_contrastive: SimpleX's "
         "CCL over `negatives`, (1 - s+) + negative_weight * mean relu(s- - margin) on raw cosines (needs "
         "model.normalize, refuses model.log_q_correction, ignores model.temperature); bsl: bilateral "
-        "softmax, -s+ / temperature + bsl_temperature * logsumexp(s- / temperature) over `negatives`.",
+        "softmax, -s+ / temperature + bsl_temperature * logsumexp(s- / temperature) over `negatives`; "
+        "gbce: gSASRec's generalised binary cross-entropy over num_negatives uniform draws, "
+        "(beta * softplus(-s+) + sum softplus(s-)) / (negatives + 1) with beta from `calibration` (needs "
+        "negatives: uniform; no log-Q correction).",
     )
     negatives: Literal["in_batch", "uniform", "unigram", "log_uniform", "mixed", "kernel"] = Field(
         "in_batch",
@@ -135,6 +140,15 @@ class LossConfig(_Section):
         description="bsl: tau2, the weight of the negatives' log-sum-exp (the BSL authors' temperature_2, "
         "an exponent of the negatives' sum of exp(s / temperature)); 1 = softmax over the negatives. "
         "1.22: the authors' MF setting on Gowalla (with temperature 0.08).",
+    )
+    calibration: float = Field(
+        0.75,
+        ge=0,
+        le=1,
+        description="gbce: t, which sets the positive's exponent beta = alpha * (t * (1 - 1/alpha) + 1/alpha), "
+        "alpha = num_negatives / (items - 1) the sampling rate: 0 is plain binary cross-entropy (beta 1), 1 "
+        "gives beta = alpha (calibrated probabilities). 0.75 with 256 negatives a position: the gSASRec "
+        "authors' recommendation.",
     )
     log_q_source: Literal["static", "streaming"] = Field(
         "streaming",
@@ -196,6 +210,23 @@ class LossConfig(_Section):
         if self.negatives == "kernel" and self.unique:
             raise ValueError(
                 "model.loss.unique=true is not supported with negatives='kernel' (it draws with replacement)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _gbce_draws_uniformly(self) -> LossConfig:
+        # beta accounts for the sampling rate of uniform negatives, alpha = num_negatives / (items - 1).
+        if self.kind != "gbce":
+            return self
+        if self.negatives != "uniform":
+            raise ValueError(
+                f"model.loss.kind='gbce' with model.loss.negatives={self.negatives!r}: its beta assumes "
+                "num_negatives uniform draws a row: set model.loss.negatives=uniform"
+            )
+        if self.hard_negatives != "none":
+            raise ValueError(
+                f"model.loss.kind='gbce' with model.loss.hard_negatives={self.hard_negatives!r}: its beta "
+                "assumes uniform negatives: set model.loss.hard_negatives=none"
             )
         return self
 
@@ -285,7 +316,8 @@ class ModelConfig(_Section):
         True,
         description="Subtract log Q, each candidate's log expected count in the batch's candidates, from "
         "the logits of every sampled loss (in-batch, corpus-sampled, mixed; sgns then becomes NCE). "
-        "full_softmax samples nothing and ignores it.",
+        "full_softmax samples nothing and ignores it; gbce ignores it too (uniform negatives, its beta "
+        "accounts for the sampling rate).",
     )
     log_q_strength: float = Field(
         1.0,
@@ -365,7 +397,7 @@ class ModelConfig(_Section):
         if self.loss.kind not in ("softmax", "full_softmax", "sgns"):
             raise ValueError(
                 f"model.item_bias is for losses that score dot products (softmax, full_softmax, sgns); "
-                f"model.loss.kind={self.loss.kind!r} scores cosines or a tree: set model.item_bias=false"
+                f"model.loss.kind={self.loss.kind!r} is not one of them: set model.item_bias=false"
             )
         return self
 

@@ -13,7 +13,7 @@ exception: SimpleX's loss compares raw cosines with a margin, uncorrected.)
 Pure functions first (logits first, as ``tf.nn``):
   ``correct_log_q``, ``remove_accidental_hits`` (``accidental_hits``),
   ``mine_hard_negatives`` (``hard_negative_columns``),
-  ``candidate_scores``, ``softmax_cross_entropy``, ``weighted_mean``,
+  ``candidate_scores``, ``softmax_cross_entropy``, ``weighted_mean``, ``gbce_beta``,
   ``HuffmanTree`` and ``hierarchical_log_probability``; ``gather_across_replicas``
   (in-batch negatives over every ``tf.distribute`` replica).
 Then the loss classes, one method each (``per_example``) on a base that
@@ -24,12 +24,13 @@ validates and reduces:
   ``NegativeSampling`` (word2vec SGNS; NCE when log Q is subtracted),
   ``CosineContrastive`` (SimpleX's cosine contrastive loss; Mao et al. 2021),
   ``BilateralSoftmax`` (BSL; Wu et al. 2024),
+  ``GeneralizedBinaryCrossEntropy`` (gSASRec's gBCE over uniform negatives; Petrov & Macdonald 2023),
   ``HierarchicalSoftmax`` (Huffman tree over items; Morin & Bengio 2005, Mikolov et al. 2013).
 
 The package's modules: ``functions`` (the pure functions), ``inputs``
 (``LossInputs``, ``BatchCandidates``, ``gather_across_replicas``),
 ``sampled`` (``RetrievalLoss``, ``SampledSoftmax``, ``FullSoftmax``, ``NegativeSampling``,
-``CosineContrastive``, ``BilateralSoftmax``),
+``CosineContrastive``, ``BilateralSoftmax``, ``GeneralizedBinaryCrossEntropy``),
 ``hierarchical`` (``HuffmanTree``, ``hierarchical_log_probability``,
 ``HierarchicalSoftmax``).
 """
@@ -40,6 +41,7 @@ from retrieval.losses.functions import (
     accidental_hits,
     candidate_scores,
     correct_log_q,
+    gbce_beta,
     hard_negative_columns,
     mine_hard_negatives,
     remove_accidental_hits,
@@ -52,6 +54,7 @@ from retrieval.losses.sampled import (
     BilateralSoftmax,
     CosineContrastive,
     FullSoftmax,
+    GeneralizedBinaryCrossEntropy,
     NegativeSampling,
     RetrievalLoss,
     SampledSoftmax,
@@ -64,6 +67,7 @@ __all__ = [
     "BilateralSoftmax",
     "CosineContrastive",
     "FullSoftmax",
+    "GeneralizedBinaryCrossEntropy",
     "HierarchicalSoftmax",
     "HuffmanTree",
     "LossInputs",
@@ -75,6 +79,7 @@ __all__ = [
     "candidate_scores",
     "correct_log_q",
     "gather_across_replicas",
+    "gbce_beta",
     "hard_negative_columns",
     "hierarchical_log_probability",
     "mine_hard_negatives",

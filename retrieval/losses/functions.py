@@ -3,7 +3,7 @@
 ``correct_log_q`` (the sampled-softmax correction), ``remove_accidental_hits``
 (and ``accidental_hits``, its mask), ``mine_hard_negatives`` (and
 ``hard_negative_columns``, the columns it keeps), ``candidate_scores``,
-``softmax_cross_entropy`` and ``weighted_mean`` (the reduction), with the
+``softmax_cross_entropy``, ``weighted_mean`` (the reduction) and ``gbce_beta`` (gBCE's exponent), with the
 ``MIN_FLOAT`` / ``MAX_FLOAT`` constants that mask or force a column.
 """
 
@@ -147,3 +147,21 @@ def weighted_mean(
     if global_batch_size is None:
         global_batch_size = tf.shape(per_example)[0]
     return tf.reduce_sum(per_example) / tf.cast(global_batch_size, per_example.dtype)
+
+
+def gbce_beta(num_negatives: int, num_items: int, calibration: float) -> float:
+    """gBCE's exponent ``beta = alpha * (t * (1 - 1/alpha) + 1/alpha)`` (Petrov & Macdonald, RecSys 2023).
+
+    ``alpha = num_negatives / (num_items - 1)`` is the negative sampling rate (the share of the
+    catalogue's other items a positive meets as negatives) and ``t = calibration`` in [0, 1]:
+    ``t = 0`` gives ``beta = 1`` (plain binary cross-entropy), ``t = 1`` gives ``beta = alpha``, the
+    exponent under which the loss's optimum is the calibrated probability of the full catalogue.
+    """
+    if num_items < 2:
+        raise ValueError(f"gBCE needs a catalogue of at least 2 items, got {num_items}")
+    if num_negatives <= 0:
+        raise ValueError(f"num_negatives must be positive, got {num_negatives}")
+    if not 0.0 <= calibration <= 1.0:
+        raise ValueError(f"calibration (gBCE's t) must be in [0, 1], got {calibration}")
+    alpha = num_negatives / (num_items - 1)
+    return alpha * (calibration * (1.0 - 1.0 / alpha) + 1.0 / alpha)

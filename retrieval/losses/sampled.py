@@ -4,8 +4,9 @@
 (and hard-mined) logits with their labels, and reduces ``per_example``;
 ``SampledSoftmax`` (in-batch, corpus-sampled, mixed, full: the sampler
 decides), ``NegativeSampling`` (word2vec SGNS; NCE when log Q is
-subtracted), ``CosineContrastive`` (SimpleX's CCL) and ``BilateralSoftmax``
-(BSL) implement ``per_example`` on those logits.
+subtracted), ``CosineContrastive`` (SimpleX's CCL), ``BilateralSoftmax``
+(BSL) and ``GeneralizedBinaryCrossEntropy`` (gSASRec's gBCE) implement
+``per_example`` on those logits.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from retrieval.losses.functions import (
     accidental_hits,
     candidate_scores,
     correct_log_q,
+    gbce_beta,
     hard_negative_columns,
     softmax_cross_entropy,
     weighted_mean,
@@ -405,6 +407,56 @@ class BilateralSoftmax(RetrievalLoss):
         has_negative = tf.reduce_any(negative, axis=1)
         per_row = -positive_logit + self.negative_temperature * log_sum
         return tf.where(has_negative, per_row, tf.zeros_like(per_row))
+
+
+class GeneralizedBinaryCrossEntropy(RetrievalLoss):
+    """gBCE, the generalised binary cross-entropy of gSASRec (Petrov & Macdonald, RecSys 2023).
+
+    Per row, with ``s+`` the positive's logit, ``N`` the row's kept negatives (drawn uniformly;
+    accidental hits and padding removed) and ``sigma`` the logistic function::
+
+        loss = -(1 / (|N| + 1)) * (log(sigma(s+) ** beta) + sum_{j in N} log(1 - sigma(s_j)))
+             =  (beta * softplus(-s+) + sum_{j in N} softplus(s_j)) / (|N| + 1)
+        beta = alpha * (t * (1 - 1/alpha) + 1/alpha),   alpha = num_negatives / (num_items - 1)
+
+    (``gbce_beta``; the paper's equations, and the authors' README and code, asash/gsasrec:
+    ``Readme.md``, ``recommenders/sequential/models/sasrec/sasrec.py``). The authors compute the
+    positive term through a transformed logit ``log(1 / (sigma(s+) ** -beta - 1))`` fed to plain BCE
+    in float64; that equals ``beta * softplus(-s+)``, which is computed here directly. Their BCE
+    divides by the number of terms, hence the mean over the positive and the kept negatives.
+    ``t = 0`` is plain BCE (``beta = 1``); ``t = 1`` gives ``beta = alpha``.
+
+    Logits are ``score / temperature``. No log-Q correction: the negatives are uniform, and ``beta``
+    is the loss's own account of the sampling rate. A drawn negative equal to the row's positive
+    (and with ``own_items`` any of the row's items) is removed when ``remove_accidental_hits``, so a
+    row's negatives are uniform over the other items, as ``alpha``'s ``num_items - 1`` assumes.
+
+    Args:
+      num_negatives: ``k``, uniform draws a row (the sampler's ``num_negatives``).
+      num_items: ``|I|``, the catalogue's size (tower indices 1..num_items).
+      calibration: ``t`` in [0, 1].
+      temperature, remove_accidental_hits, reduction: as ``RetrievalLoss``.
+    """
+
+    def __init__(self, *, num_negatives: int, num_items: int, calibration: float = 0.75, **kwargs):
+        kwargs.setdefault("log_q_weight", 0.0)
+        super().__init__(**kwargs)
+        if self.log_q_weight:
+            raise ValueError(f"gBCE's negatives are uniform and it corrects nothing: log_q_weight must be 0, "
+                             f"got {self.log_q_weight}")
+        if self.num_hard_negatives is not None:
+            raise ValueError("gBCE's beta assumes uniform negatives; num_hard_negatives keeps the top ones")
+        self.beta = gbce_beta(num_negatives, num_items, calibration)
+        self.num_negatives, self.num_items, self.calibration = int(num_negatives), int(num_items), float(calibration)
+
+    def per_example(self, inputs: LossInputs) -> tf.Tensor:
+        logits, labels, kept = self.candidate_columns(inputs)
+        negative = tf.logical_and(kept, labels <= 0)
+        # where, not a product: removed columns hold MIN_FLOAT-sized logits.
+        positive_logit = tf.reduce_sum(tf.where(labels > 0, logits, tf.zeros_like(logits)), axis=1)
+        pushed = tf.where(negative, tf.nn.softplus(logits), tf.zeros_like(logits))
+        terms = 1.0 + tf.reduce_sum(tf.cast(negative, logits.dtype), axis=1)
+        return (self.beta * tf.nn.softplus(-positive_logit) + tf.reduce_sum(pushed, axis=1)) / terms
 
 
 def _draws_per_row(inputs: LossInputs) -> tf.Tensor:

@@ -20,6 +20,7 @@ from retrieval.losses import (
     BilateralSoftmax,
     CosineContrastive,
     FullSoftmax,
+    GeneralizedBinaryCrossEntropy,
     HierarchicalSoftmax,
     HuffmanTree,
     NegativeSampling,
@@ -104,6 +105,7 @@ LOSSES: dict[str, type[RetrievalLoss]] = {
     "hierarchical_softmax": HierarchicalSoftmax,
     "cosine_contrastive": CosineContrastive,
     "bsl": BilateralSoftmax,
+    "gbce": GeneralizedBinaryCrossEntropy,
 }
 
 HARD_NEGATIVES = ("none", "in_batch_top_k", "mined")
@@ -188,6 +190,19 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
             log_q_weight=config.log_q_strength if config.log_q_correction else 0.0,
             remove_accidental_hits=config.remove_accidental_hits,
             num_hard_negatives=hard_k,
+            reduction=loss.reduction,
+            score_dtype=loss.score_dtype,
+            name=loss.kind,
+        )
+    if cls is GeneralizedBinaryCrossEntropy:
+        # Uniform negatives, no log-Q: beta is gBCE's account of the sampling rate (LossConfig refuses
+        # other samplers and hard negatives).
+        return GeneralizedBinaryCrossEntropy(
+            num_negatives=loss.num_negatives,
+            num_items=len(counts) - 1,
+            calibration=loss.calibration,
+            temperature=config.temperature,
+            remove_accidental_hits=config.remove_accidental_hits,
             reduction=loss.reduction,
             score_dtype=loss.score_dtype,
             name=loss.kind,
