@@ -74,11 +74,23 @@ SEED_MULTIPLE = 4  # the first max(block, SEED_MULTIPLE * k) items seed each que
 BUFFER_MULTIPLE = 3  # candidates held per query before cutting back to k, in units of k
 GUESS_MARGIN = 0.7  # extrapolated thresholds aim at k / GUESS_MARGIN passing items
 GUESS_MIN_RANK = 64  # extrapolate from the r-th best seen only when r >= this (relative error ~ 1/sqrt(r))
+SAMPLE_RANK = 48  # compiled path: the guess is the r-th best of a random sample (relative error ~ 1/sqrt(r))
+SAMPLE_EXPECTED = 2.0  # ... of a sample sized so that about this many times k items of the part beat it
 
 # threadpoolctl sets BLAS threads process-wide and restores the previous count
 # on exit; two searches overlapping would restore each other's values, so one
 # search runs at a time (each uses every core anyway).
 _BLAS_LOCK = threading.Lock()
+
+
+@cache
+def compiled_kernel():
+    """``retrieval.index.topk_kernel`` when numba is installed, else None (the numpy selection runs)."""
+    try:
+        from retrieval.index import topk_kernel
+    except ImportError:
+        return None
+    return topk_kernel
 
 
 @cache
@@ -171,7 +183,8 @@ class ExactTopK:
             start, lo, hi = task
             stop = min(start + self.query_chunk, num_queries)
             mine = slice(np.searchsorted(owners, start), np.searchsorted(owners, stop))
-            return _chunk_top_k(
+            chunk_top_k = _compiled_chunk_top_k if compiled_kernel() is not None else _chunk_top_k
+            return chunk_top_k(
                 queries[start:stop], self.items, depth, block, owners[mine] - start, excluded[mine], lo, hi
             )
 
@@ -366,6 +379,74 @@ def _chunk_top_k(
     if len(wrong):
         redo = np.isin(owners, wrong)
         top_scores[wrong], top_rows[wrong] = _chunk_top_k(
+            queries[wrong], items, k, block, np.searchsorted(wrong, owners[redo]), excluded[redo], lo, hi, guess=False
+        )
+    return top_scores, top_rows
+
+
+def _compiled_chunk_top_k(
+    queries: np.ndarray,
+    items: np.ndarray,
+    k: int,
+    block: int,
+    owners: np.ndarray,
+    excluded: np.ndarray,
+    lo: int,
+    hi: int,
+    guess: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``_chunk_top_k`` with the selection compiled (``topk_kernel``): same arguments, same result.
+
+    Per block, one sgemm into a reused [block, m] buffer, then one compiled pass that reads
+    each score once while the block is still in cache. For large k (a random sample of at
+    most half the part exists), the blocks of a random sample go first with a reservoir of
+    ``SAMPLE_RANK``: the r-th best of the sample is a guess of the part's threshold that
+    about ``SAMPLE_EXPECTED`` * k of the part's items beat, so the rest of the part passes
+    ~2k candidates a query instead of ~k ln(n / k). A guess is not a proof: a query whose
+    k-th best found does not beat its guess is searched again without one.
+    """
+    kernel = compiled_kernel()
+    m = len(queries)
+    starts = np.searchsorted(owners, np.arange(m + 1))  # owners sorted: query q's excluded rows, CSR
+    excluded = np.ascontiguousarray(excluded, dtype=np.int64)
+    capacity = max(2 * k, k + 16)
+    kept_scores = np.empty((m, capacity), dtype=np.float32)
+    kept_rows = np.empty((m, capacity), dtype=np.int64)
+    count = np.zeros(m, dtype=np.int64)
+    threshold = np.full(m, -np.inf, dtype=np.float32)
+    guessed = np.full(m, -np.inf, dtype=np.float32)
+    block = min(block, hi - lo)
+    scores = np.empty((block, m), dtype=np.float32)
+    tops = np.empty(m, dtype=np.float32)
+    queries_t = queries.T
+    blocks = np.arange(lo, hi, block)
+    sample_items = SAMPLE_RANK * (hi - lo) / (SAMPLE_EXPECTED * k)
+    phases = [(blocks, k)]
+    if guess and sample_items <= (hi - lo) / 2:
+        # A random sample of blocks, whatever the corpus order (e.g. sorted by popularity); seeded, so
+        # a search is repeatable (the result is exact either way, only the work would vary).
+        order = np.random.default_rng(hi - lo).permutation(len(blocks))
+        sampled = int(np.ceil(sample_items / block))
+        phases = [(np.sort(blocks[order[:sampled]]), SAMPLE_RANK), (np.sort(blocks[order[sampled:]]), k)]
+    for phase, (starts_of_blocks, keep) in enumerate(phases):
+        keep_capacity = max(2 * keep, keep + 16)
+        for start in starts_of_blocks:
+            width = min(block, hi - start)
+            np.matmul(items[start : start + width], queries_t, out=scores[:width])
+            kernel.screen_block(scores, width, start, threshold, kept_scores, kept_rows, count, keep,
+                                keep_capacity, starts, excluded, tops)
+        if phase == 0 and len(phases) > 1:
+            # The sample's r-th best: a guess (the r-th best is proven only for the sample's top r).
+            kernel.cut_back(kept_scores, kept_rows, count, threshold, keep)
+            guessed = np.where(count >= keep, threshold, -np.inf).astype(np.float32)
+    top_scores = np.empty((m, k), dtype=np.float32)
+    top_rows = np.empty((m, k), dtype=np.int64)
+    kernel.sorted_best(kept_scores, kept_rows, count, k, top_scores, top_rows)
+    # Exact where the k-th best found beats the guess: every item dropped scored at most the guess.
+    wrong = np.flatnonzero((guessed > -np.inf) & ~(top_scores[:, k - 1] > guessed))
+    if len(wrong):
+        redo = np.isin(owners, wrong)
+        top_scores[wrong], top_rows[wrong] = _compiled_chunk_top_k(
             queries[wrong], items, k, block, np.searchsorted(wrong, owners[redo]), excluded[redo], lo, hi, guess=False
         )
     return top_scores, top_rows

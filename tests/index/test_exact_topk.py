@@ -1,4 +1,7 @@
-"""ExactTopK against np.argsort of the full float64 score matrix, over seeds and shapes."""
+"""ExactTopK against np.argsort of the full float64 score matrix, over seeds and shapes.
+
+Every test runs twice: with the compiled selection (numba) and with the numpy one it falls back to.
+"""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,6 +15,22 @@ from retrieval.index import ItemIndex
 from retrieval.index.exact_topk import ExactTopK
 
 NEAR_TIE = 1e-5  # float32 blocked sgemm vs float64: ids may swap only between scores this close
+
+
+@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+def selection(request, monkeypatch):
+    """Which selection ExactTopK runs: the compiled kernel, or the numpy fallback (numba absent)."""
+    if request.param == "compiled":
+        if exact_topk.compiled_kernel() is None:
+            pytest.skip("numba is not installed: ExactTopK falls back to the numpy selection")
+    else:
+        monkeypatch.setattr(exact_topk, "compiled_kernel", lambda: None)
+    return request.param
+
+
+def _only(selection: str, wanted: str) -> None:
+    if selection != wanted:
+        pytest.skip(f"checks the {wanted} selection only")
 
 
 def _data(seed: int, num_items: int, num_queries: int, dim: int = 16):
@@ -99,8 +118,9 @@ def test_out_of_range_and_repeated_exclusions_are_ignored():
     _assert_top_k(scores, rows, queries, items, 30, clean)
 
 
-def test_a_guess_that_is_too_high_is_searched_again(monkeypatch):
+def test_a_guess_that_is_too_high_is_searched_again(monkeypatch, selection):
     """Extrapolated thresholds far too high drop top-k items; the end-of-scan check must catch every one."""
+    _only(selection, "numpy")
     monkeypatch.setattr(exact_topk, "GUESS_MARGIN", 50.0)
     monkeypatch.setattr(exact_topk, "GUESS_MIN_RANK", 1)
     calls = []
@@ -194,8 +214,9 @@ def test_concurrent_searches_are_exact_and_restore_the_blas_threads():
 
 
 @pytest.mark.parametrize("dense_share", [0.0, 2.0])
-def test_whole_block_and_segment_screens_both_equal_argsort(monkeypatch, dense_share):
+def test_whole_block_and_segment_screens_both_equal_argsort(monkeypatch, selection, dense_share):
     """DENSE_SEGMENTS 0 compares every score of every block; 2 always screens by segment maxima first."""
+    _only(selection, "numpy")
     monkeypatch.setattr(exact_topk, "DENSE_SEGMENTS", dense_share)
     rng, items, queries = _data(11, 7_003, 90)
     exclude = _exclusions(rng, len(queries), len(items), most=200)
@@ -247,3 +268,71 @@ def test_tiny_inputs():
     assert np.isneginf(scores[1]).all() and np.isneginf(scores[0, 2:]).all()
     scores, rows = ExactTopK(np.zeros((0, 2), np.float32)).search(queries, 3)
     assert (rows == -1).all() and np.isneginf(scores).all() and rows.shape == (2, 3)
+
+
+def test_a_sample_guess_that_is_too_high_is_searched_again(monkeypatch, selection):
+    """A sample threshold far too high (about k / 20 items beat it) drops top-k items; every query is searched again."""
+    _only(selection, "compiled")
+    monkeypatch.setattr(exact_topk, "SAMPLE_EXPECTED", 0.05)
+    monkeypatch.setattr(exact_topk, "SAMPLE_RANK", 4)  # the sample: 4 * 8,000 / (0.05 * 200) = 3,200 items
+    calls = []
+    original = exact_topk._compiled_chunk_top_k
+
+    def counting(queries, *args, **kwargs):
+        calls.append((len(queries), kwargs.get("guess", True)))
+        return original(queries, *args, **kwargs)
+
+    monkeypatch.setattr(exact_topk, "_compiled_chunk_top_k", counting)
+    rng, items, queries = _data(6, 8_000, 40)
+    exclude = _exclusions(rng, 40, 8_000, most=100)
+    _assert_top_k(*ExactTopK(items, block_items=256, query_chunk=40, threads=1).search(queries, 200, exclude),
+                  queries, items, 200, exclude)
+    assert (40, False) in calls, f"every query's guess was too high, yet the searches were {calls}"
+
+
+def test_a_sample_guess_that_holds_is_not_searched_again(monkeypatch, selection):
+    """At the default sample size the guess engages (k >= 48) and, on random data, no query needs a second search."""
+    _only(selection, "compiled")
+    calls = []
+    original = exact_topk._compiled_chunk_top_k
+    monkeypatch.setattr(exact_topk, "_compiled_chunk_top_k",
+                        lambda queries, *a, **kw: calls.append(kw.get("guess", True)) or original(queries, *a, **kw))
+    guessed = []
+    kernel = exact_topk.compiled_kernel()
+    cut_back = kernel.cut_back
+    monkeypatch.setattr(kernel, "cut_back", lambda *args: guessed.append(args[-1]) or cut_back(*args))
+    rng, items, queries = _data(15, 30_000, 64)
+    exclude = _exclusions(rng, 64, 30_000, most=50)
+    _assert_top_k(*ExactTopK(items, block_items=512, query_chunk=64, threads=1).search(queries, 300, exclude),
+                  queries, items, 300, exclude)
+    assert guessed == [exact_topk.SAMPLE_RANK], "the sample phase did not run"
+    assert calls == [True], f"searched again: {calls}"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_select_keeps_the_k_largest_with_ties(selection, seed):
+    """select_best against np.sort: the first k values are the k largest (as a multiset), rows move with them."""
+    _only(selection, "compiled")
+    kernel = exact_topk.compiled_kernel()
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        n = int(rng.integers(1, 80))
+        k = int(rng.integers(1, n + 1))
+        values = (rng.integers(0, 4, size=n) if seed % 2 else rng.normal(size=n)).astype(np.float32)
+        moved, rows = values.copy(), np.arange(n, dtype=np.int64)
+        kth = kernel.select_best(moved, rows, n, k)
+        expected = np.sort(values)[::-1][:k]
+        assert kth == expected[-1]
+        np.testing.assert_array_equal(np.sort(moved[:k]), np.sort(expected))
+        np.testing.assert_array_equal(values[rows], moved)
+
+
+def test_compiled_block_remainders_and_segments(selection):
+    """Blocks whose width is not a multiple of the kernel's SEGMENT: the last rows go through its row-by-row tail."""
+    _only(selection, "compiled")
+    rng, items, queries = _data(16, 1_037, 23)
+    exclude = _exclusions(rng, 23, 1_037, most=30)
+    for block_items in (16, 100, 1_024):  # 1,037 items: tails of 13, 37 (rounded to 112) and 13 rows
+        search = ExactTopK(items, block_items=block_items, query_chunk=5, threads=2)
+        for k in (1, 9, 60):
+            _assert_top_k(*search.search(queries, k, exclude), queries, items, k, exclude)
