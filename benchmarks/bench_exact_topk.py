@@ -263,7 +263,9 @@ def _markdown(report: dict) -> str:
         "",
         f"`{report['command']}` on {env['cpu']} ({env['cpus']} CPUs); BLAS: {'; '.join(env['blas'])}; "
         f"faiss {env['versions']['faiss']} ({env['faiss_threads']} OpenMP threads), numpy {env['versions']['numpy']}. "
-        f"`uptime` at start: `{report['uptime']['start']}`; at end: `{report['uptime']['end']}`.",
+        f"`uptime` at start: `{report['uptime']['start']}`; at end: `{report['uptime']['end']}`. "
+        f"ExactTopK's selection: {report['selection']}"
+        + (f"; `reference ExactTopK` rows: `{report['reference']}`." if report["reference"] else "."),
         "",
         "`x bare` = the median over pairs of (bare seconds / method seconds), each method run paired with a bare "
         "run just before it (per-pair values in the JSON); `bare` = the same query chunks, worker threads and "
@@ -304,6 +306,12 @@ def _markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _selection() -> str:
+    """Which selection ExactTopK ran: the compiled kernel (numba) or the numpy fallback."""
+    kernel = exact_topk.compiled_kernel()
+    return f"compiled (numba {kernel.numba.__version__})" if kernel is not None else "numpy (numba not installed)"
+
+
 def _uptime() -> str:
     with open("/proc/uptime") as f:
         up = float(f.read().split()[0])
@@ -334,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
             for i in threadpool_info() if i["user_api"] == "blas"]
     report = {"command": command("bench_exact_topk", argv), "uptime": {"start": started, "end": _uptime()},
               "environment": machine("numpy", "faiss", blas=blas, faiss_threads=faiss.omp_get_max_threads()),
-              "reference": args.reference, "catalogues": catalogues, "validation": validation}
+              "reference": args.reference, "selection": _selection(), "catalogues": catalogues,
+              "validation": validation}
     write_report(Path(args.out) / "bench_exact_topk", report, _markdown(report))
     print(_markdown(report))
     return 0

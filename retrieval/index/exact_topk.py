@@ -417,7 +417,8 @@ def _compiled_chunk_top_k(
     guessed = np.full(m, -np.inf, dtype=np.float32)
     block = min(block, hi - lo)
     scores = np.empty((block, m), dtype=np.float32)
-    tops = np.empty(m, dtype=np.float32)
+    flags = np.zeros(-(-m // 8) * 8, dtype=np.uint8)
+    flag_words = flags.view(np.uint64)
     queries_t = queries.T
     blocks = np.arange(lo, hi, block)
     sample_items = SAMPLE_RANK * (hi - lo) / (SAMPLE_EXPECTED * k)
@@ -434,7 +435,7 @@ def _compiled_chunk_top_k(
             width = min(block, hi - start)
             np.matmul(items[start : start + width], queries_t, out=scores[:width])
             kernel.screen_block(scores, width, start, threshold, kept_scores, kept_rows, count, keep,
-                                keep_capacity, starts, excluded, tops)
+                                keep_capacity, starts, excluded, flags, flag_words)
         if phase == 0 and len(phases) > 1:
             # The sample's r-th best: a guess (the r-th best is proven only for the sample's top r).
             kernel.cut_back(kept_scores, kept_rows, count, threshold, keep)

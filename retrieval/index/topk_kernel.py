@@ -3,10 +3,11 @@
 ``ExactTopK`` computes a block of scores with one sgemm, item-major ([block, queries]),
 into a buffer that still sits in the core's cache. ``screen_block`` then reads each score
 once: the max of every ``SEGMENT`` consecutive items for each query (vertical maxima of
-whole rows, which the compiler vectorises across queries) and, in the same loop, whether
-any query's max beats its threshold. Blocks where none does cost that one read; a
-(segment, query) pair that does is scanned item by item, and its scores above the
-threshold are offered to the query's reservoir.
+whole rows, which the compiler vectorises across queries) and, in the same loop, a flag
+per query whose max beats its threshold. Segments where none does cost that one read;
+otherwise the flags are scanned eight at a time (as 64-bit words) and each flagged
+(segment, query) pair item by item, its scores above the threshold offered to the
+query's reservoir.
 
 The reservoir holds up to ``capacity`` candidates a query; when full, an in-place
 quickselect (``select_best``) keeps the best k and raises the query's threshold to the
@@ -69,7 +70,7 @@ def select_best(values: np.ndarray, rows: np.ndarray, n: int, k: int) -> float:
     return values[target]
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _excluded(starts: np.ndarray, excluded: np.ndarray, query: int, item: int) -> bool:
     """Whether ``item`` is among ``excluded[starts[query]:starts[query + 1]]`` (sorted)."""
     lo = starts[query]
@@ -84,7 +85,7 @@ def _excluded(starts: np.ndarray, excluded: np.ndarray, query: int, item: int) -
     return lo < end and excluded[lo] == item
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _offer(value, item, query, threshold, kept_scores, kept_rows, count, k, capacity, starts, excluded):
     """Adds (value, item) to ``query``'s reservoir unless masked; a full reservoir is cut back to k first."""
     if starts[query] < starts[query + 1] and _excluded(starts, excluded, query, item):
@@ -104,7 +105,7 @@ def _offer(value, item, query, threshold, kept_scores, kept_rows, count, k, capa
 
 @numba.njit(nogil=True, cache=True)
 def screen_block(scores, width, first_item, threshold, kept_scores, kept_rows, count, k, capacity, starts,
-                 excluded, tops):
+                 excluded, flags, flag_words):
     """Offers every score of ``scores[:width]`` above its query's threshold to that query's reservoir.
 
     Args:
@@ -115,7 +116,7 @@ def screen_block(scores, width, first_item, threshold, kept_scores, kept_rows, c
       kept_scores, kept_rows: [m, capacity] reservoirs; count: [m] int64 slots in use.
       k: what a cut-back keeps; capacity: slots a query (k < capacity <= kept_scores.shape[1]).
       starts, excluded: the queries' excluded rows, CSR: ``excluded[starts[q]:starts[q + 1]]`` sorted.
-      tops: [m] float32 scratch.
+      flags: [8 * ceil(m / 8)] uint8 scratch (zero past m); flag_words: the same memory as uint64.
     """
     m = scores.shape[1]
     full = width - width % SEGMENT
@@ -129,19 +130,23 @@ def screen_block(scores, width, first_item, threshold, kept_scores, kept_rows, c
         r6 = scores[s0 + 6]
         r7 = scores[s0 + 7]
         hits = 0
-        for q in range(m):  # vectorised across queries: vertical maxima, and a count of those over threshold
+        for q in range(m):  # vectorised across queries: vertical maxima, a flag and a count of those over threshold
             top = max(max(max(r0[q], r1[q]), max(r2[q], r3[q])), max(max(r4[q], r5[q]), max(r6[q], r7[q])))
-            tops[q] = top
-            hits += top > threshold[q]
+            over = top > threshold[q]
+            flags[q] = over
+            hits += over
         if hits == 0:
             continue
-        for q in range(m):
-            if tops[q] > threshold[q]:
-                for i in range(s0, s0 + SEGMENT):
-                    value = scores[i, q]
-                    if value > threshold[q]:
-                        _offer(value, first_item + i, q, threshold, kept_scores, kept_rows, count, k, capacity,
-                               starts, excluded)
+        for word in range(len(flag_words)):  # the flags 8 at a time: most words are 0
+            if flag_words[word] == 0:
+                continue
+            for q in range(8 * word, 8 * word + 8):
+                if flags[q]:
+                    for i in range(s0, s0 + SEGMENT):
+                        value = scores[i, q]
+                        if value > threshold[q]:
+                            _offer(value, first_item + i, q, threshold, kept_scores, kept_rows, count, k, capacity,
+                                   starts, excluded)
     for i in range(full, width):
         for q in range(m):
             value = scores[i, q]
