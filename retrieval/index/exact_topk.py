@@ -5,8 +5,19 @@ a CPU the score itself is cheap: an sgemm computes a block of scores at BLAS
 speed. What is slow is selecting the k best of each query afterwards —
 FAISS's ``IndexFlatIP`` pushes every score through a heap, a full
 ``argpartition`` reads every score several times. Here the selection reads
-each score once, in one vectorised pass, and does further work only for the
-few scores that can still enter a query's top k:
+each score once and does further work only for the few scores that can still
+enter a query's top k.
+
+Two selections share the blocks, the masks' contract and the thread pool:
+
+- compiled (``topk_kernel``, when numba is installed; ``_compiled_chunk_top_k``):
+  after each block's sgemm, one compiled pass over the block while it is still
+  in cache — segment maxima, threshold test and reservoir updates fused — with
+  thresholds that are always the exact k-th best seen, and for large k a guess
+  from a random sample of blocks scanned first (checked, as below). Measured at
+  0.9 of the bare product at small k; the candidates of k = 1,000 still cost a
+  quarter of it (``make bench-topk``).
+- numpy (the fallback; ``_chunk_top_k``), in vectorised passes:
 
 1. Each query's list is seeded from the first max(block, ``SEED_MULTIPLE`` * k)
    items (one ``argpartition``); the k-th best of them is its first
@@ -442,7 +453,10 @@ def _compiled_chunk_top_k(
             guessed = np.where(count >= keep, threshold, -np.inf).astype(np.float32)
     top_scores = np.empty((m, k), dtype=np.float32)
     top_rows = np.empty((m, k), dtype=np.int64)
-    kernel.sorted_best(kept_scores, kept_rows, count, k, top_scores, top_rows)
+    kernel.best_unsorted(kept_scores, kept_rows, count, k, top_scores, top_rows)
+    order = np.argsort(-top_scores, axis=1)
+    top_scores = np.take_along_axis(top_scores, order, axis=1)
+    top_rows = np.take_along_axis(top_rows, order, axis=1)
     # Exact where the k-th best found beats the guess: every item dropped scored at most the guess.
     wrong = np.flatnonzero((guessed > -np.inf) & ~(top_scores[:, k - 1] > guessed))
     if len(wrong):

@@ -72,17 +72,18 @@ def select_best(values: np.ndarray, rows: np.ndarray, n: int, k: int) -> float:
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def _excluded(starts: np.ndarray, excluded: np.ndarray, query: int, item: int) -> bool:
-    """Whether ``item`` is among ``excluded[starts[query]:starts[query + 1]]`` (sorted)."""
-    lo = starts[query]
-    end = starts[query + 1]
-    hi = end
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if excluded[mid] < item:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo < end and excluded[lo] == item
+    """Whether ``item`` is among ``excluded[starts[query]:starts[query + 1]]`` (sorted, not empty).
+
+    A branch-free binary search: the halving step compiles to a conditional move, so a
+    candidate's lookup costs no mispredicted branches.
+    """
+    base = starts[query]
+    n = starts[query + 1] - base
+    while n > 1:
+        half = n >> 1
+        base = base + half if excluded[base + half] <= item else base
+        n -= half
+    return excluded[base] == item
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -167,17 +168,17 @@ def cut_back(kept_scores, kept_rows, count, threshold, k):
 
 
 @numba.njit(nogil=True, cache=True)
-def sorted_best(kept_scores, kept_rows, count, k, out_scores, out_rows):
-    """Each reservoir's best k, best first, into [m, k] ``out_scores``/``out_rows``; -inf and -1 past its count."""
+def best_unsorted(kept_scores, kept_rows, count, k, out_scores, out_rows):
+    """Each reservoir's best k, in no order, into [m, k] ``out_scores``/``out_rows``; -inf and -1 past its count.
+
+    The caller sorts them (numpy's vectorised argsort beats a compiled per-row sort).
+    """
     for q in range(kept_scores.shape[0]):
         n = count[q]
         if n > k:
             select_best(kept_scores[q], kept_rows[q], n, k)
             n = k
-        order = np.argsort(-kept_scores[q, :n])
-        for i in range(n):
-            out_scores[q, i] = kept_scores[q, order[i]]
-            out_rows[q, i] = kept_rows[q, order[i]]
-        for i in range(n, k):
-            out_scores[q, i] = -np.inf
-            out_rows[q, i] = -1
+        out_scores[q, :n] = kept_scores[q, :n]
+        out_rows[q, :n] = kept_rows[q, :n]
+        out_scores[q, n:] = -np.inf
+        out_rows[q, n:] = -1
