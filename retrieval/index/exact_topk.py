@@ -207,10 +207,12 @@ class ExactTopK:
             num_parts = max(1, min(-(-threads // len(chunks)), -(-len(self) // block), len(self) // depth))
             parts = np.linspace(0, len(self), num_parts + 1).astype(np.int64)
             tasks = [(start, int(lo), int(hi)) for start in chunks for lo, hi in zip(parts[:-1], parts[1:])]
-            if min(threads, len(tasks)) == 1:
-                found = [run(task) for task in tasks]
-            else:
-                with _blas_controller().limit(limits=1, user_api="blas"):
+            # One BLAS thread per task, a single worker too: BLAS's own threads on these small
+            # sgemms spin and synchronise for more than they compute.
+            with _blas_controller().limit(limits=1, user_api="blas"):
+                if min(threads, len(tasks)) == 1:
+                    found = [run(task) for task in tasks]
+                else:
                     with ThreadPoolExecutor(min(threads, len(tasks))) as pool:
                         found = list(pool.map(run, tasks))
         for start in chunks:

@@ -336,3 +336,17 @@ def test_compiled_block_remainders_and_segments(selection):
         search = ExactTopK(items, block_items=block_items, query_chunk=5, threads=2)
         for k in (1, 9, 60):
             _assert_top_k(*search.search(queries, k, exclude), queries, items, k, exclude)
+
+
+def test_a_single_worker_runs_its_products_on_one_blas_thread(monkeypatch, selection):
+    """threads=1 (one task, no pool) limits BLAS to one thread as the pool's workers do, and restores it after."""
+    name = "_compiled_chunk_top_k" if selection == "compiled" else "_chunk_top_k"
+    original = getattr(exact_topk, name)
+    seen = []
+    monkeypatch.setattr(exact_topk, name,
+                        lambda *args, **kwargs: seen.append(exact_topk.blas_threads()) or original(*args, **kwargs))
+    _, items, queries = _data(17, 2_000, 20)
+    before = exact_topk.blas_threads()
+    _assert_top_k(*ExactTopK(items, threads=1).search(queries, 7), queries, items, 7)
+    assert seen == [1], f"BLAS threads during the search: {seen}"
+    assert exact_topk.blas_threads() == before
