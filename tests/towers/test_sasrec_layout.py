@@ -31,13 +31,18 @@ def _layer_norm(x, layer):
 
 
 def _reference_sasrec(encoder: CausalSequenceEncoder, embeddings: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """SASRec's forward pass (Kang & McAuley's model.py, SASRec+'s PyTorch port) in numpy, one sequence
-    at a time, in time order with the padding first; inputs and output newest first as the layer's."""
+    """SASRec+'s forward pass (its PyTorch port of SASRec) in numpy, one sequence at a time: the items
+    in time order *right*-padded, position i the i-th item from the oldest, a causal mask and no
+    padding mask (a real position never sees the padding after it); inputs and output newest first
+    as the layer's."""
     out = np.zeros_like(embeddings)
     for row in range(len(embeddings)):
-        x = embeddings[row, ::-1] * np.sqrt(DIM) + encoder.positions.numpy()
-        keep = mask[row, ::-1].astype(bool)
-        x = x * keep[:, None]
+        keep = mask[row].astype(bool)
+        n = int(keep.sum())
+        items = embeddings[row, :n][::-1]  # oldest first
+        x = np.zeros((LENGTH, DIM), np.float32)
+        x[:n] = items * np.sqrt(DIM) + encoder.positions.numpy()[:n]
+        real = np.arange(LENGTH) < n
         for attention, (inner, outer), (attention_norm, feed_norm) in zip(
             encoder.attention, encoder.feed_forward, encoder.norms, strict=True
         ):
@@ -49,8 +54,7 @@ def _reference_sasrec(encoder: CausalSequenceEncoder, embeddings: np.ndarray, ma
                 queries = q @ wq[:, h] + bq[h]
                 keys, values = x @ wk[:, h] + bk[h], x @ wv[:, h] + bv[h]
                 scores = queries @ keys.T / np.sqrt(queries.shape[-1])
-                allowed = np.tril(np.ones((LENGTH, LENGTH), bool)) & keep[None, :]
-                scores = np.where(allowed, scores, -1e30)  # a padded query's row: any weights, zeroed below
+                scores = np.where(np.tril(np.ones((LENGTH, LENGTH), bool)), scores, -1e30)
                 weights = np.exp(scores - scores.max(-1, keepdims=True))
                 weights = weights / weights.sum(-1, keepdims=True)
                 mixed += (weights @ values) @ wo[h]
@@ -59,8 +63,9 @@ def _reference_sasrec(encoder: CausalSequenceEncoder, embeddings: np.ndarray, ma
             w1, b1 = (w.numpy() for w in inner.weights)
             w2, b2 = (w.numpy() for w in outer.weights)
             x = h_in + np.maximum(h_in @ w1 + b1, 0) @ w2 + b2
-            x = x * keep[:, None]
-        out[row] = (_layer_norm(x, encoder.final_norm) * keep[:, None])[::-1]
+            x = x * real[:, None]
+        states = _layer_norm(x, encoder.final_norm)[:n]
+        out[row, :n] = states[::-1]  # newest first, the padding after
     return out
 
 
