@@ -346,6 +346,11 @@ class ModelConfig(_Section):
         "memory (16 bytes a pair) and searches them per row each step. Needs remove_accidental_hits.",
     )
     l2_regularization: float = Field(0.0, ge=0, description="L2 penalty on embedding tables.")
+    embedding_init: Literal["uniform", "normal"] = Field(
+        "uniform",
+        description="The id embedding tables' initial rows: uniform(-0.05, 0.05), or normal(0, 0.02) as BERT "
+        "and the SASRec+ reference initialise theirs. The out-of-vocabulary row starts at zero either way.",
+    )
     embedding_dropout: float = Field(
         0.0,
         ge=0,

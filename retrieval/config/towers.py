@@ -134,7 +134,10 @@ class TransformerConfig(_Section):
         description="pre_norm: x + dropout(sublayer(norm(x))) for attention and the feed-forward layer; "
         "sasrec: the SASRec reference code's block (the item embeddings scaled by sqrt(dim), each residual "
         "taken from the normalised input, dropout on the attention weights and inside the feed-forward "
-        "layer only, layer-norm epsilon 1e-8). Both: dropout on the embedded inputs, a final layer norm.",
+        "layer only, layer-norm epsilon 1e-8, positions counted from the window's oldest item, the reference's "
+        "initialisation: normal(0, 0.02) positions and feed-forward / attention-output kernels, Xavier-uniform "
+        "query / key / value kernels). pre_norm counts positions from the window's start (the newest item at "
+        "the last one). Both: dropout on the embedded inputs, a final layer norm.",
     )
 
 

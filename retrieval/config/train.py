@@ -74,6 +74,13 @@ class TrainConfig(_Section):
         "table, adagrad 1x, rowwise_adagrad one float per row (for tables of millions of rows).",
     )
     learning_rate: float = Field(0.01, gt=0, description="Optimiser learning rate.")
+    adam_epsilon: float = Field(
+        1e-7,
+        gt=0,
+        description="adam and lazy_adam: the epsilon added to the root of the second moment (tf-keras' "
+        "default 1e-7; PyTorch's 1e-8). tf-keras adds it before the bias correction, PyTorch after: the same "
+        "once 1 - beta_2^step is near 1 (after a few thousand steps at beta_2 0.999).",
+    )
     use_weights: bool = Field(
         False, description="Use the log's weight column as per-example loss weights."
     )
@@ -112,8 +119,14 @@ class TrainConfig(_Section):
         "epoch that all of them chose, the same model in 904 s instead of 1,060; 5,000 chose an earlier one, "
         "recall@20 0.2173 against 0.2192 (benchmarks/results/bench_public_selection/).",
     )
-    early_stopping_patience: int = Field(2, gt=0, description="Epochs without a better validation recall.")
-    validation_k: int = Field(20, gt=0, description="k of the validation recall early stopping watches.")
+    early_stopping_patience: int = Field(2, gt=0, description="Epochs without a better validation metric.")
+    validation_k: int = Field(20, gt=0, description="k of the validation metric early stopping watches.")
+    validation_metric: Literal["recall", "ndcg"] = Field(
+        "recall",
+        description="What early stopping watches and keeps the best epoch of: recall@validation_k over the "
+        "validation clicks, or NDCG@validation_k (1 / log2(1 + rank) of each click within the top k, their "
+        "mean; SASRec+'s reference watches NDCG@10). Both are logged every epoch.",
+    )
     refit: bool = Field(
         True,
         description="After early stopping, train again on the whole training part (the held-out latest "

@@ -178,7 +178,8 @@ def training_panels(training: dict[str, Any]) -> list[TrainingPanel]:
     stopping = training.get("early_stopping")
     if not stopping:
         return [TrainingPanel("Training", "training loss", list(training["loss"]))]
-    key = next(name for name in stopping if name.startswith("val_recall@"))
+    watched = f"val_{stopping.get('metric', 'recall')}@"  # the metric that chose the best epoch
+    key = next(name for name in stopping if name.startswith(watched))
     selection = TrainingPanel(
         "Selection run (early stopping)", "selection loss", list(stopping["selection_loss"]),
         f"{key} (validation)", list(stopping[key]), int(stopping["best_epoch"]),

@@ -374,7 +374,7 @@ def build_model(
     config = resolved(config, stats)
     if towers is None:
         common: dict[str, Any] = dict(normalize=config.normalize, l2_regularization=config.l2_regularization,
-                                      dropout=config.embedding_dropout)
+                                      dropout=config.embedding_dropout, embedding_init=config.embedding_init)
         suffixes = [""] if config.ensemble_members == 1 else [f"_{k}" for k in range(config.ensemble_members)]
         towers = ensemble_towers([
             (id_tower(USER, stats.users, config.embedding_dim, name=f"query_tower{suffix}", **common),

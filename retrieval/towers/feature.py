@@ -90,11 +90,12 @@ def build_towers(
         if not isinstance(vocabulary, Vocabulary):  # None: a hashed id feature (IdEmbedding.build's message)
             raise ValueError(f"feature {feature.name!r} has no training values to build a vocabulary from")
         shared = IdEmbedding.build(
-            feature.name, vocabulary, feature.embedding_dim or model.embedding_dim, model.l2_regularization
+            feature.name, vocabulary, feature.embedding_dim or model.embedding_dim, model.l2_regularization,
+            init=model.embedding_init,
         )
     common: dict[str, Any] = dict(
         embedding_dim=model.embedding_dim, normalize=model.normalize, l2_regularization=model.l2_regularization,
-        input_dropout=model.embedding_dropout,
+        input_dropout=model.embedding_dropout, embedding_init=model.embedding_init,
     )
     query = feature_tower(towers.query, stats, item_embedding=shared, name=f"query_tower{suffix}", **common)
     doc = feature_tower(towers.doc, stats, item_embedding=shared, name=f"doc_tower{suffix}", **common)
@@ -110,6 +111,7 @@ def feature_tower(
     l2_regularization: float = 0.0,
     input_dropout: float = 0.0,
     item_embedding: IdEmbedding | None = None,
+    embedding_init: str = "uniform",
     name: str = "feature_tower",
 ) -> tf.keras.Model:
     """A tower from raw features to an embedding.
@@ -123,6 +125,7 @@ def feature_tower(
       input_dropout: dropout on the concatenated feature encodings, before the MLP, training only.
       item_embedding: the item-id lookup + table to use for the doc tower's
         item-id feature and the query tower's history (shared), or None.
+      embedding_init: the distribution of the tower's own id tables (``IdEmbedding.build``).
       name: Keras model name.
 
     Returns:
@@ -132,7 +135,7 @@ def feature_tower(
     if embedding_dim <= 0:
         raise ValueError(f"embedding_dim must be positive, got {embedding_dim}")
     inputs, parts = {}, []
-    context = _Context(embedding_dim, l2_regularization, item_embedding)
+    context = _Context(embedding_dim, l2_regularization, item_embedding, embedding_init)
     for feature in tower.features:
         spec = feature_input(feature)
         inputs[feature.name] = tf.keras.Input(
@@ -212,6 +215,7 @@ class _Context:
     embedding_dim: int
     l2_regularization: float
     item_embedding: IdEmbedding | None
+    embedding_init: str = "uniform"
 
 
 def _encode_id(feature, vocabulary, context: _Context, x):
@@ -219,7 +223,7 @@ def _encode_id(feature, vocabulary, context: _Context, x):
         table = context.item_embedding
     else:
         dim = feature.embedding_dim or context.embedding_dim
-        table = IdEmbedding.build(feature.name, vocabulary, dim, context.l2_regularization)
+        table = IdEmbedding.build(feature.name, vocabulary, dim, context.l2_regularization, context.embedding_init)
     ids = table.lookup(x)
     if feature.dropout:
         ids = IdDropout(feature.dropout, name=f"{feature.name}_dropout")(ids)
@@ -283,7 +287,7 @@ def _encode_history(history: HistoryConfig, stats: TowerStatistics, context: _Co
         table = context.item_embedding
     else:
         dim = history.embedding_dim or context.embedding_dim
-        table = IdEmbedding.build(history.name, stats.items, dim, context.l2_regularization)
+        table = IdEmbedding.build(history.name, stats.items, dim, context.l2_regularization, context.embedding_init)
     if history.pooling == "transformer":
         rows = table.lookup(x)
         known = Known(name=f"{history.name}_known")(rows)

@@ -26,8 +26,12 @@ def lookup_vocabulary(ids: Sequence[str]) -> np.ndarray:
     return np.asarray(ids, dtype=object)
 
 
+EMBEDDING_INITS = ("uniform", "normal")  # ModelConfig.embedding_init
+
+
 class _ZeroOutOfVocabulary(tf.keras.initializers.Initializer):
-    """Random-uniform rows, except row 0 (the OOV bucket) which starts at zero.
+    """Random rows, uniform(-scale, scale) or normal(0, scale), except row 0 (the OOV bucket) which
+    starts at zero.
 
     Ids never seen in training all share row 0. An ID model has learnt nothing
     about them, and in-batch softmax never updates that row, so a zero vector
@@ -35,8 +39,10 @@ class _ZeroOutOfVocabulary(tf.keras.initializers.Initializer):
     a random direction that could put every unknown item at the top.
     """
 
-    def __init__(self, scale: float = 0.05):
-        self.scale = scale
+    def __init__(self, scale: float = 0.05, distribution: str = "uniform"):
+        if distribution not in EMBEDDING_INITS:
+            raise ValueError(f"distribution must be one of {', '.join(EMBEDDING_INITS)}, got {distribution!r}")
+        self.scale, self.distribution = scale, distribution
 
     def __call__(self, shape, dtype=None, **kwargs):
         # Drawn in numpy and handed to TensorFlow once. Built from TF ops (uniform, then row 0
@@ -45,14 +51,19 @@ class _ZeroOutOfVocabulary(tf.keras.initializers.Initializer):
         # whole run: +0.5 GB of RSS for two 1M x 64 tables. The seed comes from a TF random op,
         # so tf.random.set_seed still fixes every table.
         seed = int(tf.random.uniform([], 0, 2**31 - 1, dtype=tf.int64))
-        values = np.random.default_rng(seed).random(tuple(shape), dtype=np.float32)
-        values *= 2 * self.scale
-        values -= self.scale
+        rng = np.random.default_rng(seed)
+        if self.distribution == "normal":
+            values = rng.standard_normal(tuple(shape), dtype=np.float32)
+            values *= self.scale
+        else:
+            values = rng.random(tuple(shape), dtype=np.float32)
+            values *= 2 * self.scale
+            values -= self.scale
         values[0] = 0.0
         return tf.cast(tf.convert_to_tensor(values), tf.as_dtype(dtype or tf.float32))
 
     def get_config(self):
-        return {"scale": self.scale}
+        return {"scale": self.scale, "distribution": self.distribution}
 
 
 class IdLookup(tf.keras.layers.StringLookup):
@@ -84,8 +95,12 @@ class IdEmbedding:
     embedding: tf.keras.layers.Embedding
 
     @classmethod
-    def build(cls, name: str, vocabulary: Vocabulary, dim: int, l2_regularization: float = 0.0) -> IdEmbedding:
-        """Layers ``{name}_lookup`` and ``{name}_embedding``: one row per vocabulary id after the OOV row."""
+    def build(cls, name: str, vocabulary: Vocabulary, dim: int, l2_regularization: float = 0.0,
+              init: str = "uniform") -> IdEmbedding:
+        """Layers ``{name}_lookup`` and ``{name}_embedding``: one row per vocabulary id after the OOV row.
+
+        ``init``: the rows' distribution, ``uniform`` (-0.05, 0.05) or ``normal`` (0, 0.02: BERT's and
+        the SASRec+ reference's); the OOV row starts at zero either way."""
         if vocabulary is None or len(vocabulary) == 0:
             raise ValueError(f"feature {name!r} has no training values to build a vocabulary from")
         if dim <= 0:
@@ -98,7 +113,8 @@ class IdEmbedding:
             tf.keras.layers.Embedding(
                 len(vocabulary) + 1,
                 dim,
-                embeddings_initializer=_ZeroOutOfVocabulary(),
+                embeddings_initializer=(_ZeroOutOfVocabulary(0.02, "normal") if init == "normal"
+                                        else _ZeroOutOfVocabulary(0.05, init)),
                 embeddings_regularizer=tf.keras.regularizers.l2(l2_regularization) if l2_regularization else None,
                 name=f"{name}_embedding",
             ),
@@ -121,6 +137,7 @@ def id_tower(
     normalize: bool = True,
     l2_regularization: float = 0.0,
     dropout: float = 0.0,
+    embedding_init: str = "uniform",
     name: str | None = None,
 ) -> tf.keras.Model:
     """An ID-embedding tower.
@@ -132,6 +149,7 @@ def id_tower(
       normalize: L2-normalise the output (dot product becomes cosine).
       l2_regularization: L2 penalty on the embedding table.
       dropout: dropout on the embedding, training only (before the normalisation).
+      embedding_init: the table's distribution (``IdEmbedding.build``).
       name: Keras model name.
 
     Returns:
@@ -141,7 +159,7 @@ def id_tower(
     if embedding_dim <= 0:
         raise ValueError(f"embedding_dim must be positive, got {embedding_dim}")
     inputs = {feature: tf.keras.Input(shape=(), dtype=tf.string, name=feature)}
-    outputs = IdEmbedding.build(feature, vocabulary, embedding_dim, l2_regularization)(inputs[feature])
+    outputs = IdEmbedding.build(feature, vocabulary, embedding_dim, l2_regularization, embedding_init)(inputs[feature])
     if dropout:
         outputs = tf.keras.layers.Dropout(dropout, name="embedding_dropout")(outputs)
     if normalize:

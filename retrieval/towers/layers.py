@@ -235,6 +235,27 @@ class IdDropout(tf.keras.layers.Layer):
 
 
 LAYOUTS = ("pre_norm", "sasrec")  # CausalSequenceEncoder's blocks (TransformerConfig.layout)
+REFERENCE_STDDEV = 0.02  # the SASRec+ reference's normal initialisation (BERT's initializer_range)
+
+
+class ReferenceAttention(tf.keras.layers.MultiHeadAttention):
+    """Multi-head attention initialised as PyTorch's ``nn.MultiheadAttention`` inside the SASRec+
+    reference: the query, key and value kernels Xavier-uniform over the fused ``[3 dim, dim]`` input
+    projection (bound ``sqrt(6 / (dim + 3 dim))``), the output kernel normal(0, 0.02) (the
+    reference re-initialises every ``nn.Linear``), every bias zero. Keras' default Glorot-uniform
+    reads a ``[dim, heads, dim / heads]`` kernel's fans as ``(dim, dim * dim)``, which makes the query,
+    key and value kernels several times smaller and the output kernel several times larger."""
+
+    def __init__(self, num_heads: int, key_dim: int, **kwargs):
+        dim = num_heads * key_dim
+        bound = (6.0 / (dim + 3 * dim)) ** 0.5
+        kwargs.setdefault("kernel_initializer", tf.keras.initializers.RandomUniform(-bound, bound))
+        super().__init__(num_heads, key_dim, **kwargs)
+
+    def _make_output_dense(self, free_dims, common_kwargs, name=None):
+        common_kwargs = dict(common_kwargs, kernel_initializer=tf.keras.initializers.RandomNormal(
+            stddev=REFERENCE_STDDEV))
+        return super()._make_output_dense(free_dims, common_kwargs, name=name)
 
 
 class CausalSequenceEncoder(tf.keras.layers.Layer):
@@ -256,7 +277,11 @@ class CausalSequenceEncoder(tf.keras.layers.Layer):
     positions are added, the residual taken from the *normalised* query
     (``q = norm(x); x = q + attention(q, x)``), the feed-forward input normalised and its residual
     taken from that (``h = norm(x); x = h + ffn(h)``), dropout on the attention weights and inside
-    the feed-forward layer only, layer norms with epsilon 1e-8.
+    the feed-forward layer only, layer norms with epsilon 1e-8, and the reference's positions and
+    initialisation: position ``i`` is the ``i``-th item of the window counted from its oldest (so a
+    user's first item always has position 0, whatever the padding), positions and feed-forward
+    kernels normal(0, 0.02), attention as ``ReferenceAttention``. ``pre_norm`` numbers the positions
+    from the window's start (the newest item at the last one) and keeps Keras' initialisers.
     """
 
     def __init__(self, length: int, blocks: int, heads: int, dropout: float, layout: str = "pre_norm", **kwargs):
@@ -270,18 +295,23 @@ class CausalSequenceEncoder(tf.keras.layers.Layer):
         dim = int(input_shape[-1])
         if dim % self.heads:
             raise ValueError(f"the item dimension {dim} does not divide by {self.heads} attention heads")
+        sasrec = self.layout == "sasrec"
         self.positions = self.add_weight(
-            name="positions", shape=(self.length, dim), initializer=tf.keras.initializers.TruncatedNormal(stddev=0.02)
+            name="positions", shape=(self.length, dim),
+            initializer=(tf.keras.initializers.RandomNormal(stddev=REFERENCE_STDDEV) if sasrec
+                         else tf.keras.initializers.TruncatedNormal(stddev=0.02)),
         )
+        attention_layer = ReferenceAttention if sasrec else tf.keras.layers.MultiHeadAttention
         self.attention = [
-            tf.keras.layers.MultiHeadAttention(
-                self.heads, dim // self.heads, dropout=self.dropout, name=f"attention_{b}"
-            )
+            attention_layer(self.heads, dim // self.heads, dropout=self.dropout, name=f"attention_{b}")
             for b in range(self.blocks)
         ]
+        def kernel():  # one instance a layer: an unseeded initializer called twice repeats its values
+            return tf.keras.initializers.RandomNormal(stddev=REFERENCE_STDDEV) if sasrec else "glorot_uniform"
+
         self.feed_forward = [
-            (tf.keras.layers.Dense(dim, activation="relu", name=f"feed_forward_{b}_in"),
-             tf.keras.layers.Dense(dim, name=f"feed_forward_{b}_out"))
+            (tf.keras.layers.Dense(dim, activation="relu", kernel_initializer=kernel(), name=f"feed_forward_{b}_in"),
+             tf.keras.layers.Dense(dim, kernel_initializer=kernel(), name=f"feed_forward_{b}_out"))
             for b in range(self.blocks)
         ]
         epsilon = 1e-8 if self.layout == "sasrec" else 1e-6
@@ -304,7 +334,11 @@ class CausalSequenceEncoder(tf.keras.layers.Layer):
         keep_f = tf.cast(keep, x.dtype)[..., None]
         if self.input_scale != 1.0:
             x = x * self.input_scale
-        x = self.drop(x + self.positions[None], training=training) * keep_f
+        if self.layout == "sasrec":  # counted from the oldest item: the padding's amount moves no item's position
+            positions = tf.gather(self.positions, tf.maximum(tf.cumsum(tf.cast(keep, tf.int32), axis=1) - 1, 0))
+        else:  # counted from the window's start: the newest item at the last position
+            positions = self.positions[None]
+        x = self.drop(x + positions, training=training) * keep_f
         causal = tf.linalg.band_part(tf.ones([self.length, self.length], tf.bool), -1, 0)  # [query, key]: key <= query
         attend = tf.logical_and(causal[None], keep[:, None, :])
         sasrec = self.layout == "sasrec"

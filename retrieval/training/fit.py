@@ -71,7 +71,8 @@ def fit(
         None = temporal when the clicks have timestamps, else random.
       checkpoint_dir: where to save and look for checkpoints; None = none.
       on_epoch_end: called as ``on_epoch_end(epoch, logs)`` (0-based epoch) after each epoch of the
-        early-stopping selection run, ``logs`` holding ``val_recall@<validation_k>``; it may raise to
+        early-stopping selection run, ``logs`` holding ``val_recall@<validation_k>`` and ``val_ndcg@<validation_k>``;
+        it may raise to
         stop training (pipelines/tune.py prunes trials this way). Not called without early stopping.
       epoch_hooks: called as ``hook(epoch, logs)`` after every epoch of every run, the early-stopping
         selection's (before ``on_epoch_end``) and the final one's; one that raises abandons training
@@ -195,7 +196,8 @@ def select_epochs(
     initial = model.get_weights() if restart else None
     # Without checkpoints the best epoch's weights are copied in memory; with them, saved beside them.
     watch = ValidationRecall(model, validation.validation, validation.fit_clicks, config.validation_k,
-                             config.early_stopping_patience, keep_weights=not restart and checkpoint_dir is None)
+                             config.early_stopping_patience, keep_weights=not restart and checkpoint_dir is None,
+                             metric=config.validation_metric)
     all_hooks: list = [watch]
     optimizer = optimizer or make_optimizer(config)
     checkpoint, state = None, None
@@ -207,7 +209,7 @@ def select_epochs(
                                         every_steps=config.checkpoint_every_steps)
         state = checkpoint.restore()
         if state is not None:
-            watch.resume(state.history.get(watch.key, []))
+            watch.resume(state.history)
             log.info("early-stopping selection resumed (%d epochs done, best so far: epoch %d)",
                      state.epoch, watch.best_epoch)
         if not restart:
@@ -230,13 +232,13 @@ def select_epochs(
         model.set_weights(initial)
     elif watch.best_weights is not None:
         model.set_weights(watch.best_weights)
-    elif watch.best_epoch != len(watch.recalls):  # the last epoch is the best: its weights are the model's
+    elif watch.best_epoch != len(watch.values):  # the last epoch is the best: its weights are the model's
         best.read(best_prefix).assert_existing_objects_matched()
     seed_everything(config.seed)
     return watch.best_epoch, {
         **({} if config.refit else state.history),
         "selection_loss": state.history["loss"],
-        watch.key: watch.recalls,
+        **watch.keys,
         "best_epoch": [float(watch.best_epoch)],
     }
 
@@ -256,10 +258,13 @@ def training_summary(config: TrainConfig, history: dict[str, list[float]]) -> di
     }
     key = f"val_recall@{config.validation_k}"
     if key in history:
+        ndcg = f"val_ndcg@{config.validation_k}"
         summary["early_stopping"] = {
             "best_epoch": int(history["best_epoch"][0]),
             "epochs_run": len(history[key]),
+            "metric": config.validation_metric,
             key: [float(value) for value in history[key]],
+            **({ndcg: [float(value) for value in history[ndcg]]} if ndcg in history else {}),
             "selection_loss": [float(value) for value in history["selection_loss"]],
             "refit": config.refit_from if config.refit else "none",
             "message": selection_summary(config, history),
@@ -270,9 +275,9 @@ def training_summary(config: TrainConfig, history: dict[str, list[float]]) -> di
 def selection_summary(config: TrainConfig, selection: dict[str, list[float]]) -> str:
     """One line saying what early stopping chose and what training does next (``select_epochs``'s history)."""
     best = int(selection["best_epoch"][0])
-    key = f"val_recall@{config.validation_k}"
-    recalls = selection[key]
-    line = f"early stopping: best epoch {best} of {len(recalls)} run ({key} {recalls[best - 1]:.4f})"
+    key = f"val_{config.validation_metric}@{config.validation_k}"
+    values = selection[key]
+    line = f"early stopping: best epoch {best} of {len(values)} run ({key} {values[best - 1]:.4f})"
     if not config.refit:
         return line + "; keeping its weights"
     if config.refit_from == "best":

@@ -119,5 +119,7 @@ OPTIMIZERS = {
 
 
 def make_optimizer(config: TrainConfig) -> tf.keras.optimizers.Optimizer:
-    """A new optimizer of ``config.optimizer`` at ``config.learning_rate``."""
+    """A new optimizer of ``config.optimizer`` at ``config.learning_rate`` (Adam's: ``config.adam_epsilon``)."""
+    if config.optimizer in ("adam", "lazy_adam"):
+        return OPTIMIZERS[config.optimizer](learning_rate=config.learning_rate, epsilon=config.adam_epsilon)
     return OPTIMIZERS[config.optimizer](learning_rate=config.learning_rate)

@@ -31,13 +31,18 @@ def _layer_norm(x, layer):
 
 
 def _reference_sasrec(encoder: CausalSequenceEncoder, embeddings: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """SASRec's forward pass (Kang & McAuley's model.py, SASRec+'s PyTorch port) in numpy, one sequence
-    at a time, in time order with the padding first; inputs and output newest first as the layer's."""
+    """SASRec+'s forward pass (its PyTorch port of SASRec) in numpy, one sequence at a time: the items
+    in time order *right*-padded, position i the i-th item from the oldest, a causal mask and no
+    padding mask (a real position never sees the padding after it); inputs and output newest first
+    as the layer's."""
     out = np.zeros_like(embeddings)
     for row in range(len(embeddings)):
-        x = embeddings[row, ::-1] * np.sqrt(DIM) + encoder.positions.numpy()
-        keep = mask[row, ::-1].astype(bool)
-        x = x * keep[:, None]
+        keep = mask[row].astype(bool)
+        n = int(keep.sum())
+        items = embeddings[row, :n][::-1]  # oldest first
+        x = np.zeros((LENGTH, DIM), np.float32)
+        x[:n] = items * np.sqrt(DIM) + encoder.positions.numpy()[:n]
+        real = np.arange(LENGTH) < n
         for attention, (inner, outer), (attention_norm, feed_norm) in zip(
             encoder.attention, encoder.feed_forward, encoder.norms, strict=True
         ):
@@ -49,8 +54,7 @@ def _reference_sasrec(encoder: CausalSequenceEncoder, embeddings: np.ndarray, ma
                 queries = q @ wq[:, h] + bq[h]
                 keys, values = x @ wk[:, h] + bk[h], x @ wv[:, h] + bv[h]
                 scores = queries @ keys.T / np.sqrt(queries.shape[-1])
-                allowed = np.tril(np.ones((LENGTH, LENGTH), bool)) & keep[None, :]
-                scores = np.where(allowed, scores, -1e30)  # a padded query's row: any weights, zeroed below
+                scores = np.where(np.tril(np.ones((LENGTH, LENGTH), bool)), scores, -1e30)
                 weights = np.exp(scores - scores.max(-1, keepdims=True))
                 weights = weights / weights.sum(-1, keepdims=True)
                 mixed += (weights @ values) @ wo[h]
@@ -59,8 +63,9 @@ def _reference_sasrec(encoder: CausalSequenceEncoder, embeddings: np.ndarray, ma
             w1, b1 = (w.numpy() for w in inner.weights)
             w2, b2 = (w.numpy() for w in outer.weights)
             x = h_in + np.maximum(h_in @ w1 + b1, 0) @ w2 + b2
-            x = x * keep[:, None]
-        out[row] = (_layer_norm(x, encoder.final_norm) * keep[:, None])[::-1]
+            x = x * real[:, None]
+        states = _layer_norm(x, encoder.final_norm)[:n]
+        out[row, :n] = states[::-1]  # newest first, the padding after
     return out
 
 
@@ -186,3 +191,97 @@ def test_the_full_softmax_at_every_position_is_the_cross_entropy_over_the_catalo
     expected = -log_softmax[np.arange(len(positive)), positive].mean()
     assert trained.sum() > 8 and (~trained).any()  # more positions than sequences, and padded ones skipped
     assert loss == pytest.approx(expected, rel=1e-5)
+
+
+def _same_weights_longer(encoder: CausalSequenceEncoder, length: int, embeddings, mask) -> CausalSequenceEncoder:
+    """An encoder of ``length`` positions with ``encoder``'s weights, its first positions ``encoder``'s."""
+    longer = CausalSequenceEncoder(length, blocks=encoder.blocks, heads=encoder.heads, dropout=encoder.dropout,
+                                   layout=encoder.layout)
+    pad = np.zeros((len(embeddings), length - encoder.length, DIM), np.float32)
+    longer(tf.constant(np.concatenate([embeddings, pad], 1)),
+           tf.constant(np.concatenate([mask, np.zeros(pad.shape[:2], bool)], 1)))
+    weights = encoder.get_weights()
+    positions = np.random.default_rng(5).normal(size=(length, DIM)).astype(np.float32)
+    positions[: encoder.length] = weights[0]
+    longer.set_weights([positions, *weights[1:]])
+    return longer
+
+
+def test_a_sasrec_history_is_numbered_from_its_oldest_item_so_the_padding_moves_nothing():
+    """SASRec+'s port right-pads: a user's oldest item is position 0 and the newest position n - 1,
+    however long the window. The same history in a window of 5 or of 9 positions (the first 5 alike)
+    has the same states; the pre_norm layout numbers from the window's start (the newest item at
+    the last position), so there the padding moves every item."""
+    tf.keras.utils.set_random_seed(0)
+    embeddings, mask = _encoder_inputs(2)
+    pad = np.zeros((len(embeddings), 4, DIM), np.float32)
+    wide_embeddings = np.concatenate([embeddings, pad + 3.0], 1)  # whatever sits in the padding
+    wide_mask = np.concatenate([mask, np.zeros(pad.shape[:2], bool)], 1)
+    for layout, invariant in (("sasrec", True), ("pre_norm", False)):
+        encoder = CausalSequenceEncoder(LENGTH, blocks=2, heads=1, dropout=0.1, layout=layout)
+        out = encoder(tf.constant(embeddings), tf.constant(mask), training=False).numpy()
+        longer = _same_weights_longer(encoder, LENGTH + 4, embeddings, mask)
+        wide = longer(tf.constant(wide_embeddings), tf.constant(wide_mask), training=False).numpy()
+        assert np.allclose(wide[:, :LENGTH], out, atol=1e-5) == invariant, layout
+    # The one-item history (row 2) is its item at position 0: the layer's first rows in numpy.
+    encoder = CausalSequenceEncoder(LENGTH, blocks=1, heads=1, dropout=0.0, layout="sasrec")
+    out = encoder(tf.constant(embeddings), tf.constant(mask), training=False).numpy()
+    np.testing.assert_allclose(out[2], _reference_sasrec(encoder, embeddings, mask)[2], atol=1e-4)
+    alone = embeddings[2:3].copy()
+    positions = encoder.positions.numpy()
+    encoder.positions.assign(np.roll(positions, 1, axis=0))  # another position 0: another state
+    assert not np.allclose(encoder(tf.constant(alone), tf.constant(mask[2:3]), training=False).numpy()[0, 0],
+                           out[2, 0], atol=1e-3)
+
+
+def test_the_sasrec_layout_starts_from_the_reference_initialisation():
+    """SASRec+'s reference initialises every nn.Linear / Conv1d kernel and every embedding normal(0, 0.02)
+    and every bias at zero; nn.MultiheadAttention's fused [3 dim, dim] input projection keeps PyTorch's
+    Xavier-uniform, bound sqrt(6 / (dim + 3 dim)). The moments of each weight at d = 64 against those."""
+    dim, length = 64, 50
+    tf.keras.utils.set_random_seed(0)
+    encoder = CausalSequenceEncoder(length, blocks=2, heads=1, dropout=0.1, layout="sasrec")
+    encoder(tf.zeros([1, length, dim]), tf.ones([1, length], bool))
+    bound = np.sqrt(6.0 / (dim + 3 * dim))
+    positions = encoder.positions.numpy()
+    assert positions.std() == pytest.approx(0.02, rel=0.05) and np.abs(positions).max() > 2.5 * 0.02  # untruncated
+    kernels = {}
+    for weight in encoder.weights:
+        name, values = weight.name.split("/", 1)[1].split(":")[0], weight.numpy()
+        if name.endswith("bias") or name.endswith("beta"):
+            assert not values.any(), name
+        elif name.endswith(("query/kernel", "key/kernel", "value/kernel")):
+            assert np.abs(values).max() <= bound and np.abs(values).max() > 0.98 * bound, name
+            assert values.std() == pytest.approx(bound / np.sqrt(3), rel=0.05), name
+            kernels[name] = values
+        elif name.endswith("kernel"):  # the attention output and the feed-forward layers
+            assert values.std() == pytest.approx(0.02, rel=0.05) and abs(values.mean()) < 0.002, name
+            kernels[name] = values
+    assert len(kernels) == 2 * 6
+    flat = [k.ravel()[:100] for k in kernels.values()]
+    assert len({tuple(np.round(f, 6)) for f in flat}) == len(flat)  # no two layers drawn alike
+    # The default layout keeps Keras' Glorot-uniform, which reads a [64, 1, 64] query kernel's fans
+    # as (64, 4096): a bound of sqrt(6 / 4160).
+    default = CausalSequenceEncoder(length, blocks=1, heads=1, dropout=0.1)
+    default(tf.zeros([1, length, dim]), tf.ones([1, length], bool))
+    query = default.attention[0].weights[0].numpy()
+    assert np.abs(query).max() == pytest.approx(np.sqrt(6.0 / (dim + dim * dim)), rel=0.02)
+
+
+def test_normal_embedding_init_draws_the_tables_normal_with_the_out_of_vocabulary_row_at_zero():
+    clicks = _clicks(items=4000, users=400)
+    stats = FeatureStatistics.from_training_clicks(clicks)
+    tables = {}
+    for init in ("uniform", "normal"):
+        config = ModelConfig(embedding_dim=DIM, normalize=False, temperature=1.0, embedding_init=init,
+                             loss=LossConfig(kind="full_softmax", log_q_source="static"))
+        statistics = TowerStatistics.fit(SASREC_TOWERS, clicks.assign(history=""), None)
+        model = build_model(config, stats, towers=build_towers(SASREC_TOWERS, config, statistics))
+        tables[init] = model.doc_tower.get_layer("item_id_embedding").get_weights()[0]
+        assert not tables[init][0].any()
+    rows = tables["normal"][1:]
+    assert rows.std() == pytest.approx(0.02, rel=0.05) and np.abs(rows).max() > 0.05
+    assert np.abs(tables["uniform"][1:]).max() <= 0.05
+    assert tables["uniform"][1:].std() == pytest.approx(0.1 / np.sqrt(12), rel=0.05)
+    with pytest.raises(ConfigError, match="embedding_init"):
+        load_config(None, ["model.embedding_init=xavier"])

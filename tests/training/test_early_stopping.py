@@ -169,3 +169,64 @@ def test_the_selection_logs_its_own_epochs_and_says_what_it_chose(tmp_path):
     assert summary["early_stopping"]["best_epoch"] == best
     assert summary["early_stopping"]["val_recall@20"] == pytest.approx(recalls)
     assert summary["early_stopping"]["refit"] == "initial"
+
+
+def _brute_force_ranks(model, validation, fit_part, stats) -> list[int]:
+    """Each validation click's 0-based rank among every item, the user's fit-part items masked (numpy)."""
+    items = list(stats.items.ids)
+    item_vectors = model.doc_tower({"item_id": tf.constant(items)}).numpy()
+    seen = fit_part.groupby("user_id")["item_id"].agg(set)
+    ranks = []
+    for user, item in zip(validation["user_id"], validation["item_id"]):
+        if item in seen.get(user, set()):
+            continue
+        scores = model.query_tower({"user_id": tf.constant([user])}).numpy()[0] @ item_vectors.T
+        scores[[items.index(i) for i in seen.get(user, set())]] = -np.inf
+        ranks.append(int(np.sum(scores > scores[items.index(item)])))
+    return ranks
+
+
+def test_validation_ndcg_is_the_mean_discounted_gain_of_each_click_within_the_top_k():
+    train = _clicks(1)
+    fit_part, validation = validation_split(train, 0.2, None)
+    stats = FeatureStatistics.from_training_clicks(train)
+    seed_everything(1)
+    model = build_model(ModelConfig(embedding_dim=8), stats)
+    ranks = np.array(_brute_force_ranks(model, validation, fit_part, stats))
+    gains = np.where(ranks < 5, 1.0 / np.log2(ranks + 2.0), 0.0)
+    assert 0 < np.sum(ranks < 5) < len(ranks)  # hits and misses both
+    watch = ValidationRecall(model, validation, fit_part, k=5, patience=1, metric="ndcg")
+    recall, ndcg = watch.measure(batch_size=37)
+    assert recall == pytest.approx(np.mean(ranks < 5))
+    assert ndcg == pytest.approx(gains.mean())
+    assert watch.key == "val_ndcg@5"
+
+
+def test_early_stopping_on_ndcg_keeps_the_epoch_of_the_best_ndcg_not_of_the_best_recall():
+    train = _clicks(1)
+    fit_part, validation = validation_split(train, 0.2, None)
+    stats = FeatureStatistics.from_training_clicks(train)
+    seed_everything(1)
+    model = build_model(ModelConfig(embedding_dim=8), stats)
+    readings = iter([(0.30, 0.10), (0.35, 0.09), (0.32, 0.12), (0.31, 0.11)])  # (recall, NDCG) an epoch
+    by_ndcg = ValidationRecall(model, validation, fit_part, k=5, patience=2, metric="ndcg")
+    by_recall = ValidationRecall(model, validation, fit_part, k=5, patience=2)
+    for epoch, reading in enumerate(readings):
+        by_ndcg.measure = by_recall.measure = lambda reading=reading: reading  # type: ignore[method-assign]
+        logs: dict = {}
+        stop_ndcg, stop_recall = by_ndcg(epoch, logs), by_recall(epoch, logs)
+        assert logs == {"val_recall@5": reading[0], "val_ndcg@5": reading[1]}  # both logged either way
+    assert (by_ndcg.best_epoch, by_recall.best_epoch) == (3, 2)
+    assert (stop_ndcg, stop_recall) == (False, True)  # two epochs past recall's best, one past NDCG's
+    with pytest.raises(ValueError, match="validation metric must be one of recall, ndcg, got 'mrr'"):
+        ValidationRecall(model, validation, fit_part, k=5, patience=1, metric="mrr")
+
+
+def test_a_resumed_selection_takes_up_the_watched_metric():
+    train = _clicks(1)
+    fit_part, validation = validation_split(train, 0.2, None)
+    stats = FeatureStatistics.from_training_clicks(train)
+    model = build_model(ModelConfig(embedding_dim=8), stats)
+    watch = ValidationRecall(model, validation, fit_part, k=5, patience=2, metric="ndcg")
+    watch.resume({"val_recall@5": [0.3, 0.35, 0.32], "val_ndcg@5": [0.10, 0.09, 0.12]})
+    assert watch.best_epoch == 3 and watch.recalls == [0.3, 0.35, 0.32]
