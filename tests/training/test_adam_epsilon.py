@@ -31,7 +31,7 @@ def test_adam_steps_with_the_configured_epsilon(optimizer):
         for g in gradients:
             adam.apply_gradients([(tf.constant([g], tf.float64), variable)])
         steps[epsilon] = float(variable.numpy()[0])
-        # rel 1e-4: tf-keras keeps the learning rate and betas in float32
+        # float32 hyper-parameters: equal to a relative 1e-4
         assert steps[epsilon] == pytest.approx(_numpy_adam(gradients, 0.001, epsilon), rel=1e-4)
     assert abs(steps[1e-8]) > 1.5 * abs(steps[1e-7])
     assert TrainConfig().adam_epsilon == 1e-7  # tf-keras' default stays the default
