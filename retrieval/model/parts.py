@@ -172,6 +172,8 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
             HuffmanTree.from_counts(counts), embedding_dim, temperature=config.temperature
         )
     hard_k = loss.num_hard_negatives if loss.hard_negatives == "in_batch_top_k" else None
+    # What every candidate loss takes from the config the same way.
+    common = {"reduction": loss.reduction, "score_dtype": loss.score_dtype, "name": loss.kind}
     if cls is CosineContrastive:
         # Raw cosines: no temperature, no log-Q (ModelConfig refuses log_q_correction with it).
         return CosineContrastive(
@@ -179,9 +181,7 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
             negative_weight=loss.negative_weight,
             remove_accidental_hits=config.remove_accidental_hits,
             num_hard_negatives=hard_k,
-            reduction=loss.reduction,
-            score_dtype=loss.score_dtype,
-            name=loss.kind,
+            **common,
         )
     if cls is BilateralSoftmax:
         return BilateralSoftmax(
@@ -190,9 +190,7 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
             log_q_weight=config.log_q_strength if config.log_q_correction else 0.0,
             remove_accidental_hits=config.remove_accidental_hits,
             num_hard_negatives=hard_k,
-            reduction=loss.reduction,
-            score_dtype=loss.score_dtype,
-            name=loss.kind,
+            **common,
         )
     if cls is GeneralizedBinaryCrossEntropy:
         # Uniform negatives, no log-Q: beta is gBCE's account of the sampling rate (LossConfig refuses
@@ -203,9 +201,7 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
             calibration=loss.calibration,
             temperature=config.temperature,
             remove_accidental_hits=config.remove_accidental_hits,
-            reduction=loss.reduction,
-            score_dtype=loss.score_dtype,
-            name=loss.kind,
+            **common,
         )
     exact = loss.kind == "full_softmax"
     # Full softmax has no sampling to correct for (every Q is 1).
@@ -219,9 +215,7 @@ def build_objective(config: ModelConfig, counts: np.ndarray, embedding_dim: int)
         log_q_weight=log_q_weight,
         remove_accidental_hits=remove_hits,
         num_hard_negatives=hard_k,
-        reduction=loss.reduction,
-        score_dtype=loss.score_dtype,
-        name=loss.kind,
+        **common,
         **variant,
     )
 
