@@ -387,15 +387,8 @@ def _chunk_top_k(
     if pending:
         insert(seen)
     top_scores, top_rows = _best(kept_scores, kept_rows, k)
-    # Exact where the k-th best found beats the guess: every item the guess dropped scored
-    # at most the guess. Elsewhere the guess may have dropped a top-k item: search again.
-    wrong = np.flatnonzero((guessed > -np.inf) & (top_scores[:, k - 1] <= guessed))
-    if len(wrong):
-        redo = np.isin(owners, wrong)
-        top_scores[wrong], top_rows[wrong] = _chunk_top_k(
-            queries[wrong], items, k, block, np.searchsorted(wrong, owners[redo]), excluded[redo], lo, hi, guess=False
-        )
-    return top_scores, top_rows
+    return _redo_wrong_guesses(_chunk_top_k, top_scores, top_rows, guessed, queries, items, k, block, owners,
+                               excluded, lo, hi)
 
 
 def _compiled_chunk_top_k(
@@ -457,14 +450,21 @@ def _compiled_chunk_top_k(
     top_scores = np.empty((m, k), dtype=np.float32)
     top_rows = np.empty((m, k), dtype=np.int64)
     kernel.best_unsorted(kept_scores, kept_rows, count, k, top_scores, top_rows)
-    order = np.argsort(-top_scores, axis=1)
-    top_scores = np.take_along_axis(top_scores, order, axis=1)
-    top_rows = np.take_along_axis(top_rows, order, axis=1)
-    # Exact where the k-th best found beats the guess: every item dropped scored at most the guess.
+    top_scores, top_rows = _best(top_scores, top_rows, k)
+    return _redo_wrong_guesses(_compiled_chunk_top_k, top_scores, top_rows, guessed, queries, items, k, block,
+                               owners, excluded, lo, hi)
+
+
+def _redo_wrong_guesses(chunk_top_k, top_scores: np.ndarray, top_rows: np.ndarray, guessed: np.ndarray,
+                        queries: np.ndarray, items: np.ndarray, k: int, block: int, owners: np.ndarray,
+                        excluded: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """A chunk's best k made exact (in place): exact where the k-th best found beats the query's
+    threshold guess (every item the guess dropped scored at most the guess); elsewhere the guess may
+    have dropped a top-k item, so those queries are searched again by ``chunk_top_k`` without one."""
     wrong = np.flatnonzero((guessed > -np.inf) & ~(top_scores[:, k - 1] > guessed))
     if len(wrong):
         redo = np.isin(owners, wrong)
-        top_scores[wrong], top_rows[wrong] = _compiled_chunk_top_k(
+        top_scores[wrong], top_rows[wrong] = chunk_top_k(
             queries[wrong], items, k, block, np.searchsorted(wrong, owners[redo]), excluded[redo], lo, hi, guess=False
         )
     return top_scores, top_rows
