@@ -96,6 +96,14 @@ class TrainConfig(_Section):
         "(temporal: the latest clicks), and stop when its recall@validation_k has not improved for "
         "early_stopping_patience epochs; `epochs` is then the maximum. 0 = train `epochs` epochs.",
     )
+    validation_part: Literal["carved", "test"] = Field(
+        "carved",
+        description="What early stopping watches: carved, a part of the training clicks (validation_fraction, "
+        "carved like the test part), the honest choice; test, the test clicks themselves (the protocol of the "
+        "published records on the LightGCN splits, whose valid file is scored and selected on at once: the "
+        "figures are then optimistic, not held-out estimates; every training click is trained on). test needs "
+        "validation_fraction > 0 (early stopping on) and refit: false (nothing was held out to refit on).",
+    )
     examples: Literal["clicks", "sequences"] = Field(
         "clicks",
         description="clicks: one training example per click, its query the user's history before it; "
@@ -226,6 +234,16 @@ class TrainConfig(_Section):
             raise ValueError(
                 "train.warm_start is not yet supported with train.distribute: parameter_server "
                 "(its tables are sharded over the ps tasks)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _test_validation_part_has_nothing_to_refit(self) -> TrainConfig:
+        if self.validation_part == "test" and (self.validation_fraction == 0 or self.refit):
+            raise ValueError(
+                "train.validation_part='test' selects the epoch on the test clicks and trains on every training "
+                f"click: it needs train.validation_fraction > 0 (early stopping on; now {self.validation_fraction}) "
+                f"and train.refit=false (now {self.refit})"
             )
         return self
 

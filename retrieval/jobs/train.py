@@ -189,6 +189,7 @@ def train_evaluate_export(
             "seconds": {key: round(value, 2) for key, value in seconds.items()},
             "epoch_seconds": timing.get("epoch_seconds"),
             "clicks_per_second": timing.get("clicks_per_second"),
+            "hook_seconds": timing.get("hook_seconds"),  # each epoch's validation pass and other hooks
         }
         # The probe query the bundle must reproduce at load: a training user's raw query.
         write_run_outputs(scratch, name, config, metrics, model, index, item_embeddings, data.stats,
@@ -687,12 +688,17 @@ def _click_source(config: Config, data: JobData, plan: Plan, rows: int) -> Strea
 
 def _validation(config: Config, data: JobData) -> ValidationData:
     """Early stopping's data: the validation part carved from the training side (``plan_validation``:
-    as the test part was carved), the fit part batched, and the validation clicks (of up to
-    ``train.validation_users`` sampled users; ``data.stream.max_test_users`` when streamed) with
-    the query tower's inputs."""
+    as the test part was carved) or, with ``train.validation_part: test``, the test part itself; the
+    fit part batched, and the validation clicks (of up to ``train.validation_users`` sampled users;
+    ``data.stream.max_test_users`` when streamed) with the query tower's inputs."""
     stream = config.data.stream
-    carved = plan_validation(data.clicks, data.plan, config.train.validation_fraction, training_split(config.split))
-    counts = scan_counts(data.clicks, carved)
+    carved: Plan
+    if config.train.validation_part == "test":  # the test clicks themselves, every training click trained on
+        carved, counts = data.plan, data.counts
+    else:
+        carved = plan_validation(data.clicks, data.plan, config.train.validation_fraction,
+                                 training_split(config.split))
+        counts = scan_counts(data.clicks, carved)
     cap = config.train.validation_users
     if not data.source.in_memory:
         cap = stream.max_test_users if cap is None else min(cap, stream.max_test_users or cap)

@@ -33,8 +33,8 @@ class TrainingState:
       selection: the early-stopping selection's result (``fit``), kept so a resumed
         run does not repeat it.
       timing: per finished epoch, ``epoch_seconds`` and ``clicks_per_second`` (wall
-        time, input included): kept apart from ``history``, which is a pure
-        function of the seed.
+        time, input included) and ``hook_seconds`` (the epoch-end hooks after it): kept apart
+        from ``history``, which is a pure function of the seed.
     """
 
     epoch: int = 0

@@ -78,8 +78,8 @@ def fit(
         selection's (before ``on_epoch_end``) and the final one's; one that raises abandons training
         (the job checks this way that the shards it streams did not change).
       say: prints progress lines (``config.verbose`` says how many).
-      timing: if given, filled with the final run's ``epoch_seconds`` and
-        ``clicks_per_second`` per epoch (kept out of the history, which is a
+      timing: if given, filled with the final run's ``epoch_seconds``,
+        ``clicks_per_second`` and ``hook_seconds`` (validation included) per epoch (kept out of the history, which is a
         pure function of the seed).
       validation: the early-stopping data; None = carved from ``train`` (a frame) by
         ``validation_split``.
@@ -181,7 +181,7 @@ def select_epochs(
     the final run's interval) and a call that finds a checkpoint resumes it,
     the validation recalls so far coming back with its state; without a refit
     each new best epoch's weights are written to ``checkpoint_dir/best``.
-    ``timing``, if given, gets the run's ``epoch_seconds`` and ``clicks_per_second``.
+    ``timing``, if given, gets the run's ``epoch_seconds``, ``clicks_per_second`` and ``hook_seconds``.
     ``optimizer``: the one to train with (a refit from the best weights goes on with its moments);
     None = a new one.
 

@@ -143,3 +143,25 @@ def test_als_grid_points_are_every_combination_of_valid_als_config_fields(bench)
     for point in points:
         config = ALSConfig(**point)  # a key that is not an ALSConfig field fails here
         assert all(getattr(config, key) == value for key, value in point.items())
+
+
+@pytest.mark.slow
+def test_a_record_row_keeps_its_valid_curve_and_epoch_times_and_draws_them(tmp_path, bench):
+    """A record row selects on valid.txt itself: its run keeps the validation recall of every epoch with each
+    epoch's training and validation seconds, and the report tabulates and draws the curve."""
+    _write_dataset(tmp_path / "data" / "tiny")
+    out = tmp_path / "results"
+    assert bench.main(["--data-dir", str(tmp_path / "data"), "--out", str(out), "--variants", "mf-bsl-record",
+                       "--max-epochs", "3", "--set", "model.loss.num_negatives=10",
+                       "--set", "train.early_stopping_patience=5", "--set", "train.learning_rate=0.05"]) == 0
+    (run,) = json.loads((out / "bench_public.json").read_text())["rows"]
+    recalls = run["selection"][f"val_recall@{bench.K}"]
+    assert len(recalls) == len(run["epoch_seconds"]) == len(run["hook_seconds"]) == run["epochs"] == 3
+    assert run["selection"]["refit"] == "none" and all(seconds >= 0 for seconds in run["hook_seconds"])
+    (curve,) = bench.curves(json.loads((out / "bench_public.json").read_text()))
+    assert curve["recall"] == recalls and curve["best_epoch"] == 1 + int(np.argmax(recalls))
+    assert curve["wall"] == pytest.approx(np.cumsum(np.add(run["epoch_seconds"], run["hook_seconds"])))
+    markdown = (out / "bench_public.md").read_text()
+    assert "## Records at their own length: the curves" in markdown
+    assert f"| {curve['label']} | 3 | {curve['best_epoch']} | {max(recalls):.4f} |" in markdown
+    assert (out / "bench_public_curves.png").stat().st_size > 0

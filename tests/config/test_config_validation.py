@@ -212,3 +212,18 @@ def test_a_merge_key_may_be_overridden_and_equal_keys_in_sibling_mappings_are_fi
     text = "base: &b {epochs: 1, seed: 3}\ntrain:\n  <<: *b\n  epochs: 2\nlist: [{x: 1}, {x: 2}]\n"
     assert read_yaml(text) == {"base": {"epochs": 1, "seed": 3}, "train": {"epochs": 2, "seed": 3},
                                "list": [{"x": 1}, {"x": 2}]}
+
+
+@pytest.mark.parametrize(
+    "overrides,reason",
+    [
+        (["train.validation_part=test", "train.refit=false", "train.validation_fraction=0"],
+         "validation_fraction > 0 .*now 0.0"),
+        (["train.validation_part=test"], "refit=false .*now True"),
+    ],
+)
+def test_selecting_on_the_test_clicks_without_early_stopping_or_with_a_refit_is_refused(overrides, reason):
+    """``train.validation_part: test`` holds nothing out: a refit would repeat the same run, and without early
+    stopping there is nothing to select."""
+    with pytest.raises(ConfigError, match=rf"train.*validation_part='test'.*{reason}"):
+        load_config(None, overrides)

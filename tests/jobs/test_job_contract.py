@@ -105,6 +105,31 @@ def test_the_run_says_how_training_went(runs, source):
     assert steps == {training["epochs"]}  # the last epoch trained, not train.epochs
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("source", SOURCES)
+def test_early_stopping_on_the_test_clicks_selects_the_epoch_whose_weights_score_its_figure(
+    shards, tmp_path, caplog, source
+):
+    """``train.validation_part: test``: early stopping watches the test clicks of every test user and trains on
+    every training click, so the best epoch's validation recall and NDCG are the evaluation's own figures of the
+    weights it keeps, computed the other way (ExactTopK per click against the FAISS index per user: with one test
+    click a user the two means agree)."""
+    config = _config(shards, tmp_path, source, "split.kind=leave_last_k", "split.k=1", "train.epochs=4",
+                     "train.validation_part=test", "train.validation_fraction=0.1", "train.validation_users=null",
+                     "data.stream.max_test_users=null", "train.early_stopping_patience=4", "train.refit=false",
+                     "train.learning_rate=0.05")
+    with caplog.at_level("INFO", logger="retrieval"):
+        metrics = jobs.train_evaluate_export(config).metrics
+    stopping, model = metrics["training"]["early_stopping"], metrics["model"]
+    best = stopping["best_epoch"] - 1
+    assert stopping["epochs_run"] == 4 and model["users"] == metrics["counts"]["evaluated_users"] > 0
+    assert stopping["val_recall@20"][best] == pytest.approx(model["recall@20"], abs=1e-6)
+    assert stopping["val_ndcg@20"][best] == pytest.approx(model["ndcg@20"], abs=1e-6)
+    assert len(set(stopping["val_recall@20"])) > 1  # the epochs differ: the equality picks one of them
+    # Nothing carved out: the selection trains on every training click.
+    assert f"early stopping: {metrics['data']['train_clicks']} fit-part clicks" in caplog.text
+
+
 def _shape(value):
     """The keys of nested dicts, with each leaf's type: what a reader of metrics.json relies on."""
     if isinstance(value, dict):

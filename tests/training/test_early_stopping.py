@@ -230,3 +230,23 @@ def test_a_resumed_selection_takes_up_the_watched_metric():
     watch = ValidationRecall(model, validation, fit_part, k=5, patience=2, metric="ndcg")
     watch.resume({"val_recall@5": [0.3, 0.35, 0.32], "val_ndcg@5": [0.10, 0.09, 0.12]})
     assert watch.best_epoch == 3 and watch.recalls == [0.3, 0.35, 0.32]
+
+
+def test_each_epochs_hook_time_is_timed_apart_from_its_training_time():
+    """``timing['hook_seconds']``: the epoch-end hooks' own time (validation), which ``epoch_seconds`` (the
+    training throughput's time) leaves out: a hook that sleeps 0.3 s shows in it."""
+    import time
+
+    train = _clicks(4)
+    stats = FeatureStatistics.from_training_clicks(train)
+    config = TrainConfig(epochs=2, batch_size=256, validation_fraction=0, verbose=0)
+    runs = {}
+    for pause in (0.0, 0.3):
+        seed_everything(0)
+        timing: dict[str, list[float]] = {}
+        fit(build_model(ModelConfig(embedding_dim=8), stats), train, config, timing=timing,
+            epoch_hooks=[lambda epoch, logs, pause=pause: time.sleep(pause)])
+        runs[pause] = timing
+    assert len(runs[0.3]["hook_seconds"]) == len(runs[0.3]["epoch_seconds"]) == 2
+    assert all(0.3 <= seconds < 5 for seconds in runs[0.3]["hook_seconds"])
+    assert all(seconds < 0.3 for seconds in runs[0.0]["hook_seconds"])
