@@ -539,6 +539,16 @@ class EvaluatedClicks:
     user_train: pd.DataFrame
 
 
+def users_clicks(data: JobData, plan: Plan, users: np.ndarray) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``(train, test)`` click frames of ``users`` under ``plan``; the test side of the job's own plan is the
+    given test clicks (``data.test_clicks``) where the log came with them."""
+    user_train, user_test = collect_users(data.clicks, plan, users)
+    given_test = data.source.test_clicks
+    if given_test is not None and plan is data.plan:
+        user_test = given_test[given_test[USER].astype(str).isin(set(users))].reset_index(drop=True)
+    return user_train, user_test
+
+
 def evaluation_clicks(config: Config, data: JobData) -> EvaluatedClicks:
     """Every test user of a log in memory, or ``data.stream.max_test_users`` of them sampled
     when streamed: their clicks are all the evaluation holds. Ranked over ``data.catalogue_ids``.
@@ -546,15 +556,12 @@ def evaluation_clicks(config: Config, data: JobData) -> EvaluatedClicks:
     the ranking and known to the unseen-user filter alike."""
     stream = config.data.stream
     users = sample_test_users(data.counts, None if data.source.in_memory else stream.max_test_users, stream.seed)
-    user_train, user_test = collect_users(data.clicks, data.plan, users)
+    user_train, user_test = users_clicks(data, data.plan, users)
     if data.parent is not None:
         # A warm-started model trained on its parent's clicks too: they are known and excluded as its own are.
         parent_pairs = parent_seen_pairs(data.parent, set(users))
         if parent_pairs is not None:
             user_train = pd.concat([parent_pairs, user_train], ignore_index=True)
-    given_test = data.source.test_clicks
-    if given_test is not None:
-        user_test = given_test[given_test[USER].astype(str).isin(set(users))].reset_index(drop=True)
     eval_set = _eval_set(user_train, user_test, data.stats, data.catalogue_ids, config.evaluation)
     return EvaluatedClicks(eval_set, user_train)
 
@@ -703,7 +710,7 @@ def _validation(config: Config, data: JobData) -> ValidationData:
     if not data.source.in_memory:
         cap = stream.max_test_users if cap is None else min(cap, stream.max_test_users or cap)
     users = sample_test_users(counts, cap, stream.seed)
-    fit_clicks, validation = collect_users(data.clicks, carved, users)
+    fit_clicks, validation = users_clicks(data, carved, users)
     log.info("early stopping: %d fit-part clicks, validation on %d clicks of %d users",
              counts.train_rows, len(validation), len(users))
     source = _click_source(config, data, carved, counts.train_rows)

@@ -106,18 +106,26 @@ def test_the_run_says_how_training_went(runs, source):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("source", [*SOURCES, "given_test_file"])
 def test_early_stopping_on_the_test_clicks_selects_the_epoch_whose_weights_score_its_figure(
     shards, tmp_path, caplog, source
 ):
-    """``train.validation_part: test``: early stopping watches the test clicks of every test user and trains on
-    every training click, so the best epoch's validation recall and NDCG are the evaluation's own figures of the
-    weights it keeps, computed the other way (ExactTopK per click against the FAISS index per user: with one test
-    click a user the two means agree)."""
-    config = _config(shards, tmp_path, source, "split.kind=leave_last_k", "split.k=1", "train.epochs=4",
-                     "train.validation_part=test", "train.validation_fraction=0.1", "train.validation_users=null",
-                     "data.stream.max_test_users=null", "train.early_stopping_patience=4", "train.refit=false",
-                     "train.learning_rate=0.05")
+    """``train.validation_part: test``: early stopping watches the test clicks of every test user (the split's
+    test part, or the given test file's clicks) and trains on every training click, so the best epoch's
+    validation recall and NDCG are the evaluation's own figures of the weights it keeps, computed the other way
+    (ExactTopK per click against the FAISS index per user: with one test click a user the two means agree)."""
+    split = ["split.kind=leave_last_k", "split.k=1"]
+    if source == "given_test_file":  # each user's last click in a file of its own, as the LightGCN splits come
+        clicks = pd.read_parquet(shards.parent / "log.parquet").sort_values("timestamp", kind="stable")
+        last = clicks.groupby(USER).tail(1)
+        clicks.drop(last.index).to_parquet(tmp_path / "train.parquet", index=False)
+        last.to_parquet(tmp_path / "test.parquet", index=False)
+        split = ["split.kind=none", f"data.clicks.path={tmp_path / 'train.parquet'}",
+                 f"data.test_clicks={{path: {tmp_path / 'test.parquet'}}}"]
+    config = _config(shards, tmp_path, "in_memory" if source == "given_test_file" else source, *split,
+                     "train.epochs=4", "train.validation_part=test", "train.validation_fraction=0.1",
+                     "train.validation_users=null", "data.stream.max_test_users=null",
+                     "train.early_stopping_patience=4", "train.refit=false", "train.learning_rate=0.05")
     with caplog.at_level("INFO", logger="retrieval"):
         metrics = jobs.train_evaluate_export(config).metrics
     stopping, model = metrics["training"]["early_stopping"], metrics["model"]
