@@ -173,6 +173,19 @@ def target_ranks(
     return np.where(admissible[rows, targets], ranks, scores.shape[1] + 1).astype(np.int64)
 
 
+def data_counts(split: Split, max_length: int) -> dict[str, int]:
+    """Training positions (each user's newest ``max_length + 1`` training items give that many minus one
+    targets) and the test targets no model can rank from the clicks: items in no user's training items,
+    and in no user's training or validation items."""
+    training = set(np.concatenate(list(split.train.values())).tolist())
+    seen = training | set(split.validation.values())
+    return {
+        "training_positions": int(sum(min(len(items), max_length + 1) - 1 for items in split.train.values())),
+        "test_targets_unseen_in_training": sum(item not in training for item in split.test.values()),
+        "test_targets_unseen_in_training_or_validation": sum(item not in seen for item in split.test.values()),
+    }
+
+
 def hit_rate_and_ndcg(ranks: np.ndarray, k: int) -> tuple[float, float]:
     """HR@k and NDCG@k of one target a user: the share of ranks <= k, and the mean of 1 / log2(rank + 1) there."""
     ranks = np.asarray(ranks)
@@ -512,16 +525,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "users": len(sequences),
             "catalogue_items": len(catalogue),
             "columns": item_count + 1,
-            "training_positions": int(
-                sum(min(len(items) - 2, args.max_length + 1) - 1 for items in split.train.values())
-            ),
-            "test_targets_without_a_training_click": int(
-                len(
-                    set(split.test.values())
-                    - set(np.concatenate(list(split.train.values())).tolist())
-                    - set(split.validation.values())
-                )
-            ),
+            **data_counts(split, args.max_length),
         },
         "loss_check": checked,
         "epochs": len(history),

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from benchmarks.peer_sasrec_plus import (
+    data_counts,
     hit_rate_and_ndcg,
     leave_last_two,
     metrics_at,
@@ -24,6 +25,19 @@ def test_the_last_item_is_the_test_target_the_one_before_it_validation(tmp_path)
     assert split.test == {1: 13, 2: 22, 3: 34}
     assert split.validation == {1: 12, 2: 21, 3: 33}
     assert {user: items.tolist() for user, items in split.train.items()} == {1: [10, 11], 2: [20], 3: [30, 31, 32]}
+
+
+def test_counts_of_training_positions_and_unrankable_targets(tmp_path):
+    path = tmp_path / "sequences.txt"
+    # training items: [10, 11, 12, 13], [20], [30, 10]; validation 14, 21, 31; test 40 (unseen), 21, 10
+    path.write_text("1 10 11 12 13 14 40\n2 20 21 21\n3 30 10 31 10\n")
+    split = leave_last_two(read_sequences(path))
+    # windows of at most max_length + 1 = 3 items: [11, 12, 13] -> 2 targets, [20] -> 0, [30, 10] -> 1
+    assert data_counts(split, max_length=2) == {
+        "training_positions": 3,
+        "test_targets_unseen_in_training": 2,  # 40 and 21 (21 is only a validation item)
+        "test_targets_unseen_in_training_or_validation": 1,  # 40
+    }
 
 
 @pytest.mark.parametrize(
