@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import importlib.util
 import os
 import subprocess
 import sys
@@ -231,13 +232,21 @@ def import_reference(reference_dir: Path) -> types.SimpleNamespace:
         stand_in = types.ModuleType("pytorch_lightning")
         stand_in.LightningModule = LightningModule  # type: ignore[attr-defined]
         sys.modules["pytorch_lightning"] = stand_in
-    sys.path.insert(0, str(src))
-    import datasets
-    import models
-    import modules
-    import preprocess
+    # Each loaded from its file (none imports another), so the checkout never goes onto the import path.
+    loaded = {name: _module_from_file(name, src / f"{name}.py") for name in ("datasets", "models", "modules",
+                                                                              "preprocess")}
+    return types.SimpleNamespace(**loaded, src=src)
 
-    return types.SimpleNamespace(models=models, datasets=datasets, modules=modules, preprocess=preprocess, src=src)
+
+def _module_from_file(name: str, path: Path) -> types.ModuleType:
+    """The module in ``path``, executed and registered as ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot load {path} as a module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def reference_commit(reference_dir: Path, given: str | None) -> str | None:
