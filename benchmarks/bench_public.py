@@ -33,7 +33,6 @@ import datetime
 import functools
 import itertools
 import json
-import os
 import re
 import shutil
 import statistics
@@ -45,7 +44,17 @@ from pathlib import Path
 from typing import Any
 
 import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is imported)
-from benchmarks._harness import RESULTS, command, cpu_model, machine, markdown_table, pyplot, save_figure, write_json
+from benchmarks._harness import (
+    RESULTS,
+    command,
+    cpu_model,
+    data_dir,
+    machine,
+    markdown_table,
+    pyplot,
+    save_figure,
+    write_json,
+)
 from benchmarks._quality import VARIANTS as LOSS_VARIANTS
 from retrieval.config import ALSConfig, BaselinesConfig, Config, ConfigError, load_config
 from retrieval.data import ITEM, USER, load_dataset
@@ -530,8 +539,7 @@ def _names(values: list[str], valid: list[str], what: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default_dir = os.environ.get("RETRIEVAL_DATA_DIR") or str(ROOT.parent / "shared/datasets")
-    parser.add_argument("--data-dir", type=Path, default=Path(default_dir),
+    parser.add_argument("--data-dir", type=Path, default=data_dir(),
                         help="folder of dataset folders (default: $RETRIEVAL_DATA_DIR or ../shared/datasets)")
     parser.add_argument("--datasets", nargs="+", default=[], help="dataset folder names (default: every one found)")
     parser.add_argument("--variants", nargs="+", default=[],

@@ -40,6 +40,7 @@ import retrieval  # noqa: F401  (sets TF_USE_LEGACY_KERAS before TensorFlow is i
 from benchmarks._harness import (
     RESULTS,
     ROOT,
+    data_dir,
     describe_machine,
     load_average,
     machine,
@@ -531,7 +532,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated rows of VARIANTS")
     parser.add_argument("--data-dir", type=Path,
-                        default=Path(os.environ.get("RETRIEVAL_DATA_DIR", ROOT.parent / "shared/datasets")))
+                        default=data_dir())
     parser.add_argument("--set", dest="extra", action="append", default=[], help="an override for every row")
     parser.add_argument("--report", action="store_true", help="rewrite the md/png from the JSON only")
     parser.add_argument("--throughput", action="store_true", help="measure trained pairs/s instead of the rows")

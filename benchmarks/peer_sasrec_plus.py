@@ -48,7 +48,6 @@ import argparse
 import copy
 import datetime
 import importlib.util
-import os
 import subprocess
 import sys
 import time
@@ -60,11 +59,17 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._harness import RESULTS, command, describe_machine, load_average, machine, markdown_table, write_report
-
-DEFAULT_DATA_DIR = Path(
-    os.environ.get("RETRIEVAL_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "datasets")
+from benchmarks._harness import (
+    RESULTS,
+    command,
+    data_dir,
+    describe_machine,
+    load_average,
+    machine,
+    markdown_table,
+    write_report,
 )
+
 KS = (10, 20, 50, 100)
 
 
@@ -367,6 +372,15 @@ def position_loss(model, batch):
     return torch.nn.functional.cross_entropy(logits, labels[kept])
 
 
+def train_step(model, optimizer, batch) -> float:
+    """One Adam step on ``position_loss``; the loss before it."""
+    loss = position_loss(model, batch)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader
@@ -434,10 +448,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model.train()
         clock = time.perf_counter()
         for step, batch in enumerate(train_loader, start=1):
-            loss = position_loss(model, batch)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            train_step(model, optimizer, batch)
             if step == args.time_steps:
                 break
         seconds = time.perf_counter() - clock
@@ -458,11 +469,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model.train()
         losses = []
         for step, batch in enumerate(train_loader, start=1):
-            loss = position_loss(model, batch)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+            losses.append(train_step(model, optimizer, batch))
             if step % 50 == 0:
                 print(f"  epoch {epoch} step {step}/{len(train_loader)} loss {np.mean(losses[-50:]):.4f}", flush=True)
         train_seconds = time.perf_counter() - epoch_clock
@@ -608,7 +615,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reference-dir", type=Path, required=True, help="the reference's checkout or its src/ folder")
     parser.add_argument("--reference-commit", help="recorded as the reference's commit (default: the checkout's HEAD)")
     parser.add_argument(
-        "--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="holds beauty/sequences.txt and items.txt"
+        "--data-dir", type=Path, default=data_dir(), help="holds beauty/sequences.txt and items.txt"
     )
     parser.add_argument("--max-epochs", type=int, default=20, help="the reference: 100")
     parser.add_argument("--patience", type=int, default=3, help="the reference: 10")

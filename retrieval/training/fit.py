@@ -79,8 +79,8 @@ def fit(
         (the job checks this way that the shards it streams did not change).
       say: prints progress lines (``config.verbose`` says how many).
       timing: if given, filled with the final run's ``epoch_seconds``,
-        ``clicks_per_second`` and ``hook_seconds`` (validation included) per epoch (kept out of the history, which is a
-        pure function of the seed).
+        ``clicks_per_second`` and ``hook_seconds`` (validation included) per epoch
+        (kept out of the history, which is a pure function of the seed).
       validation: the early-stopping data; None = carved from ``train`` (a frame) by
         ``validation_split``.
       prepare_optimizer: called with the new optimizer before training (and before a resume restores

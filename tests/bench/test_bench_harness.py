@@ -95,3 +95,11 @@ def test_quoted_benchmark_commands_name_modules_that_exist():
         modules |= set(re.findall(r"python3? -m benchmarks\.(\w+)", text))
     assert {"bench_serving", "bench_serving_real", "bench_eval"} <= modules
     assert modules <= set(BENCHMARKS), modules - set(BENCHMARKS)
+
+
+def test_the_data_dir_default_is_the_environment_or_shared_datasets_beside_the_repository(monkeypatch, tmp_path):
+    monkeypatch.setenv("RETRIEVAL_DATA_DIR", str(tmp_path))
+    assert harness.data_dir() == tmp_path
+    for unset in (monkeypatch.delenv, lambda name: monkeypatch.setenv(name, "")):
+        unset("RETRIEVAL_DATA_DIR")
+        assert harness.data_dir() == ROOT.parent / "shared" / "datasets"
