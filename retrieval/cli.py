@@ -48,7 +48,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -430,13 +430,6 @@ def serve_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "independent ops (an ensemble's members) still run side by side (default: %(default)s)",
     )
     serve.add_argument(
-        "--xla", action=argparse.BooleanOptionalAction, default=True,
-        help="compile the query tower's numeric ops with XLA (TensorFlow's auto-clustering on the CPU, "
-        "compiled in the background while the first calls of each batch size run uncompiled): about half "
-        "a transformer history tower's call; --no-xla runs every op through TensorFlow's executor. A "
-        "TF_XLA_FLAGS set in the environment is kept as it is (default: on)",
-    )
-    serve.add_argument(
         "--verify", default="quick", choices=["quick", "full"],
         help="check the bundle's files (at start and every reload) against its manifest's fingerprints: "
         "quick hashes files over 64 MiB by size and both ends, full hashes every file whole (default: %(default)s)",
@@ -496,8 +489,6 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError(f"--port {args.port} is not a TCP port (0 to 65535)")
     if args.tensorflow_threads < 0:
         raise UserError(f"--tensorflow-threads {args.tensorflow_threads} must be 0 (every core) or more")
-    if args.xla:
-        _cluster_with_xla(os.environ, tensorflow_loaded="tensorflow" in sys.modules)
     if args.tensorflow_threads:
         _limit_tensorflow_threads(args.tensorflow_threads)
     try:  # both check the flags' values: their ValueError is a bad command line
@@ -518,29 +509,6 @@ def _serve(args: argparse.Namespace) -> int:
     )
     uvicorn.Server(config).run()
     return 0
-
-
-# TensorFlow's auto-clustering, on the CPU too, compiling in the background: a cluster runs through
-# the executor until its XLA build for that input shape is ready, so no request waits for a compile.
-XLA_AUTO_CLUSTERING = "--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit --tf_xla_async_compilation=true"
-
-
-def _cluster_with_xla(environ: MutableMapping[str, str], tensorflow_loaded: bool) -> bool:
-    """Sets ``TF_XLA_FLAGS`` to ``XLA_AUTO_CLUSTERING`` unless the user set it; True when it did.
-
-    TensorFlow reads the variable once, when it first needs XLA's flags: after TensorFlow has
-    loaded (``serve`` called from Python after other work) the setting may come too late, which is
-    logged, as is a user's own value, which is kept.
-    """
-    log = logging.getLogger(__name__)
-    if "TF_XLA_FLAGS" in environ:
-        log.debug("--xla: TF_XLA_FLAGS=%r is set in the environment and kept as it is", environ["TF_XLA_FLAGS"])
-        return False
-    if tensorflow_loaded:
-        log.warning("--xla may not take effect: TensorFlow was loaded in this process before serve set "
-                    "TF_XLA_FLAGS; start serve in a process of its own (retrieval serve) to compile the tower")
-    environ["TF_XLA_FLAGS"] = XLA_AUTO_CLUSTERING
-    return True
 
 
 def _limit_tensorflow_threads(threads: int) -> None:

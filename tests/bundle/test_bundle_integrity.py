@@ -319,7 +319,7 @@ def test_large_files_are_checked_by_their_ends_unless_full_is_asked(bundles, tmp
         Bundle.load(copy, verify="full")
     # retrieval serve --verify full: the same at start (and for every reload).
     monkeypatch.setattr(uvicorn.Server, "run", lambda self: None)
-    assert cli.main(["serve", "--bundle", str(copy), "--verify", "full", "--no-xla"]) == 2
+    assert cli.main(["serve", "--bundle", str(copy), "--verify", "full"]) == 2
     assert "index.faiss: content differs" in capsys.readouterr().err
     app = create_app(bundles["a"], verify="full")
     assert app.state.holder.verify == "full"

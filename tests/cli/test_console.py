@@ -28,8 +28,8 @@ FLAGS = {
                   "--overwrite", "--block-size"],
     "catalogue": ["--bundle", "--items", "--out", "--overwrite"],
     "serve": ["--bundle", "--host", "--port", "--no-admin", "--admin-token", "--search-threads",
-              "--tensorflow-threads", "--xla", "--no-xla", "--verify", "--access-log", "--http", "--loop",
-              "--log-level", "--gil-switch-interval", "--max-body-bytes"],
+              "--tensorflow-threads", "--verify", "--access-log", "--http", "--loop", "--log-level",
+              "--gil-switch-interval", "--max-body-bytes"],
     "reload": ["--bundle", "--url", "--host", "--port", "--timeout", "--token"],
 }
 PIPELINES = ["train", "evaluate", "export", "tune"]
@@ -155,19 +155,3 @@ def test_reload_takes_the_port_as_serve_does_or_a_url(capsys):
     assert asked == [("/admin/reload", {"bundle": f"b{i}"}) for i in (1, 2, 3)]
     assert cli.main(["reload", "--url", f"http://127.0.0.1:{port}", "--port", str(port), "--bundle", "b"]) == 2
     assert "give the service as --url or as --host/--port, not both" in capsys.readouterr().err
-
-
-def test_serve_compiles_the_tower_with_xla_unless_told_not_or_the_user_set_xlas_flags(caplog):
-    environ: dict[str, str] = {}
-    assert cli._cluster_with_xla(environ, tensorflow_loaded=False)
-    assert environ["TF_XLA_FLAGS"].split() == ["--tf_xla_auto_jit=2", "--tf_xla_cpu_global_jit",
-                                               "--tf_xla_async_compilation=true"]
-    mine = {"TF_XLA_FLAGS": "--tf_xla_auto_jit=-1"}
-    assert not cli._cluster_with_xla(mine, tensorflow_loaded=False)
-    assert mine == {"TF_XLA_FLAGS": "--tf_xla_auto_jit=-1"}, "a user's own flags are kept"
-    late: dict[str, str] = {}
-    with caplog.at_level("WARNING", logger="retrieval.cli"):
-        assert cli._cluster_with_xla(late, tensorflow_loaded=True)
-    assert "TensorFlow was loaded in this process before serve set TF_XLA_FLAGS" in caplog.text
-    parser = cli.serve_parser()
-    assert parser.parse_args(["--bundle", "b"]).xla and not parser.parse_args(["--bundle", "b", "--no-xla"]).xla
