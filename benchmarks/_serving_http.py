@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -87,14 +86,14 @@ def write_test_bundle(workdir: Path, factory: str, index, towers, seen_items=Non
 class Server:
     """``retrieval serve`` in a subprocess on a free 127.0.0.1 port."""
 
-    def __init__(self, bundle: Path, http: str = "auto", loop: str = "auto", flags: Sequence[str] = ()):
+    def __init__(self, bundle: Path, http: str = "auto", loop: str = "auto"):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "retrieval.cli", "serve", "--bundle", str(bundle), "--port", str(self.port),
-             "--log-level", "warning", "--http", http, "--loop", loop, *SERVE_ARGS, *flags],
+             "--log-level", "warning", "--http", http, "--loop", loop, *SERVE_ARGS],
             cwd=ROOT,
         )
         import httpx

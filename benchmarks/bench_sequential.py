@@ -366,10 +366,9 @@ def serving_latency(data_dir: Path, history_items: int = 200, users: int = 2000,
     epoch on the first ``users`` users' sequences with the whole 54,542-item catalogue in an IVF index
     (the nlist of ``index.factory: auto``, its nprobe tuned to ``index.target_recall`` on the training
     users' queries: the nprobe, and so the IVF row's latency, depends on this short-trained model),
-    then copied with the exact index (``reindex_bundle``, ``Flat``); the exact bundle is served with
-    the server's default flags and with ``--no-xla``, the IVF one with the defaults, the three servers
-    answering in turn, a chunk of requests each (``_serve_histories``: the rows share the machine's
-    load, not its cores), and as the model is the same, the IVF and --no-xla rows' recall@k is
+    then copied with the exact index (``reindex_bundle``, ``Flat``); both are served with the server's
+    default flags, answering in turn, a chunk of requests each (``_serve_histories``: the rows share
+    the machine's load, not its cores), and as the model is the same, the IVF row's recall@k is
     measured against the exact row's answers to the same requests. Each request is a history of
     ``history_items`` distinct trained items drawn at random (seed 0), newest first, the history's
     items excluded (the default); sequential requests, one client, after 20 warm-up requests.
@@ -411,28 +410,24 @@ def _serving_rows(beauty: Path, config_path: Path, length: int | None, history_i
         assert history is not None, f"{config_path} has no history tower"
         tower = {"config": str(config_path.relative_to(ROOT)), "length": history.length,
                  "ensemble_members": config.model.ensemble_members, "embedding_dim": config.model.embedding_dim}
-        # The exact index served as shipped, the IVF one, and the exact one without XLA (serve --no-xla).
-        (exact_row, exact_answers), (ivf_row, ivf_answers), (plain_row, plain_answers) = _serve_histories(
-            [(exact, []), (ivf, []), (exact, ["--no-xla"])], histories, k)
-    for row, answers in ((ivf_row, ivf_answers), (plain_row, plain_answers)):
-        row["recall_vs_exact"] = float(np.mean([len(set(a) & set(b)) / len(b) for a, b in
-                                                zip(answers, exact_answers, strict=True)]))
-    return [{**tower, **exact_row}, {**tower, **ivf_row}, {**tower, **plain_row}]
+        (exact_row, exact_answers), (ivf_row, ivf_answers) = _serve_histories([exact, ivf], histories, k)
+    ivf_row["recall_vs_exact"] = float(np.mean([len(set(a) & set(b)) / len(b) for a, b in
+                                                zip(ivf_answers, exact_answers, strict=True)]))
+    return [{**tower, **exact_row}, {**tower, **ivf_row}]
 
 
-# Requests a server answers before the next one takes over (``_serve_histories``), and the pause after
-# the warm-up in which each server's background XLA compiles (``retrieval serve --xla``) finish.
+# Requests a server answers before the next one takes over (``_serve_histories``).
 SERVING_CHUNK = 100
-SERVING_SETTLE_SECONDS = 5.0
 
 
-def _serve_histories(servings: list[tuple[Path, list[str]]], histories: list[list[str]],
+def _serve_histories(bundles: list[Path], histories: list[list[str]],
                      k: int) -> list[tuple[dict[str, Any], list[list[str]]]]:
-    """Each (bundle, ``retrieval serve`` flags) served over HTTP, all started at once and answering one
-    at a time: the first 20 ``histories`` warm each up, then, after ``SERVING_SETTLE_SECONDS``, each
-    server answers the next ``SERVING_CHUNK`` requests while the others wait idle, in turn (the order
-    reversed every chunk), so the rows share the machine's load without one server's threads competing
-    with another's answer. Per serving, its latency row and its answers to ``histories[20:]``."""
+    """Each bundle served over HTTP (``retrieval serve``, default flags), all started at once and
+    answering one at a time: the first 20 ``histories`` warm each up, then each server answers the next
+    ``SERVING_CHUNK`` requests while the others wait idle, in turn (the order reversed every chunk), so
+    the rows share the machine's load without one server's threads competing with another's answer
+    (TensorFlow's, OpenMP's and OpenBLAS's threads spin a while after their work). Per bundle, its
+    latency row and its answers to ``histories[20:]``."""
     import httpx
 
     from benchmarks._serving_http import Server
@@ -441,10 +436,10 @@ def _serve_histories(servings: list[tuple[Path, list[str]]], histories: list[lis
 
     servers: list[Server] = []
     try:
-        for bundle, flags in servings:
-            servers.append(Server(bundle, flags=flags))
-        latencies: list[list[float]] = [[] for _ in servings]
-        served: list[list[list[str]]] = [[] for _ in servings]
+        for bundle in bundles:
+            servers.append(Server(bundle))
+        latencies: list[list[float]] = [[] for _ in bundles]
+        served: list[list[list[str]]] = [[] for _ in bundles]
         clients = [httpx.Client(base_url=server.url, timeout=60) for server in servers]
 
         def ask(b: int, history: list[str]) -> tuple[float, list[str]]:
@@ -458,7 +453,6 @@ def _serve_histories(servings: list[tuple[Path, list[str]]], histories: list[lis
             for b in range(len(servers)):
                 for history in histories[:20]:
                     ask(b, history)
-            time.sleep(SERVING_SETTLE_SECONDS)
             load_at_start = load_average()
             cpu_at_start = [_cpu_seconds(server.process.pid) for server in servers]
             for chunk, start in enumerate(range(20, len(histories), SERVING_CHUNK)):
@@ -477,11 +471,11 @@ def _serve_histories(servings: list[tuple[Path, list[str]]], histories: list[lis
         for server in servers:
             server.stop()
     measured = []
-    for (bundle, flags), times, answers, seconds in zip(servings, latencies, served, cpu, strict=True):
+    for bundle, times, answers, seconds in zip(bundles, latencies, served, cpu, strict=True):
         overlap = sum(len(set(items) & set(history)) for items, history in zip(answers, histories[20:], strict=True))
         index = read_manifest(bundle).index or {}
         measured.append(({"index": index.get("factory"), "search_params": index.get("search_params"),
-                          "serve_flags": " ".join(flags), "requests": len(times), "history_items_served": overlap,
+                          "requests": len(times), "history_items_served": overlap,
                           "load_average": {"start": load_at_start, "end": load_at_end},
                           # the server's CPU time a request (after the warm-up): its work, whatever the load
                           "server_cpu_ms_per_request": 1e3 * seconds / len(times),
@@ -510,24 +504,21 @@ def _serving_lines() -> list[str]:
              f"{r.get('training_users', 2000):,} users (a short training: the exact rows' latency does not depend on "
              "how well the model ranks, the IVF rows' nprobe does), served with an IVF index (index.factory auto's "
              "nlist, nprobe tuned to index.target_recall on the training users' queries) and, the same model, with "
-             "the exact index (Flat, `retrieval.jobs.reevaluate_reindex`), the exact one also with `--no-xla` "
-             "(the query tower through TensorFlow's executor, op by op); the servers started at once and, after "
-             f"20 warm-up requests each and {SERVING_SETTLE_SECONDS:g} s for their background XLA compiles, "
-             f"answering in turn, {SERVING_CHUNK} requests each while the others wait idle (the order reversed "
-             "every turn), so the rows share the machine's load but no server's threads compete with another's "
-             f"answer; the IVF and --no-xla rows' recall@{r['k']} is against the exact row's answers to the same "
-             "requests. Server CPU ms a request: the server process's CPU time (all threads) over the measured "
-             "requests divided by their number: its work, which the other processes on the machine do not inflate "
-             "as they do the wall time.", "",
+             "the exact index (Flat, `retrieval.jobs.reevaluate_reindex`); the two servers started at once and, "
+             f"after 20 warm-up requests each, answering in turn, {SERVING_CHUNK} requests each while the other "
+             "waits idle (the order reversed every turn), so the rows share the machine's load but neither "
+             f"server's threads compete with the other's answer; the IVF row's recall@{r['k']} is against the "
+             "exact row's answers to the same requests. Server CPU ms a request: the server process's CPU time "
+             "(all threads) over the measured requests divided by their number: its work, which the other "
+             "processes on the machine do not inflate as they do the wall time.", "",
              *markdown_table(
-                 ["tower", "history length", "members × dim", "index", "serve flags", "recall vs exact", "requests",
-                  "p50 ms", "p99 ms", "mean ms", "server CPU ms a request", "history items served",
+                 ["tower", "history length", "members × dim", "index", "recall vs exact", "requests", "p50 ms",
+                  "p99 ms", "mean ms", "server CPU ms a request", "history items served",
                   "load average at the first / last request"],
                  [[row.get("config", "configs/beauty.yaml"), row["length"],
                    f"{row.get('ensemble_members', r.get('ensemble_members'))} × "
                    f"{row.get('embedding_dim', r.get('embedding_dim'))}",
                    " ".join(filter(None, [row.get("index", "Flat"), row.get("search_params")])),
-                   row.get("serve_flags") or "",
                    f"{row['recall_vs_exact']:.3f}" if "recall_vs_exact" in row else "",
                    row["requests"], f"{row['sequential_p50_ms']:.2f}", f"{row['sequential_p99_ms']:.2f}",
                    f"{row['sequential_mean_ms']:.2f}",
