@@ -74,6 +74,11 @@ VARIANTS: dict[str, list[str]] = {
     "transformer-ensemble": [],
     "transformer-ensemble-early-stopping": EARLY_STOPPING,
     "transformer-ensemble-seed1": [*EARLY_STOPPING, "train.seed=1"],
+    # The recipe with the corrected log-Q (Khrylchenko et al., RecSys 2025: the positive left out of the
+    # sampled part, each row weighted by the model's chance of misclassifying it), beside the standard
+    # correction the config states, both run on the same code one after the other.
+    "transformer-ensemble-standard-logq": ["model.loss.log_q_variant=standard"],
+    "transformer-ensemble-corrected-logq": ["model.loss.log_q_variant=corrected"],
     # One member of the same recipe, then without removing the sequence's items.
     "transformer-dim128-own-items": [*EARLY_STOPPING, "model.ensemble_members=1"],
     "transformer-dim128": ONE_MEMBER,
