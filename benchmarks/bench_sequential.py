@@ -79,6 +79,8 @@ VARIANTS: dict[str, list[str]] = {
     # correction the config states, both run on the same code one after the other.
     "transformer-ensemble-standard-logq": ["model.loss.log_q_variant=standard"],
     "transformer-ensemble-corrected-logq": ["model.loss.log_q_variant=corrected"],
+    "transformer-ensemble-standard-logq-seed1": ["model.loss.log_q_variant=standard", "train.seed=1"],
+    "transformer-ensemble-corrected-logq-seed1": ["model.loss.log_q_variant=corrected", "train.seed=1"],
     # One member of the same recipe, then without removing the sequence's items.
     "transformer-dim128-own-items": [*EARLY_STOPPING, "model.ensemble_members=1"],
     "transformer-dim128": ONE_MEMBER,
