@@ -91,6 +91,8 @@ VARIANTS: dict[str, list[str]] = {
                                   "towers.query.features=[{name: user_id, kind: id}]", "train.optimizer=lazy_adam",
                                   "train.learning_rate=0.01", "train.batch_size=1024"],
 }
+# The pooled ensemble at the second seed transformer-ensemble-seed1 ran at: the two recipes side by side twice.
+VARIANTS["pooled-attention-ensemble-seed1"] = [*VARIANTS["pooled-attention-ensemble"], "train.seed=1"]
 VARIANTS |= {name: [*ONE_MEMBER_64, *overrides] for name, overrides in {
     "transformer-in-batch": [],
     "transformer-in-batch-refit-best": ["train.refit_from=best", "train.refit_epochs=1"],
