@@ -29,6 +29,8 @@ def data_dir() -> Path:
     """Where the public datasets are (each script's --data-dir default): $RETRIEVAL_DATA_DIR, or
     ../shared/datasets beside the repository when that is unset or empty."""
     return Path(os.environ.get("RETRIEVAL_DATA_DIR") or ROOT.parent / "shared" / "datasets")
+
+
 # Every ``machine()`` dict has these keys (and the versions asked for under "versions").
 MACHINE_KEYS = ("cpu", "cpus", "platform", "processor", "python", "memory_bytes", "load_average", "versions")
 

@@ -461,7 +461,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {}
 
     history: list[dict[str, Any]] = []
-    best = {"ndcg@10": -1.0, "epoch": 0, "state": None}
+    best = {"ndcg@10": -1.0, "epoch": 0, "state": None, "validation_ranks": None}
     stopped_by = "max_epochs"
     training_clock = time.perf_counter()
     for epoch in range(1, args.max_epochs + 1):
@@ -491,7 +491,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
         if row["val_ndcg@10"] > best["ndcg@10"]:
-            best = {"ndcg@10": row["val_ndcg@10"], "epoch": epoch, "state": copy.deepcopy(model.state_dict())}
+            best = {"ndcg@10": row["val_ndcg@10"], "epoch": epoch, "state": copy.deepcopy(model.state_dict()),
+                    "validation_ranks": ranks}
         elif epoch - best["epoch"] >= args.patience:
             stopped_by = "patience"
             break
@@ -506,11 +507,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ranks = score_loader(model, test_loader, catalogue_mask, split.test)
     test_seconds = time.perf_counter() - test_clock
     check = {
+        # The kept weights' validation ranks, from the epoch that chose them (eval mode: the same scores).
         "validation": reference_prediction_check(
-            seqrec,
-            validation_loader,
-            score_loader(model, validation_loader, catalogue_mask, split.validation)["reference"],
-            split.validation,
+            seqrec, validation_loader, best["validation_ranks"], split.validation
         ),
         "test": reference_prediction_check(seqrec, test_loader, ranks["reference"], split.test),
     }
