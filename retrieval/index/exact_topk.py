@@ -476,8 +476,27 @@ def _best(scores: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.
     if width > k:
         best = np.argpartition(scores, width - k, axis=1)[:, width - k :]
         scores, rows = np.take_along_axis(scores, best, axis=1), np.take_along_axis(rows, best, axis=1)
-    order = np.argsort(-scores, axis=1, kind="stable")
+    order = _descending_order(scores)
     return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)
+
+
+def _descending_order(scores: np.ndarray) -> np.ndarray:
+    """Each row's positions by descending score, ties by position: ``np.argsort(-scores, kind="stable")``.
+
+    One sort of 64-bit integer keys per row instead of an argsort: a float32 score's bits, mapped so
+    that unsigned order is descending score order, above its position. numpy sorts integers with
+    SIMD; the stable argsort of [1000, 1000] scores (k = 1,000) cost about as much as the selection
+    itself, the keys' sort about a quarter of it.
+    """
+    width = scores.shape[1]
+    bits = (np.asarray(scores, dtype=np.float32) + np.float32(0)).view(np.uint32)  # + 0: -0.0 sorts as 0.0
+    # Ascending-order bits (a negative's every bit flipped, a positive's sign bit set), inverted.
+    descending = np.where(bits >> 31, bits, ~bits & np.uint32(0x7FFFFFFF))
+    position_bits = max(1, int(width - 1).bit_length())
+    keys = descending.astype(np.uint64) << np.uint64(position_bits)
+    keys |= np.arange(width, dtype=np.uint64)
+    keys.sort(axis=1)
+    return (keys & np.uint64((1 << position_bits) - 1)).astype(np.intp)
 
 
 def _cut_back(kept_scores: np.ndarray, kept_rows: np.ndarray, rows: np.ndarray, k: int) -> None:

@@ -350,3 +350,16 @@ def test_a_single_worker_runs_its_products_on_one_blas_thread(monkeypatch, selec
     _assert_top_k(*ExactTopK(items, threads=1).search(queries, 7), queries, items, 7)
     assert seen == [1], f"BLAS threads during the search: {seen}"
     assert exact_topk.blas_threads() == before
+
+
+@pytest.mark.parametrize("width", [1, 2, 7, 1_000])
+def test_the_final_order_equals_a_stable_argsort_of_the_negated_scores(selection, width):
+    """The keyed sort behind every result's order against ``np.argsort(-scores, kind="stable")``: signs,
+    -0.0 beside 0.0, -inf, subnormals and ties (kept in position order)."""
+    _only(selection, "numpy")  # one function, whichever selection runs
+    rng = np.random.default_rng(width)
+    special = np.array([0.0, -0.0, -np.inf, 1e-45, -1e-45, 3.0e38, -3.0e38, 1.0, -1.0], dtype=np.float32)
+    scores = np.where(rng.random((50, width)) < 0.3, rng.choice(special, (50, width)),
+                      rng.normal(size=(50, width))).astype(np.float32)
+    scores[::5] = np.round(scores[::5])  # rows full of ties
+    np.testing.assert_array_equal(exact_topk._descending_order(scores), np.argsort(-scores, axis=1, kind="stable"))
