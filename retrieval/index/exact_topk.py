@@ -16,7 +16,7 @@ Two selections share the blocks, the masks' contract and the thread pool:
   thresholds that are always the exact k-th best seen, and for large k a guess
   from a random sample of blocks scanned first (checked, as below). At 1M items
   with masks it runs at about 0.9 of the bare product's speed at k = 10 and 100
-  and 0.77 at k = 1,000, whose ~2k candidates a query still cost a fifth of it
+  and 0.8 at k = 1,000, whose ~2k candidates a query still cost a fifth of it
   (``make bench-topk``).
 - numpy (the fallback; ``_chunk_top_k``), in vectorised passes:
 
