@@ -66,7 +66,7 @@ ONE_MEMBER_64 = [*EARLY_STOPPING, "model.embedding_dim=64", "model.remove_sequen
                  "model.ensemble_members=1"]
 ONE_MEMBER = [*EARLY_STOPPING, "model.remove_sequence_items=false", "model.ensemble_members=1"]
 
-# name -> overrides on configs/beauty.yaml; the first is the recipe the config states.
+# name -> overrides on configs/beauty.yaml (restated below: TRANSFORMER_ENSEMBLE).
 VARIANTS: dict[str, list[str]] = {
     # Two members of dimension 128 trained side by side on each batch, served as one tower pair that
     # scores their mean (model.ensemble_members: 2), a sequence's own items never its negatives,
@@ -93,6 +93,24 @@ VARIANTS: dict[str, list[str]] = {
 }
 # The pooled ensemble at the second seed transformer-ensemble-seed1 ran at: the two recipes side by side twice.
 VARIANTS["pooled-attention-ensemble-seed1"] = [*VARIANTS["pooled-attention-ensemble"], "train.seed=1"]
+# The pooled ensemble with a user's other training items kept out of its negatives (as the transformer
+# ensemble keeps its sequence's items), reading the last 50 items, and with more members: four of 128,
+# eight of 64 and sixteen of 32 (512 floats an item, where index.factory auto picks IVF over the 54,542
+# items; eight of 64 also with the exact index every narrower row is ranked with).
+POOLED_ENSEMBLE = VARIANTS["pooled-attention-ensemble"]
+VARIANTS |= {
+    "pooled-attention-ensemble-own-items": [*POOLED_ENSEMBLE, "model.remove_user_items=true"],
+    "pooled-attention-ensemble-length50": [*POOLED_ENSEMBLE, "towers.query.history.length=50"],
+    "pooled-attention-ensemble-4": [*POOLED_ENSEMBLE, "model.ensemble_members=4"],
+    "pooled-attention-ensemble-4-own-items": [*POOLED_ENSEMBLE, "model.ensemble_members=4",
+                                              "model.remove_user_items=true"],
+    "pooled-attention-ensemble-8x64": [*POOLED_ENSEMBLE, "model.ensemble_members=8", "model.embedding_dim=64"],
+    "pooled-attention-ensemble-8x64-exact": [*POOLED_ENSEMBLE, "model.ensemble_members=8", "model.embedding_dim=64",
+                                             "index.factory=Flat"],
+    "pooled-attention-ensemble-16x32": [*POOLED_ENSEMBLE, "model.ensemble_members=16", "model.embedding_dim=32"],
+    # The transformer ensemble at the pooled one's four members of 128 (its 10 epochs, trained once).
+    "transformer-ensemble-4": ["model.ensemble_members=4"],
+}
 VARIANTS |= {name: [*ONE_MEMBER_64, *overrides] for name, overrides in {
     "transformer-in-batch": [],
     "transformer-in-batch-refit-best": ["train.refit_from=best", "train.refit_epochs=1"],
@@ -126,6 +144,20 @@ VARIANTS |= {name: [*ONE_MEMBER_64, *overrides] for name, overrides in {
                     "towers.query.features=[{name: user_id, kind: id}]", "train.optimizer=lazy_adam",
                     "train.learning_rate=0.01", "train.batch_size=1024"],
 }.items()}
+# Every row above ran on configs/beauty.yaml when it stated the transformer ensemble (until 2026-12-07):
+# two causal transformer members of 128 over the newest 20 items, trained on every position of each
+# sequence for 10 epochs, a sequence's own items kept out of its negatives. These restore it first.
+TRANSFORMER_ENSEMBLE = ["towers.query.features=[]", "towers.query.history.pooling=transformer",
+                        "model.embedding_dim=128", "model.ensemble_members=2", "model.remove_sequence_items=true",
+                        "train.examples=sequences", "train.optimizer=adam", "train.learning_rate=0.002",
+                        "train.batch_size=256", "train.epochs=10"]
+# The recipe configs/beauty.yaml states: the user id and attention-pooled history, eight members of 64,
+# the 5 epochs early stopping chose for them (pooled-attention-ensemble-8x64), trained once on every item.
+SHIPPED = "pooled-attention-ensemble-8x64-5-epochs"
+VARIANTS = {
+    SHIPPED: [],
+    **{name: [*TRANSFORMER_ENSEMBLE, *overrides] for name, overrides in VARIANTS.items()},
+}
 # Rows of another config than configs/beauty.yaml: name -> (config, overrides on it).
 OTHER_CONFIGS: dict[str, Path] = {
     # SASRec+ inside the framework: the reference's every stated detail (docs/sequences.md).
@@ -216,7 +248,7 @@ def throughput(data_dir: Path, lengths: tuple[int, ...] = (50, 200), steps: int 
     out = []
     for length in lengths:
         for examples in ("sequences", "clicks", "id"):
-            overrides = [f"data.clicks.path={beauty / 'sequences.txt'}",
+            overrides = [*TRANSFORMER_ENSEMBLE, f"data.clicks.path={beauty / 'sequences.txt'}",
                          f"data.item_features.path={beauty / 'items.txt'}",
                          f"towers.query.history.length={length}", "train.batch_size=256"]
             if examples == "id":
@@ -258,8 +290,10 @@ def write_report(rows: list[dict[str, Any]]) -> None:
     lines = [
         "# Sequential recommendation: Amazon Beauty",
         "",
-        "`python -m benchmarks.bench_sequential` (configs/beauty.yaml and each row's overrides): the last item of",
-        "each user's sequence here is the target, the one before it early stopping's; full ranking over the",
+        "`python -m benchmarks.bench_sequential` (configs/beauty.yaml and each row's overrides; \"the transformer",
+        "recipe\": the config until 2026-12-07, two causal transformer members of 128 trained on every position for",
+        "10 epochs, `TRANSFORMER_ENSEMBLE` in the script, which the rows run then list their overrides on): the last",
+        "item of each user's sequence here is the target, the one before it early stopping's; full ranking over the",
         "54,542-item catalogue, training items excluded; users whose target repeats a training item are not",
         "evaluated (the count below). HR@k = recall@k (one target a user). SASRec+ (full cross-entropy,",
         f"Klenitskiy & Vasilev 2023) reports HR@10 {SASREC_PLUS['recall@10']} / NDCG@10 {SASREC_PLUS['ndcg@10']} "
@@ -280,6 +314,9 @@ def write_report(rows: list[dict[str, Any]]) -> None:
         overrides = " ".join(shlex.quote(o) for o in row["overrides"])
         if row.get("config"):  # a row of another config: its name, then its overrides
             overrides = f"({row['config']}) {overrides}".strip()
+        elif row["variant"] != SHIPPED and row["overrides"][: len(TRANSFORMER_ENSEMBLE)] != TRANSFORMER_ENSEMBLE:
+            # Run when configs/beauty.yaml stated the transformer ensemble: its overrides are on that recipe.
+            overrides = f"(the transformer recipe) {overrides}".strip()
         overrides = overrides or "(configs/beauty.yaml)"
         lines.append(f"| {row['variant']} | " + " | ".join(f"{values[k]:.4f}" for k in METRICS)
                      + f" | {row['epochs']} | {row['seconds']:.0f} | `{overrides}` |")

@@ -25,7 +25,7 @@ from retrieval.serving.http import create_app
 
 KNOWN = ["u0", "u1", "u2", "u3", "u4", "u5"]
 LIMIT = 5  # above the towers' history length (3): the tower reads the first 3 of the stored 5
-# A sequence tower: the click history alone, as configs/beauty.yaml's (mean pooling, smaller).
+# A sequence tower: the click history alone, as configs/beauty-sasrec.yaml's (mean pooling, smaller).
 SEQUENCE = TowersConfig.model_validate({
     "query": {"features": [], "history": {"length": 3, "pooling": "mean", "share_item_embedding": True}},
     "doc": {"features": [{"name": "item_id", "kind": "id", "embedding_dim": 5}]},
