@@ -212,10 +212,12 @@ def run_variant(name: str, overrides: list[str], data_dir: Path, extra: list[str
     where = [f"data.clicks.path={beauty / 'sequences.txt'}", f"data.item_features.path={beauty / 'items.txt'}"]
     if dataset == "ml-100k":
         where = [*MOVIELENS, f"data.movielens_dir={data_dir / 'ml-100k'}"]
+    # The transformer recipe first, then the data set's keys (MovieLens' batch size over the recipe's), then the row's.
+    recipe = TRANSFORMER_ENSEMBLE if overrides[: len(TRANSFORMER_ENSEMBLE)] == TRANSFORMER_ENSEMBLE else []
     with tempfile.TemporaryDirectory() as runs:
         config = load_config(OTHER_CONFIGS.get(name, CONFIG), [
-            *where, *overrides, *extra, f"run.output_dir={runs}", f"run.name={name}", "export.topk_model=false",
-            "evaluation.plots=false",
+            *recipe, *where, *overrides[len(recipe):], *extra, f"run.output_dir={runs}", f"run.name={name}",
+            "export.topk_model=false", "evaluation.plots=false",
         ])
         result = train_evaluate_export(config, config_name=name)
     metrics = result.metrics
