@@ -96,7 +96,7 @@ VARIANTS["pooled-attention-ensemble-seed1"] = [*VARIANTS["pooled-attention-ensem
 # The pooled ensemble with a user's other training items kept out of its negatives (as the transformer
 # ensemble keeps its sequence's items), reading the last 50 items, and with more members: four of 128,
 # eight of 64 and sixteen of 32 (512 floats an item, where index.factory auto picks IVF over the 54,542
-# items; eight of 64 also with the exact index every narrower row is ranked with).
+# items; eight of 64 also with the exact index every narrower row is ranked with), twelve of 64.
 POOLED_ENSEMBLE = VARIANTS["pooled-attention-ensemble"]
 VARIANTS |= {
     "pooled-attention-ensemble-own-items": [*POOLED_ENSEMBLE, "model.remove_user_items=true"],
@@ -108,6 +108,7 @@ VARIANTS |= {
     "pooled-attention-ensemble-8x64-exact": [*POOLED_ENSEMBLE, "model.ensemble_members=8", "model.embedding_dim=64",
                                              "index.factory=Flat"],
     "pooled-attention-ensemble-16x32": [*POOLED_ENSEMBLE, "model.ensemble_members=16", "model.embedding_dim=32"],
+    "pooled-attention-ensemble-12x64": [*POOLED_ENSEMBLE, "model.ensemble_members=12", "model.embedding_dim=64"],
     # The transformer ensemble at the pooled one's four members of 128 (its 10 epochs, trained once).
     "transformer-ensemble-4": ["model.ensemble_members=4"],
 }
