@@ -66,7 +66,7 @@ ONE_MEMBER_64 = [*EARLY_STOPPING, "model.embedding_dim=64", "model.remove_sequen
                  "model.ensemble_members=1"]
 ONE_MEMBER = [*EARLY_STOPPING, "model.remove_sequence_items=false", "model.ensemble_members=1"]
 
-# name -> overrides on configs/beauty.yaml (restated below: TRANSFORMER_ENSEMBLE).
+# name -> overrides on configs/beauty.yaml's transformer recipe (TRANSFORMER_ENSEMBLE, below).
 VARIANTS: dict[str, list[str]] = {
     # Two members of dimension 128 trained side by side on each batch, served as one tower pair that
     # scores their mean (model.ensemble_members: 2), a sequence's own items never its negatives,
@@ -145,9 +145,13 @@ VARIANTS |= {name: [*ONE_MEMBER_64, *overrides] for name, overrides in {
                     "towers.query.features=[{name: user_id, kind: id}]", "train.optimizer=lazy_adam",
                     "train.learning_rate=0.01", "train.batch_size=1024"],
 }.items()}
+# Without the refit: the best epoch's weights as they are, the early-stopping item never a next-item target.
+VARIANTS |= {f"{name}-no-refit": [*VARIANTS[name], "train.refit=false"]
+             for name in ("transformer-in-batch", "transformer-mixed-2048", "pooled-attention")}
 # Every row above ran on configs/beauty.yaml when it stated the transformer ensemble (until 2026-12-07):
 # two causal transformer members of 128 over the newest 20 items, trained on every position of each
-# sequence for 10 epochs, a sequence's own items kept out of its negatives. These restore it first.
+# sequence for 10 epochs, a sequence's own items kept out of its negatives. These keys restore it, before
+# the data set's and the row's own (``run_variant``).
 TRANSFORMER_ENSEMBLE = ["towers.query.features=[]", "towers.query.history.pooling=transformer",
                         "model.embedding_dim=128", "model.ensemble_members=2", "model.remove_sequence_items=true",
                         "train.examples=sequences", "train.optimizer=adam", "train.learning_rate=0.002",
@@ -155,10 +159,8 @@ TRANSFORMER_ENSEMBLE = ["towers.query.features=[]", "towers.query.history.poolin
 # The recipe configs/beauty.yaml states: the user id and attention-pooled history, eight members of 64,
 # the 5 epochs early stopping chose for them (pooled-attention-ensemble-8x64), trained once on every item.
 SHIPPED = "pooled-attention-ensemble-8x64-5-epochs"
-VARIANTS = {
-    SHIPPED: [],
-    **{name: [*TRANSFORMER_ENSEMBLE, *overrides] for name, overrides in VARIANTS.items()},
-}
+ON_TRANSFORMER_RECIPE = frozenset(VARIANTS)
+VARIANTS = {SHIPPED: [], **VARIANTS}
 # Rows of another config than configs/beauty.yaml: name -> (config, overrides on it).
 OTHER_CONFIGS: dict[str, Path] = {
     # SASRec+ inside the framework: the reference's every stated detail (docs/sequences.md).
@@ -186,9 +188,6 @@ BEYOND_SASREC_PLUS: dict[str, list[str]] = {
 }
 OTHER_CONFIGS |= {name: ROOT / "configs/beauty-sasrec.yaml" for name in BEYOND_SASREC_PLUS}
 VARIANTS |= BEYOND_SASREC_PLUS
-# Without the refit: the best epoch's weights as they are, the early-stopping item never a next-item target.
-VARIANTS |= {f"{name}-no-refit": [*VARIANTS[name], "train.refit=false"]
-             for name in ("transformer-in-batch", "transformer-mixed-2048", "pooled-attention")}
 
 
 def _machine() -> dict[str, Any]:
@@ -213,11 +212,11 @@ def run_variant(name: str, overrides: list[str], data_dir: Path, extra: list[str
     where = [f"data.clicks.path={beauty / 'sequences.txt'}", f"data.item_features.path={beauty / 'items.txt'}"]
     if dataset == "ml-100k":
         where = [*MOVIELENS, f"data.movielens_dir={data_dir / 'ml-100k'}"]
-    # The transformer recipe first, then the data set's keys (MovieLens' batch size over the recipe's), then the row's.
-    recipe = TRANSFORMER_ENSEMBLE if overrides[: len(TRANSFORMER_ENSEMBLE)] == TRANSFORMER_ENSEMBLE else []
+    # The row's recipe first, then the data set's keys (MovieLens' batch size over the recipe's), then the row's.
+    recipe = TRANSFORMER_ENSEMBLE if name in ON_TRANSFORMER_RECIPE else []
     with tempfile.TemporaryDirectory() as runs:
         config = load_config(OTHER_CONFIGS.get(name, CONFIG), [
-            *recipe, *where, *overrides[len(recipe):], *extra, f"run.output_dir={runs}", f"run.name={name}",
+            *recipe, *where, *overrides, *extra, f"run.output_dir={runs}", f"run.name={name}",
             "export.topk_model=false", "evaluation.plots=false",
         ])
         result = train_evaluate_export(config, config_name=name)
@@ -295,7 +294,7 @@ def write_report(rows: list[dict[str, Any]]) -> None:
         "",
         "`python -m benchmarks.bench_sequential` (configs/beauty.yaml and each row's overrides; \"the transformer",
         "recipe\": the config until 2026-12-07, two causal transformer members of 128 trained on every position for",
-        "10 epochs, `TRANSFORMER_ENSEMBLE` in the script, which the rows run then list their overrides on): the last",
+        "10 epochs, `TRANSFORMER_ENSEMBLE` in the script, which its rows list their overrides on): the last",
         "item of each user's sequence here is the target, the one before it early stopping's; full ranking over the",
         "54,542-item catalogue, training items excluded; users whose target repeats a training item are not",
         "evaluated (the count below). HR@k = recall@k (one target a user). SASRec+ (full cross-entropy,",
@@ -317,8 +316,7 @@ def write_report(rows: list[dict[str, Any]]) -> None:
         overrides = " ".join(shlex.quote(o) for o in row["overrides"])
         if row.get("config"):  # a row of another config: its name, then its overrides
             overrides = f"({row['config']}) {overrides}".strip()
-        elif row["variant"] != SHIPPED and row["overrides"][: len(TRANSFORMER_ENSEMBLE)] != TRANSFORMER_ENSEMBLE:
-            # Run when configs/beauty.yaml stated the transformer ensemble: its overrides are on that recipe.
+        elif row["variant"] in ON_TRANSFORMER_RECIPE:  # its overrides are on that recipe
             overrides = f"(the transformer recipe) {overrides}".strip()
         overrides = overrides or "(configs/beauty.yaml)"
         lines.append(f"| {row['variant']} | " + " | ".join(f"{values[k]:.4f}" for k in METRICS)
