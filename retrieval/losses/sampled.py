@@ -232,8 +232,52 @@ class SampledSoftmax(RetrievalLoss):
     def per_example(self, inputs: LossInputs) -> tf.Tensor:
         if self.log_q_variant == "corrected":
             return self._corrected_per_example(inputs)
+        if self.num_hard_negatives is None and inputs.batch_candidates is None and self.score_dtype == "float32":
+            return self._blockwise_per_example(inputs)
         logits, labels = self.logits_and_labels(inputs)
         return softmax_cross_entropy(logits, labels)
+
+    def _blockwise_per_example(self, inputs: LossInputs) -> tf.Tensor:
+        """The same loss as ``softmax_cross_entropy(*logits_and_labels(inputs))``, block by block.
+
+        ``logsumexp(label logit, logsumexp of each block's kept columns) - label logit``, the label
+        logit being ``q . d+ / temperature - strength * log Q+`` from the rows' own pairs: no one-hot
+        labels, no masks kept beside the logits and no concatenated copy of them. Each is as large
+        as the ``[batch, batch]`` in-batch logits, and building them took about as long as the
+        logits' three matmuls at dimension 64 (``benchmarks/bench_steps.py``). Hence the label
+        column of the in-batch block is masked with the accidental hits (every column of the row's
+        own item) and enters once, through the label logit.
+        """
+        queries = inputs.queries / self.temperature  # [batch, dim]: the temperature on B x dim, not B x columns
+        positive_ids = tf.cast(inputs.positive_ids, tf.int64)
+        weight = self.log_q_weight
+        positive_log_q = tf.cast(inputs.negatives[0].positive_log_q, queries.dtype)
+        label = tf.reduce_sum(queries * inputs.positives, axis=1) - weight * positive_log_q  # [batch]
+        parts = [label]
+        if inputs.includes_batch_positives:
+            head = correct_log_q(candidate_scores(queries, inputs.positives), weight * positive_log_q[tf.newaxis, :])
+            if self.remove_hits:
+                out = tf.equal(positive_ids[tf.newaxis, :], positive_ids[:, tf.newaxis])
+                if inputs.own_items is not None:
+                    out = tf.logical_or(out, own_item_hits(inputs.own_items, positive_ids))
+            else:  # the label column only
+                rows = tf.range(tf.shape(positive_ids)[0])
+                out = tf.equal(rows[tf.newaxis, :], rows[:, tf.newaxis])
+            parts.append(tf.reduce_logsumexp(tf.where(out, tf.constant(MIN_FLOAT, head.dtype), head), axis=1))
+        for negatives, embeddings in zip(inputs.negatives, inputs.negative_embeddings, strict=True):
+            if embeddings.shape[-2] == 0:  # the in-batch sampler's empty block
+                continue
+            block = candidate_scores(queries, embeddings)
+            padding = negatives.log_q >= MASKED_LOG_Q  # stays masked whatever the weight
+            block = correct_log_q(block, tf.where(padding, negatives.log_q, weight * negatives.log_q))
+            if self.remove_hits:
+                ids = tf.cast(negatives.ids, tf.int64)
+                hits = tf.equal(ids if ids.shape.rank == 2 else ids[tf.newaxis, :], positive_ids[:, tf.newaxis])
+                if inputs.own_items is not None:
+                    hits = tf.logical_or(hits, own_item_hits(inputs.own_items, negatives.ids))
+                block = tf.where(hits, tf.constant(MIN_FLOAT, block.dtype), block)
+            parts.append(tf.reduce_logsumexp(block, axis=1))
+        return tf.reduce_logsumexp(tf.stack(parts, axis=1), axis=1) - label
 
     def _corrected_per_example(self, inputs: LossInputs) -> tf.Tensor:
         logits, labels, kept = self.candidate_columns(inputs)

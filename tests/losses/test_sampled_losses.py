@@ -26,7 +26,8 @@ from retrieval.losses import (
     mine_hard_negatives,
     remove_accidental_hits,
 )
-from retrieval.samplers import AllItems, Negatives, uniform_sampler, unigram_sampler
+from retrieval.losses.functions import softmax_cross_entropy
+from retrieval.samplers import MASKED_LOG_Q, AllItems, Negatives, uniform_sampler, unigram_sampler
 
 BATCH, DIM, NUM_ITEMS = 6, 5, 30
 
@@ -355,3 +356,64 @@ def test_hierarchical_gradient_flows_only_through_path_nodes(seed):
         on_path |= set(tree.nodes[item][tree.signs[item] != 0].tolist())
     assert touched == on_path
     assert len(on_path) < num_items - 1  # a real restriction, not every node
+
+
+def _block_cases(seed):
+    """LossInputs with duplicate positives, accidental hits, padded columns, own items, per-row draws."""
+    rng = np.random.default_rng(seed)
+    queries, items = _embeddings(seed)
+    positive_ids = rng.integers(1, NUM_ITEMS + 1, BATCH)
+    positive_ids[1] = positive_ids[0]  # a repeated positive: an accidental hit among the in-batch columns
+    positive_log_q = tf.constant(rng.normal(size=BATCH), tf.float32)
+    shared_ids = np.r_[positive_ids[:2], rng.integers(1, NUM_ITEMS + 1, 6)]
+    shared_log_q = rng.normal(size=len(shared_ids)).astype(np.float32)
+    shared_log_q[-1] = MASKED_LOG_Q  # a padded column
+    shared = Negatives(tf.constant(shared_ids, tf.int64), tf.constant(shared_log_q), positive_log_q)
+    per_row_ids = rng.integers(1, NUM_ITEMS + 1, (BATCH, 4))
+    per_row_ids[:, 0] = positive_ids
+    per_row = Negatives(tf.constant(per_row_ids, tf.int64), tf.constant(rng.normal(size=(BATCH, 4)), tf.float32),
+                        positive_log_q)
+    own = OwnItems(tf.constant(np.c_[positive_ids, rng.integers(1, NUM_ITEMS + 1, BATCH), -np.ones(BATCH)], tf.int64),
+                   tf.range(BATCH))
+    in_batch = Negatives(tf.zeros([0], tf.int64), tf.zeros([0], tf.float32), positive_log_q)
+
+    def inputs(negatives, includes_batch_positives, own_items=None):
+        return LossInputs(
+            queries=tf.constant(queries), positives=tf.constant(items[positive_ids]),
+            positive_ids=tf.constant(positive_ids, tf.int64), negatives=(negatives,),
+            negative_embeddings=(tf.constant(items[negatives.ids.numpy()]),),
+            includes_batch_positives=includes_batch_positives, own_items=own_items,
+        )
+
+    return {
+        "in-batch": inputs(in_batch, True), "in-batch own items": inputs(in_batch, True, own),
+        "mixed": inputs(shared, True), "shared": inputs(shared, False), "shared own items": inputs(shared, False, own),
+        "per-row": inputs(per_row, False),
+    }
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("remove_hits", [True, False])
+@pytest.mark.parametrize("case", ["in-batch", "in-batch own items", "mixed", "shared", "shared own items", "per-row"])
+def test_the_blockwise_softmax_equals_the_generic_columns_and_their_gradients(seed, remove_hits, case):
+    inputs = _block_cases(seed)[case]
+    if inputs.own_items is not None and not remove_hits:
+        pytest.skip("own items are masked only with remove_accidental_hits")
+    loss = SampledSoftmax(temperature=0.3, log_q_weight=0.7, remove_accidental_hits=remove_hits)
+
+    def per_example_and_gradients(per_example):
+        with tf.GradientTape() as tape:
+            tape.watch([inputs.queries, inputs.positives, inputs.negative_embeddings[0]])
+            values = per_example()
+        return values, tape.gradient(tf.reduce_sum(values * np.arange(1, BATCH + 1)),
+                                     [inputs.queries, inputs.positives, inputs.negative_embeddings[0]])
+
+    blockwise, blockwise_gradients = per_example_and_gradients(lambda: loss.per_example(inputs))
+    generic, generic_gradients = per_example_and_gradients(
+        lambda: softmax_cross_entropy(*loss.logits_and_labels(inputs)))
+    np.testing.assert_allclose(blockwise, generic, rtol=1e-5, atol=1e-5)
+    for ours, reference in zip(blockwise_gradients, generic_gradients, strict=True):
+        if reference is None:  # the in-batch sampler's empty block
+            assert ours is None or tf.size(ours) == 0
+            continue
+        np.testing.assert_allclose(tf.convert_to_tensor(ours), tf.convert_to_tensor(reference), rtol=1e-4, atol=1e-5)
