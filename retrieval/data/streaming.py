@@ -244,6 +244,23 @@ def scan_train_column(shards: ClickLog, plan: Plan, column: str) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.float32 if column == WEIGHT else np.int64)
 
 
+def train_clicks(shards: ClickLog, plan: Plan) -> pd.DataFrame:
+    """Every training click of ``plan`` as a frame, in log order: ``user_id``, ``item_id`` (str),
+    ``weight`` (float32) and, when the log has one, ``timestamp`` (int64): for a log held in memory,
+    the clicks ``train_batches`` shuffles, so that a ``FrameClicks`` of them gives its batches."""
+    parts = []
+    for batch in shards.scan():
+        train = batch.take(~plan.is_test(batch) & ~plan.drops(batch))
+        part = {USER: as_strings(train.users), ITEM: as_strings(train.items), WEIGHT: train.weights}
+        if train.timestamps is not None:  # in the shuffle's keys, as train_batches puts it
+            part[TIME] = np.asarray(train.timestamps)
+        parts.append(pd.DataFrame(part))
+    if not parts:
+        return pd.DataFrame({USER: pd.Series(dtype=object), ITEM: pd.Series(dtype=object),
+                             WEIGHT: pd.Series(dtype=np.float32)})
+    return pd.concat(parts, ignore_index=True)
+
+
 def scan_pairs(
     shards: ClickLog, plan: Plan, user_ids: pd.Index, item_ids: pd.Index
 ) -> tuple[np.ndarray, np.ndarray]:

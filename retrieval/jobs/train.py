@@ -42,6 +42,7 @@ from retrieval.data.streaming import (
     scan_counts,
     scan_pairs,
     scan_train_column,
+    train_clicks,
 )
 from retrieval.evaluation import (
     EvalSet,
@@ -64,6 +65,7 @@ from retrieval.model.parts import resolved
 from retrieval.samplers import UserHistory
 from retrieval.towers import build_ensemble_towers
 from retrieval.training import (
+    FrameClicks,
     SequenceClicks,
     StreamedClicks,
     ValidationData,
@@ -678,8 +680,14 @@ def train(
     return history, timing
 
 
-def _click_source(config: Config, data: JobData, plan: Plan, rows: int) -> StreamedClicks | SequenceClicks:
-    """The training batches of ``plan``'s training side: clicks, or each user's sequence of them."""
+def _click_source(config: Config, data: JobData, plan: Plan,
+                  rows: int) -> StreamedClicks | SequenceClicks | FrameClicks:
+    """The training batches of ``plan``'s training side: clicks, or each user's sequence of them.
+
+    A log held in memory, read by ID towers on one device, gives its training clicks to a
+    ``FrameClicks``: the batches the stream would give (its buffer holds every click), cut in the
+    training loop's graph from tensors in memory (``train.steps_per_execution``), with no
+    ``tf.data`` pipeline between the steps."""
     stream, train = config.data.stream, config.train
     if train.examples == "sequences":
         history = config.towers.query.history
@@ -687,6 +695,8 @@ def _click_source(config: Config, data: JobData, plan: Plan, rows: int) -> Strea
         histories = data.tables.histories if plan is data.plan else None
         return SequenceClicks(histories or _histories(data.clicks, plan, data.stats), history.name, history.length,
                               train.batch_size, seed=train.seed, windows=train.sequence_windows)
+    if data.source.in_memory and data.join is None and stream.max_train_batches is None and train.distribute == "none":
+        return FrameClicks(train_clicks(data.clicks, plan), train.batch_size, seed=train.seed)
     return StreamedClicks(
         data.clicks, plan, train.batch_size, shuffle_buffer=data.shuffle_buffer(config), seed=train.seed,
         train_rows=rows, max_batches=stream.max_train_batches, join=data.join,

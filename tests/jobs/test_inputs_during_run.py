@@ -27,7 +27,7 @@ from retrieval.config import ColumnsConfig, DataConfig, SplitConfig, SyntheticCo
 from retrieval.data import DataError, generate_clicks
 from retrieval.data.fingerprint import InputsChangedError, RunInputs, fingerprint_file
 from retrieval.data.streaming import ClickShards, plan_split, scan_counts
-from retrieval.training import StreamedClicks
+from retrieval.training import FrameClicks, StreamedClicks
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "watched"
@@ -250,7 +250,7 @@ def test_a_log_rewritten_during_in_memory_training_is_refused(tmp_path, monkeypa
             os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
         assert path.read_text() != text
 
-    asked = _at_epoch(monkeypatch, StreamedClicks, 1, change)  # a log in memory is read as a ClickTable
+    asked = _at_epoch(monkeypatch, FrameClicks, 1, change)  # a log in memory trains from its clicks in memory
     detail = r"size \d+ -> \d+ bytes" if rewrite == "longer" else "same size and mtime, other content"
     with pytest.raises(DataError, match=rf"^data.clicks {re.escape(str(path))} changed during the run "
                        rf"\({detail}\); rerun on a stable copy$"):

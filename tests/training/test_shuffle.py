@@ -12,9 +12,9 @@ import pandas as pd
 import pytest
 
 import retrieval  # noqa: F401
-from retrieval.config import ColumnsConfig, TableConfig
+from retrieval.config import ColumnsConfig, SplitConfig, TableConfig
 from retrieval.data import click_keys, epoch_order
-from retrieval.data.streaming import ClickShards, SplitPlan, train_batches
+from retrieval.data.streaming import ClickShards, SplitPlan, plan_split, scan_counts, train_batches, train_clicks
 from retrieval.training import FrameClicks, StreamedClicks
 
 
@@ -117,6 +117,24 @@ def test_streamed_batches_are_the_frame_batches_when_the_buffer_holds_every_clic
             assert times == [b["timestamp"].numpy().tolist() for b in memory.epoch(epoch)]
     first, second = (np.concatenate([b["user_id"].numpy() for b in memory.epoch(e)]) for e in (0, 1))
     assert not np.array_equal(first, second)  # reshuffled between epochs
+
+
+@pytest.mark.parametrize("with_time", [True, False])
+def test_a_frame_of_the_plans_training_clicks_gives_the_streams_batches(tmp_path, with_time):
+    """``train_clicks``: what a job whose log is in memory trains on (``FrameClicks``) instead of the
+    stream; a split plan's test and dropped rows are out, the batches are the stream's."""
+    clicks = _clicks(5)
+    frame = clicks if with_time else clicks.drop(columns="timestamp")
+    shards = _shards(frame, tmp_path / "shards", with_time)
+    plan = plan_split(shards, SplitConfig(kind="random", test_fraction=0.3, seed=2), "first")
+    rows = scan_counts(shards, plan).train_rows
+    training = train_clicks(shards, plan)
+    assert len(training) == rows < len(clicks) - 0.2 * len(clicks)  # a test part and dropped repeats
+    assert list(training.columns) == ["user_id", "item_id", "weight", *(["timestamp"] if with_time else [])]
+    stream = StreamedClicks(shards, plan, 64, seed=5, train_rows=rows, shuffle_buffer=rows)
+    memory = FrameClicks(training, 64, seed=5)
+    for epoch in range(2):
+        assert [_decoded(b) for b in memory.epoch(epoch)] == [_decoded(b) for b in stream.epoch(epoch)]
 
 
 def test_a_smaller_buffer_is_a_bounded_approximation_of_the_frame_order(tmp_path):
