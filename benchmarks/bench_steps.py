@@ -74,6 +74,7 @@ from benchmarks._harness import (
     RESULTS,
     Stopwatch,
     command,
+    data_dir,
     load_average,
     machine,
     markdown_table,
@@ -81,8 +82,8 @@ from benchmarks._harness import (
     versions_of,
     write_report,
 )
-from retrieval.config import LossConfig, ModelConfig, TrainConfig
-from retrieval.data import ITEM, USER
+from retrieval.config import ColumnsConfig, LossConfig, ModelConfig, TableConfig, TrainConfig
+from retrieval.data import ITEM, USER, read_clicks
 from retrieval.features import FeatureStatistics
 from retrieval.model import build_model
 from retrieval.training import TrainingCheckpoint, fit, loop, seed_everything
@@ -235,12 +236,48 @@ def bare_step(users: int, items: int, dim: int, batch: int, shared: int, jit: bo
     return step, (user_table, item_table)
 
 
-def time_bare(users: int, items: int, dim: int, batch: int, shared: int, jit: bool, steps: int) -> dict[str, float]:
-    """Mean wall and process CPU ms of ``steps`` bare steps after 3 warm-up steps (tracing, compiling),
-    each loss read."""
+def bare_products(users: int, items: int, dim: int, batch: int, shared: int, learning_rate: float = 0.01
+                  ) -> tuple[Callable[[tf.Tensor, tf.Tensor, tf.Tensor], tf.Tensor], tuple[tf.Variable, tf.Variable]]:
+    """The products a step cannot do without, and nothing else: ``bare_step``'s gathers, its logits
+    matmul forward and the two matmuls of its backward pass, and its scatter of the touched rows.
+
+    The backward matmuls take the logits themselves as their incoming gradient (``dq = G d``,
+    ``dd = G^T q`` with ``G = logits``): the shapes and the work of the real backward pass with no
+    normalisation, softmax or loss around them. ``step(user_rows, item_rows, seed)`` returns a
+    scalar read from the result, as the loop reads a step's loss.
+    """
+    user_table = tf.Variable(tf.random.uniform([users + 1, dim], -0.05, 0.05, seed=1))
+    item_table = tf.Variable(tf.random.uniform([items + 1, dim], -0.05, 0.05, seed=2))
+
+    @tf.function
+    def step(user_rows, item_rows, seed):
+        if shared:
+            negatives = tf.random.stateless_uniform([shared], seed, minval=1, maxval=items + 1, dtype=tf.int32)
+            candidates = tf.concat([item_rows, negatives], axis=0)
+        else:
+            candidates = item_rows
+        queries, docs = tf.gather(user_table, user_rows), tf.gather(item_table, candidates)
+        scored = docs[batch:] if shared else docs  # shared: the positives' dot products are O(batch x dim)
+        logits = tf.matmul(queries, scored, transpose_b=True)
+        query_gradient = tf.matmul(logits, scored)
+        doc_gradient = tf.matmul(logits, queries, transpose_a=True)
+        if shared:
+            doc_gradient = tf.concat([queries, doc_gradient], axis=0)
+        user_table.scatter_sub(tf.IndexedSlices(learning_rate * query_gradient, user_rows))
+        item_table.scatter_sub(tf.IndexedSlices(learning_rate * doc_gradient, candidates))
+        return logits[0, 0]
+
+    return step, (user_table, item_table)
+
+
+def time_bare(users: int, items: int, dim: int, batch: int, shared: int, jit: bool, steps: int,
+              products: bool = False) -> dict[str, float]:
+    """Mean wall and process CPU ms of ``steps`` bare steps (``products``: ``bare_products``) after 3
+    warm-up steps (tracing, compiling), each loss read."""
     tf.keras.backend.clear_session()
     gc.collect()
-    step, _ = bare_step(users, items, dim, batch, shared, jit)
+    step, _ = (bare_products(users, items, dim, batch, shared) if products
+               else bare_step(users, items, dim, batch, shared, jit))
     rng = np.random.default_rng(dim + batch)
     user_rows = tf.constant(rng.integers(1, users + 1, size=(steps + 3, batch)), tf.int32)
     item_rows = tf.constant(rng.integers(1, items + 1, size=(steps + 3, batch)), tf.int32)
@@ -265,12 +302,20 @@ def time_project(stats: FeatureStatistics, train: pd.DataFrame, dim: int, batch:
     loss = (LossConfig(score_dtype=score_dtype) if negatives == "in_batch"
             else LossConfig(negatives="uniform", num_negatives=shared, score_dtype=score_dtype))
     model = build_model(ModelConfig(embedding_dim=dim, loss=loss), stats)
+    timed = second_epoch(model, train, config)
+    steps = steps_per_epoch(len(train), batch)
+    del model
+    return {"ms": 1000 * timed["epoch_s"] / steps, "cpu_ms": 1000 * timed["cpu_s"] / steps,
+            "first_epoch_s": timed["first_epoch_s"]}
+
+
+def second_epoch(model, train: pd.DataFrame, config: TrainConfig) -> dict[str, float]:
+    """``fit`` of ``model`` for ``config.epochs`` (2): the second epoch's wall and process CPU seconds
+    (its timing, input and Python around the steps included), and the first's wall seconds (tracing)."""
     timing: dict[str, list[float]] = {}
     cpu = [time.process_time()]  # process CPU seconds at each epoch's end (after its timing)
     fit(model, train, config, timing=timing, epoch_hooks=[lambda epoch, logs: cpu.append(time.process_time())])
-    steps = steps_per_epoch(len(train), batch)
-    del model
-    return {"ms": 1000 * timing["epoch_seconds"][1] / steps, "cpu_ms": 1000 * (cpu[2] - cpu[1]) / steps,
+    return {"epoch_s": timing["epoch_seconds"][1], "cpu_s": cpu[2] - cpu[1],
             "first_epoch_s": timing["epoch_seconds"][0]}
 
 
@@ -293,7 +338,7 @@ def run_bound(args, log) -> dict[str, Any]:
     # A project variant per (K, score dtype): "K=1", "K=1 bf16", ...
     project_labels = {f"K={k}" + ("" if dtype == "float32" else " bf16"): (k, dtype)
                       for k in args.steps_per_execution for dtype in args.score_dtypes}
-    variants = [*(f"project/{label}" for label in project_labels), "bare/graph", "bare/xla"]
+    variants = [*(f"project/{label}" for label in project_labels), "bare/graph", "bare/xla", "bare/products"]
     runs: dict[str, dict[str, list[float]]] = {f"{kind}/{dim}/{batch}": {v: [] for v in variants}
                                                for kind, dim, batch in shapes}
     cpu_runs: dict[str, dict[str, list[float]]] = {key: {v: [] for v in variants} for key in runs}
@@ -308,7 +353,7 @@ def run_bound(args, log) -> dict[str, Any]:
                     timed = time_project(stats, frames[batch], dim, batch, kind, shared, per_call, dtype)
                 else:
                     timed = time_bare(users, items, dim, batch, shared, variant == "bare/xla",
-                                      max(args.bound_clicks // batch, 2))
+                                      max(args.bound_clicks // batch, 2), products=variant == "bare/products")
                 runs[key][variant].append(timed["ms"])
                 cpu_runs[key][variant].append(timed["cpu_ms"])
             medians = {v: statistics.median(runs[key][v]) for v in variants}
@@ -332,9 +377,79 @@ def run_bound(args, log) -> dict[str, Any]:
             "bare_graph_ms": medians["bare/graph"], "bare_xla_ms": medians["bare/xla"], "bound_ms": bound,
             "step_over_bound": {label: ms / bound for label, ms in project.items()},
             "bound_over_step": {label: bound / ms for label, ms in project.items()},
+            "products_ms": medians["bare/products"],
+            "products_over_step": {label: medians["bare/products"] / ms for label, ms in project.items()},
+            "cpu_products_over_step": {label: cpu["bare/products"] / cpu[f"project/{label}"]
+                                       for label in project_labels},
         })
     return {"users": users, "items": items, "clicks_per_epoch": args.bound_clicks, "uptime": uptimes,
             "summary": summary, "runs": runs, "cpu_runs": cpu_runs}
+
+
+EPOCH_TARGETS_S = {64: 4.0, 256: 10.0}  # a Gowalla epoch on 2 cores, by dimension
+
+
+def epoch_log(args) -> Path:
+    """The epoch part's log: ``--epoch-log``, else Gowalla's ``train.txt`` under ``--data-dir``."""
+    return args.epoch_log or args.data_dir / "gowalla" / "train.txt"
+
+
+def run_epochs(args, log) -> dict[str, Any]:
+    """Gowalla's training log (``train.txt``, held in memory as the job holds it; or ``--epoch-log``):
+    ``fit`` of the default model at each dimension of ``--epoch-dims`` and each
+    ``train.steps_per_execution`` of ``--epoch-steps-per-execution`` (0: the config's default), two
+    epochs, the second timed."""
+    path = epoch_log(args)
+    clicks = read_clicks(TableConfig(path=str(path), format="user-items"), ColumnsConfig())
+    stats = FeatureStatistics.from_training_clicks(clicks)
+    configs = [(dim, k) for dim in args.epoch_dims for k in args.epoch_steps_per_execution]
+    runs: dict[str, list[dict[str, float]]] = {f"{dim}/{k}": [] for dim, k in configs}
+    uptimes = [uptime()]
+    for round_ in range(args.epoch_rounds):
+        for dim, k in rotated(configs, round_):
+            tf.keras.backend.clear_session()
+            gc.collect()
+            config = TrainConfig(epochs=2, batch_size=BATCH, verbose=0, checkpoint_every_seconds=0,
+                                 validation_fraction=0, steps_per_execution=k or None)
+            seed_everything(config.seed)
+            timed = second_epoch(build_model(ModelConfig(embedding_dim=dim), stats), clicks, config)
+            runs[f"{dim}/{k}"].append({**timed, "steps_per_call": config.steps_per_call})
+            log(f"epoch round {round_} dim {dim} K={config.steps_per_call}: {timed['epoch_s']:.2f} s | {uptime()}")
+        uptimes.append(uptime())
+    summary = [{
+        "dim": dim, "steps_per_call": runs[f"{dim}/{k}"][0]["steps_per_call"], "default": k == 0,
+        "epoch_s": statistics.median(r["epoch_s"] for r in runs[f"{dim}/{k}"]),
+        "cpu_s": statistics.median(r["cpu_s"] for r in runs[f"{dim}/{k}"]),
+        "target_s": EPOCH_TARGETS_S.get(dim),
+    } for dim, k in configs]
+    return {"log": str(path), "clicks": len(clicks), "users": len(stats.users), "items": len(stats.items),
+            "batch": BATCH, "steps": steps_per_epoch(len(clicks), BATCH), "uptime": uptimes, "summary": summary,
+            "runs": runs}
+
+
+def epoch_markdown(epochs: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        f"## An epoch of {Path(epochs['log']).parent.name}/{Path(epochs['log']).name} ({epochs['clicks']:,} "
+        f"training clicks, {epochs['users']:,} users x "
+        f"{epochs['items']:,} items, batch {epochs['batch']:,}: {epochs['steps']} steps)",
+        "",
+        "`fit` of the default model (in-batch softmax, streaming log-Q, lazy Adam) on the log held in memory, "
+        "as the job trains it; the second epoch's seconds (the first holds the tracing), medians over "
+        "interleaved rounds. K: `train.steps_per_execution` (default: the config's own).",
+        "",
+    ]
+    lines += markdown_table(
+        ["dim", "K", "epoch (s)", "CPU s", "ms a step", "target (s)"],
+        [[row["dim"], f"{row['steps_per_call']}" + (" (default)" if row["default"] else ""), f"{row['epoch_s']:.2f}",
+          f"{row['cpu_s']:.2f}", f"{1000 * row['epoch_s'] / epochs['steps']:.1f}",
+          "" if row["target_s"] is None else f"<= {row['target_s']:g}"]
+         for row in epochs["summary"]],
+        align="rlrrrr",
+    )
+    lines += ["", "`uptime` before, between rounds and after:", ""]
+    lines += [f"    {line}" for line in epochs["uptime"]]
+    return lines
 
 
 def rotated(configs: list, round_: int) -> list:
@@ -353,7 +468,9 @@ def run_tables(args, log) -> dict[str, Any]:
     runs: dict[str, list[dict]] = {f"{n}/{opt}": [] for n, opt in configs}
     for round_ in range(args.rounds):
         for n, opt in rotated(configs, round_):
-            config = TrainConfig(epochs=1, batch_size=BATCH, optimizer=opt, verbose=0, checkpoint_every_steps=0)
+            # One step a call: StepTimer stamps each step's end (a graph loop of several has none).
+            config = TrainConfig(epochs=1, batch_size=BATCH, optimizer=opt, verbose=0, checkpoint_every_steps=0,
+                                 steps_per_execution=1)
             result = timed_run(*data[n], config, args.warmup, None)
             runs[f"{n}/{opt}"].append(result)
             log(f"tables round {round_} n={n} {opt}: {result['median_ms']:.1f} ms/step "
@@ -386,6 +503,7 @@ def run_checkpoints(args, log) -> dict[str, Any]:
             seconds = float(every[:-1]) if every.endswith("s") else 0.0
             steps = 0 if every.endswith("s") else int(every)
             config = TrainConfig(epochs=1, batch_size=BATCH, verbose=0, checkpoint_every_seconds=seconds,
+                                 steps_per_execution=1,  # StepTimer stamps each step
                                  checkpoint_every_steps=steps)
             with tempfile.TemporaryDirectory(prefix="bench_steps_") as directory:
                 where = Path(directory) / "checkpoints" if config.checkpoints else None
@@ -464,6 +582,23 @@ def bound_markdown(bound: dict[str, Any]) -> list[str]:
          for row in bound["summary"]],
         align="l" + "r" * (2 * len(per_calls) + 4),
     )
+    if "products_ms" in bound["summary"][0]:  # rows run before this column have no products
+        lines += [
+            "",
+            "Against the products alone (`bare_products`: the gathers, the logits matmul forward and the two "
+            "matmuls of its backward pass, the scatter of the touched rows; no normalisation, softmax or "
+            "optimizer), wall and CPU:",
+            "",
+        ]
+        lines += markdown_table(
+            ["negatives", "dim", "batch", "products (ms)", "products (CPU ms)",
+             *(f"products / step {k}" for k in per_calls), *(f"products / step {k} (CPU)" for k in per_calls)],
+            [[*first_cells(row), f"{row['products_ms']:.1f}", f"{row['cpu_ms']['bare/products']:.1f}",
+              *(f"{row['products_over_step'][k]:.2f}" for k in per_calls),
+              *(f"{row['cpu_products_over_step'][k]:.2f}" for k in per_calls)]
+             for row in bound["summary"]],
+            align="l" + "r" * (2 * len(per_calls) + 4),
+        )
     lines += ["", f"Target: bound / step >= {TARGET_BOUND_FRACTION}. `uptime` before, between rounds and after:", ""]
     lines += [f"    {line}" for line in bound["uptime"]]
     return lines
@@ -485,6 +620,8 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     if "bound" in result:
         lines += bound_markdown(result["bound"])
+    if "epoch" in result:
+        lines += epoch_markdown(result["epoch"])
     if "tables" in result:
         tables = result["tables"]
         smallest = min(r["n"] for r in tables["summary"])
@@ -542,7 +679,14 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=["all", "bound", "tables", "checkpoints"], default="all")
+    parser.add_argument("--part", choices=["all", "bound", "epoch", "tables", "checkpoints"], default="all")
+    parser.add_argument("--data-dir", type=Path, default=data_dir(), help="public datasets (epoch part: gowalla/)")
+    parser.add_argument("--epoch-log", type=Path, default=None,
+                        help="user-items log of the epoch part (default: gowalla/train.txt under --data-dir)")
+    parser.add_argument("--epoch-dims", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--epoch-steps-per-execution", type=int, nargs="+", default=[1, 0],
+                        help="train.steps_per_execution values of the epoch part; 0 = the config's default")
+    parser.add_argument("--epoch-rounds", type=int, default=2, help="interleaved rounds of the epoch part")
     parser.add_argument("--bound-dims", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--bound-batches", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--bound-negatives", nargs="+", default=["in_batch", "shared"], choices=["in_batch", "shared"])
@@ -585,6 +729,10 @@ def main() -> None:
     }
     if args.part in ("all", "bound"):
         result["bound"] = run_bound(args, log)
+    if args.part == "epoch" or (args.part == "all" and epoch_log(args).is_file()):
+        result["epoch"] = run_epochs(args, log)
+    elif args.part == "all":
+        log(f"epoch part skipped: no log at {epoch_log(args)} (--epoch-log, --data-dir or $RETRIEVAL_DATA_DIR)")
     if args.part in ("all", "tables"):
         result["tables"] = run_tables(args, log)
     if args.part in ("all", "checkpoints"):

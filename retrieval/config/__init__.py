@@ -82,6 +82,7 @@ from retrieval.config.towers import (
     TransformerConfig,
 )
 from retrieval.config.train import (
+    STEPS_PER_CALL_ON_ONE_DEVICE,
     ParameterServerConfig,
     TrainConfig,
 )
@@ -118,6 +119,7 @@ __all__ = [
     "ParameterServerConfig",
     "RunConfig",
     "SEED_MAX",
+    "STEPS_PER_CALL_ON_ONE_DEVICE",
     "Seed",
     "SplitConfig",
     "StreamConfig",

@@ -151,7 +151,7 @@ def fit(
         with fed_by(source, config.parameter_server) as batches:
             state = train_epochs(model, batches, epochs, state=state, checkpoint=checkpoint, logs=logs,
                                  hooks=epoch_hooks, verbose=config.verbose, say=say,
-                                 steps_per_execution=config.steps_per_execution)
+                                 steps_per_execution=config.steps_per_call)
         if checkpoint is not None:
             checkpoint.save(state)  # the end state: a job killed after training does not train again
         if timing is not None:
@@ -225,7 +225,7 @@ def select_epochs(
         with fed_by(validation.fit_source, config.parameter_server) as batches:
             state = train_epochs(model, batches, config.epochs, state=state, checkpoint=checkpoint,
                                  logs=logs, hooks=all_hooks, verbose=config.verbose, say=say, eta_bound=True,
-                                 steps_per_execution=config.steps_per_execution)
+                                 steps_per_execution=config.steps_per_call)
     if timing is not None:
         timing.update(state.timing)
     if initial is not None:

@@ -18,6 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_bench_steps_runs_at_toy_size(tmp_path):
+    toy_log = tmp_path / "train.txt"  # user-items lines, as Gowalla's train.txt
+    toy_log.write_text("".join(f"{user} " + " ".join(str((user * 7 + j) % 90) for j in range(12)) + "\n"
+                               for user in range(40)))
     command = [
         sys.executable, "-m", "benchmarks.bench_steps", "--sizes", "300", "600",
         "--optimizers", "lazy_adam", "rowwise_adagrad", "--steps", "8", "--rounds", "1", "--warmup", "2",
@@ -25,6 +28,8 @@ def test_bench_steps_runs_at_toy_size(tmp_path):
         "--bound-dims", "8", "--bound-batches", "32", "--bound-clicks", "160", "--users", "50", "--items", "60",
         "--bound-rounds", "1", "--steps-per-execution", "4", "--shared-negatives", "7",
         "--score-dtypes", "float32", "bfloat16",
+        "--epoch-log", str(toy_log), "--epoch-dims", "8", "--epoch-steps-per-execution", "1", "0",
+        "--epoch-rounds", "1",
         "--out", str(tmp_path),
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -44,3 +49,12 @@ def test_bench_steps_runs_at_toy_size(tmp_path):
         assert row["bound_ms"] == min(row["bare_graph_ms"], row["bare_xla_ms"])
         assert row["step_over_bound"]["K=4 bf16"] == row["project_ms"]["K=4 bf16"] / row["bound_ms"]
     assert report["bound"]["uptime"] and "| shared (7) | 8 | 32 |" in (tmp_path / "bench_steps.md").read_text()
+    for row in bound.values():  # the products alone: the bare step's matmuls, gathers and scatter
+        assert row["products_ms"] > 0
+        assert row["products_over_step"]["K=4"] == row["products_ms"] / row["project_ms"]["K=4"]
+    epochs = report["epoch"]
+    assert (epochs["clicks"], epochs["steps"]) == (480, 1)  # 40 users x 12 items, one batch of 1,024
+    assert [(row["dim"], row["steps_per_call"], row["default"]) for row in epochs["summary"]] == [
+        (8, 1, False), (8, 16, True)]
+    assert all(row["epoch_s"] > 0 for row in epochs["summary"])
+    assert "## An epoch of " in (tmp_path / "bench_steps.md").read_text()

@@ -338,8 +338,9 @@ def test_fit_killed_in_the_early_stopping_selection_resumes_it_exactly(tmp_path,
     clicks = _clicks(3)
     stats = FeatureStatistics.from_training_clicks(clicks)
     model_config = ModelConfig(embedding_dim=8, loss=dict(negatives="uniform", num_negatives=4))
+    # One step a call, so that a checkpoint can fall due after any step (step 20 below).
     config = TrainConfig(epochs=4, batch_size=32, verbose=0, checkpoint_every_steps=3, validation_fraction=0.2,
-                         early_stopping_patience=4, refit=refit)
+                         early_stopping_patience=4, refit=refit, steps_per_execution=1)
 
     def fresh():
         seed_everything(2)  # a seed whose best epoch is not the last (asserted below)
