@@ -192,6 +192,20 @@ def uptime() -> str:
         return "uptime: unavailable; 1-min load average " + f"{load_average()[0]:.2f}"
 
 
+def _bare_tables(users: int, items: int, dim: int) -> tuple[tf.Variable, tf.Variable]:
+    """User and item tables ``[users + 1, dim]``, ``[items + 1, dim]`` (row 0: unknown), seeded."""
+    return (tf.Variable(tf.random.uniform([users + 1, dim], -0.05, 0.05, seed=1)),
+            tf.Variable(tf.random.uniform([items + 1, dim], -0.05, 0.05, seed=2)))
+
+
+def _bare_candidates(item_rows: tf.Tensor, seed: tf.Tensor, shared: int, items: int) -> tf.Tensor:
+    """The batch's item rows, then ``shared`` uniform rows drawn statelessly from ``seed`` (0: none)."""
+    if not shared:
+        return item_rows
+    negatives = tf.random.stateless_uniform([shared], seed, minval=1, maxval=items + 1, dtype=tf.int32)
+    return tf.concat([item_rows, negatives], axis=0)
+
+
 def bare_step(users: int, items: int, dim: int, batch: int, shared: int, jit: bool, temperature: float = 0.1,
               learning_rate: float = 0.01
               ) -> tuple[Callable[[tf.Tensor, tf.Tensor, tf.Tensor], tf.Tensor], tuple[tf.Variable, tf.Variable]]:
@@ -205,16 +219,11 @@ def bare_step(users: int, items: int, dim: int, batch: int, shared: int, jit: bo
     with respect to the gathered rows, and subtracts ``learning_rate`` x those from the touched
     rows (a scatter), and returns the loss. Returns ``(step, (user_table, item_table))``.
     """
-    user_table = tf.Variable(tf.random.uniform([users + 1, dim], -0.05, 0.05, seed=1))
-    item_table = tf.Variable(tf.random.uniform([items + 1, dim], -0.05, 0.05, seed=2))
+    user_table, item_table = _bare_tables(users, items, dim)
 
     @tf.function(jit_compile=jit)
     def step(user_rows, item_rows, seed):
-        if shared:
-            negatives = tf.random.stateless_uniform([shared], seed, minval=1, maxval=items + 1, dtype=tf.int32)
-            candidates = tf.concat([item_rows, negatives], axis=0)
-        else:
-            candidates = item_rows
+        candidates = _bare_candidates(item_rows, seed, shared, items)
         with tf.GradientTape() as tape:
             query_vectors, candidate_vectors = tf.gather(user_table, user_rows), tf.gather(item_table, candidates)
             tape.watch([query_vectors, candidate_vectors])
@@ -246,16 +255,11 @@ def bare_products(users: int, items: int, dim: int, batch: int, shared: int, lea
     normalisation, softmax or loss around them. ``step(user_rows, item_rows, seed)`` returns a
     scalar read from the result, as the loop reads a step's loss.
     """
-    user_table = tf.Variable(tf.random.uniform([users + 1, dim], -0.05, 0.05, seed=1))
-    item_table = tf.Variable(tf.random.uniform([items + 1, dim], -0.05, 0.05, seed=2))
+    user_table, item_table = _bare_tables(users, items, dim)
 
     @tf.function
     def step(user_rows, item_rows, seed):
-        if shared:
-            negatives = tf.random.stateless_uniform([shared], seed, minval=1, maxval=items + 1, dtype=tf.int32)
-            candidates = tf.concat([item_rows, negatives], axis=0)
-        else:
-            candidates = item_rows
+        candidates = _bare_candidates(item_rows, seed, shared, items)
         queries, docs = tf.gather(user_table, user_rows), tf.gather(item_table, candidates)
         scored = docs[batch:] if shared else docs  # shared: the positives' dot products are O(batch x dim)
         logits = tf.matmul(queries, scored, transpose_b=True)
