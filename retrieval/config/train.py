@@ -261,7 +261,7 @@ class TrainConfig(_Section):
             raise ValueError(
                 f"train.steps_per_execution={self.steps_per_execution} runs several steps in one call on one "
                 f"device; train.distribute={self.distribute!r} runs one step a call: set "
-                "train.steps_per_execution=1 or train.distribute=none"
+                "train.steps_per_execution=1 (or leave it unset) or train.distribute=none"
             )
         return self
 
