@@ -24,7 +24,7 @@ from retrieval.losses.functions import (
     softmax_cross_entropy,
     weighted_mean,
 )
-from retrieval.losses.inputs import LossInputs, own_item_hits
+from retrieval.losses.inputs import LossInputs, OwnItems, own_item_hits
 from retrieval.samplers import MASKED_LOG_Q
 
 
@@ -163,15 +163,11 @@ class RetrievalLoss(tf.keras.layers.Layer):
         logits, labels, kept = [head], [head_labels], [head_kept]
         for negatives, embeddings in zip(inputs.negatives, inputs.negative_embeddings):
             block = candidate_scores(q, embeddings, self.score_dtype) / self.temperature
-            # Masked columns (log_q = MASKED_LOG_Q, as the samplers write it in float32) stay masked
-            # whatever the weight; no real log expected count comes near it.
-            padding = negatives.log_q >= MASKED_LOG_Q
-            block = correct_log_q(block, tf.where(padding, negatives.log_q, weight * negatives.log_q))
+            log_q, padding = _weighted_log_q(negatives.log_q, weight)
+            block = correct_log_q(block, log_q)
             block_kept = tf.logical_not(tf.broadcast_to(padding, tf.shape(block)))
             if self.remove_hits:
-                hits = accidental_hits(tf.zeros_like(block), negatives.ids, positive_ids)
-                if inputs.own_items is not None:
-                    hits = tf.logical_or(hits, own_item_hits(inputs.own_items, negatives.ids))
+                hits = _hits(negatives.ids, positive_ids, inputs.own_items)
                 block = block + tf.cast(hits, block.dtype) * MIN_FLOAT
                 block_kept = tf.logical_and(block_kept, tf.logical_not(hits))
             logits.append(block)
@@ -244,7 +240,7 @@ class SampledSoftmax(RetrievalLoss):
         logit being ``q . d+ / temperature - strength * log Q+`` from the rows' own pairs: no one-hot
         labels, no masks kept beside the logits and no concatenated copy of them. Each is as large
         as the ``[batch, batch]`` in-batch logits, and building them took about as long as the
-        logits' three matmuls at dimension 64 (``benchmarks/bench_steps.py``). Hence the label
+        logits' three matmuls at dimension 64 (a TensorFlow profile of the step, 2026-12-07). Hence the label
         column of the in-batch block is masked with the accidental hits (every column of the row's
         own item) and enters once, through the label logit.
         """
@@ -257,9 +253,7 @@ class SampledSoftmax(RetrievalLoss):
         if inputs.includes_batch_positives:
             head = correct_log_q(candidate_scores(queries, inputs.positives), weight * positive_log_q[tf.newaxis, :])
             if self.remove_hits:
-                out = tf.equal(positive_ids[tf.newaxis, :], positive_ids[:, tf.newaxis])
-                if inputs.own_items is not None:
-                    out = tf.logical_or(out, own_item_hits(inputs.own_items, positive_ids))
+                out = _hits(positive_ids, positive_ids, inputs.own_items)
             else:  # the label column only
                 rows = tf.range(tf.shape(positive_ids)[0])
                 out = tf.equal(rows[tf.newaxis, :], rows[:, tf.newaxis])
@@ -267,14 +261,9 @@ class SampledSoftmax(RetrievalLoss):
         for negatives, embeddings in zip(inputs.negatives, inputs.negative_embeddings, strict=True):
             if embeddings.shape[-2] == 0:  # the in-batch sampler's empty block
                 continue
-            block = candidate_scores(queries, embeddings)
-            padding = negatives.log_q >= MASKED_LOG_Q  # stays masked whatever the weight
-            block = correct_log_q(block, tf.where(padding, negatives.log_q, weight * negatives.log_q))
+            block = correct_log_q(candidate_scores(queries, embeddings), _weighted_log_q(negatives.log_q, weight)[0])
             if self.remove_hits:
-                ids = tf.cast(negatives.ids, tf.int64)
-                hits = tf.equal(ids if ids.shape.rank == 2 else ids[tf.newaxis, :], positive_ids[:, tf.newaxis])
-                if inputs.own_items is not None:
-                    hits = tf.logical_or(hits, own_item_hits(inputs.own_items, negatives.ids))
+                hits = _hits(negatives.ids, positive_ids, inputs.own_items)
                 block = tf.where(hits, tf.constant(MIN_FLOAT, block.dtype), block)
             parts.append(tf.reduce_logsumexp(block, axis=1))
         return tf.reduce_logsumexp(tf.stack(parts, axis=1), axis=1) - label
@@ -501,6 +490,24 @@ class GeneralizedBinaryCrossEntropy(RetrievalLoss):
         pushed = tf.where(negative, tf.nn.softplus(logits), tf.zeros_like(logits))
         terms = 1.0 + tf.reduce_sum(tf.cast(negative, logits.dtype), axis=1)
         return (self.beta * tf.nn.softplus(-positive_logit) + tf.reduce_sum(pushed, axis=1)) / terms
+
+
+def _weighted_log_q(log_q: tf.Tensor, weight: float) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(weight * log_q, padding)`` of a block of negatives: padded columns (log_q = MASKED_LOG_Q,
+    as the samplers write it in float32) stay masked whatever the weight; no real log expected count
+    comes near it."""
+    padding = log_q >= MASKED_LOG_Q
+    return tf.where(padding, log_q, weight * log_q), padding
+
+
+def _hits(candidate_ids: tf.Tensor, positive_ids: tf.Tensor, own_items: OwnItems | None) -> tf.Tensor:
+    """Bool ``[batch, candidates]``: candidates (``[candidates]`` shared or ``[batch, candidates]``)
+    that are the row's positive item (``positive_ids``, int64 ``[batch]``) or, with ``own_items``, one
+    of its own items."""
+    hits = tf.equal(tf.cast(candidate_ids, tf.int64), positive_ids[:, tf.newaxis])
+    if own_items is not None:
+        hits = tf.logical_or(hits, own_item_hits(own_items, candidate_ids))
+    return hits
 
 
 def _draws_per_row(inputs: LossInputs) -> tf.Tensor:
