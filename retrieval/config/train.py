@@ -60,7 +60,7 @@ class ParameterServerConfig(_Section):
 # Steps a call on one device unless train.steps_per_execution says otherwise: a Gowalla epoch of the
 # default model (dimension 64, batch 1,024, the log held in memory) took 6.75 s at 16 steps a call against
 # 10.29 s at one, a tf.data batch and a Python dispatch a step (`python -m benchmarks.bench_steps --part
-# epoch`, benchmarks/results/bench_steps_epoch.md, 2026-12-08); 4 and 64 a call were as fast as 16.
+# epoch`, benchmarks/results/bench_steps_epoch.md, 2026-12-08).
 STEPS_PER_CALL_ON_ONE_DEVICE = 16
 
 

@@ -251,10 +251,7 @@ def train_clicks(shards: ClickLog, plan: Plan) -> pd.DataFrame:
     parts = []
     for batch in shards.scan():
         train = batch.take(~plan.is_test(batch) & ~plan.drops(batch))
-        part = {USER: as_strings(train.users), ITEM: as_strings(train.items), WEIGHT: train.weights}
-        if train.timestamps is not None:  # in the shuffle's keys, as train_batches puts it
-            part[TIME] = np.asarray(train.timestamps)
-        parts.append(pd.DataFrame(part))
+        parts.append(pd.DataFrame(_click_columns(train)))
     if not parts:
         return pd.DataFrame({USER: pd.Series(dtype=object), ITEM: pd.Series(dtype=object),
                              WEIGHT: pd.Series(dtype=np.float32)})
@@ -383,13 +380,19 @@ def train_batches(
         # whole (final), so a buffer holding every training click is ordered as one frame.
         if count >= max(shuffle_buffer, batch_size):
             yield from drain(final=False)
-        part = {USER: as_strings(train.users), ITEM: as_strings(train.items), WEIGHT: train.weights}
-        if train.timestamps is not None:  # in the key even when not yielded: a tower may read it
-            part[TIME] = np.asarray(train.timestamps)
-        held.append(part)
+        held.append(_click_columns(train))
         count += len(train)
     if count:
         yield from drain(final=True)
+
+
+def _click_columns(clicks: ClickBatch) -> dict[str, np.ndarray]:
+    """What the shuffle keys and yields of a batch: ids (str), weights and, when the log has them,
+    timestamps (in the key even when not yielded: a tower may read them)."""
+    columns = {USER: as_strings(clicks.users), ITEM: as_strings(clicks.items), WEIGHT: clicks.weights}
+    if clicks.timestamps is not None:
+        columns[TIME] = np.asarray(clicks.timestamps)
+    return columns
 
 
 def _interleaved(shards: ClickLog, files: Sequence[str], cycle: int) -> Iterator[ClickBatch]:
